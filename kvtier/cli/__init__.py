@@ -1,0 +1,50 @@
+"""``kvtier`` on the command line: ``demo``, ``bench copy|manager|e2e``, ``probe``.
+
+Each subcommand lives in its own module, listed in ``SUBCOMMANDS`` or ``BENCHES``, which defines
+``add_arguments(parser)`` and ``run(args) -> int``. The modules are imported to build the parser,
+so they keep heavy imports (the engine, Triton, CUDA bindings) inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("kvtier.cli.demo", "multi-turn chat workload: kvtier against a no-reuse baseline"),
+    "probe": ("kvtier.cli.probe", "the device, link kind, chosen copy paths and knob values"),
+}
+# bench targets -> (module, help), under ``kvtier bench``.
+BENCHES: dict[str, tuple[str, str]] = {
+    "manager": ("kvtier.cli.bench_manager", "manager CPU overhead (PERF.md target 2)"),
+    "copy": ("kvtier.cli.bench_copy", "host<->GPU page copy paths (PERF.md target 1)"),
+    "e2e": ("kvtier.cli.bench_e2e", "time to first token for a prefix reloaded from each tier (PERF.md target 3)"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="A tiered, paged KV-cache manager.")
+    subs = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub = subs.add_parser(name, help=help_text)
+        sub.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(sub)
+    bench = subs.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
+    targets = bench.add_subparsers(dest="target", required=True)
+    for name, (module, help_text) in BENCHES.items():
+        sub = targets.add_parser(name, help=help_text)
+        sub.set_defaults(_module=module)
+        sub.add_argument("--json", metavar="PATH", help="write the full figures as JSON to PATH")
+        importlib.import_module(module).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""How a cache is configured: its tiers, its block size, reuse switches, and reuse scopes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class PrimaryTier:
+    """Pages that compute reads: GPU memory for ``device="cuda"``, plain memory for "cpu"."""
+
+    bytes: int
+
+    name = "primary"
+
+    def __post_init__(self) -> None:
+        _check_quota(self)
+
+
+@dataclass(frozen=True, slots=True)
+class HostTier:
+    """Host memory below the primary tier; pinned (page-locked) when the device is CUDA."""
+
+    bytes: int
+
+    name = "host"
+
+    def __post_init__(self) -> None:
+        _check_quota(self)
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTier:
+    """Preallocated page files and a persistent index under ``path``."""
+
+    bytes: int
+    path: str | os.PathLike[str]
+
+    name = "disk"
+
+    def __post_init__(self) -> None:
+        _check_quota(self)
+        if not isinstance(self.path, str | os.PathLike) or not os.fspath(self.path):
+            raise TypeError(f"DiskTier.path must be a non-empty path, got {self.path!r}")
+
+
+TierConfig = PrimaryTier | HostTier | DiskTier
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseScope:
+    """Pages are reused only between requests of the same scope (same LoRA, same salt)."""
+
+    lora_id: int | str | None = None
+    salt: str | bytes | None = None
+
+    def encode(self) -> bytes:
+        """A stable byte encoding, part of every block key of this scope."""
+        def part(x: object) -> bytes:
+            if x is None:
+                return b"-"
+            if isinstance(x, bytes):
+                return b"b" + x.hex().encode()
+            return type(x).__name__[0].encode() + str(x).encode()
+
+        return b"scope:" + part(self.lora_id) + b"|" + part(self.salt)
+
+
+DEFAULT_SCOPE = ReuseScope()
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The cache's geometry and tiers. Tiers are ordered warm to cold; the first is primary."""
+
+    tokens_per_block: int = 16
+    tiers: list[TierConfig] = field(default_factory=list)
+    device: str | torch.device = "cpu"
+    enable_reuse: bool = True
+    enable_partial_reuse: bool = True
+    snapshot_interval_blocks: int = 4
+
+    def __post_init__(self) -> None:
+        tpb = self.tokens_per_block
+        if isinstance(tpb, bool) or not isinstance(tpb, int) or tpb <= 0:
+            raise ValueError(f"tokens_per_block must be a positive int, got {tpb!r}")
+        sib = self.snapshot_interval_blocks
+        if isinstance(sib, bool) or not isinstance(sib, int) or sib <= 0:
+            raise ValueError(f"snapshot_interval_blocks must be a positive int, got {sib!r}")
+        tiers = list(self.tiers)
+        if not tiers or not isinstance(tiers[0], PrimaryTier):
+            raise ValueError("tiers must start with a PrimaryTier, e.g. tiers=[kvtier.PrimaryTier(1 << 30)]")
+        order = {PrimaryTier: 0, HostTier: 1, DiskTier: 2}
+        ranks = []
+        for t in tiers:
+            if type(t) not in order:
+                raise TypeError(f"unknown tier {t!r}: use PrimaryTier, HostTier or DiskTier")
+            ranks.append(order[type(t)])
+        if ranks != sorted(set(ranks)):
+            raise ValueError("tiers must be ordered warm to cold, each kind at most once: primary, host, disk")
+        device = torch.device(self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        object.__setattr__(self, "tiers", tiers)
+        object.__setattr__(self, "device", device)
+
+
+def _check_quota(tier: TierConfig) -> None:
+    b = tier.bytes
+    if isinstance(b, bool) or not isinstance(b, int):
+        raise TypeError(f"{type(tier).__name__}.bytes must be an int, got {b!r}")
+    if b <= 0:
+        raise ValueError(f"{type(tier).__name__}.bytes must be > 0, got {b}")
