@@ -57,16 +57,49 @@ class ReuseScope:
     lora_id: int | str | None = None
     salt: str | bytes | None = None
 
-    def encode(self) -> bytes:
-        """A stable byte encoding, part of every block key of this scope."""
-        def part(x: object) -> bytes:
-            if x is None:
-                return b"-"
-            if isinstance(x, bytes):
-                return b"b" + x.hex().encode()
-            return type(x).__name__[0].encode() + str(x).encode()
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_id, bool) or not isinstance(self.lora_id, int | str | None):
+            raise TypeError(f"ReuseScope.lora_id must be an int, a str or None, got {self.lora_id!r}")
+        if not isinstance(self.salt, str | bytes | None):
+            raise TypeError(f"ReuseScope.salt must be a str, bytes or None, got {self.salt!r}")
 
-        return b"scope:" + part(self.lora_id) + b"|" + part(self.salt)
+    def encode(self) -> bytes:
+        """A stable byte encoding, part of every block key of this scope (``decode`` inverts it)."""
+        return b"scope:" + _encode_part(self.lora_id) + b"|" + _encode_part(self.salt)
+
+    @classmethod
+    def decode(cls, data: bytes) -> ReuseScope:
+        """The scope ``encode`` wrote; ``ValueError`` for anything else."""
+        try:
+            head, lora, salt = data.split(b":", 1)[0], *data.split(b":", 1)[1].split(b"|")
+            if head != b"scope":
+                raise ValueError
+            return cls(_decode_part(lora), _decode_part(salt))
+        except (ValueError, IndexError, UnicodeDecodeError, TypeError):
+            raise ValueError(f"not an encoded ReuseScope: {data[:40]!r}") from None
+
+
+def _encode_part(x: object) -> bytes:
+    if x is None:
+        return b"-"
+    if isinstance(x, bytes):
+        return b"b" + x.hex().encode()
+    if isinstance(x, int):
+        return b"i" + str(x).encode()
+    return b"s" + str(x).encode().hex().encode()
+
+
+def _decode_part(data: bytes) -> int | str | bytes | None:
+    tag, body = data[:1], data[1:]
+    if tag == b"-" and not body:
+        return None
+    if tag == b"i":
+        return int(body)
+    if tag == b"b":
+        return bytes.fromhex(body.decode())
+    if tag == b"s":
+        return bytes.fromhex(body.decode()).decode()
+    raise ValueError(data)
 
 
 DEFAULT_SCOPE = ReuseScope()

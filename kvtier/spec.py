@@ -129,8 +129,14 @@ class ModelSpec:
         desc = {
             "dtype": str(self.dtype),
             "layers": [
-                {"kind": "attention", "heads": x.num_kv_heads, "dim": x.head_dim, "window": x.window,
-                 "sink": x.sink_tokens, "roles": list(x.roles)}
+                {
+                    "kind": "attention",
+                    "heads": x.num_kv_heads,
+                    "dim": x.head_dim,
+                    "window": x.window,
+                    "sink": x.sink_tokens,
+                    "roles": list(x.roles),
+                }
                 if isinstance(x, AttentionLayer)
                 else {"kind": "recurrent", "state_bytes": x.state_bytes}
                 for x in self.layers

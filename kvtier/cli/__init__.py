@@ -1,8 +1,8 @@
 """``kvtier`` on the command line: ``demo``, ``bench copy|manager|e2e``, ``probe``.
 
 Each subcommand lives in its own module, listed in ``SUBCOMMANDS`` or ``BENCHES``, which defines
-``add_arguments(parser)`` and ``run(args) -> int``. The modules are imported to build the parser,
-so they keep heavy imports (the engine, Triton, CUDA bindings) inside ``run``.
+``add_arguments(parser)`` and ``run(args) -> int``. Only the module of the subcommand being run
+is imported, so ``kvtier probe`` does not pay for the engine.
 """
 
 from __future__ import annotations
@@ -24,25 +24,36 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(selected: tuple[str | None, str | None]) -> argparse.ArgumentParser:
+    """The parser; only the selected (command, bench target) module adds its arguments."""
     parser = argparse.ArgumentParser(prog="kvtier", description="A tiered, paged KV-cache manager.")
     subs = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub = subs.add_parser(name, help=help_text)
         sub.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(sub)
+        if selected[0] == name:
+            importlib.import_module(module).add_arguments(sub)
     bench = subs.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
     targets = bench.add_subparsers(dest="target", required=True)
     for name, (module, help_text) in BENCHES.items():
         sub = targets.add_parser(name, help=help_text)
         sub.set_defaults(_module=module)
         sub.add_argument("--json", metavar="PATH", help="write the full figures as JSON to PATH")
-        importlib.import_module(module).add_arguments(sub)
+        if selected == ("bench", name):
+            importlib.import_module(module).add_arguments(sub)
     return parser
 
 
+def _selected(argv: list[str]) -> tuple[str | None, str | None]:
+    words = [a for a in argv if not a.startswith("-")]
+    command = words[0] if words else None
+    target = words[1] if command == "bench" and len(words) > 1 else None
+    return command, target
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(_selected(argv)).parse_args(argv)
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

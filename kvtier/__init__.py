@@ -1,0 +1,51 @@
+"""kvtier: a tiered, paged KV-cache manager for LLM inference.
+
+Public names (see docs/ARCHITECTURE.md for the layers behind them)::
+
+    spec      AttentionLayer, RecurrentLayer, ModelSpec, LayerGroup, GroupKind
+    config    CacheConfig, PrimaryTier, HostTier, DiskTier, ReuseScope
+    caches    KVCacheManager, KVCache, CacheState, BAD_PAGE_INDEX
+    layout    KvCacheLayout, GroupLayout, Region
+    stats     CacheStats, TierStats
+    errors    OutOfPagesError, CacheStateError, InvariantError
+    modules   kvtier.copy, kvtier.connector, kvtier.engine, kvtier.models, kvtier.metrics
+"""
+
+from kvtier import copy
+from kvtier.cache import CacheState, KVCache
+from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, HostTier, PrimaryTier, ReuseScope
+from kvtier.errors import CacheStateError, InvariantError, OutOfPagesError
+from kvtier.layout import GroupLayout, KvCacheLayout, Region
+from kvtier.manager import KVCacheManager
+from kvtier.pages import BAD_PAGE_INDEX
+from kvtier.spec import AttentionLayer, GroupKind, LayerGroup, ModelSpec, RecurrentLayer
+from kvtier.stats import CacheStats, TierStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BAD_PAGE_INDEX",
+    "DEFAULT_SCOPE",
+    "AttentionLayer",
+    "CacheConfig",
+    "CacheState",
+    "CacheStateError",
+    "CacheStats",
+    "DiskTier",
+    "GroupKind",
+    "GroupLayout",
+    "HostTier",
+    "InvariantError",
+    "KVCache",
+    "KVCacheManager",
+    "KvCacheLayout",
+    "LayerGroup",
+    "ModelSpec",
+    "OutOfPagesError",
+    "PrimaryTier",
+    "RecurrentLayer",
+    "Region",
+    "ReuseScope",
+    "TierStats",
+    "copy",
+]

@@ -1,0 +1,71 @@
+"""Which pages of one tier and layer group to evict first: lowest priority, then least recently used.
+
+The index holds exactly the pages that may leave the tier now (the residency layer decides
+which: unlocked pages, and on the last tier only droppable ones). Updates are O(1): one ordered
+dict per priority level, in the order pages became evictable, so the first entry of the lowest
+non-empty level is the victim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvtier.pages import Page
+
+MIN_PRIORITY = 0
+MAX_PRIORITY = 100
+
+
+def check_priority(priority: object) -> int:
+    """``priority`` as an int in 0..100, else ``TypeError``/``ValueError``."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int in {MIN_PRIORITY}..{MAX_PRIORITY}, got {priority!r}")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be in {MIN_PRIORITY}..{MAX_PRIORITY}, got {priority}")
+    return priority
+
+
+class EvictionIndex:
+    """Evictable pages of one tier and group, ordered by (priority, time they became evictable)."""
+
+    __slots__ = ("_levels", "_size")
+
+    def __init__(self) -> None:
+        self._levels: list[dict[Page, None]] = [{} for _ in range(MAX_PRIORITY + 1)]
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __contains__(self, page: Page) -> bool:
+        return page in self._levels[page.priority]
+
+    def add(self, page: Page) -> None:
+        """Make ``page`` the most recently used of its priority level (idempotent)."""
+        level = self._levels[page.priority]
+        if page in level:
+            del level[page]
+        else:
+            self._size += 1
+        level[page] = None
+
+    def discard(self, page: Page) -> None:
+        """Remove ``page`` if present."""
+        level = self._levels[page.priority]
+        if page in level:
+            del level[page]
+            self._size -= 1
+
+    def __iter__(self) -> Iterator[Page]:
+        """Pages in eviction order. Do not change the index while iterating."""
+        if self._size:
+            for level in self._levels:
+                yield from level
+
+    def first(self) -> Page | None:
+        """The next victim, or None."""
+        if self._size:
+            for level in self._levels:
+                if level:
+                    return next(iter(level))
+        return None

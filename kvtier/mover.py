@@ -1,0 +1,163 @@
+"""Runs a ``MovePlan``: one copier call per (source tier, destination tier, layer group).
+
+Order (see ``kvtier.residency``): demotions deepest edge first, then copies into warmer tiers.
+On CUDA, copies are enqueued on the given stream after a wait for the previous plan's copies
+if those ran on another stream; an event recorded after them lets CPU work on host memory
+(disk I/O, staging) wait until the device is done with it.
+
+Disk pages travel through host memory: read straight into a CPU destination buffer, or into a
+pinned staging buffer and copied from there to the GPU. Every page read from disk is checked
+against its checksum; a mismatch is reported in ``plan.damaged``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvtier.copy import PageCopier
+from kvtier.pages import Page
+from kvtier.residency import MovePlan, Residency
+from kvtier.stats import Counters
+from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
+from kvtier.tiers import Tier
+
+
+class Mover:
+    """Executes plans for one manager."""
+
+    def __init__(self, tiers: list[Tier], residency: Residency, counters: Counters, device: torch.device) -> None:
+        self.tiers = tiers
+        self.residency = residency
+        self.counters = counters
+        self.device = device
+        self.copier = PageCopier(device)
+        self._last_event: torch.cuda.Event | None = None
+        self._last_stream: torch.cuda.Stream | None = None
+        self._staging: HostBuffer | None = None
+        residency.write_to_disk = self.write_to_disk
+
+    def run(self, plan: MovePlan, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy the data of ``plan``, then let the residency finish its bookkeeping."""
+        if plan.edges:
+            stream = self._stream(stream)
+            demotions = sorted((e for e in plan.edges if e[1] > e[0]), key=lambda e: -e[0])
+            others = [e for e in plan.edges if e[1] <= e[0]]
+            for edge in demotions + others:
+                pairs = np.asarray(plan.edges[edge], dtype=np.int64).reshape(-1, 2)
+                if self.tiers[edge[0]].is_disk:
+                    self._read_edge(edge, pairs, stream, plan.damaged)
+                else:
+                    self._copy_edge(edge, pairs, stream)
+            self._record(stream)
+        self.residency.finish(plan)
+        for tier in self.tiers:
+            if tier.disk_index is not None:
+                tier.disk_index.flush()
+
+    def synchronize(self) -> None:
+        """Wait until every copy issued so far has finished (before the CPU touches host memory)."""
+        if self._last_event is not None:
+            self._last_event.synchronize()
+
+    def write_to_disk(self, pages: list[Page], disk_slots: list[int]) -> list[int | None]:
+        """Write pages (one tier, one group) to disk slots now; a checksum per page, None if it failed."""
+        src = self.tiers[pages[0].tier]
+        group = pages[0].group
+        disk = next(t for t in self.tiers if t.is_disk)
+        page_bytes = src.storage.page_bytes[group]
+        buffer = src.storage.buffers[group]
+        self.synchronize()  # the bytes may still be landing from an earlier device copy
+        if buffer.device.type == "cpu":
+            host = buffer.numpy()
+            views = [host[p.slot * page_bytes : (p.slot + 1) * page_bytes] for p in pages]
+        else:
+            staging = self._staging_bytes(len(pages) * page_bytes)
+            pairs = np.array([[p.slot, i] for i, p in enumerate(pages)], dtype=np.int64)
+            stream = self._stream(None)
+            path = self.copier.copy(buffer, staging, pairs, page_bytes, stream)
+            self.counters.add_copy(src.name, "host", path, len(pages) * page_bytes)
+            stream.synchronize()
+            host = staging.numpy()
+            views = [host[i * page_bytes : (i + 1) * page_bytes] for i in range(len(pages))]
+        checksums = disk.storage.write(group, disk_slots, views)
+        written = sum(page_bytes for c in checksums if c is not None)
+        self.counters.add_copy(src.name if buffer.device.type == "cpu" else "host", disk.name, "file", written)
+        return checksums
+
+    def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
+        if self.device.type != "cuda":
+            return None
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        if self._last_event is not None and self._last_stream != stream:
+            stream.wait_event(self._last_event)
+        return stream
+
+    def _record(self, stream: torch.cuda.Stream | None) -> None:
+        if stream is not None:
+            self._last_event = torch.cuda.Event()
+            self._last_event.record(stream)
+            self._last_stream = stream
+
+    def _copy_edge(self, edge: tuple[int, int, int], pairs: np.ndarray, stream) -> None:
+        src_index, dst_index, group = edge
+        src, dst = self.tiers[src_index], self.tiers[dst_index]
+        page_bytes = src.storage.page_bytes[group]
+        path = self.copier.copy(src.storage.buffers[group], dst.storage.buffers[group], pairs, page_bytes, stream)
+        self.counters.add_copy(src.name, dst.name, path, len(pairs) * page_bytes)
+
+    def _read_edge(self, edge: tuple[int, int, int], pairs: np.ndarray, stream, damaged: list[Page]) -> None:
+        """Disk -> memory: read and verify each page, through pinned staging when the target is a GPU."""
+        src_index, dst_index, group = edge
+        disk, dst = self.tiers[src_index], self.tiers[dst_index]
+        page_bytes = disk.storage.page_bytes[group]
+        buffer = dst.storage.buffers[group]
+        # The page being read is still the slot's owner (a copy) or already the destination's (a move).
+        sources = [disk.owners[group][s] or dst.owners[group][d] for s, d in pairs.tolist()]
+        checksums = [p.checksum for p in sources]
+        if buffer.device.type == "cpu":
+            self.synchronize()
+            host = buffer.numpy()
+            views = [host[d * page_bytes : (d + 1) * page_bytes] for d in pairs[:, 1].tolist()]
+            ok = disk.storage.read(group, pairs[:, 0].tolist(), views, checksums)
+            self.counters.add_copy(disk.name, dst.name, "file", len(pairs) * page_bytes)
+        else:
+            if stream is not None:
+                stream.synchronize()  # the staging buffer may still feed an earlier copy
+            staging = self._staging_bytes(len(pairs) * page_bytes)
+            host = staging.numpy()
+            views = [host[i * page_bytes : (i + 1) * page_bytes] for i in range(len(pairs))]
+            ok = disk.storage.read(group, pairs[:, 0].tolist(), views, checksums)
+            self.counters.add_copy(disk.name, "host", "file", len(pairs) * page_bytes)
+            staged = np.stack([np.arange(len(pairs)), pairs[:, 1]], axis=1)
+            path = self.copier.copy(staging, buffer, staged, page_bytes, stream)
+            self.counters.add_copy("host", dst.name, path, len(pairs) * page_bytes)
+        for d, fine, source in zip(pairs[:, 1].tolist(), ok, sources, strict=True):
+            if not fine:
+                damaged.append(source)
+                target = dst.owners[group][d]
+                if target is not None and target is not source:
+                    damaged.append(target)
+
+    def _staging_bytes(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least ``nbytes`` (registered with CUDA for a GPU manager), reused.
+
+        Before a larger one replaces it, every copy issued so far is waited for: the device may
+        still be reading the old one.
+        """
+        if self._staging is None or self._staging.num_bytes < nbytes:
+            if self._staging is not None:
+                torch.cuda.synchronize(self.device)
+                self._staging.release()
+            size = max(nbytes, 2 * self._staging.num_bytes if self._staging is not None else 0)
+            self._staging = allocate_host_buffer(size, size, self.device)
+        return self._staging.tensor[:nbytes]
+
+    def close(self) -> None:
+        """Release the staging buffer (after every copy finished)."""
+        if self._staging is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._staging.release()
+            self._staging = None

@@ -1,0 +1,282 @@
+"""Page residency: holding and locking pages, making room, the demotion cascade, promotion.
+
+Everything that changes where a page lives goes through ``Residency``. Operations first *plan*
+(bookkeeping moves at once: slots are reassigned, pages dropped), then the plan is executed
+(``kvtier.mover``), which copies the data in an order that never overwrites a slot before its
+old contents have been read:
+
+    1. demotions, deepest edge first (host->disk before primary->host);
+    2. promotions and private copies into warmer tiers;
+    3. slots read by step 2 are freed, moved pages become evictable again.
+
+A page the plan is moving is not in any eviction index until its data has landed, so a plan
+never picks it as a victim, and a page pinned by the operation (``locks``) is never a victim.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import islice
+
+from kvtier.pages import Page
+from kvtier.stats import Counters
+from kvtier.tiers import Tier
+from kvtier.tree import RadixTree
+
+PRIMARY = 0
+
+
+@dataclass(slots=True)
+class MovePlan:
+    """Copies an operation still has to perform, keyed by (src tier, dst tier, group).
+
+    Each edge holds a flat list ``[src_slot, dst_slot, src_slot, dst_slot, ...]``.
+    """
+
+    edges: defaultdict[tuple[int, int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
+    landed: list[Page] = field(default_factory=list)
+    deferred_frees: list[tuple[int, int, int]] = field(default_factory=list)  # (tier, group, slot)
+    damaged: list[Page] = field(default_factory=list)  # pages whose bytes failed their checksum on the way
+
+    def __bool__(self) -> bool:
+        return bool(self.edges or self.landed or self.deferred_frees)
+
+    def add(self, src_tier: int, dst_tier: int, group: int, src_slot: int, dst_slot: int) -> None:
+        edge = self.edges[(src_tier, dst_tier, group)]
+        edge.append(src_slot)
+        edge.append(dst_slot)
+
+
+class Residency:
+    """Where pages live and who holds them, across all tiers."""
+
+    def __init__(self, tiers: list[Tier], tree: RadixTree, counters: Counters) -> None:
+        self.tiers = tiers
+        self.tree = tree
+        self.counters = counters
+        self._last = len(tiers) - 1
+        # Writes pages (all in one tier and group) to disk slots; a checksum per page, None if it failed.
+        self.write_to_disk: Callable[[list[Page], list[int]], list[int | None]] = _no_disk
+
+    # -- holders -------------------------------------------------------------------------
+
+    def new_page(self, group: int, priority: int, locked: bool) -> Page | None:
+        """A page in a free primary slot, held by one cache (locked if it is ACTIVE)."""
+        page = Page(group, PRIMARY, -1, priority, 1, 1 if locked else 0)
+        if not self.tiers[PRIMARY].place(page):
+            return None
+        if not locked:
+            self.tiers[PRIMARY].reindex(page)
+        return page
+
+    def hold(self, page: Page) -> None:
+        """One more cache holds ``page`` (it is not locked by that).
+
+        Only on the last tier does a first holder change evictability (held pages cannot be dropped).
+        """
+        page.refs += 1
+        if page.refs == 1 and page.tier == self._last and page.locks == 0:
+            self.tiers[page.tier].evictable[page.group].discard(page)
+
+    def release(self, page: Page, locked: bool) -> None:
+        """A cache lets go of ``page``; it is freed when nobody, not even the tree, holds it."""
+        if locked:
+            page.locks -= 1
+        page.refs -= 1
+        if page.refs == 0 and page.node is None:
+            self.tiers[page.tier].vacate(page)
+        elif page.locks == 0:
+            self.tiers[page.tier].reindex(page)
+
+    def lock(self, page: Page) -> None:
+        page.locks += 1
+        if page.locks == 1:
+            self.tiers[page.tier].evictable[page.group].discard(page)
+
+    def unlock(self, page: Page) -> None:
+        page.locks -= 1
+        if page.locks == 0:
+            self.tiers[page.tier].reindex(page)
+
+    # -- dropping ------------------------------------------------------------------------
+
+    def drop(self, page: Page) -> None:
+        """Discard a page only the tree holds: unpublish it and free its slot."""
+        assert page.node is not None and page.refs == 0, "only tree-held pages are dropped"
+        self.counters.drops += 1
+        self.unpublish(page)
+
+    def unpublish(self, page: Page) -> None:
+        """Take ``page`` out of the tree; it is freed unless a cache still holds it."""
+        node = page.node
+        assert node is not None
+        tier = self.tiers[page.tier]
+        tier.forget(page)
+        if page.snapshot_offset:
+            del node.snapshots[page.snapshot_offset]
+        else:
+            node.pages[page.group] = None
+        page.node = None
+        if page.refs == 0:
+            tier.vacate(page)
+        else:
+            tier.reindex(page)
+        self.tree.prune(node)
+
+    def mark_damaged(self, page: Page) -> None:
+        """``page``'s bytes failed their checksum: never reuse it; its holders start over on resume."""
+        if page.damaged:
+            return
+        page.damaged = True
+        self.counters.checksum_failures += 1
+        if page.node is not None:
+            self.unpublish(page)
+
+    # -- making room -----------------------------------------------------------------------
+
+    def make_room(self, tier_index: int, group: int, count: int, plan: MovePlan) -> bool:
+        """Free slots in a tier until ``count`` are free, demoting or dropping victims.
+
+        Victims go lowest priority first, then least recently used, all demoted together to the
+        next tier that can make room for them (normally the next one). From the last tier, or
+        when nothing below can take them, only pages held by the tree alone are dropped. Returns
+        False when the room cannot be had; evictions already done stay valid (they lose nothing
+        a cache holds).
+        """
+        tier = self.tiers[tier_index]
+        slots = tier.storage.slots[group]
+        index = tier.evictable[group]
+        short = count - slots.num_free
+        if short <= 0:
+            return True
+        if short > len(index):
+            return False
+        if tier.is_last:
+            self._drop_some(index, short)
+        else:
+            victims = list(islice(index, short))
+            for dst_index in range(tier_index + 1, len(self.tiers)):
+                # The next tier first; a colder one when the next is full of pinned pages (a swap).
+                if self.make_room(dst_index, group, short, plan):
+                    self._demote(victims, dst_index, plan)
+                    break
+            if slots.num_free < count:
+                self._drop_some(index, count - slots.num_free)
+        return slots.num_free >= count
+
+    def _drop_some(self, index, count: int) -> None:
+        """Drop ``count`` tree-only pages in eviction order, or none if there are fewer."""
+        victims = list(islice((p for p in index if p.refs == 0), count))
+        if len(victims) < count:
+            return
+        for page in victims:
+            self.counters.evictions += 1
+            self.drop(page)
+
+    def _demote(self, victims: list[Page], dst_index: int, plan: MovePlan) -> None:
+        """Move victims one tier down; the next tier has a free slot for each."""
+        dst = self.tiers[dst_index]
+        if not dst.is_disk:
+            for page in victims:
+                self.counters.evictions += 1
+                self.counters.demotions += 1
+                self.move(page, dst_index, plan)
+            return
+        # Disk writes happen now, before any copy of the plan reuses the slots they free, so a
+        # failed write leaves its page where it was (or drops it if only the tree held it).
+        group = victims[0].group
+        allocator = dst.storage.slots[group]
+        disk_slots = [allocator.allocate() for _ in victims]
+        checksums = self.write_to_disk(victims, disk_slots)
+        for page, slot, checksum in zip(victims, disk_slots, checksums, strict=True):
+            assert slot is not None
+            if checksum is None:
+                allocator.free(slot)
+                if page.refs == 0:
+                    self.counters.evictions += 1
+                    self.drop(page)
+                continue
+            self.counters.evictions += 1
+            self.counters.demotions += 1
+            self.tiers[page.tier].vacate(page)
+            page.tier, page.slot, page.checksum = dst_index, slot, checksum
+            dst.owners[group][slot] = page
+            dst.record(page)
+            dst.reindex(page)
+
+    def persist(self, plan: MovePlan) -> int:
+        """Write published pages held in memory tiers to free disk slots, parents first.
+
+        Used when the manager closes, so that a manager started later on the same path finds
+        the hot prefixes too, with unbroken chains. Returns the number of pages written.
+        """
+        disk_index = next((t.index for t in self.tiers if t.is_disk), None)
+        if disk_index is None:
+            return 0
+        free = [s.num_free for s in self.tiers[disk_index].storage.slots]
+        batches: dict[tuple[int, int], list[Page]] = defaultdict(list)
+        for node in sorted(self.tree.nodes(), key=lambda n: n.block):
+            for page in [*node.pages, *node.snapshots.values()]:
+                if page is None or page.tier == disk_index or page.locks or not free[page.group]:
+                    continue
+                free[page.group] -= 1
+                batches[(page.tier, page.group)].append(page)
+        for pages in batches.values():
+            self._demote(pages, disk_index, plan)
+        return sum(len(p) for p in batches.values())
+
+    def move(self, page: Page, dst_index: int, plan: MovePlan) -> None:
+        """Plan moving ``page`` to a tier that has a free slot for it.
+
+        Demotions free the source slot at once (a deeper edge runs first, so its contents are
+        read before anything lands there); promotions free it only after the plan ran.
+        """
+        src = self.tiers[page.tier]
+        src_index, src_slot = page.tier, page.slot
+        demotion = dst_index > src_index
+        src.vacate(page, free_slot=demotion)
+        placed = self.tiers[dst_index].place(page)
+        assert placed, "move() needs a free slot in the destination"
+        plan.add(src_index, dst_index, page.group, src_slot, page.slot)
+        plan.landed.append(page)
+        if not demotion:
+            plan.deferred_frees.append((src_index, page.group, src_slot))
+
+    def promote(self, pages: list[Page], plan: MovePlan, extra: dict[int, int] | None = None) -> bool:
+        """Plan moving every page of ``pages`` into the primary tier, plus room for ``extra`` new pages.
+
+        The pages must be pinned (locked) by the caller so that making room cannot evict them.
+        Returns False, with nothing promoted, when the primary tier cannot hold them all.
+        """
+        need: dict[int, int] = dict(extra) if extra else {}
+        for page in pages:
+            if page.tier != PRIMARY:
+                need[page.group] = need.get(page.group, 0) + 1
+        for group, count in need.items():
+            if not self.make_room(PRIMARY, group, count, plan):
+                return False
+        for page in pages:
+            if page.tier != PRIMARY:
+                self.counters.promotions += 1
+                self.move(page, PRIMARY, plan)
+        return True
+
+    def finish(self, plan: MovePlan) -> None:
+        """After the plan's copies ran: free the slots they read, index the pages they moved."""
+        for tier_index, group, slot in plan.deferred_frees:
+            self.tiers[tier_index].storage.slots[group].free(slot)
+        for page in plan.landed:
+            if page.refs or page.node is not None:
+                self.tiers[page.tier].reindex(page)
+        for page in plan.damaged:
+            self.mark_damaged(page)
+        plan.deferred_frees.clear()
+        plan.landed.clear()
+        plan.edges.clear()
+        plan.damaged.clear()
+
+
+def _no_disk(pages: list[Page], slots: list[int]) -> list[int | None]:
+    raise AssertionError("this manager has no disk tier")

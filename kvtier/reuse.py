@@ -1,0 +1,129 @@
+"""Finding the longest reusable prefix of a prompt in the tree, under every layer group's hit rule.
+
+At a reuse point ``p`` (tokens whose KV is taken from the cache), a hit needs:
+
+- a full-attention group: a page for every block overlapping ``[0, p)``;
+- a sliding-window group with window ``W`` and ``s`` sink blocks: pages for the sink blocks and
+  for blocks ``[max(s, (p + 1 - W) // tpb), ceil(p / tpb))`` (the rest are stale at ``p``);
+- a recurrent group: a state snapshot taken after exactly ``p`` tokens.
+
+``p`` never exceeds ``len(tokens) - 1``: the last input token is always computed, since it
+produces the first output. A ``p`` inside a block (a partial hit) reuses the first
+``p % tpb`` tokens of a cached block whose page is copied into a private page on first resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.pages import Page
+from kvtier.spec import GroupKind, LayerGroup
+from kvtier.tree import TOKEN_BYTES, Node, RadixTree
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRule:
+    """What a layer group needs at a reuse point."""
+
+    group_id: int
+    kind: GroupKind
+    window: int | None
+    sink_blocks: int
+
+    @classmethod
+    def of(cls, group: LayerGroup, tokens_per_block: int) -> GroupRule:
+        sink_blocks = -(-group.sink_tokens // tokens_per_block)
+        return cls(group.group_id, group.kind, group.window, sink_blocks)
+
+    def first_live_block(self, history: int, tokens_per_block: int) -> int:
+        """End of the stale range ``[sink_blocks, end)`` at this history (sink_blocks if none)."""
+        if self.kind is not GroupKind.SLIDING_WINDOW:
+            return self.sink_blocks
+        assert self.window is not None
+        return max(self.sink_blocks, (history + 1 - self.window) // tokens_per_block)
+
+
+@dataclass(slots=True)
+class ReuseMatch:
+    """A reuse point and the tree entries that back it."""
+
+    tokens: int  # p, the reused prefix length
+    full_nodes: list[Node]  # nodes of the p // tpb full blocks
+    partial: Node | None  # the node whose block is partly reused when p % tpb != 0
+
+
+def find_reuse(
+    tree: RadixTree,
+    root: Node,
+    token_bytes: bytes,
+    num_tokens: int,
+    rules: list[GroupRule],
+    partial_reuse: bool,
+) -> ReuseMatch | None:
+    """The longest prefix of ``token_bytes`` that every group can reuse, or None."""
+    tpb = tree.tokens_per_block
+    limit = num_tokens - 1
+    if limit <= 0:
+        return None
+    path = tree.walk(root, token_bytes, limit)
+    attention = [r for r in rules if r.kind is not GroupKind.RECURRENT]
+    recurrent = [r for r in rules if r.kind is GroupKind.RECURRENT]
+    full = [r.group_id for r in attention if r.kind is GroupKind.ATTENTION]
+    # Full-attention groups need every block: no reuse point past their first missing page.
+    max_blocks = len(path)
+    for gid in full:
+        for b in range(max_blocks):
+            if path[b].pages[gid] is None:
+                max_blocks = b
+                break
+
+    candidates: list[tuple[int, Node | None]] = []
+    if partial_reuse:
+        start = max_blocks * tpb
+        tail_end = min(start + tpb, limit)
+        if tail_end > start:
+            parent = path[max_blocks - 1] if max_blocks else root
+            tail = token_bytes[start * TOKEN_BYTES : tail_end * TOKEN_BYTES]
+            for k, node in tree.partial_children(parent, tail):
+                offsets = {k} if not recurrent else {j for j in node.snapshots if j <= k and j < tpb}
+                candidates.extend((start + j, node) for j in offsets)
+    candidates.sort(key=lambda c: -c[0])
+    for p, partial in candidates:
+        if _hit(p, partial, path, attention, recurrent, tpb):
+            return ReuseMatch(p, path[: p // tpb], partial)
+    for b in range(max_blocks, 0, -1):
+        if _hit(b * tpb, None, path, attention, recurrent, tpb):
+            return ReuseMatch(b * tpb, path[:b], None)
+    return None
+
+
+def _hit(
+    p: int, partial: Node | None, path: list[Node], attention: list[GroupRule], recurrent: list[GroupRule], tpb: int
+) -> bool:
+    full_blocks = p // tpb
+    for rule in attention:
+        gid = rule.group_id
+        if partial is not None and partial.pages[gid] is None:
+            return False
+        if rule.kind is GroupKind.ATTENTION:
+            continue  # full blocks were checked against max_blocks
+        for b in range(min(rule.sink_blocks, full_blocks)):
+            if path[b].pages[gid] is None:
+                return False
+        for b in range(rule.first_live_block(p, tpb), full_blocks):
+            if path[b].pages[gid] is None:
+                return False
+    for _ in recurrent:
+        if partial is not None:
+            if p % tpb not in partial.snapshots:
+                return False
+        elif path[full_blocks - 1].snapshots.get(tpb) is None:
+            return False
+    return True
+
+
+def snapshot_at(match: ReuseMatch, tpb: int) -> Page:
+    """The recurrent snapshot backing ``match`` (which must satisfy a recurrent group)."""
+    if match.partial is not None:
+        return match.partial.snapshots[match.tokens % tpb]
+    return match.full_nodes[-1].snapshots[tpb]

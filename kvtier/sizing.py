@@ -1,0 +1,31 @@
+"""Splitting a tier's byte quota across layer groups.
+
+Per block of history, an attention group (full or sliding window, whose stale blocks are still
+kept for reuse) needs one page and a recurrent group ``1 / snapshot_interval_blocks`` pages (its
+snapshots). A tier's bytes are split in proportion to those byte demands, so that the groups run
+out of pages at about the same time; every group must get at least one page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.layout import PageGeometry
+from kvtier.spec import GroupKind
+
+
+def slots_per_group(
+    quota: int, geometries: Sequence[PageGeometry], snapshot_interval_blocks: int, tier: str
+) -> list[int]:
+    """Slots of each group in a tier of ``quota`` bytes; ``ValueError`` if a group gets none."""
+    weights = [1.0 / snapshot_interval_blocks if g.group.kind is GroupKind.RECURRENT else 1.0 for g in geometries]
+    demand = sum(w * g.page_bytes for w, g in zip(weights, geometries, strict=True))
+    slots = [int(quota * w / demand) for w in weights]
+    for n, geometry in zip(slots, geometries, strict=True):
+        if n < 1:
+            need = int(demand / min(weights)) + 1
+            raise ValueError(
+                f"the {tier} tier's quota of {quota} bytes is too small for one page of layer group "
+                f"{geometry.group_id} ({geometry.page_bytes} bytes); give it at least {need} bytes"
+            )
+    return slots

@@ -1,0 +1,59 @@
+"""Counters the manager keeps, and the ``CacheStats`` snapshot it reports."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """Occupancy of one tier, summed over layer groups."""
+
+    pages_total: int
+    pages_used: int
+    bytes_total: int
+    bytes_used: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of the manager's counters (cumulative since it was created)."""
+
+    tiers: dict[str, TierStats]
+    hit_tokens: dict[str, int]
+    lookup_tokens: int
+    evictions: int
+    demotions: int
+    promotions: int
+    drops: int
+    checksum_failures: int
+    bytes_copied: dict[str, int]
+
+    @property
+    def hit_rate(self) -> float:
+        """Reused tokens over looked-up tokens (0 when nothing was looked up)."""
+        return sum(self.hit_tokens.values()) / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+@dataclass(slots=True)
+class Counters:
+    """The mutable counters behind ``CacheStats``.
+
+    ``evictions`` counts pages forced out of a tier to make room (each is also a demotion or a
+    drop); ``promotions`` counts pages moved to a warmer tier; ``drops`` pages discarded from the
+    cache entirely; ``bytes_copied`` is keyed "<src>-><dst>:<path>".
+    """
+
+    tier_names: tuple[str, ...]
+    hit_tokens: Counter[str] = field(default_factory=Counter)
+    lookup_tokens: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    drops: int = 0
+    checksum_failures: int = 0
+    bytes_copied: Counter[str] = field(default_factory=Counter)
+
+    def add_copy(self, src: str, dst: str, path: str, nbytes: int) -> None:
+        self.bytes_copied[f"{src}->{dst}:{path}"] += nbytes

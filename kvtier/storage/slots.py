@@ -1,0 +1,63 @@
+"""Slot allocation for one buffer: a free stack with O(1) allocate and free.
+
+Invariant: every slot in ``0..num_slots-1`` is either on the free stack exactly once or
+allocated, never both; ``num_free + num_used == num_slots``.
+"""
+
+from __future__ import annotations
+
+from kvtier.errors import InvariantError
+
+
+class SlotAllocator:
+    """A LIFO free list of slot numbers. The stack is preallocated; allocate/free do not allocate."""
+
+    __slots__ = ("_free", "_is_free", "num_slots")
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        self.num_slots = num_slots
+        # Popping from the end hands out low slots first, which keeps a lightly used buffer compact.
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self) -> int | None:
+        """A free slot, or None when every slot is in use."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._is_free[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return ``slot``; freeing a slot that is not allocated is a bug and raises."""
+        if self._is_free[slot]:
+            raise InvariantError(f"slot {slot} freed twice")
+        self._is_free[slot] = 1
+        self._free.append(slot)
+
+    def reserve(self, slots: list[int]) -> None:
+        """Mark these free slots as allocated (restoring a persisted state); rebuilds the stack once."""
+        for slot in slots:
+            if not self._is_free[slot]:
+                raise InvariantError(f"slot {slot} reserved twice")
+            self._is_free[slot] = 0
+        self._free = [s for s in self._free if self._is_free[s]]
+
+    def is_free(self, slot: int) -> bool:
+        return bool(self._is_free[slot])
+
+    def check(self) -> None:
+        """Raise AssertionError unless the free stack and the free map agree."""
+        assert len(set(self._free)) == len(self._free), "a slot is on the free stack twice"
+        assert sum(self._is_free) == len(self._free), "free map and free stack disagree"
+        assert all(self._is_free[s] for s in self._free), "a slot on the free stack is marked used"

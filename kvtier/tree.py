@@ -1,0 +1,145 @@
+"""The radix tree of reusable blocks, one root per reuse scope.
+
+A node is one full block of ``tokens_per_block`` tokens under its parent (the root is the empty
+prefix of a scope). Children are found by the block's exact token bytes, so matching a prompt
+needs no cryptographic hash; every node also carries its chained block key
+``blake2b(tokens, key=parent.key)``, which names the block outside the process (disk index,
+connectors). Keys are stable across machines: tokens are encoded as little-endian 64-bit integers.
+
+A node holds, per layer group, the page published for its block (or None), and recurrent
+state snapshots keyed by the offset inside the block after which they were taken. A node with
+no page, no snapshot, no child and no cache using it is pruned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+
+from kvtier.config import ReuseScope
+from kvtier.pages import Page
+
+TOKEN_BYTES = 8
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def encode_tokens(tokens: array) -> bytes:
+    """Little-endian 64-bit bytes of an ``array('Q')``."""
+    if _LITTLE_ENDIAN:
+        return tokens.tobytes()
+    swapped = array("Q", tokens)  # pragma: no cover - big-endian hosts only
+    swapped.byteswap()  # pragma: no cover
+    return swapped.tobytes()  # pragma: no cover
+
+
+def scope_key(scope: ReuseScope) -> bytes:
+    """The key of a scope's root: every block key of the scope chains from it."""
+    return hashlib.blake2b(scope.encode(), digest_size=16, person=b"kvtier-root-v1").digest()
+
+
+def block_key(parent_key: bytes, block_tokens: bytes) -> bytes:
+    """The chained key of a block: its tokens hashed under its parent's key."""
+    return hashlib.blake2b(block_tokens, digest_size=16, key=parent_key).digest()
+
+
+class Node:
+    """One published block, or a scope's root (``block == -1``)."""
+
+    __slots__ = ("block", "children", "key", "pages", "parent", "scope", "snapshots", "tokens", "users")
+
+    def __init__(self, parent: Node | None, tokens: bytes, key: bytes, num_groups: int, scope: ReuseScope) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.key = key
+        self.scope = scope
+        self.block = -1 if parent is None else parent.block + 1
+        self.children: dict[bytes, Node] = {}
+        self.pages: list[Page | None] = [None] * num_groups
+        self.snapshots: dict[int, Page] = {}
+        self.users = 0  # caches whose block list includes this node
+
+    def is_empty(self) -> bool:
+        return not self.children and not self.snapshots and self.users == 0 and all(p is None for p in self.pages)
+
+    def __repr__(self) -> str:
+        return f"Node(block={self.block}, key={self.key.hex()[:12]})"
+
+
+class RadixTree:
+    """Blocks published for reuse, per scope."""
+
+    def __init__(self, num_groups: int, tokens_per_block: int) -> None:
+        self.num_groups = num_groups
+        self.tokens_per_block = tokens_per_block
+        self.block_bytes = tokens_per_block * TOKEN_BYTES
+        self.roots: dict[ReuseScope, Node] = {}
+
+    def root(self, scope: ReuseScope) -> Node:
+        """The root of ``scope`` (created on first use)."""
+        node = self.roots.get(scope)
+        if node is None:
+            node = self.roots[scope] = Node(None, b"", scope_key(scope), self.num_groups, scope)
+        return node
+
+    def child(self, parent: Node, block_tokens: bytes) -> Node:
+        """The child of ``parent`` for these block tokens, created if absent."""
+        node = parent.children.get(block_tokens)
+        if node is None:
+            key = block_key(parent.key, block_tokens)
+            node = Node(parent, block_tokens, key, self.num_groups, parent.scope)
+            parent.children[block_tokens] = node
+        return node
+
+    def walk(self, root: Node, token_bytes: bytes, limit: int) -> list[Node]:
+        """Nodes of the longest chain of full blocks matching ``token_bytes[: limit tokens]``."""
+        path = []
+        node = root
+        bb = self.block_bytes
+        end = (limit // self.tokens_per_block) * bb
+        children = node.children
+        for off in range(0, end, bb):
+            node = children.get(token_bytes[off : off + bb])
+            if node is None:
+                break
+            path.append(node)
+            children = node.children
+        return path
+
+    def partial_children(self, parent: Node, tail: bytes) -> list[tuple[int, Node]]:
+        """Children of ``parent`` whose block starts with some of ``tail``: (matched tokens, node), best first."""
+        found = []
+        for node in parent.children.values():
+            k = _common_tokens(node.tokens, tail)
+            if k:
+                found.append((k, node))
+        found.sort(key=lambda x: -x[0])
+        return found
+
+    def prune(self, node: Node) -> None:
+        """Remove ``node`` and then its ancestors while they are empty (roots stay)."""
+        while node.parent is not None and node.is_empty():
+            parent = node.parent
+            del parent.children[node.tokens]
+            node.parent = None
+            node = parent
+
+    def nodes(self) -> list[Node]:
+        """Every node except the roots (for checks and persistence, not for hot paths)."""
+        out = []
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            for c in node.children.values():
+                out.append(c)
+                stack.append(c)
+        return out
+
+
+def _common_tokens(a: bytes, b: bytes) -> int:
+    """Number of whole leading tokens that ``a`` and ``b`` share."""
+    n = min(len(a), len(b)) // TOKEN_BYTES
+    k = 0
+    while k < n and a[k * TOKEN_BYTES : (k + 1) * TOKEN_BYTES] == b[k * TOKEN_BYTES : (k + 1) * TOKEN_BYTES]:
+        k += 1
+    return k

@@ -1,0 +1,125 @@
+"""Test data for pages: every KV row and state is derived from the tokens before it, never zero.
+
+Like real KV, row ``i`` of a sequence depends on tokens ``0..i``; a recurrent state after ``n``
+tokens depends on tokens ``0..n-1``. So a page reused from another request with the same prefix
+must hold exactly the bytes this request would have written, and any page that lands in the
+wrong slot, is stale, or was corrupted on the way through a tier shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+import kvtier
+from kvtier.layout import page_geometries
+
+
+def prefix_digests(tokens: list[int]) -> list[int]:
+    """``d[i]``: a 64-bit digest of ``tokens[: i + 1]``."""
+    out = []
+    h = hashlib.blake2b(b"kvdata", digest_size=8).digest()
+    for t in tokens:
+        h = hashlib.blake2b(h + int(t).to_bytes(8, "little"), digest_size=8).digest()
+        out.append(int.from_bytes(h, "little"))
+    return out
+
+
+def _bytes_for(seed: int, salt: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, salt])
+    return rng.integers(1, 256, n, dtype=np.uint8)
+
+
+class PageOracle:
+    """Writes and checks page contents of caches of one manager, through its primary buffers."""
+
+    def __init__(self, mgr: kvtier.KVCacheManager) -> None:
+        self.mgr = mgr
+        self.tpb = mgr.tokens_per_block
+        self.geometries = page_geometries(mgr.spec, self.tpb)
+
+    def _buffer(self, group: int) -> np.ndarray:
+        return mgr_buffer(self.mgr, group)
+
+    def write(self, cache: kvtier.KVCache, tokens: list[int], start: int, end: int) -> None:
+        """Write KV rows for positions ``start..end-1`` (and the state after ``end`` tokens)."""
+        digests = prefix_digests(tokens[:end])
+        for geo in self.geometries:
+            g = geo.group_id
+            buf = self._buffer(g)
+            slots = cache.page_indices(g)
+            if geo.group.kind is kvtier.GroupKind.RECURRENT:
+                if end:
+                    base = int(slots[0]) * geo.page_bytes
+                    buf[base : base + geo.page_bytes] = _bytes_for(digests[end - 1], 1000 + g, geo.page_bytes)
+                continue
+            for pos in range(start, end):
+                slot = int(slots[pos // self.tpb])
+                if slot == kvtier.BAD_PAGE_INDEX:
+                    continue
+                for i, part in enumerate(geo.parts):
+                    row = part.nbytes // self.tpb
+                    at = slot * geo.page_bytes + part.offset + (pos % self.tpb) * row
+                    buf[at : at + row] = _bytes_for(digests[pos], i, row)
+
+    def check(self, cache: kvtier.KVCache, tokens: list[int]) -> None:
+        """Every row below ``num_committed_tokens`` that has a page holds its expected bytes."""
+        end = cache.num_committed_tokens
+        digests = prefix_digests(tokens[:end])
+        for geo in self.geometries:
+            g = geo.group_id
+            buf = self._buffer(g)
+            slots = cache.page_indices(g)
+            if geo.group.kind is kvtier.GroupKind.RECURRENT:
+                if end:
+                    base = int(slots[0]) * geo.page_bytes
+                    want = _bytes_for(digests[end - 1], 1000 + g, geo.page_bytes)
+                    assert np.array_equal(buf[base : base + geo.page_bytes], want), f"state page of group {g} differs"
+                continue
+            for pos in range(end):
+                slot = int(slots[pos // self.tpb])
+                if slot == kvtier.BAD_PAGE_INDEX:
+                    continue
+                for i, part in enumerate(geo.parts):
+                    row = part.nbytes // self.tpb
+                    at = slot * geo.page_bytes + part.offset + (pos % self.tpb) * row
+                    got = buf[at : at + row]
+                    assert np.array_equal(got, _bytes_for(digests[pos], i, row)), (
+                        f"group {g} position {pos} part {part.layer_id}/{part.role} differs (slot {slot})"
+                    )
+
+
+def mgr_buffer(mgr: kvtier.KVCacheManager, group: int) -> np.ndarray:
+    """The primary buffer of a group as a writable numpy array (CPU managers only)."""
+    tensor = mgr._tiers[0].storage.buffers[group]
+    assert tensor.device.type == "cpu"
+    return tensor.numpy()
+
+
+def small_spec(kind: str = "llama", dtype: torch.dtype = torch.float16) -> kvtier.ModelSpec:
+    """Small model specs for manager tests: one, two (sliding window) or two (recurrent) groups."""
+    if kind == "llama":
+        return kvtier.ModelSpec.uniform(2, 2, 8, dtype)
+    if kind == "swa":
+        return kvtier.ModelSpec(
+            [
+                kvtier.AttentionLayer(2, 8),
+                kvtier.AttentionLayer(2, 8, window=10, sink_tokens=3),
+                kvtier.AttentionLayer(2, 8),
+                kvtier.AttentionLayer(2, 8, window=10, sink_tokens=3),
+            ],
+            dtype,
+        )
+    if kind == "hybrid":
+        return kvtier.ModelSpec(
+            [
+                kvtier.AttentionLayer(2, 8),
+                kvtier.RecurrentLayer(96),
+                kvtier.AttentionLayer(2, 8),
+                kvtier.RecurrentLayer(40),
+            ],
+            dtype,
+        )
+    raise ValueError(kind)
