@@ -1,0 +1,78 @@
+"""``kvtier probe``: the device, its host link, the copy path chosen per page size, the knob values."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+PROBE_PAGE_SIZES = (16, 4096, 65_536, 262_144, 884_736, 4_194_304, 15_261_696, 217_055_232)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="'cpu', 'cuda' or 'cuda:N' (default: cuda if available)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvtier.copy import CopyPolicy, LinkInfo, detect_link
+    from kvtier.copy.policy import COHERENT_COPY_KERNEL_ENV, COPY_ENGINE_MIN_BYTES_ENV
+    from kvtier.storage.pinned import HOST_REGISTER_CHUNK_BYTES_ENV, chunk_bytes_from_env
+
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"device {name}: CUDA is not available here")
+        return 1
+    policy = CopyPolicy.from_env()
+    rows: list[tuple[str, str]] = []
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        props = torch.cuda.get_device_properties(index)
+        rows.append(("device", f"cuda:{index} {props.name}, {props.multi_processor_count} SMs"))
+        link = detect_link(index)
+    else:
+        rows.append(("device", "cpu (no GPU: every copy is a plain CPU copy)"))
+        link = LinkInfo.cpu()
+    rows.append(
+        ("link", f"{link.kind} ({link.detail}; from {link.source}), coherent={'yes' if link.coherent else 'no'}")
+    )
+    if device.type == "cuda":
+        rows.append(("copy engines", _batch_abi(device.index or 0)))
+    threshold = policy.copy_engine_min_bytes
+    rows.append(
+        (
+            COPY_ENGINE_MIN_BYTES_ENV,
+            f"{_raw(COPY_ENGINE_MIN_BYTES_ENV)} -> {'never' if threshold is None else threshold}",
+        )
+    )
+    rows.append((COHERENT_COPY_KERNEL_ENV, f"{_raw(COHERENT_COPY_KERNEL_ENV)} -> {int(policy.coherent_copy_kernel)}"))
+    chunk = chunk_bytes_from_env()
+    rows.append(
+        (HOST_REGISTER_CHUNK_BYTES_ENV, f"{_raw(HOST_REGISTER_CHUNK_BYTES_ENV)} -> {chunk or 'one registration'}")
+    )
+    for page in PROBE_PAGE_SIZES:
+        path = "cpu" if device.type == "cpu" else policy.choose(page, coherent_link=link.coherent)
+        rows.append((f"path {page:,} B", path))
+    width = max(len(key) for key, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _raw(name: str) -> str:
+    value = os.environ.get(name)
+    return "<unset>" if value is None else repr(value)
+
+
+def _batch_abi(index: int) -> str:
+    from kvtier.copy.driver import BatchCopier
+
+    try:
+        abi = BatchCopier(index).abi
+    except ImportError as exc:
+        return f"unavailable ({exc}); install kvtier[gpu]"
+    except RuntimeError as exc:
+        return f"unavailable: {exc}"
+    major, minor = divmod(abi.cuda_version, 1000)
+    return f"cuMemcpyBatchAsync, CUDA {major}.{minor // 10} ABI (driver {abi.driver_version})"

@@ -1,0 +1,162 @@
+"""``PageCopier``: moves a batch of pages between two tier buffers, on the path the policy picks.
+
+One copier per device. A call checks everything first (``kvtier.copy.request``), then:
+
+- both buffers in host memory -> the CPU path, synchronously on the calling thread;
+- otherwise ``policy.choose(page_bytes, coherent_link=...)`` -> the copy engines (one batched
+  driver call, ``kvtier.copy.driver``) or the Triton kernel (one launch, ``kvtier.copy.kernel``),
+  enqueued on the caller's stream after the work already there.
+
+Triton and cuda-bindings are imported on the first call that needs them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.copy.cpu import copy_pages_cpu
+from kvtier.copy.driver import LEGACY_STREAM_HANDLES
+from kvtier.copy.link import LinkInfo, detect_link
+from kvtier.copy.policy import CopyPath, CopyPolicy
+from kvtier.copy.request import CopyRequest, check_request
+
+if TYPE_CHECKING:
+    from kvtier.copy.driver import BatchCopier
+
+StreamArg = torch.cuda.Stream | int | None
+
+
+class PageCopier:
+    """Copies pages between slots of two tier buffers on one device ("cpu", "cuda" or "cuda:N").
+
+    ``copy`` returns the path it used: "copy_engine", "kernel", "cpu", or "none" for an empty
+    call. Buffers may live in this device's memory or in host memory (pinned or registered, as
+    ``kvtier.storage.pinned`` allocates it; the copy engines also take pageable memory, the kernel
+    does not). ``policy`` defaults to ``CopyPolicy.from_env()``; ``link`` to the detected one.
+    """
+
+    def __init__(
+        self, device: str | torch.device, *, policy: CopyPolicy | None = None, link: LinkInfo | None = None
+    ) -> None:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {str(device)!r} asks for CUDA, which is not available here; use 'cpu'")
+            index = torch.cuda.current_device() if dev.index is None else dev.index
+            if not 0 <= index < torch.cuda.device_count():
+                raise ValueError(f"no CUDA device {index}: this process sees {torch.cuda.device_count()}")
+            dev = torch.device("cuda", index)
+        elif dev.type != "cpu":
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {str(device)!r}")
+        self.device = dev
+        self.policy = CopyPolicy.from_env() if policy is None else policy
+        if link is None:
+            link = detect_link(dev.index) if dev.type == "cuda" else LinkInfo.cpu()
+        self.link = link
+        self._batch: BatchCopier | None = None
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
+
+    def copy(
+        self, src: torch.Tensor, dst: torch.Tensor, pairs: object, page_bytes: int, stream: StreamArg = None
+    ) -> CopyPath:
+        """Copy page ``src_slot`` of ``src`` to page ``dst_slot`` of ``dst`` for every row of ``pairs``.
+
+        ``pairs``: (n, 2) integers (numpy array, or a list of tuples). Raises ``ValueError`` before
+        any work for a bad page size, out-of-range or repeated destination slots, a buffer on
+        another device, or (kernel path) a size or address that is not 16-byte aligned. ``stream``
+        (CUDA only): None = the current stream of this device, a ``torch.cuda.Stream``, or a raw
+        handle (0 and 1 are the legacy NULL stream). Record an event on that stream after the
+        call to let another stream wait for the pages.
+        """
+        request = check_request(src, dst, pairs, page_bytes)
+        if request is None:
+            return "none"
+        src_host = self._is_host("src", request.src)
+        dst_host = self._is_host("dst", request.dst)
+        if src_host and dst_host:
+            copy_pages_cpu(request)
+            return "cpu"
+        path = self.policy.choose(request.page_bytes, coherent_link=self.link.coherent)
+        if path == "kernel":
+            self._copy_with_kernel(request, self._torch_stream(stream))
+        else:
+            self._copy_with_engines(request, self._stream_handle(stream), src_host, dst_host)
+        return path
+
+    def _copy_with_engines(self, request: CopyRequest, stream: int, src_host: bool, dst_host: bool) -> None:
+        if self._batch is None:
+            from kvtier.copy.driver import BatchCopier
+
+            self._batch = BatchCopier(self.device.index)
+        offsets = request.pairs * request.page_bytes
+        self._batch.copy(
+            offsets[:, 1] + request.dst.data_ptr(),
+            offsets[:, 0] + request.src.data_ptr(),
+            request.page_bytes,
+            stream,
+            src_host=src_host,
+            dst_host=dst_host,
+        )
+
+    def _copy_with_kernel(self, request: CopyRequest, stream: torch.cuda.Stream) -> None:
+        from kvtier.copy.kernel import check_kernel_args, launch_copy_kernel
+
+        check_kernel_args(request.src, request.dst, request.page_bytes)
+        for name, buffer in (("src", request.src), ("dst", request.dst)):
+            if buffer.device.type == "cpu" and not buffer.is_pinned():
+                raise ValueError(
+                    f"{name} is pageable host memory, which the copy kernel cannot reach; "
+                    "allocate it with kvtier.storage.pinned.allocate_host_buffer"
+                )
+        with torch.cuda.stream(stream):  # also makes the stream's device (this copier's) current
+            table = torch.from_numpy(request.pairs).to(self.device, non_blocking=True)
+            launch_copy_kernel(request.src, request.dst, table, request.page_bytes, self._sm_count)
+
+    def _is_host(self, name: str, buffer: torch.Tensor) -> bool:
+        if buffer.device.type == "cpu":
+            return True
+        if buffer.device == self.device:
+            return False
+        raise ValueError(
+            f"{name} is on {buffer.device} but this copier serves {self.device}; use the copier of that device"
+        )
+
+    def _stream_handle(self, stream: StreamArg) -> int:
+        if stream is None:
+            return torch.cuda.current_stream(self.device).cuda_stream
+        if isinstance(stream, torch.cuda.Stream):
+            self._check_stream_device(stream)
+            return stream.cuda_stream
+        return _raw_handle(stream)
+
+    def _torch_stream(self, stream: StreamArg) -> torch.cuda.Stream:
+        if stream is None:
+            return torch.cuda.current_stream(self.device)
+        if isinstance(stream, torch.cuda.Stream):
+            self._check_stream_device(stream)
+            return stream
+        handle = _raw_handle(stream)
+        wrapped = self._streams.get(handle)
+        if wrapped is None:
+            default = torch.cuda.default_stream(self.device)
+            if handle in LEGACY_STREAM_HANDLES and default.cuda_stream == 0:
+                wrapped = default  # 0 and CU_STREAM_LEGACY both name the legacy NULL stream
+            else:
+                wrapped = torch.cuda.ExternalStream(handle, device=self.device)
+            self._streams[handle] = wrapped
+        return wrapped
+
+    def _check_stream_device(self, stream: torch.cuda.Stream) -> None:
+        if stream.device != self.device:
+            raise ValueError(f"stream is on {stream.device} but this copier serves {self.device}")
+
+
+def _raw_handle(stream: object) -> int:
+    if isinstance(stream, bool) or not isinstance(stream, int):
+        raise TypeError(f"stream must be None, a torch.cuda.Stream or an int handle, got {type(stream).__name__}")
+    if stream < 0:
+        raise ValueError(f"a raw stream handle is >= 0, got {stream}")
+    return stream

@@ -1,0 +1,33 @@
+"""The CPU path: pages between two host buffers with plain memory copies.
+
+Two ways, chosen by page size (measured on a 2-core x86 machine, 4 KiB to 4 MiB pages, see
+docs/copy.md): below ``LOOP_MIN_PAGE_BYTES`` one vectorised gather/scatter through numpy fancy
+indexing (one pass into a temporary and one out, but no per-page cost); from it on one slice
+assignment (a memcpy) per page, which reads and writes each byte once and beat the vectorised
+form by 1.3-4x for 16 KiB to 4 MiB pages. torch's ``index_select``/``index_copy_`` were slower
+than both at every size.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+
+from kvtier.copy.request import CopyRequest
+
+LOOP_MIN_PAGE_BYTES: Final = 8 * 1024
+
+
+def copy_pages_cpu(request: CopyRequest) -> None:
+    """Copy every (src_slot, dst_slot) page of ``request``; both buffers are in host memory."""
+    page = request.page_bytes
+    src = request.src.numpy()
+    dst = request.dst.numpy()
+    if page < LOOP_MIN_PAGE_BYTES:
+        src_pages = src[: src.size // page * page].reshape(-1, page)
+        dst_pages = dst[: dst.size // page * page].reshape(-1, page)
+        dst_pages[request.pairs[:, 1]] = src_pages[request.pairs[:, 0]]
+        return
+    for src_slot, dst_slot in (request.pairs * np.int64(page)).tolist():
+        dst[dst_slot : dst_slot + page] = src[src_slot : src_slot + page]

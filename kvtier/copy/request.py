@@ -1,0 +1,108 @@
+"""Checking one copy call's arguments before any work: buffers, slot pairs, page size.
+
+A tier's buffer is a flat, contiguous ``torch.uint8`` tensor; slot i is bytes
+``[i * page_bytes, (i + 1) * page_bytes)``. ``check_request`` turns the caller's arguments into a
+``CopyRequest`` or raises ``ValueError`` (``TypeError`` for a wrong type); it reads the pairs once
+with numpy and creates no Python object per page.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class CopyRequest:
+    """A checked call. ``pairs`` is a C-contiguous (n, 2) int64 array of (src_slot, dst_slot).
+
+    Invariants: n >= 1; every source slot < ``src.numel() // page_bytes`` and every destination
+    slot < ``dst.numel() // page_bytes``; destination slots are distinct; if both buffers are the
+    same memory, no slot is both read and written.
+    """
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    pairs: np.ndarray
+    page_bytes: int
+
+
+def check_page_bytes(page_bytes: object) -> int:
+    """``page_bytes`` as a positive int, or ``ValueError``/``TypeError``."""
+    if isinstance(page_bytes, bool):
+        raise TypeError("page_bytes must be an int, got a bool")
+    try:
+        value = operator.index(page_bytes)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"page_bytes must be an int, got {type(page_bytes).__name__}") from None
+    if value <= 0:
+        raise ValueError(f"page_bytes must be positive, got {value}")
+    return value
+
+
+def check_buffer(name: str, buffer: object) -> torch.Tensor:
+    """A tier buffer: a contiguous ``torch.uint8`` tensor."""
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(buffer).__name__}")
+    if buffer.dtype != torch.uint8:
+        raise ValueError(f"{name} must be a torch.uint8 tensor (a tier buffer), got {buffer.dtype}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"{name} must be contiguous: pass the tier's flat buffer, not a strided view")
+    return buffer
+
+
+def as_pairs(pairs: object) -> np.ndarray:
+    """The (n, 2) int64 array of (src_slot, dst_slot); an empty input gives shape (0, 2)."""
+    array = np.asarray(pairs)
+    if array.size == 0:
+        return np.empty((0, 2), dtype=np.int64)
+    if array.ndim != 2 or array.shape[1] != 2:
+        raise ValueError(f"pairs must have shape (n, 2) of (src_slot, dst_slot), got shape {array.shape}")
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"pairs must hold integers, got dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def check_request(src: object, dst: object, pairs: object, page_bytes: object) -> CopyRequest | None:
+    """The checked request, or None for an empty call (whose buffers and page size are checked too)."""
+    page = check_page_bytes(page_bytes)
+    src_t = check_buffer("src", src)
+    dst_t = check_buffer("dst", dst)
+    table = as_pairs(pairs)
+    n = table.shape[0]
+    if n == 0:
+        return None
+    src_slots = src_t.numel() // page
+    dst_slots = dst_t.numel() // page
+    if src_slots == 0 or dst_slots == 0:
+        smaller = "src" if src_slots == 0 else "dst"
+        raise ValueError(f"page_bytes={page} is larger than the {smaller} buffer; pass the tier's page size")
+    if table.min() < 0:
+        raise ValueError("pairs hold a negative slot; slots are indices >= 0")
+    top = table.max(axis=0)
+    if top[0] >= src_slots:
+        raise ValueError(f"source slot {int(top[0])} is out of range: src holds {src_slots} slots of {page} bytes")
+    if top[1] >= dst_slots:
+        raise ValueError(f"destination slot {int(top[1])} is out of range: dst holds {dst_slots} slots of {page} bytes")
+    if n > 1:
+        ordered = np.sort(table[:, 1])
+        if (ordered[1:] == ordered[:-1]).any():
+            raise ValueError("pairs name a destination slot twice; each destination slot may be written once per call")
+    _check_overlap(src_t, dst_t, table, page)
+    return CopyRequest(src=src_t, dst=dst_t, pairs=table, page_bytes=page)
+
+
+def _check_overlap(src: torch.Tensor, dst: torch.Tensor, pairs: np.ndarray, page: int) -> None:
+    """Copies inside one buffer must not read a slot that the same call writes (no order holds)."""
+    if src.device != dst.device:
+        return
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    if s0 + src.numel() <= d0 or d0 + dst.numel() <= s0:
+        return
+    if s0 != d0:
+        raise ValueError("src and dst overlap at different offsets; pass two distinct buffers or the same one")
+    if np.intersect1d(pairs[:, 0], pairs[:, 1]).size:
+        raise ValueError("within one buffer, a call must not read a slot that it also writes; split the call")

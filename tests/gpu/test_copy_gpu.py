@@ -1,0 +1,317 @@
+"""PageCopier on a CUDA device: byte-exact round trips host -> GPU -> host on every path.
+
+Shapes are the reference PRs' (attention, conv-state and SSM-state pages of a hybrid model) plus
+small and many-page calls. Source pages hold a different non-zero word at every 8 bytes, so a
+page read from the wrong slot, a short copy or an overrun shows. Destination slots that no pair
+names keep their poison and are checked too.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.copy import CopyPolicy, PageCopier
+from kvtier.storage.pinned import allocate_host_buffer
+
+if not torch.cuda.is_available():  # the module-scoped fixtures below need the device
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+MiB = 1 << 20
+ROUND_TRIP_SHAPES = [
+    (1, 884_736),
+    (140, 884_736),
+    (300, 884_736),
+    (300, 16),
+    (1, 15_261_696),
+    (12, 15_261_696),
+    (1, 217_055_232),
+    (8, 4 * MiB),
+    (64, 4 * MiB),
+    (512, 64 * 1024),
+]
+SPARE_SLOTS = 2
+POOL_BYTES = 3 * 217_055_232
+POISON = 0xA5
+PATHS = ("copy_engine", "kernel", "auto")
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture(scope="module")
+def copiers(device: torch.device) -> dict[str, PageCopier]:
+    return {
+        "copy_engine": PageCopier(device, policy=CopyPolicy(copy_engine_min_bytes=0)),
+        "kernel": PageCopier(device, policy=CopyPolicy(copy_engine_min_bytes=None, coherent_copy_kernel=True)),
+        "auto": PageCopier(device),
+    }
+
+
+@pytest.fixture(scope="module")
+def pools(device: torch.device):
+    """Two pinned host pools and one device pool, each large enough for every shape's slots."""
+    host_src = allocate_host_buffer(POOL_BYTES, 4096, device)
+    host_dst = allocate_host_buffer(POOL_BYTES, 4096, device)
+    dev = torch.empty(POOL_BYTES, dtype=torch.uint8, device=device)
+    yield host_src.tensor, dev, host_dst.tensor
+    host_src.release()
+    host_dst.release()
+
+
+def fill_words(buffer: torch.Tensor, seed: int) -> None:
+    """A distinct non-zero 64-bit word at every 8 bytes (an odd multiply and an xor-shift are
+    bijections, so distinct inputs stay distinct and none maps to 0); tail bytes get 0x3C."""
+    words = buffer.numel() // 8
+    x = torch.arange(seed + 1, seed + 1 + words, dtype=torch.int64, device="cuda")
+    x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit value
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    if buffer.device.type == "cpu":
+        x = x.cpu()  # then a CPU memcpy: one cudaMemcpy may not span two registered chunks
+    buffer[: words * 8].copy_(x.view(torch.uint8))
+    buffer[words * 8 :].fill_(0x3C)
+
+
+def views(pools, n: int, page: int, offset: int = 0):
+    slots = n + SPARE_SLOTS
+    return tuple(pool[offset : offset + slots * page] for pool in pools), slots
+
+
+def check_round_trip(
+    copier: PageCopier, pools, n: int, page: int, stream, *, seed: int = 0, offset: int = 0
+) -> list[str]:
+    """host_src -> dev -> host_dst through permuted slots; the bytes and the untouched slots are checked."""
+    (host_src, dev, host_dst), slots = views(pools, n, page, offset)
+    fill_words(host_src, seed)
+    dev.fill_(POISON)
+    host_dst.fill_(POISON)
+    torch.cuda.synchronize()
+    rng = np.random.default_rng(n * 1_000_003 + page)
+    src_slots, dev_slots, dst_slots = (rng.permutation(slots)[:n] for _ in range(3))
+    paths = [
+        copier.copy(host_src, dev, np.stack([src_slots, dev_slots], axis=1).astype(np.int32), page, stream),
+        copier.copy(dev, host_dst, np.stack([dev_slots, dst_slots], axis=1), page, stream),
+    ]
+    torch.cuda.synchronize()
+    src_pages = host_src[: slots * page].view(slots, page)
+    dst_pages = host_dst[: slots * page].view(slots, page)
+    assert torch.equal(dst_pages[torch.from_numpy(dst_slots)], src_pages[torch.from_numpy(src_slots)])
+    untouched = np.setdiff1d(np.arange(slots), dst_slots)
+    assert bool((dst_pages[torch.from_numpy(untouched)] == POISON).all()), "a slot that no pair names was written"
+    dev_untouched = np.setdiff1d(np.arange(slots), dev_slots)
+    assert bool((dev[: slots * page].view(slots, page)[torch.from_numpy(dev_untouched)] == POISON).all())
+    return paths
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("n", "page"), ROUND_TRIP_SHAPES, ids=[f"{n}x{p}" for n, p in ROUND_TRIP_SHAPES])
+def test_round_trip(copiers, pools, device, path: str, n: int, page: int) -> None:
+    copier = copiers[path]
+    stream = torch.cuda.Stream(device)
+    expected = copier.policy.choose(page, coherent_link=copier.link.coherent)
+    assert check_round_trip(copier, pools, n, page, stream) == [expected, expected]
+    if path != "auto":
+        assert expected == path
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("n", "page", "offset"), [(3, 24, 0), (3, 4 * MiB + 8, 0), (3, 64, 8)])
+def test_unaligned_sizes_and_addresses(copiers, pools, device, path: str, n: int, page: int, offset: int) -> None:
+    """The copy engines take any size and address; the kernel refuses before any GPU work."""
+    copier = copiers[path]
+    stream = torch.cuda.Stream(device)
+    if copier.policy.choose(page, coherent_link=copier.link.coherent) == "copy_engine":
+        assert check_round_trip(copier, pools, n, page, stream, offset=offset) == ["copy_engine"] * 2
+        return
+    (host_src, dev, _), _ = views(pools, n, page, offset)
+    fill_words(host_src, 1)
+    dev.fill_(POISON)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="16"):
+        copier.copy(host_src, dev, [(i, i) for i in range(n)], page, stream)
+    torch.cuda.synchronize()
+    assert bool((dev == POISON).all()), "a refused call changed the destination"
+
+
+@pytest.mark.parametrize("handle", [0, 1], ids=["null", "legacy"])
+@pytest.mark.parametrize("path", ("copy_engine", "kernel"))
+@pytest.mark.parametrize("n", [1, 3])
+def test_legacy_null_stream_keeps_order(copiers, pools, handle: int, path: str, n: int) -> None:
+    """On the legacy stream, a copy runs after earlier work there and before later work there."""
+    copier = copiers[path]
+    page = 4 * MiB
+    (host_src, dev, host_dst), slots = views(pools, n, page)
+    expected = torch.empty(slots * page, dtype=torch.uint8, device="cuda")
+    fill_words(expected, 2)
+    host_dst.fill_(POISON)
+    dev.fill_(POISON)
+    torch.cuda.synchronize()
+    pairs = [(i, slots - 1 - i) for i in range(n)]
+    legacy = torch.cuda.default_stream()
+    with torch.cuda.stream(legacy):
+        torch.cuda._sleep(100_000_000)  # holds the legacy stream while everything below is queued
+        dev.copy_(expected)  # earlier work: the copy must see these bytes
+    assert copier.copy(dev, host_dst, pairs, page, handle) == path
+    with torch.cuda.stream(legacy):
+        fill_words(dev, 3)  # later work: must not overtake the copy
+    torch.cuda.synchronize()
+    want = expected.cpu().view(slots, page)
+    got = host_dst.view(slots, page)
+    for s, d in pairs:
+        assert torch.equal(got[d], want[s])
+    # and host -> device on the legacy stream, read back by later work on it
+    fill_words(host_src, 4)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(legacy):
+        torch.cuda._sleep(100_000_000)
+    copier.copy(host_src, dev, pairs, page, handle)
+    with torch.cuda.stream(legacy):
+        snapshot = dev.clone()
+    torch.cuda.synchronize()
+    src_pages = host_src.view(slots, page)
+    for s, d in pairs:
+        assert torch.equal(snapshot.view(slots, page)[d].cpu(), src_pages[s])
+
+
+@pytest.mark.parametrize("path", ("copy_engine", "kernel"))
+def test_event_orders_consumer_after_copy(copiers, pools, device, path: str) -> None:
+    """Producer stream -> recorded event -> consumer stream sees the pages.
+
+    The producer is held by a stream wait on a flag in pinned memory until everything is queued
+    (deterministic, not won by timing); a stream that does not wait on the event reads the
+    destination meanwhile and must still see the poison.
+    """
+    from cuda.bindings import driver
+
+    copier = copiers[path]
+    n, page = 8, 4 * MiB
+    (host_src, dev, _), slots = views(pools, n, page)
+    fill_words(host_src, 5)
+    dev.fill_(POISON)
+    flag_buffer = allocate_host_buffer(4096, 4096, device)
+    flag = flag_buffer.tensor.view(torch.int32)
+    flag.zero_()
+    torch.cuda.synchronize()
+    producer, consumer, bystander = (torch.cuda.Stream(device) for _ in range(3))
+    err, flag_address = driver.cuMemHostGetDevicePointer(flag.data_ptr(), 0)
+    assert int(err) == 0
+    release = threading.Timer(30.0, lambda: flag.fill_(1))  # never leave the stream held
+    release.start()
+    try:
+        (err,) = driver.cuStreamWaitValue32(
+            driver.CUstream(producer.cuda_stream),
+            flag_address,
+            1,
+            driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+        )
+        if int(err):
+            pytest.skip(f"cuStreamWaitValue32 is not available here (CUresult {int(err)})")
+        pairs = np.array([(i, slots - 1 - i) for i in range(n)], dtype=np.int64)
+        assert copier.copy(host_src, dev, pairs, page, producer) == path
+        done = torch.cuda.Event()
+        done.record(producer)
+        consumer.wait_event(done)
+        with torch.cuda.stream(consumer):
+            seen = dev.clone()
+        with torch.cuda.stream(bystander):
+            early = dev.clone()
+        bystander.synchronize()
+        assert not producer.query(), "the gate did not hold the producer"
+    finally:
+        flag.fill_(1)
+        release.cancel()
+    torch.cuda.synchronize()
+    assert bool((early == POISON).all()), "the copy ran before the gate opened"
+    src_pages = host_src.view(slots, page)
+    for s, d in pairs.tolist():
+        assert torch.equal(seen.view(slots, page)[d].cpu(), src_pages[s])
+    flag_buffer.release()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_call_is_a_no_op(copiers, pools, path: str) -> None:
+    host_src, dev, _ = pools
+    stream = torch.cuda.Stream()
+    assert copiers[path].copy(host_src, dev, np.empty((0, 2), dtype=np.int64), 4096, stream) == "none"
+    assert copiers[path].copy(host_src, dev, [], 4096) == "none"
+
+
+@pytest.mark.parametrize("path", ("copy_engine", "kernel"))
+def test_chunked_registration_round_trip(copiers, device, path: str) -> None:
+    """A host buffer registered in several chunks works on both paths (pages never straddle chunks)."""
+    n, page = 24, 884_736
+    slots = n + SPARE_SLOTS
+    chunk = 5 * page + 12345
+    src = allocate_host_buffer(slots * page, page, device, chunk_bytes=chunk)
+    dst = allocate_host_buffer(slots * page, page, device, chunk_bytes=chunk)
+    assert len(src.chunks) > 1 and all(offset % page == 0 for offset, _ in src.chunks)
+    assert src.tensor.is_pinned()
+    dev = torch.empty(slots * page, dtype=torch.uint8, device=device)
+    pools = (src.tensor, dev, dst.tensor)
+    assert check_round_trip(copiers[path], pools, n, page, torch.cuda.Stream(device), seed=6) == [path, path]
+    src.release()
+    dst.release()
+
+
+@pytest.mark.parametrize("path", ("copy_engine", "kernel"))
+def test_device_to_device(copiers, device, path: str) -> None:
+    n, page = 96, 65_536
+    a = torch.empty((n + 4) * page, dtype=torch.uint8, device=device)
+    b = torch.full_like(a, POISON)
+    fill_words(a, 7)
+    pairs = np.stack([np.arange(n), np.arange(n)[::-1] + 4], axis=1)
+    assert copiers[path].copy(a, b, pairs, page, torch.cuda.current_stream()) == path
+    torch.cuda.synchronize()
+    for s, d in pairs.tolist():
+        assert torch.equal(b[d * page : (d + 1) * page], a[s * page : (s + 1) * page])
+    assert bool((b[: 4 * page] == POISON).all())
+
+
+def test_host_to_host_on_a_gpu_copier_is_a_cpu_copy(copiers) -> None:
+    src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    dst = torch.zeros_like(src)
+    assert copiers["auto"].copy(src, dst, [(0, 3), (3, 0)], 4096) == "cpu"
+    assert torch.equal(dst[3 * 4096 :], src[:4096]) and torch.equal(dst[:4096], src[3 * 4096 :])
+
+
+def test_pageable_host_memory(copiers, device) -> None:
+    """The copy engines take pageable host memory; the kernel refuses it with a clear error."""
+    page, n = 65_536, 4
+    src = torch.empty((n + 1) * page, dtype=torch.uint8)
+    src.copy_(torch.randint(1, 256, src.shape, dtype=torch.uint8))
+    dev = torch.zeros_like(src, device=device)
+    pairs = [(i, n - i) for i in range(n)]
+    assert copiers["copy_engine"].copy(src, dev, pairs, page) == "copy_engine"
+    torch.cuda.synchronize()
+    for s, d in pairs:
+        assert torch.equal(dev[d * page : (d + 1) * page].cpu(), src[s * page : (s + 1) * page])
+    with pytest.raises(ValueError, match="pageable"):
+        copiers["kernel"].copy(src, dev, pairs, page)
+
+
+def test_many_pages_in_one_call(copiers, pools) -> None:
+    """70,000 pages in one call (one driver call, one launch) land byte for byte."""
+    n, page = 70_000, 16
+    assert check_round_trip(copiers["copy_engine"], pools, n, page, torch.cuda.Stream(), seed=8) == ["copy_engine"] * 2
+    assert check_round_trip(copiers["kernel"], pools, n, page, torch.cuda.Stream(), seed=9) == ["kernel"] * 2
+
+
+def test_bad_arguments_change_nothing(copiers, pools) -> None:
+    host_src, dev, _ = pools
+    view = dev[: 8 * 4096]
+    view.fill_(POISON)
+    for path in PATHS:
+        with pytest.raises(ValueError):
+            copiers[path].copy(host_src, view, [(0, 8)], 4096)
+        with pytest.raises(ValueError):
+            copiers[path].copy(host_src, view, [(0, 1), (2, 1)], 4096)
+        with pytest.raises(ValueError):
+            copiers[path].copy(host_src, view, [(0, 1)], -4096)
+    torch.cuda.synchronize()
+    assert bool((view == POISON).all())

@@ -1,0 +1,144 @@
+"""PageCopier("cpu"): the CPU path, argument checks, and calls that must change nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.copy import PageCopier
+from kvtier.copy.cpu import LOOP_MIN_PAGE_BYTES
+
+
+def filled(slots: int, page: int, seed: int = 0) -> torch.Tensor:
+    """A buffer whose every 8-byte word differs from every other (so from slot to slot too) and is non-zero."""
+    words = -(-slots * page // 8)
+    values = np.arange(seed + 1, seed + 1 + words, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    values ^= values >> np.uint64(29)
+    return torch.from_numpy(values.view(np.uint8)[: slots * page].copy())
+
+
+@pytest.fixture
+def copier() -> PageCopier:
+    return PageCopier("cpu")
+
+
+@pytest.mark.parametrize("page", [16, 48, 4096, LOOP_MIN_PAGE_BYTES - 16, LOOP_MIN_PAGE_BYTES, 65_536, 1 << 20])
+def test_pages_land_in_their_slots(copier: PageCopier, page: int) -> None:
+    src = filled(9, page)
+    dst = torch.full((7 * page,), 0xA5, dtype=torch.uint8)
+    pairs = np.array([[8, 0], [0, 6], [3, 2], [3, 4]], dtype=np.int32)
+    assert copier.copy(src, dst, pairs, page) == "cpu"
+    for s, d in pairs.tolist():
+        assert torch.equal(dst[d * page : (d + 1) * page], src[s * page : (s + 1) * page])
+    for d in (1, 3, 5):
+        assert bool((dst[d * page : (d + 1) * page] == 0xA5).all())
+
+
+@pytest.mark.parametrize("pairs", [[(1, 0), (0, 1)], ((1, 0), (0, 1)), np.array([[1, 0], [0, 1]], dtype=np.uint16)])
+def test_pairs_as_lists_tuples_and_numpy(copier: PageCopier, pairs: object) -> None:
+    src = filled(2, 64)
+    dst = torch.zeros(128, dtype=torch.uint8)
+    copier.copy(src, dst, pairs, 64)
+    assert torch.equal(dst[:64], src[64:]) and torch.equal(dst[64:], src[:64])
+
+
+def test_trailing_bytes_past_the_last_slot_are_not_a_slot(copier: PageCopier) -> None:
+    src = filled(3, 100)[:250]  # two whole slots and half of a third
+    dst = torch.zeros(300, dtype=torch.uint8)
+    copier.copy(src, dst, [(1, 2)], 100)
+    assert torch.equal(dst[200:], src[100:200])
+    with pytest.raises(ValueError, match="source slot 2"):
+        copier.copy(src, dst, [(2, 0)], 100)
+
+
+@pytest.mark.parametrize("pairs", [[], np.empty((0, 2), dtype=np.int64), np.empty(0, dtype=np.int32)])
+def test_empty_call_is_a_no_op(copier: PageCopier, pairs: object) -> None:
+    src, dst = filled(2, 64), torch.zeros(128, dtype=torch.uint8)
+    assert copier.copy(src, dst, pairs, 64) == "none"
+    assert not dst.any()
+
+
+def test_stream_is_ignored_on_the_cpu(copier: PageCopier) -> None:
+    src, dst = filled(1, 64), torch.zeros(64, dtype=torch.uint8)
+    assert copier.copy(src, dst, [(0, 0)], 64, stream=7) == "cpu"
+    assert torch.equal(src, dst)
+
+
+def test_one_buffer_with_disjoint_reads_and_writes(copier: PageCopier) -> None:
+    buffer = filled(4, 32)
+    before = buffer.clone()
+    copier.copy(buffer, buffer, [(0, 2), (1, 3)], 32)
+    assert torch.equal(buffer[64:], before[:64]) and torch.equal(buffer[:64], before[:64])
+
+
+BAD_CALLS = [
+    ("negative page", [(0, 0)], -64, ValueError, "positive"),
+    ("zero page", [(0, 0)], 0, ValueError, "positive"),
+    ("page larger than a buffer", [(0, 0)], 1 << 20, ValueError, "larger than"),
+    ("source out of range", [(4, 0)], 64, ValueError, "source slot 4"),
+    ("destination out of range", [(0, 3)], 64, ValueError, "destination slot 3"),
+    ("negative slot", [(-1, 0)], 64, ValueError, "negative"),
+    ("destination twice", [(0, 1), (2, 1)], 64, ValueError, "twice"),
+    ("wrong shape", [(0, 1, 2)], 64, ValueError, "shape"),
+    ("float slots", [(0.0, 1.0)], 64, ValueError, "integers"),
+    ("bool page", [(0, 0)], True, TypeError, "bool"),
+    ("float page", [(0, 0)], 64.0, TypeError, "int"),
+]
+
+
+@pytest.mark.parametrize(("pairs", "page", "error", "match"), [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_calls_raise_and_change_nothing(copier, pairs, page, error, match) -> None:
+    src = filled(4, 64)
+    dst = torch.full((3 * 64,), 0xA5, dtype=torch.uint8)
+    with pytest.raises(error, match=match):
+        copier.copy(src, dst, pairs, page)
+    assert bool((dst == 0xA5).all())
+
+
+def test_bad_buffers(copier: PageCopier) -> None:
+    good = torch.zeros(256, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="uint8"):
+        copier.copy(torch.zeros(64, dtype=torch.int32), good, [(0, 0)], 64)
+    with pytest.raises(ValueError, match="contiguous"):
+        copier.copy(good[::2], good, [(0, 0)], 64)
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
+        copier.copy(np.zeros(256, dtype=np.uint8), good, [(0, 0)], 64)
+    with pytest.raises(ValueError, match="also writes"):
+        copier.copy(good, good, [(0, 1), (1, 2)], 64)
+    with pytest.raises(ValueError, match="overlap"):
+        copier.copy(good[:128], good[64:], [(0, 0)], 64)
+
+
+def test_device_names() -> None:
+    assert PageCopier("cpu").device == torch.device("cpu")
+    assert (
+        PageCopier(torch.device("cpu")).copy(filled(1, 16), torch.zeros(16, dtype=torch.uint8), [(0, 0)], 16) == "cpu"
+    )
+    with pytest.raises(ValueError, match="device"):
+        PageCopier("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            PageCopier("cuda")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    page=st.sampled_from([8, 16, 40, 4096, LOOP_MIN_PAGE_BYTES, 3 * LOOP_MIN_PAGE_BYTES + 8]),
+    src_slots=st.integers(1, 12),
+    dst_slots=st.integers(1, 12),
+    data=st.data(),
+)
+def test_matches_a_page_by_page_reference(page: int, src_slots: int, dst_slots: int, data) -> None:
+    destinations = data.draw(st.lists(st.integers(0, dst_slots - 1), unique=True, max_size=dst_slots))
+    sources = data.draw(st.lists(st.integers(0, src_slots - 1), min_size=len(destinations), max_size=len(destinations)))
+    src = filled(src_slots, page, seed=7)
+    dst = filled(dst_slots, page, seed=1 << 20)
+    expected = dst.clone()
+    for s, d in zip(sources, destinations, strict=True):
+        expected[d * page : (d + 1) * page] = src[s * page : (s + 1) * page]
+    path = PageCopier("cpu").copy(src, dst, list(zip(sources, destinations, strict=True)), page)
+    assert path == ("cpu" if destinations else "none")
+    assert torch.equal(dst, expected)
