@@ -1,0 +1,361 @@
+"""Host and disk tiers: the demotion cascade, promotion, persistence, and real failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvtier
+from tests.kvdata import PageOracle, small_spec
+
+TPB = 4
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def page_demand(spec: kvtier.ModelSpec, interval: int = 4) -> float:
+    probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=[kvtier.PrimaryTier(1 << 22)]))
+    demand = sum(
+        probe.page_bytes(g.group_id) / (interval if g.kind is kvtier.GroupKind.RECURRENT else 1)
+        for g in probe.layer_groups
+    )
+    probe.close()
+    return demand
+
+
+def manager(path, kind="llama", primary=8, host=8, disk=32, **config) -> kvtier.KVCacheManager:
+    spec = small_spec(kind)
+    d = page_demand(spec)
+    tiers = [kvtier.PrimaryTier(int(d * primary) + 1)]
+    if host:
+        tiers.append(kvtier.HostTier(int(d * host) + 1))
+    if disk:
+        tiers.append(kvtier.DiskTier(int(d * disk) + 1, path))
+    return kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers, **config))
+
+
+def prefill(mgr, oracle, tokens, keep=False, chunk=None):
+    """Create, resume and compute a prompt; ``chunk`` splits the prefill (recurrent snapshots need it)."""
+    cache = mgr.create_cache(tokens)
+    assert cache.resume()
+    oracle.check(cache, tokens)
+    start = cache.num_committed_tokens
+    assert cache.resize(len(tokens))
+    while start < len(tokens):
+        end = min(len(tokens), start + (chunk or len(tokens)))
+        oracle.write(cache, tokens, start, end)
+        cache.commit(tokens[start:end])
+        start = end
+    if keep:
+        cache.suspend()
+        return cache
+    cache.close()
+    return None
+
+
+def convo(i: int, n: int = 24) -> list[int]:
+    return [10_000 * (i + 1) + j for j in range(n)]
+
+
+def test_cascade_demotes_to_host_then_disk_and_promotes_back(tmp_path):
+    mgr = manager(tmp_path, primary=8, host=8, disk=32)
+    oracle = PageOracle(mgr)
+    for i in range(5):  # 5 conversations x 6 blocks = 30 pages through an 8-page primary tier
+        prefill(mgr, oracle, convo(i))
+    stats = mgr.stats()
+    assert stats.demotions >= 22 and stats.drops == 0
+    assert stats.tiers["disk"].pages_used >= 14
+    assert stats.bytes_copied["primary->host:cpu"] > 0 and stats.bytes_copied["host->disk:file"] > 0
+    back = convo(0) + [1, 2]  # the oldest conversation returns: its pages are on disk
+    cache = mgr.create_cache(back)
+    assert cache.num_reused_tokens == 24
+    assert cache.reused_by_tier["disk"] == 24
+    assert cache.resume()
+    oracle.check(cache, back)
+    assert mgr.stats().bytes_copied["disk->primary:file"] == 6 * mgr.page_bytes(0)
+    assert mgr.stats().hit_tokens["disk"] == 24
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_resume_moves_pages_in_one_copier_call_per_tier_and_group(tmp_path):
+    mgr = manager(tmp_path, kind="hybrid", primary=16, host=40, disk=0)
+    oracle = PageOracle(mgr)
+    kept = [prefill(mgr, oracle, convo(i), keep=True) for i in range(3)]
+    calls = []
+    real_copy = mgr._mover.copier.copy
+
+    def counting_copy(src, dst, pairs, page_bytes, stream=None):
+        calls.append(len(pairs))
+        return real_copy(src, dst, pairs, page_bytes, stream)
+
+    mgr._mover.copier.copy = counting_copy
+    assert kept[0].resume()  # its pages were demoted to host by the two later requests
+    oracle.check(kept[0], convo(0))
+    # demotions of others' pages (one call per group) and promotions (one call per group)
+    assert len(calls) <= 4 and sum(calls) >= 6
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_suspended_pages_are_never_dropped_and_room_fails_cleanly(tmp_path):
+    mgr = manager(tmp_path, primary=6, host=6, disk=6)
+    oracle = PageOracle(mgr)
+    kept = [prefill(mgr, oracle, convo(i), keep=True) for i in range(3)]  # 18 pages fill all tiers
+    other = mgr.create_cache(convo(9))
+    assert other.resume()
+    assert not other.resize(4)
+    assert mgr.stats().drops == 0
+    other.close()
+    assert not kept[0].resume()  # every tier is full of held pages: no room to swap, nothing moved
+    assert kept[2].resume()  # its pages are still in the primary tier
+    oracle.check(kept[2], convo(2))
+    kept[2].close()
+    for i in (0, 1):  # with room again, the others come back byte for byte
+        assert kept[i].resume()
+        oracle.check(kept[i], convo(i))
+        kept[i].suspend()
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_prefetch_promotes_a_prefix_toward_primary(tmp_path):
+    mgr = manager(tmp_path, primary=8, host=8, disk=32)
+    oracle = PageOracle(mgr)
+    for i in range(4):
+        prefill(mgr, oracle, convo(i))
+    assert mgr.prefetch(convo(0) + [5]) == 6
+    cache = mgr.create_cache(convo(0) + [5])
+    assert cache.reused_by_tier["primary"] == 24
+    assert cache.resume()
+    oracle.check(cache, convo(0) + [5])
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_restart_finds_pages_on_disk(tmp_path):
+    mgr = manager(tmp_path, primary=8, host=0, disk=32)
+    oracle = PageOracle(mgr)
+    for i in range(3):
+        prefill(mgr, oracle, convo(i))
+    mgr.close()
+    again = manager(tmp_path, primary=8, host=0, disk=32)
+    oracle = PageOracle(again)
+    on_disk = again.stats().tiers["disk"].pages_used
+    assert on_disk >= 10
+    found = sum(again.create_cache(convo(i) + [1]).num_reused_tokens for i in range(3))
+    assert found == on_disk // 6 * 24 or found >= 24
+    cache = again.create_cache(convo(0) + [1])
+    assert cache.reused_by_tier["disk"] == 24
+    assert cache.resume()
+    oracle.check(cache, convo(0) + [1])
+    again.check_invariants()
+    again.close()
+
+
+def test_other_model_starts_clean_and_leaves_files_alone(tmp_path):
+    mgr = manager(tmp_path, primary=8, host=0, disk=32)
+    oracle = PageOracle(mgr)
+    for i in range(3):
+        prefill(mgr, oracle, convo(i))
+    mgr.close()
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "-wal" not in p.name}
+    other = manager(tmp_path, kind="swa", primary=8, host=0, disk=32)
+    assert other.stats().tiers["disk"].pages_used == 0
+    assert other.create_cache(convo(0) + [1]).num_reused_tokens == 0
+    other.close()
+    for p, data in before.items():
+        if p.suffix == ".pages":
+            assert p.read_bytes() == data
+
+
+def flip_bytes(path: Path, offsets: list[int]) -> None:
+    with open(path, "r+b") as f:
+        for off in offsets:
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_flipped_page_bytes_are_a_miss_never_a_wrong_page(tmp_path):
+    mgr = manager(tmp_path, primary=8, host=0, disk=32)
+    oracle = PageOracle(mgr)
+    for i in range(3):
+        prefill(mgr, oracle, convo(i))
+    mgr.close()
+    page_bytes = mgr.page_bytes(0)
+    pages_file = next(tmp_path.rglob("group0.pages"))
+    size = pages_file.stat().st_size
+    flip_bytes(pages_file, list(range(7, size, page_bytes)))  # one byte in every slot
+    again = manager(tmp_path, primary=8, host=0, disk=32)
+    oracle = PageOracle(again)
+    tokens = convo(0) + [1]
+    cache = again.create_cache(tokens)
+    assert cache.reused_by_tier["disk"] > 0
+    assert cache.resume()  # every page it took from disk fails its checksum: it starts over
+    assert cache.num_committed_tokens == 0
+    assert again.stats().checksum_failures >= 1
+    oracle.check(cache, tokens)
+    assert again.create_cache(tokens).num_reused_tokens == 0  # damaged pages are never offered again
+    again.check_invariants()
+    again.close()
+
+
+def test_damaged_index_is_a_miss_never_a_crash(tmp_path):
+    mgr = manager(tmp_path, primary=8, host=0, disk=32)
+    oracle = PageOracle(mgr)
+    for i in range(3):
+        prefill(mgr, oracle, convo(i))
+    mgr.close()
+    index = next(tmp_path.rglob("index.sqlite"))
+    flip_bytes(index, list(range(100, index.stat().st_size, 97)))
+    again = manager(tmp_path, primary=8, host=0, disk=32)
+    oracle = PageOracle(again)
+    for i in range(3):
+        tokens = convo(i) + [1]
+        cache = again.create_cache(tokens)
+        assert cache.resume()
+        oracle.check(cache, tokens)
+        cache.close()
+    again.check_invariants()
+    again.close()
+
+
+def test_index_rows_with_wrong_values_are_rejected(tmp_path):
+    mgr = manager(tmp_path, primary=8, host=0, disk=32)
+    oracle = PageOracle(mgr)
+    for i in range(3):
+        prefill(mgr, oracle, convo(i))
+    mgr.close()
+    index = next(tmp_path.rglob("index.sqlite"))
+    db = sqlite3.connect(index)
+    db.execute("UPDATE pages SET tokens = zeroblob(length(tokens)) WHERE depth = 1")  # breaks the key chain
+    db.execute("UPDATE pages SET slot = slot + 1000 WHERE depth = 2")  # out of range
+    db.execute("UPDATE pages SET checksum = checksum + 1 WHERE depth = 0")  # data no longer matches
+    db.commit()
+    db.close()
+    again = manager(tmp_path, primary=8, host=0, disk=32)
+    oracle = PageOracle(again)
+    tokens = convo(0) + [1]
+    cache = again.create_cache(tokens)
+    assert cache.num_reused_tokens <= 4
+    assert cache.resume()
+    oracle.check(cache, tokens)
+    again.check_invariants()
+    again.close()
+
+
+def run_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+SUBPROCESS_PRELUDE = """
+import resource, signal, sys
+sys.path.insert(0, {root!r})
+from tests.test_tiers import manager, prefill, convo
+from tests.kvdata import PageOracle
+import kvtier
+"""
+
+
+def test_failing_disk_writes_keep_pages_where_they_were(tmp_path):
+    """A file-size limit makes every disk write past it fail with EFBIG, a real OS-level failure."""
+    code = (
+        SUBPROCESS_PRELUDE.format(root=str(ROOT))
+        + f"""
+mgr = manager({str(tmp_path)!r}, primary=6, host=8, disk=40)
+oracle = PageOracle(mgr)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1, 1))  # every write to a page file now fails
+kept = prefill(mgr, oracle, convo(0), keep=True)  # 6 held pages
+for i in range(1, 5):
+    prefill(mgr, oracle, convo(i))  # pushes the held pages to host; tree-only pages get dropped
+st = mgr.stats()
+assert st.tiers["disk"].pages_used == 0, st
+assert st.drops > 0, st
+assert kept.resume()  # its pages stayed on host when they could not go to disk
+oracle.check(kept, convo(0))
+mgr.check_invariants()
+print("ok", st.drops)
+"""
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "failed" in out.stderr  # the failures are logged
+    assert out.stdout.startswith("ok")
+
+
+def test_unusable_disk_directory_degrades_to_misses(tmp_path):
+    """A disk tier under /proc cannot create its files even as root: a real failure, logged, not raised."""
+    mgr = manager("/proc/kvtier-no-such-dir", primary=6, host=0, disk=20)
+    oracle = PageOracle(mgr)
+    for i in range(3):
+        prefill(mgr, oracle, convo(i))
+    assert mgr.stats().tiers["disk"].pages_used == 0
+    tokens = convo(2) + [1]
+    cache = mgr.create_cache(tokens)
+    assert cache.resume()
+    oracle.check(cache, tokens)
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_killed_mid_write_restarts_with_only_intact_pages(tmp_path):
+    code = (
+        SUBPROCESS_PRELUDE.format(root=str(ROOT))
+        + f"""
+mgr = manager({str(tmp_path)!r}, primary=6, host=0, disk=200)
+oracle = PageOracle(mgr)
+print("ready", flush=True)
+i = 0
+while True:
+    prefill(mgr, oracle, convo(i % 30))
+    i += 1
+"""
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout.readline().strip() == b"ready"
+    import time
+
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    again = manager(tmp_path, primary=6, host=0, disk=200)
+    oracle = PageOracle(again)
+    assert again.stats().tiers["disk"].pages_used > 0
+    for i in range(30):
+        tokens = convo(i) + [1]
+        cache = again.create_cache(tokens)
+        assert cache.resume()
+        oracle.check(cache, tokens)
+        cache.close()
+    again.check_invariants()
+    again.close()
+
+
+@pytest.mark.parametrize("kind", ["swa", "hybrid"])
+def test_layer_groups_round_trip_through_disk(tmp_path, kind):
+    mgr = manager(tmp_path, kind=kind, primary=10, host=4, disk=60, snapshot_interval_blocks=2)
+    oracle = PageOracle(mgr)
+    for i in range(6):
+        prefill(mgr, oracle, convo(i, 26), chunk=8)  # a snapshot every 2 blocks
+    for i in range(6):
+        tokens = convo(i, 26) + [3]
+        cache = mgr.create_cache(tokens)
+        assert cache.num_reused_tokens > 0
+        assert cache.resume()
+        oracle.check(cache, tokens)
+        cache.close()
+    mgr.check_invariants()
+    mgr.close()
