@@ -87,6 +87,11 @@ def find_reuse(
             for k, node in tree.partial_children(parent, tail):
                 offsets = {k} if not recurrent else {j for j in node.snapshots if j <= k and j < tpb}
                 candidates.extend((start + j, node) for j in offsets)
+    if recurrent:
+        # A snapshot inside a fully matched block (e.g. at the end of an earlier prompt) is a
+        # reuse point too: its block is then reused partly, like a partial match.
+        for b in range(min(len(path), max_blocks + 1)):
+            candidates.extend((b * tpb + j, path[b]) for j in path[b].snapshots if j < tpb and b * tpb + j <= limit)
     candidates.sort(key=lambda c: -c[0])
     for p, partial in candidates:
         if _hit(p, partial, path, attention, recurrent, tpb):

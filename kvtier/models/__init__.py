@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from kvtier.models.batch import BAD_PAGE_INDEX, PagedSequence
+from kvtier.models.batch import PagedSequence
 from kvtier.models.config import NAMED_CONFIGS, LayerKind, ModelConfig, named_config
 from kvtier.models.llama import DecoderModel
 from kvtier.models.loader import config_from_hf, config_to_hf, load_model
 from kvtier.models.random_init import random_model
 from kvtier.models.rope import RopeScaling
+from kvtier.pages import BAD_PAGE_INDEX
 
 __all__ = [
     "BAD_PAGE_INDEX",

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
 
 import torch
 
 from kvtier.models.paged_attention import AttentionPlan, plan_attention
 from kvtier.spec import AttentionLayer, ModelSpec, RecurrentLayer
-
-# Equals kvtier.BAD_PAGE_INDEX: a block that has no page (a released sliding-window block).
-BAD_PAGE_INDEX: Final = -1
 
 KvViews = Callable[[int], dict[str, torch.Tensor]]
 

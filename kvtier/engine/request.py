@@ -1,0 +1,93 @@
+"""A request inside the engine, and the ``RequestOutput`` it turns into."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvtier.cache import KVCache
+from kvtier.config import ReuseScope
+from kvtier.engine.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its cache suspended)
+    RUNNING = "running"  # its cache is ACTIVE
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt being served.
+
+    ``tokens`` is the prompt followed by every generated token. The cache holds the KV of
+    ``tokens[: cache.num_committed_tokens]``; the next forward computes from there, so a cache
+    that had to start over after a damaged page simply recomputes more.
+    """
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    scope: ReuseScope
+    priority: int
+    arrival: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(init=False)
+    status: RequestStatus = RequestStatus.WAITING
+    cache: KVCache | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    computed_prompt_tokens: int = 0
+    reused_by_tier: dict[str, int] = field(default_factory=dict)
+    finish_reason: str | None = None
+    connector: object | None = None  # per-request connector state, owned by the connector driver
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV is in the cache (0 before admission)."""
+        return self.cache.num_committed_tokens if self.cache is not None else 0
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    def to_output(self) -> RequestOutput:
+        assert self.first_token_time is not None and self.finish_time is not None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt),
+            token_ids=self.output,
+            ttft_s=self.first_token_time - self.arrival,
+            latency_s=self.finish_time - self.arrival,
+            num_prompt_tokens=len(self.prompt),
+            num_computed_prompt_tokens=self.computed_prompt_tokens,
+            reused_tokens_by_tier=dict(self.reused_by_tier),
+            finish_reason=self.finish_reason or "length",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """The result of one prompt.
+
+    ``num_computed_prompt_tokens``: prompt tokens this engine ran through the model;
+    ``reused_tokens_by_tier``: prompt tokens whose KV came from each tier ("primary", "host",
+    "disk") or from the connector ("connector").
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    ttft_s: float
+    latency_s: float
+    num_prompt_tokens: int
+    num_computed_prompt_tokens: int
+    reused_tokens_by_tier: dict[str, int]
+    finish_reason: str
