@@ -33,27 +33,30 @@ def _bytes_for(seed: int, salt: int, n: int) -> np.ndarray:
 
 
 class PageOracle:
-    """Writes and checks page contents of caches of one manager, through its primary buffers."""
+    """Writes and checks page contents of caches of one manager, through its primary buffers (CPU or GPU)."""
 
     def __init__(self, mgr: kvtier.KVCacheManager) -> None:
         self.mgr = mgr
         self.tpb = mgr.tokens_per_block
         self.geometries = page_geometries(mgr.spec, self.tpb)
 
-    def _buffer(self, group: int) -> np.ndarray:
-        return mgr_buffer(self.mgr, group)
+    def _put(self, group: int, at: int, data: np.ndarray) -> None:
+        buffer = self.mgr._tiers[0].storage.buffers[group]
+        buffer[at : at + data.size].copy_(torch.from_numpy(data))
+
+    def _get(self, group: int, at: int, n: int) -> np.ndarray:
+        return self.mgr._tiers[0].storage.buffers[group][at : at + n].cpu().numpy()
 
     def write(self, cache: kvtier.KVCache, tokens: list[int], start: int, end: int) -> None:
         """Write KV rows for positions ``start..end-1`` (and the state after ``end`` tokens)."""
         digests = prefix_digests(tokens[:end])
         for geo in self.geometries:
             g = geo.group_id
-            buf = self._buffer(g)
             slots = cache.page_indices(g)
             if geo.group.kind is kvtier.GroupKind.RECURRENT:
                 if end:
                     base = int(slots[0]) * geo.page_bytes
-                    buf[base : base + geo.page_bytes] = _bytes_for(digests[end - 1], 1000 + g, geo.page_bytes)
+                    self._put(g, base, _bytes_for(digests[end - 1], 1000 + g, geo.page_bytes))
                 continue
             for pos in range(start, end):
                 slot = int(slots[pos // self.tpb])
@@ -62,7 +65,7 @@ class PageOracle:
                 for i, part in enumerate(geo.parts):
                     row = part.nbytes // self.tpb
                     at = slot * geo.page_bytes + part.offset + (pos % self.tpb) * row
-                    buf[at : at + row] = _bytes_for(digests[pos], i, row)
+                    self._put(g, at, _bytes_for(digests[pos], i, row))
 
     def check(self, cache: kvtier.KVCache, tokens: list[int]) -> None:
         """Every row below ``num_committed_tokens`` that has a page holds its expected bytes."""
@@ -70,13 +73,12 @@ class PageOracle:
         digests = prefix_digests(tokens[:end])
         for geo in self.geometries:
             g = geo.group_id
-            buf = self._buffer(g)
             slots = cache.page_indices(g)
             if geo.group.kind is kvtier.GroupKind.RECURRENT:
                 if end:
                     base = int(slots[0]) * geo.page_bytes
                     want = _bytes_for(digests[end - 1], 1000 + g, geo.page_bytes)
-                    assert np.array_equal(buf[base : base + geo.page_bytes], want), f"state page of group {g} differs"
+                    assert np.array_equal(self._get(g, base, geo.page_bytes), want), f"state page of group {g} differs"
                 continue
             for pos in range(end):
                 slot = int(slots[pos // self.tpb])
@@ -85,17 +87,10 @@ class PageOracle:
                 for i, part in enumerate(geo.parts):
                     row = part.nbytes // self.tpb
                     at = slot * geo.page_bytes + part.offset + (pos % self.tpb) * row
-                    got = buf[at : at + row]
+                    got = self._get(g, at, row)
                     assert np.array_equal(got, _bytes_for(digests[pos], i, row)), (
                         f"group {g} position {pos} part {part.layer_id}/{part.role} differs (slot {slot})"
                     )
-
-
-def mgr_buffer(mgr: kvtier.KVCacheManager, group: int) -> np.ndarray:
-    """The primary buffer of a group as a writable numpy array (CPU managers only)."""
-    tensor = mgr._tiers[0].storage.buffers[group]
-    assert tensor.device.type == "cpu"
-    return tensor.numpy()
 
 
 def small_spec(kind: str = "llama", dtype: torch.dtype = torch.float16) -> kvtier.ModelSpec:

@@ -51,6 +51,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     kind = "llama"
     pages = {"primary": 14}  # noqa: RUF012 - per subclass constant
+    device = "cpu"
 
     requests = Bundle("requests")
 
@@ -59,7 +60,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.tmp = tempfile.TemporaryDirectory()
         spec = small_spec(self.kind)
         tiers = tier_configs(self.kind, self.pages, spec, self.tmp.name)
-        config = kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers, snapshot_interval_blocks=2)
+        config = kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers, snapshot_interval_blocks=2, device=self.device)
         self.mgr = kvtier.KVCacheManager(spec, config)
         self.oracle = PageOracle(self.mgr)
         self.live: list[Request] = []
@@ -227,8 +228,8 @@ SETTINGS = settings(
 )
 
 
-def machine(kind: str, pages: dict[str, int]) -> type[CacheMachine]:
-    return type(f"{kind}_{'_'.join(pages)}", (CacheMachine,), {"kind": kind, "pages": pages})
+def machine(kind: str, pages: dict[str, int], device: str = "cpu") -> type[CacheMachine]:
+    return type(f"{kind}_{'_'.join(pages)}", (CacheMachine,), {"kind": kind, "pages": pages, "device": device})
 
 
 @pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])

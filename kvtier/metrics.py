@@ -1,0 +1,75 @@
+"""``CacheStats`` as Prometheus metrics (``prometheus-client``).
+
+``CacheCollector(manager)`` reads ``manager.stats()`` at every scrape, so the figures are always
+current and the manager's hot paths pay nothing. Register it on a registry, or call
+``serve(manager, port)`` to expose it over HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.manager import KVCacheManager
+
+
+class CacheCollector(Collector):
+    """Exports one manager's stats; names start with ``kvtier_``."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.manager.stats()
+        for name, doc, field in (
+            ("kvtier_tier_pages_total", "Pages a tier can hold", "pages_total"),
+            ("kvtier_tier_pages_used", "Pages a tier holds now", "pages_used"),
+            ("kvtier_tier_bytes_total", "Bytes of a tier's quota", "bytes_total"),
+            ("kvtier_tier_bytes_used", "Bytes a tier holds now", "bytes_used"),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier, tier_stats in stats.tiers.items():
+                gauge.add_metric([tier], getattr(tier_stats, field))
+            yield gauge
+        hits = CounterMetricFamily(
+            "kvtier_hit_tokens", "Prompt tokens reused, by the tier they came from", labels=["tier"]
+        )
+        for tier, n in stats.hit_tokens.items():
+            hits.add_metric([tier], n)
+        yield hits
+        yield CounterMetricFamily(
+            "kvtier_lookup_tokens", "Prompt tokens looked up for reuse", value=stats.lookup_tokens
+        )
+        for name, doc in (
+            ("evictions", "Pages forced out of a tier to make room"),
+            ("demotions", "Pages moved to a colder tier"),
+            ("promotions", "Pages moved to a warmer tier"),
+            ("drops", "Pages discarded from the cache"),
+            ("checksum_failures", "Pages that failed their checksum when read back"),
+        ):
+            yield CounterMetricFamily(f"kvtier_{name}", doc, value=getattr(stats, name))
+        copied = CounterMetricFamily(
+            "kvtier_bytes_copied", "Bytes moved between tiers, by edge and path", labels=["src", "dst", "path"]
+        )
+        for key, n in stats.bytes_copied.items():
+            edge, path = key.split(":", 1)
+            src, dst = edge.split("->", 1)
+            copied.add_metric([src, dst, path], n)
+        yield copied
+
+
+def registry_for(manager: KVCacheManager) -> CollectorRegistry:
+    """A fresh registry holding only this manager's metrics."""
+    registry = CollectorRegistry()
+    registry.register(CacheCollector(manager))
+    return registry
+
+
+def serve(manager: KVCacheManager, port: int, addr: str = "127.0.0.1") -> CollectorRegistry:
+    """Serve the manager's metrics at ``http://addr:port/metrics`` from a background thread."""
+    registry = registry_for(manager)
+    start_http_server(port, addr=addr, registry=registry)
+    return registry

@@ -1,0 +1,52 @@
+"""Tiers on a CUDA device: pinned host pages, disk through pinned staging, byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from tests.kvdata import PageOracle
+from tests.test_cache_properties import machine
+from tests.test_tiers import convo, manager, prefill
+
+
+def test_cascade_and_reload_on_gpu(tmp_path):
+    mgr = manager(tmp_path, primary=8, host=8, disk=32, device="cuda")
+    oracle = PageOracle(mgr)
+    for i in range(5):
+        prefill(mgr, oracle, convo(i))
+    stats = mgr.stats()
+    assert stats.bytes_copied["primary->host:copy_engine"] + stats.bytes_copied.get("primary->host:kernel", 0) > 0
+    assert stats.tiers["disk"].pages_used > 0
+    for i in range(5):
+        tokens = convo(i) + [1, 2]
+        cache = mgr.create_cache(tokens)
+        assert cache.num_reused_tokens == 24
+        assert cache.resume()
+        oracle.check(cache, tokens)
+        cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_primary_to_disk_without_host_on_gpu(tmp_path):
+    mgr = manager(tmp_path, primary=8, host=0, disk=32, device="cuda")
+    oracle = PageOracle(mgr)
+    for i in range(4):
+        prefill(mgr, oracle, convo(i))
+    assert mgr.stats().bytes_copied["host->disk:file"] > 0
+    tokens = convo(0) + [3]
+    cache = mgr.create_cache(tokens)
+    assert cache.reused_by_tier["disk"] == 24
+    assert cache.resume()
+    oracle.check(cache, tokens)
+    mgr.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])
+def test_random_operations_on_gpu(kind):
+    m = machine(kind, {"primary": 8, "host": 6, "disk": 20}, device="cuda")
+    m.TestCase.settings = settings(
+        max_examples=8, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    m.TestCase().runTest()

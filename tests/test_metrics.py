@@ -1,0 +1,52 @@
+"""The Prometheus export mirrors ``CacheStats``, read at scrape time, also over HTTP."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+from prometheus_client import generate_latest
+
+import kvtier
+from kvtier.metrics import registry_for, serve
+from tests.kvdata import PageOracle, small_spec
+
+
+def busy_manager(tmp_path) -> kvtier.KVCacheManager:
+    spec = small_spec()
+    page = 2 * 2 * 2 * 8 * 4 * 2  # 2 layers x k/v x 4 tokens x 2 heads x 8 dims x fp16
+    config = kvtier.CacheConfig(4, [kvtier.PrimaryTier(page * 4), kvtier.HostTier(page * 40)])
+    mgr = kvtier.KVCacheManager(spec, config)
+    oracle = PageOracle(mgr)
+    for i in range(3):
+        tokens = [i * 100 + j for j in range(12)]
+        cache = mgr.create_cache(tokens)
+        cache.resume()
+        cache.resize(12)
+        oracle.write(cache, tokens, 0, 12)
+        cache.commit(tokens)
+        cache.close()
+    mgr.create_cache([0, 1, 2, 3, 4, 5, 6]).close()
+    return mgr
+
+
+def test_metrics_mirror_stats(tmp_path):
+    mgr = busy_manager(tmp_path)
+    stats = mgr.stats()
+    text = generate_latest(registry_for(mgr)).decode()
+    assert f'kvtier_tier_pages_used{{tier="host"}} {float(stats.tiers["host"].pages_used)}' in text
+    assert f"kvtier_demotions_total {float(stats.demotions)}" in text
+    assert f'kvtier_hit_tokens_total{{tier="host"}} {float(stats.hit_tokens["host"])}' in text
+    assert f"kvtier_lookup_tokens_total {float(stats.lookup_tokens)}" in text
+    assert 'kvtier_bytes_copied_total{dst="host",path="cpu",src="primary"}' in text
+    assert stats.demotions > 0 and stats.hit_tokens["host"] > 0
+
+
+def test_metrics_over_http(tmp_path):
+    mgr = busy_manager(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve(mgr, port)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "kvtier_tier_pages_total" in body and "kvtier_evictions_total" in body
