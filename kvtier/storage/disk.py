@@ -23,7 +23,8 @@ from kvtier.storage.slots import SlotAllocator
 
 log = logging.getLogger(__name__)
 
-IO_THREADS = 4
+# Positional I/O and checksumming both release the GIL, so a few threads overlap them.
+IO_THREADS = min(8, max(2, os.cpu_count() or 2))
 
 
 def page_checksum(data: np.ndarray) -> int:
