@@ -109,16 +109,20 @@ class _Bench:
 
         args = self.args
         prefix = self.tokens(length)
-        # suffixes[0] warms each path up (untimed), then one per timed repeat; the last is compared.
-        suffixes = [self.tokens(args.suffix) for _ in range(args.repeats + 2)]
-        timed = suffixes[1 : args.repeats + 1]
-        check = prefix + suffixes[-1]
+        # ``warm`` warms each path up (untimed); every case then times suffixes no request has
+        # used yet, so each reuses exactly the prefix; the last suffix is the one compared.
+        warm = self.tokens(args.suffix)
+        fresh = {
+            case: [self.tokens(args.suffix) for _ in range(args.repeats)]
+            for case in ("recompute", "gpu", "host", "disk")
+        }
+        check = prefix + self.tokens(args.suffix)
         rows = []
 
         # (a) recompute on the dense path
         times = []
-        self.model.forward_dense(torch.tensor(prefix + suffixes[0], device=self.device), "last")
-        for suffix in timed:
+        self.model.forward_dense(torch.tensor(prefix + warm, device=self.device), "last")
+        for suffix in fresh["recompute"]:
             self.sync()
             t0 = time.perf_counter()
             logits = self.model.forward_dense(torch.tensor(prefix + suffix, device=self.device), "last")
@@ -137,10 +141,12 @@ class _Bench:
                 // args.tokens_per_block
                 * sum(eng.cache_manager.page_bytes(g.group_id) for g in eng.cache_manager.layer_groups)
             )
-            eng.generate([prefix + suffixes[0]], SamplingParams(max_tokens=1))  # warm-up
+            eng.generate([prefix + warm], SamplingParams(max_tokens=1))  # warm-up, resident
+            self._push_out(eng)
+            eng.generate([prefix + warm], SamplingParams(max_tokens=1))  # warm-up, from host
             for case in ("gpu", "host"):
                 ttfts, reloads, tiers = [], [], []
-                for suffix in timed:
+                for suffix in fresh[case]:
                     if case == "host":
                         self._push_out(eng)
                     out = eng.generate([prefix + suffix], SamplingParams(max_tokens=1))[0]
@@ -155,9 +161,10 @@ class _Bench:
                 )
         with self._engine(host=False) as eng:
             eng.generate([prefix], SamplingParams(max_tokens=1))
-            eng.generate([prefix + suffixes[0]], SamplingParams(max_tokens=1))  # warm-up
+            self._push_out(eng)
+            eng.generate([prefix + warm], SamplingParams(max_tokens=1))  # warm-up, from disk
             ttfts, tiers, dropped = [], [], []
-            for suffix in timed:
+            for suffix in fresh["disk"]:
                 self._push_out(eng)
                 dropped.append(_drop_page_cache())
                 out = eng.generate([prefix + suffix], SamplingParams(max_tokens=1))[0]
