@@ -78,12 +78,10 @@ class ModelRunner:
         request = piece.chunk.request
         cache = request.cache
         assert cache is not None
-        device = self.model.device
-        ids = torch.tensor(request.tokens[piece.start : piece.end], dtype=torch.int64).to(device, non_blocking=True)
-        pages = tuple(
-            torch.from_numpy(cache.page_indices(g.group_id)).to(device=device, dtype=torch.int64, non_blocking=True)
-            for g in self.mgr.layer_groups
-        )
+        # Host tensors: the model plans and checks the batch on the host and ships it to the
+        # device without a synchronisation, so promoted pages can still be landing meanwhile.
+        ids = torch.tensor(request.tokens[piece.start : piece.end], dtype=torch.int64)
+        pages = tuple(torch.from_numpy(cache.page_indices(g.group_id)).to(torch.int64) for g in self.mgr.layer_groups)
         return PagedSequence(ids, piece.start, pages)
 
     def _sample(self, request: Request, logits: torch.Tensor) -> int:

@@ -22,10 +22,11 @@ KvViews = Callable[[int], dict[str, torch.Tensor]]
 class PagedSequence:
     """One sequence's share of a paged forward.
 
-    ``token_ids``: int64 ``[n]`` (n >= 1) on the model device, the new tokens at positions
-    ``start .. start + n - 1``; the K/V (or state) of the ``start`` tokens before them is cached.
-    ``page_indices[g]``: int64 slots on the model device for layer group ``g`` (other integer
-    tensors, arrays and lists are converted, at the cost of a copy). Attention group:
+    ``token_ids``: int64 ``[n]`` (n >= 1), the new tokens at positions ``start .. start + n - 1``;
+    the K/V (or state) of the ``start`` tokens before them is cached. ``page_indices[g]``: int64
+    slots for layer group ``g`` (other integer arrays and lists are converted). When every tensor
+    of the batch is on the host, the batch is planned and checked there and shipped to the device
+    asynchronously; on the device, the check costs one synchronisation. Attention group:
     one entry per block, at least ``ceil((start + n) / tokens_per_block)``, ``BAD_PAGE_INDEX``
     where a block has no page (only blocks wholly outside the window may be absent). Recurrent
     group: exactly one entry, the live state page (its content is ignored when ``start == 0``).
@@ -85,6 +86,11 @@ class PagedBatch:
         """
         if not seqs:
             raise ValueError("forward_paged needs at least one sequence")
+        target = device
+        if device.type != "cpu" and all(_on_cpu(seq) for seq in seqs):
+            # Plan and check on the host, where the indices are: no device synchronisation, so
+            # the forward's kernels queue behind copies still landing (e.g. pages being promoted).
+            device = torch.device("cpu")
         starts = [_check_start(i, seq.start) for i, seq in enumerate(seqs)]
         token_ids = [_token_ids(i, seq, device) for i, seq in enumerate(seqs)]
         bounds = [0]
@@ -110,14 +116,49 @@ class PagedBatch:
                 recurrent[gid] = [RecurrentSlot(p, s == 0) for p, s in zip(pages, starts, strict=True)]
                 slots = torch.cat(pages)
             else:
-                num_slots, tpb = _check_kv_view(views, gid, layer, spec.dtype, device)
+                num_slots, tpb = _check_kv_view(views, gid, layer, spec.dtype, target)
                 plan = _plan_group(starts, token_ids, pages, tpb, group.window, group.sink_tokens, query_group)
                 attention[gid] = plan
                 slots = torch.cat([s.read_slots for s in plan.sequences])
             problems.append(((slots < 0) | (slots >= num_slots)).any())
-        if bool(torch.stack(problems).any()):  # the one device synchronisation
+        if bool(torch.stack(problems).any()):  # on the device: its one synchronisation
             raise ValueError(_diagnose(all_ids, vocab_size, attention, recurrent))
-        return cls(all_ids, positions, bounds, attention, recurrent)
+        batch = cls(all_ids, positions, bounds, attention, recurrent)
+        return batch if device == target else batch.to(target)
+
+    def to(self, device: torch.device) -> PagedBatch:
+        """The same plan on ``device`` (host tensors go through pinned memory, asynchronously)."""
+        attention = {
+            gid: AttentionGroupPlan(
+                _move(plan.write_slots, device),
+                _move(plan.write_rows, device),
+                [
+                    AttentionPlan(
+                        _move(a.read_slots, device),
+                        a.num_keys,
+                        None if a.mask is None else _move(a.mask, device),
+                        a.causal,
+                    )
+                    for a in plan.sequences
+                ],
+            )
+            for gid, plan in self.attention.items()
+        }
+        recurrent = {
+            gid: [RecurrentSlot(_move(r.slot, device), r.fresh) for r in slots] for gid, slots in self.recurrent.items()
+        }
+        return PagedBatch(
+            _move(self.token_ids, device), _move(self.positions, device), self.bounds, attention, recurrent
+        )
+
+
+def _on_cpu(seq: PagedSequence) -> bool:
+    tensors = [seq.token_ids, *seq.page_indices]
+    return all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in tensors)
+
+
+def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _check_start(i: int, start: object) -> int:
