@@ -127,7 +127,7 @@ class PagedBatch:
         return batch if device == target else batch.to(target)
 
     def to(self, device: torch.device) -> PagedBatch:
-        """The same plan on ``device`` (host tensors go through pinned memory, asynchronously)."""
+        """The same plan on ``device``, copied without waiting for the device's queue."""
         attention = {
             gid: AttentionGroupPlan(
                 _move(plan.write_slots, device),
@@ -158,7 +158,7 @@ def _on_cpu(seq: PagedSequence) -> bool:
 
 
 def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device, non_blocking=True)
 
 
 def _check_start(i: int, start: object) -> int:
