@@ -1,0 +1,21 @@
+"""Connectors: external KV stores that supply prefixes and receive finished blocks.
+
+The storage layer behind the shipped connectors:
+
+- ``BlockKeyspace``: the key of one page (model, block size, tensor-parallel shard, reuse scope,
+  chained block key, layer group), the same in every process and on every machine.
+- ``BlockStore``: the batched interface of a store (get, put, contains, delete, close); a store
+  frames and verifies pages itself (``encode_page``/``decode_page``), so callers see only whole,
+  verified payloads or misses, and it never raises for a failure of what is behind it.
+- ``FileSystemStore(path)``: one file per page, atomic writes, shareable between processes.
+- ``RedisStore(url)``: one round trip per batch, optional TTL, back-off while the server is down.
+  ``redis`` is imported only when a ``RedisStore`` is made.
+"""
+
+from kvtier.connector.block_codec import decode_page, encode_page
+from kvtier.connector.fs_store import FileSystemStore
+from kvtier.connector.keys import BlockKeyspace
+from kvtier.connector.redis_store import RedisStore
+from kvtier.connector.store import BlockStore
+
+__all__ = ["BlockKeyspace", "BlockStore", "FileSystemStore", "RedisStore", "decode_page", "encode_page"]

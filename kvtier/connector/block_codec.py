@@ -1,0 +1,71 @@
+"""The bytes of one stored page: a fixed header, then the payload.
+
+Layout (little-endian, ``HEADER_BYTES`` = 24)::
+
+    magic      4 bytes   b"KVTB"
+    version    uint16    FORMAT_VERSION
+    reserved   uint16    0
+    length     uint64    payload bytes
+    checksum   8 bytes   blake2b (digest_size=8) of the payload
+    payload    length bytes
+
+Every header byte is checked on decode, so any single damaged byte, a truncation, trailing
+bytes, or a value of another format reads as a miss (None). ``decode_page`` never raises on bad
+data and never copies the payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+
+Buffer = bytes | bytearray | memoryview | np.ndarray
+"""A page payload: any C-contiguous object with the buffer protocol (a CPU tensor via ``.numpy()``)."""
+
+MAGIC = b"KVTB"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHQ8s")
+HEADER_BYTES = _HEADER.size
+CHECKSUM_BYTES = 8
+
+
+def payload_checksum(payload: memoryview) -> bytes:
+    """The 8-byte blake2b digest stored in the header (hashlib releases the GIL while hashing)."""
+    return hashlib.blake2b(payload, digest_size=CHECKSUM_BYTES).digest()
+
+
+def encode_page(data: Buffer) -> bytes:
+    """The stored form of a payload: header + payload. ``TypeError`` for a non-contiguous or non-buffer object."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(
+            f"a page payload must support the buffer protocol (bytes, memoryview, numpy array), "
+            f"got {type(data).__name__}; pass a CPU tensor as tensor.numpy()"
+        ) from None
+    if not view.c_contiguous:
+        raise TypeError("a page payload must be C-contiguous")
+    payload = view.cast("B")
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, payload_checksum(payload)) + payload
+
+
+def decode_page(blob: bytes | bytearray | memoryview, expected_size: int | None = None) -> memoryview | None:
+    """The payload inside ``blob`` (a view, no copy), or None if anything is wrong with it.
+
+    Wrong means: shorter than a header, another magic, version or reserved field, a length that
+    is not the bytes that follow (or not ``expected_size`` when given), or a checksum mismatch.
+    """
+    view = memoryview(blob).cast("B")
+    if view.nbytes < HEADER_BYTES:
+        return None
+    magic, version, reserved, length, checksum = _HEADER.unpack_from(view)
+    if magic != MAGIC or version != FORMAT_VERSION or reserved != 0:
+        return None
+    if length != view.nbytes - HEADER_BYTES or (expected_size is not None and length != expected_size):
+        return None
+    payload = view[HEADER_BYTES:]
+    if payload_checksum(payload) != checksum:
+        return None
+    return payload

@@ -1,0 +1,442 @@
+"""Block keys, the page codec, and the file-system block store, with real files and real OS failures."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.connector import BlockKeyspace, BlockStore, FileSystemStore, decode_page, encode_page
+from kvtier.connector.block_codec import HEADER_BYTES
+from kvtier.tree import block_key, encode_tokens, scope_key
+
+ROOT = Path(__file__).resolve().parents[1]
+FINGERPRINT = "0123456789abcdef0123456789abcdef"
+
+
+def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="12345")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def chained_keys(tokens: list[int], scope: kvtier.ReuseScope, tpb: int = 4) -> list[bytes]:
+    """The block keys of ``tokens``' full blocks, as the radix tree chains them."""
+    from array import array
+
+    keys, parent = [], scope_key(scope)
+    for start in range(0, len(tokens) - tpb + 1, tpb):
+        parent = block_key(parent, encode_tokens(array("Q", tokens[start : start + tpb])))
+        keys.append(parent)
+    return keys
+
+
+def random_page(rng: np.random.Generator, size: int) -> np.ndarray:
+    """A page of non-zero random bytes."""
+    return rng.integers(1, 256, size, dtype=np.uint8)
+
+
+# ---------------------------------------------------------------------------------------- keys
+
+
+def test_keys_differ_in_every_part():
+    spec_a = kvtier.ModelSpec.uniform(2, 2, 8)
+    spec_b = kvtier.ModelSpec.uniform(2, 2, 16)
+    spaces = [
+        BlockKeyspace.for_model(spec_a, 16),
+        BlockKeyspace.for_model(spec_b, 16),
+        BlockKeyspace.for_model(spec_a, 32),
+        BlockKeyspace.for_model(spec_a, 16, tp_rank=1, tp_world_size=2),
+        BlockKeyspace.for_model(spec_a, 16, tp_rank=0, tp_world_size=2),
+    ]
+    scopes = [
+        kvtier.DEFAULT_SCOPE,
+        kvtier.ReuseScope(lora_id=1),
+        kvtier.ReuseScope(lora_id="1"),
+        kvtier.ReuseScope(salt="tenant-a"),
+        kvtier.ReuseScope(salt=b"tenant-a"),
+        kvtier.ReuseScope(salt=""),
+    ]
+    blocks = chained_keys(list(range(12)), kvtier.DEFAULT_SCOPE)
+    keys = [space.key(s, b, g) for space in spaces for s in scopes for b in blocks for g in range(3)]
+    assert len(set(keys)) == len(keys) == len(spaces) * len(scopes) * len(blocks) * 3
+    assert all(set(k) <= set("0123456789abcdefghijklmnopqrstuvwxyz/") for k in keys)
+    assert spaces[0].fingerprint == spec_a.fingerprint()
+
+
+def test_key_format_is_pinned():
+    """The layout of keys is part of what other processes and machines rely on: it never drifts."""
+    space = BlockKeyspace(FINGERPRINT, 16, tp_rank=1, tp_world_size=4)
+    assert space.key(kvtier.ReuseScope(lora_id=7, salt="t"), bytes(range(16)), 2) == (
+        "kvtier/v1/0123456789abcdef0123456789abcdef/tpb16/tp1of4/"
+        "0135e4823a9fd99b23c091f7ae959085/000102030405060708090a0b0c0d0e0f/g2"
+    )
+
+
+def test_keys_are_the_same_in_another_process():
+    scope = kvtier.ReuseScope(lora_id="adapter", salt=b"\x00salt")
+    spec = kvtier.ModelSpec([kvtier.AttentionLayer(2, 8), kvtier.RecurrentLayer(64)])
+    tokens = list(range(100, 140))
+    here = [
+        BlockKeyspace.for_model(spec, 4, 1, 2).key(scope, b, g)
+        for b in chained_keys(tokens, scope)
+        for g in range(len(spec.groups))
+    ]
+    out = run_python(f"""
+        import json, kvtier
+        from kvtier.connector import BlockKeyspace
+        from tests.test_connector_stores import chained_keys
+        scope = kvtier.ReuseScope(lora_id="adapter", salt=b"\\x00salt")
+        spec = kvtier.ModelSpec([kvtier.AttentionLayer(2, 8), kvtier.RecurrentLayer(64)])
+        space = BlockKeyspace.for_model(spec, 4, 1, 2)
+        keys = [space.key(scope, b, g) for b in chained_keys({tokens!r}, scope) for g in range(len(spec.groups))]
+        print(json.dumps(keys))
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout) == here
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (("ABC", 16), ValueError),
+        (("", 16), ValueError),
+        (("a/b", 16), ValueError),
+        ((FINGERPRINT, 0), ValueError),
+        ((FINGERPRINT, 16, 2, 2), ValueError),
+        ((FINGERPRINT, 16, -1, 2), ValueError),
+        ((FINGERPRINT, 16, 0, 0), ValueError),
+        ((FINGERPRINT, 16.0), TypeError),
+        ((FINGERPRINT, 16, True), TypeError),
+    ],
+)
+def test_keyspace_rejects_bad_parts(args, error):
+    with pytest.raises(error):
+        BlockKeyspace(*args)
+
+
+def test_key_rejects_bad_arguments():
+    space = BlockKeyspace(FINGERPRINT, 16)
+    with pytest.raises(ValueError, match="16 bytes"):
+        space.key(kvtier.DEFAULT_SCOPE, bytes(15), 0)
+    with pytest.raises(ValueError, match="group_id"):
+        space.key(kvtier.DEFAULT_SCOPE, bytes(16), -1)
+    with pytest.raises(TypeError, match="ReuseScope"):
+        space.key("tenant", bytes(16), 0)
+
+
+# --------------------------------------------------------------------------------------- codec
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4096, 100_003])
+def test_codec_round_trip(size):
+    payload = random_page(np.random.default_rng(size), size)
+    blob = encode_page(payload)
+    assert len(blob) == HEADER_BYTES + size
+    out = decode_page(blob, size)
+    assert out is not None and bytes(out) == payload.tobytes()
+    assert bytes(decode_page(blob)) == payload.tobytes()  # without a size: the header's length
+
+
+def test_codec_takes_any_contiguous_buffer():
+    arr = np.arange(24, dtype=np.float16).reshape(4, 6)
+    assert bytes(decode_page(encode_page(arr), arr.nbytes)) == arr.tobytes()
+    assert bytes(decode_page(encode_page(memoryview(b"abc")))) == b"abc"
+    with pytest.raises(TypeError, match="C-contiguous"):
+        encode_page(arr[:, ::2])
+    with pytest.raises(TypeError, match=r"\.numpy\(\)"):
+        encode_page("text")
+
+
+def test_codec_rejects_every_kind_of_damage():
+    payload = random_page(np.random.default_rng(1), 64)
+    blob = encode_page(payload)
+    for n in range(len(blob)):
+        assert decode_page(blob[:n], 64) is None, f"truncated to {n}"
+        assert decode_page(blob[:n]) is None, f"truncated to {n}"
+    for i in range(len(blob)):
+        for flip in (0x01, 0x80, 0xFF):
+            damaged = bytearray(blob)
+            damaged[i] ^= flip
+            assert decode_page(damaged, 64) is None, f"byte {i} ^ {flip:#x}"
+            assert decode_page(damaged) is None, f"byte {i} ^ {flip:#x}"
+    assert decode_page(blob + b"\x00", 64) is None and decode_page(blob + b"\x00") is None
+    assert decode_page(blob, 63) is None and decode_page(blob, 65) is None
+    assert decode_page(b"", 0) is None and decode_page(b"\x00" * HEADER_BYTES, 0) is None
+
+
+# -------------------------------------------------------------------------------- file system
+
+
+def test_fs_store_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    store = FileSystemStore(tmp_path)
+    assert isinstance(store, BlockStore)
+    space = BlockKeyspace(FINGERPRINT, 16)
+    keys = [
+        space.key(kvtier.DEFAULT_SCOPE, b, g)
+        for b in chained_keys(list(range(80)), kvtier.DEFAULT_SCOPE)
+        for g in (0, 1)
+    ]
+    pages = [random_page(rng, 4096 if i % 2 else 1000) for i in range(len(keys))]
+    assert store.put_many(list(zip(keys, pages, strict=True))) == [True] * len(keys)
+    got = store.get_many(keys, [p.nbytes for p in pages])
+    assert got == [p.tobytes() for p in pages]
+    assert store.get_many(keys) == got
+    assert store.contains_many(keys) == [True] * len(keys)
+
+    new = random_page(rng, 4096)
+    assert store.put_many([(keys[1], new)]) == [True]  # replaces the old value
+    assert store.get_many([keys[1]]) == [new.tobytes()]
+
+    store.delete_many(keys[:10] + ["never-written"])
+    assert store.get_many(keys[:12]) == [None] * 10 + got[10:12]
+    assert store.contains_many(keys[:12]) == [False] * 10 + [True, True]
+    assert store.get_many([]) == [] and store.put_many([]) == [] and store.contains_many([]) == []
+    store.close()
+    store.close()
+    with pytest.raises(ValueError, match="closed"):
+        store.get_many(keys)
+
+    again = FileSystemStore(tmp_path)  # another store on the same directory sees the values
+    assert again.get_many(keys[10:]) == got[10:]
+    again.close()
+
+
+def test_fs_store_maps_any_key_to_a_safe_file_under_its_root(tmp_path):
+    store = FileSystemStore(tmp_path / "store")
+    keys = ["../../etc/passwd", "/abs/path", "a" * 10_000, "ключ/\x00/☃", ".hidden.tmp"]
+    pages = [random_page(np.random.default_rng(i), 100) for i in range(len(keys))]
+    assert store.put_many(list(zip(keys, pages, strict=True))) == [True] * len(keys)
+    assert store.get_many(keys) == [p.tobytes() for p in pages]
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert files == sorted(store.path_of(k) for k in keys)
+    for f in files:
+        rel = f.relative_to(tmp_path / "store")
+        assert len(rel.parts) == 3 and rel.parts[0] == f.name[:2] and rel.parts[1] == f.name[2:4]
+    store.close()
+
+
+def test_fs_store_misses_for_missing_damaged_and_wrong_size_values(tmp_path, caplog):
+    rng = np.random.default_rng(2)
+    store = FileSystemStore(tmp_path)
+    keys = [f"k{i}" for i in range(6)]
+    pages = [random_page(rng, 512) for _ in keys]
+    assert all(store.put_many(list(zip(keys, pages, strict=True))))
+
+    raw = bytearray(store.path_of("k0").read_bytes())
+    raw[HEADER_BYTES + 100] ^= 0x40  # a flipped payload bit
+    store.path_of("k0").write_bytes(raw)
+    store.path_of("k1").write_bytes(store.path_of("k1").read_bytes()[:-1])  # truncated
+    store.path_of("k2").write_bytes(b"not a page at all")
+    store.path_of("k3").unlink()  # missing: a plain miss, not worth a warning
+
+    with caplog.at_level(logging.WARNING, logger="kvtier.connector.fs_store"):
+        got = store.get_many(keys, [512] * 6)
+    assert got == [None, None, None, None, pages[4].tobytes(), pages[5].tobytes()]
+    assert "3 of 6 values" in caplog.text and "failed verification" in caplog.text
+    assert store.get_many(["k4", "k5"], [511, 513]) == [None, None]  # wrong size for the caller's layout
+    assert store.contains_many(["k0", "k3"]) == [True, False]  # existence only; get_many is the authority
+    store.close()
+
+
+def test_fs_store_ignores_temporary_files(tmp_path):
+    """A complete or half-written temporary file next to a value is never read as a value."""
+    rng = np.random.default_rng(3)
+    store = FileSystemStore(tmp_path)
+    old = random_page(rng, 2048)
+    assert store.put_many([("written", old)]) == [True]
+    assert list(tmp_path.rglob("*.tmp")) == []  # a finished put leaves no temporary file
+
+    for key in ("written", "absent"):
+        final = store.path_of(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        whole = encode_page(random_page(rng, 2048))
+        (final.parent / f".{final.name}.999.aaaaaaaa.tmp").write_bytes(whole)
+        (final.parent / f".{final.name}.999.bbbbbbbb.tmp").write_bytes(whole[: len(whole) // 2])
+    assert store.get_many(["written", "absent"], [2048, 2048]) == [old.tobytes(), None]
+    assert store.contains_many(["written", "absent"]) == [True, False]
+    store.close()
+
+
+def test_fs_store_unreadable_value_is_a_logged_miss(tmp_path, caplog):
+    store = FileSystemStore(tmp_path)
+    assert store.put_many([("ok", b"x" * 10)]) == [True]
+    store.path_of("dir").mkdir(parents=True)  # reading it fails with IsADirectoryError
+    with caplog.at_level(logging.WARNING, logger="kvtier.connector.fs_store"):
+        assert store.get_many(["dir", "ok"]) == [None, b"x" * 10]
+    assert "1 of 2 reads" in caplog.text and "Is a directory" in caplog.text
+    store.close()
+
+
+def test_fs_store_in_an_impossible_directory_fails_without_raising(caplog):
+    """Nothing can be created under /proc, even as root: every put fails, every get misses, all logged."""
+    with caplog.at_level(logging.WARNING, logger="kvtier.connector.fs_store"):
+        store = FileSystemStore("/proc/kvtier-no-such-dir/store")
+        assert store.put_many([("a", b"1"), ("b", b"2")]) == [False, False]
+        assert store.get_many(["a", "b"]) == [None, None]
+        assert store.contains_many(["a"]) == [False]
+        store.delete_many(["a"])
+    assert "cannot create" in caplog.text and "2 of 2 writes" in caplog.text
+    store.close()
+
+
+def test_fs_store_under_a_file_size_limit_fails_only_what_does_not_fit(tmp_path):
+    """RLIMIT_FSIZE makes a write past the limit fail with EFBIG: a real OS failure, reported per item."""
+    out = run_python(f"""
+        import resource, signal
+        from pathlib import Path
+        from kvtier.connector import FileSystemStore
+        store = FileSystemStore({str(tmp_path)!r})
+        assert store.put_many([("big", b"old" * 10)]) == [True]
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        assert store.put_many([("small", b"s" * 100), ("big", b"b" * 65536)]) == [True, False]
+        assert store.get_many(["small", "big"]) == [b"s" * 100, b"old" * 10]  # the old value stays
+        assert list(Path({str(tmp_path)!r}).rglob("*.tmp")) == []  # the failed write's temp file is gone
+        store.close()
+        print("ok")
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+    assert "1 of 2 writes" in out.stderr and "File too large" in out.stderr
+
+
+def stamped_page(key_index: int, version: int, size: int) -> np.ndarray:
+    """A page whose every byte says which write made it: a torn or mixed value cannot pass ``check_stamped``."""
+    return np.full(size, (key_index * 31 + version) % 255 + 1, dtype=np.uint8)
+
+
+def check_stamped(key_index: int, payload: bytes | None, size: int) -> None:
+    assert payload is not None, f"key {key_index}: a miss, but the key always has a value"
+    arr = np.frombuffer(payload, dtype=np.uint8)
+    assert arr.size == size and (arr == arr[0]).all() and arr[0] != 0, f"key {key_index}: a mixed value"
+
+
+STAMPED_PRELUDE = """
+import sys, time
+import numpy as np
+from kvtier.connector import FileSystemStore
+from tests.test_connector_stores import check_stamped, stamped_page
+"""
+
+
+def partial_file(root: Path, whole_bytes: int) -> Path | None:
+    """A file under ``root`` (a value or a temporary one) that is still being written, if any."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = Path(dirpath, name)
+            try:
+                if path.stat().st_size < whole_bytes:
+                    return path
+            except FileNotFoundError:
+                pass  # renamed away meanwhile
+    return None
+
+
+def test_fs_store_writer_killed_mid_put_leaves_whole_values(tmp_path):
+    """The writer is killed the moment a file is seen half-written: every key still reads a whole value."""
+    size, n = 4 << 20, 4
+    code = STAMPED_PRELUDE + textwrap.dedent(f"""
+        store = FileSystemStore({str(tmp_path)!r})
+        keys = [f"key{{i}}" for i in range({n})]
+        version = 0
+        while True:
+            assert all(store.put_many([(k, stamped_page(i, version, {size})) for i, k in enumerate(keys)]))
+            if version == 0:
+                print("ready", flush=True)
+            version += 1
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 10
+        while partial_file(tmp_path, HEADER_BYTES + size) is None and time.monotonic() < deadline:
+            pass
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert time.monotonic() < deadline, "never saw a write in progress"
+    store = FileSystemStore(tmp_path)
+    for i, payload in enumerate(store.get_many([f"key{i}" for i in range(n)], [size] * n)):
+        check_stamped(i, payload, size)
+    store.close()
+
+
+def test_fs_store_shared_by_two_processes_sees_only_whole_values(tmp_path):
+    """Two processes overwrite and read the same keys at once: every read is a whole value, never a miss."""
+    size, n = 256 << 10, 12
+    store = FileSystemStore(tmp_path)
+    assert all(store.put_many([(f"key{i}", stamped_page(i, 0, size)) for i in range(n)]))
+    code = STAMPED_PRELUDE + textwrap.dedent(f"""
+        store = FileSystemStore({str(tmp_path)!r})
+        rng = np.random.default_rng(int(sys.argv[1]))
+        keys = [f"key{{i}}" for i in range({n})]
+        writes = reads = 0
+        print("ready", flush=True)
+        sys.stdin.readline()  # both processes start together
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            chosen = rng.choice({n}, size=4, replace=False)
+            pages = [stamped_page(int(i), int(rng.integers(1, 1000)), {size}) for i in chosen]
+            assert all(store.put_many([(keys[i], p) for i, p in zip(chosen, pages)]))
+            writes += 4
+            for i, payload in enumerate(store.get_many(keys, [{size}] * {n})):
+                check_stamped(i, payload, {size})
+            reads += {n}
+        print(writes, reads)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(seed)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        for seed in (1, 2)
+    ]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == b"ready", proc.communicate()[1].decode()[-3000:]
+    for proc in procs:
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr.decode()[-3000:]
+        writes, reads = map(int, stdout.split())
+        assert writes >= 40 and reads >= 120, (writes, reads)
+    for i, payload in enumerate(store.get_many([f"key{i}" for i in range(n)], [size] * n)):
+        check_stamped(i, payload, size)
+    assert list(tmp_path.rglob("*.tmp")) == []
+    store.close()
+
+
+def test_fs_store_rejects_bad_arguments(tmp_path):
+    store = FileSystemStore(tmp_path)
+    with pytest.raises(TypeError):
+        store.get_many([b"bytes-key"])
+    with pytest.raises(TypeError):
+        store.put_many([("", b"x")])
+    with pytest.raises(TypeError, match="UTF-8"):
+        store.contains_many(["\ud800"])
+    with pytest.raises(ValueError, match="2 entries for 1 keys"):
+        store.get_many(["a"], [1, 2])
+    with pytest.raises(TypeError):
+        store.put_many([("a", object())])
+    with pytest.raises(ValueError):
+        FileSystemStore(tmp_path, io_threads=0)
+    store.close()
