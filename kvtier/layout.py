@@ -118,14 +118,20 @@ class GroupLayout:
     window: int | None
     regions: list[Region]
     kind: GroupKind = GroupKind.ATTENTION
+    sink_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class KvCacheLayout:
-    """The primary tier's memory, per layer group. Addresses are valid only while pages stay there."""
+    """The primary tier's memory, per layer group. Addresses are valid only while pages stay there.
+
+    ``model_fingerprint`` names what the pages hold (the model spec's fingerprint; an engine
+    replaces it with one that also covers the weights), so connectors can key their stores.
+    """
 
     tokens_per_block: int
     groups: list[GroupLayout]
+    model_fingerprint: str = ""
 
 
 def _align(n: int) -> int:

@@ -174,8 +174,8 @@ class KVCacheManager:
                 buffer.data_ptr(), geometry.page_bytes, geometry.page_bytes, storage.slots[g].num_slots, buffer
             )
             group = geometry.group
-            groups.append(GroupLayout(g, group.layer_ids, group.window, [region], group.kind))
-        return KvCacheLayout(self.tokens_per_block, groups)
+            groups.append(GroupLayout(g, group.layer_ids, group.window, [region], group.kind, group.sink_tokens))
+        return KvCacheLayout(self.tokens_per_block, groups, self.spec.fingerprint())
 
     def page_bytes(self, group_id: int) -> int:
         """Bytes of one page of a layer group."""

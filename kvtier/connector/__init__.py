@@ -1,5 +1,10 @@
 """Connectors: external KV stores that supply prefixes and receive finished blocks.
 
+The protocol (``base``): ``KvCacheConnectorScheduler`` and ``KvCacheConnectorWorker``, driven by
+the engine through ask / reserve / deliver (``driver``). The shipped connectors
+(``store_connector``): ``FileSystemConnector(path)`` and ``RedisConnector(url)``, both halves in
+one object over a store.
+
 The storage layer behind the shipped connectors:
 
 - ``BlockKeyspace``: the key of one page (model, block size, tensor-parallel shard, reuse scope,
@@ -12,10 +17,31 @@ The storage layer behind the shipped connectors:
   ``redis`` is imported only when a ``RedisStore`` is made.
 """
 
+from kvtier.connector.base import (
+    ConnectorRequest,
+    KvCacheConnectorScheduler,
+    KvCacheConnectorWorker,
+    SchedulerOutput,
+)
 from kvtier.connector.block_codec import decode_page, encode_page
 from kvtier.connector.fs_store import FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RedisStore
 from kvtier.connector.store import BlockStore
+from kvtier.connector.store_connector import FileSystemConnector, RedisConnector, StoreConnector
 
-__all__ = ["BlockKeyspace", "BlockStore", "FileSystemStore", "RedisStore", "decode_page", "encode_page"]
+__all__ = [
+    "BlockKeyspace",
+    "BlockStore",
+    "ConnectorRequest",
+    "FileSystemConnector",
+    "FileSystemStore",
+    "KvCacheConnectorScheduler",
+    "KvCacheConnectorWorker",
+    "RedisConnector",
+    "RedisStore",
+    "SchedulerOutput",
+    "StoreConnector",
+    "decode_page",
+    "encode_page",
+]

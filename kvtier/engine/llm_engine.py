@@ -69,8 +69,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward over the batch, sample; returns the requests that finished."""
+        if self.connector is not None:
+            self.connector.poll()
         batch = self.scheduler.schedule()
         if not batch:
+            if self.connector is not None and self.connector.saving:
+                time.sleep(0.001)  # waiting for a save to release its pages
             return []
         if self.connector is not None:
             self.connector.before_forward(batch)
@@ -133,10 +137,20 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def abort_request(self, request_id: int) -> None:
+        """Drop a request that has not finished; an undelivered connector offer is handed back."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
         if self.connector is not None:
-            self.connector.request_finished(request)
-        self.scheduler.finish(request, reason)
+            self.connector.abort(request)
+        self.scheduler.finish(request, "abort")
+        self.runner.forget(request)
+        self._requests.pop(request_id, None)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        saving = self.connector is not None and self.connector.request_finished(request)
+        self.scheduler.finish(request, reason, close_cache=not saving)
         self.runner.forget(request)
         self._requests.pop(request.request_id, None)
 

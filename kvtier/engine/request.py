@@ -40,7 +40,8 @@ class Request:
     computed_prompt_tokens: int = 0
     reused_by_tier: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
-    connector: object | None = None  # per-request connector state, owned by the connector driver
+    connector: object | None = None  # the connector's offer for this allocation (kvtier.connector.driver)
+    loaded_until: int = 0  # end of a reserved connector offer: tokens below it are loaded, not computed
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
@@ -55,8 +56,9 @@ class Request:
         return self.cache.num_committed_tokens if self.cache is not None else 0
 
     @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt)
+    def next_position(self) -> int:
+        """Where this step's compute starts: after the cached tokens and any reserved connector load."""
+        return max(self.num_computed, self.loaded_until)
 
     def to_output(self) -> RequestOutput:
         assert self.first_token_time is not None and self.finish_time is not None

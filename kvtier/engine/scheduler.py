@@ -55,6 +55,8 @@ class Scheduler:
         # Hooks a connector driver sets: after a cache is created/resumed, and when a chunk is dropped.
         self.on_cache_created: AdmitHook = _nothing
         self.on_resumed: AdmitHook = _nothing
+        # Whether pages held outside the queues (e.g. by a connector's save in flight) will be freed.
+        self.pages_pending_release: Callable[[], bool] = lambda: False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -74,9 +76,9 @@ class Scheduler:
             n = self._chunk(request, budget)
             if n == 0:
                 continue
-            if not self._grow(request, request.num_computed + n, batch):
+            if not self._grow(request, request.next_position + n, batch):
                 continue  # the request itself was preempted
-            batch.append(ScheduledChunk(request, request.num_computed, n))
+            batch.append(ScheduledChunk(request, request.next_position, n))
             budget -= n
         while self.waiting and len(batch) < self.config.max_batch_size and budget > 0:
             chunk = self._admit(self.waiting[0], budget, batch)
@@ -87,18 +89,20 @@ class Scheduler:
             budget -= chunk.num_tokens
         return batch
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Close a request's cache; its published blocks stay for reuse."""
+    def finish(self, request: Request, reason: str, close_cache: bool = True) -> None:
+        """Take a request out of the queues and close its cache (unless a connector still reads it)."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if request.cache is not None:
+        if request.cache is not None and close_cache:
             request.cache.close()
         if request in self.running:
             self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
 
     def _chunk(self, request: Request, budget: int) -> int:
         """Tokens of ``request`` to compute this step within ``budget`` (0: not this step)."""
-        want = len(request.tokens) - request.num_computed
+        want = len(request.tokens) - request.next_position
         if want <= budget:
             return want
         return budget if self.config.chunked_prefill else 0
@@ -122,7 +126,7 @@ class Scheduler:
                 )
             cache.suspend()
             return None
-        target = cache.num_committed_tokens + n
+        target = request.next_position + n
         if self.config.policy == "guaranteed_no_evict":
             target = max(target, len(request.prompt) + request.params.max_tokens)
         if not cache.resize(max(target, cache.capacity)):
@@ -131,7 +135,7 @@ class Scheduler:
             return None
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return ScheduledChunk(request, cache.num_committed_tokens, n)
+        return ScheduledChunk(request, request.next_position, n)
 
     def _grow(self, request: Request, end: int, batch: list[ScheduledChunk]) -> bool:
         """Capacity for ``end`` tokens; under max_utilization, preempt others until it fits."""
@@ -159,7 +163,7 @@ class Scheduler:
 
     def _check_can_ever_run(self, request: Request, batch: list[ScheduledChunk], why: str) -> None:
         """With nothing running to free memory, a request that cannot start never will."""
-        if not self.running and not batch:
+        if not self.running and not batch and not self.pages_pending_release():
             raise OutOfPagesError(
                 f"request {request.request_id} cannot run even alone: {why}; give the primary tier more memory"
             )

@@ -1,0 +1,115 @@
+"""The connector interface: a scheduler half and a worker half, and what each half is shown.
+
+The engine drives a connector in three phases per allocation (see ``kvtier.connector.driver``):
+
+    ask      get_num_new_matched_tokens(request, num_computed_tokens), at most once per
+             allocation, before residency exists; it must have no side effects on the engine
+             or on the store's contents
+    reserve  after the cache is resumed: capacity and history moved to the offer end in one call
+    deliver  on the batch that actually runs: update_state_after_alloc exactly once, then the
+             worker loads (start_load_kv / wait_for_layer_load) before the forward
+
+An offer that is never delivered is handed back with ``cancel_load(request, start, end)`` over
+absolute token positions. ``request_finished`` returning True means a save is still running:
+the engine keeps the request's pages (locked in the primary tier) until ``get_finished``
+reports the save done.
+
+Block ids are positional per layer group: entry i is block i, ``BAD_PAGE_INDEX`` where a block
+has no page (a stale sliding-window block). With one layer group, ``request.new_block_ids``
+carries that group's list too.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.config import ReuseScope
+from kvtier.layout import KvCacheLayout
+
+
+@dataclass(slots=True)
+class ConnectorRequest:
+    """What a connector sees of a request.
+
+    ``prompt_token_ids`` is the prompt; ``all_token_ids`` the prompt and every generated token
+    whose KV is in the cache. ``block_ids_by_layer_group`` (and ``new_block_ids`` with one layer
+    group) are the cache's page slots, positional, as of the call they come with.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]
+    scope: ReuseScope
+    num_computed_tokens: int
+    block_ids_by_layer_group: list[list[int]] = field(default_factory=list)
+
+    @property
+    def new_block_ids(self) -> list[int]:
+        """The one layer group's block ids (empty with several groups: ids are per group)."""
+        return self.block_ids_by_layer_group[0] if len(self.block_ids_by_layer_group) == 1 else []
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The step's batch as the connector's ``build_connector_meta`` sees it."""
+
+    scheduled: list[ConnectorRequest]
+    num_scheduled_tokens: dict[int, int]
+    finished_request_ids: list[int]
+
+
+class KvCacheConnectorScheduler(ABC):
+    """The half that runs beside the scheduler: offers, bookkeeping, metadata for the worker."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens after ``num_computed_tokens`` the connector can supply, and whether it loads them asynchronously."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids_by_layer_group: list[list[int]]) -> None:
+        """The offer is delivered: its blocks now have these pages (called exactly once per offer)."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
+        """What the worker half needs for this step."""
+
+    @abstractmethod
+    def request_finished(self, request: ConnectorRequest, block_ids_by_layer_group: list[list[int]]) -> bool:
+        """The request is done; True if a save of its pages is still running (free them later)."""
+
+    def cancel_load(self, request: ConnectorRequest, start: int, end: int) -> None:  # noqa: B027 - optional hook
+        """Tokens ``[start, end)`` offered earlier will not be loaded: release what holds them."""
+
+
+class KvCacheConnectorWorker(ABC):
+    """The half that runs beside the model: moves pages between the store and the KV cache."""
+
+    @abstractmethod
+    def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
+        """Where the primary tier's pages are (valid while pages stay there)."""
+
+    def bind_connector_meta(self, meta: object) -> None:
+        """This step's metadata from the scheduler half."""
+        self._meta = meta
+
+    @abstractmethod
+    def start_load_kv(self, stream: object) -> None:
+        """Start loading the delivered blocks into their pages, ordered on ``stream``."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_id: int, stream: object) -> None:
+        """Make ``stream`` wait until ``layer_id``'s loads have landed."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer_id: int, stream: object) -> None:
+        """``layer_id``'s KV for this step has been computed on ``stream``."""
+
+    @abstractmethod
+    def wait_for_save(self, stream: object) -> None:
+        """The forward is done: saves may read the step's pages from here on."""
+
+    @abstractmethod
+    def get_finished(self, finished_gen_ids: Sequence[int], started_loading_ids: Sequence[int]) -> tuple[list, list]:
+        """(request ids whose saves finished, request ids whose asynchronous loads finished)."""

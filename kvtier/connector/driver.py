@@ -1,0 +1,207 @@
+"""The engine side of the connector protocol: ask, reserve, deliver, save, hand back.
+
+Per request, one ``Offer`` records the absolute token range ``[start, end)`` the connector
+promised for the current allocation (a memoised absolute end, never a delta), and how far the
+protocol got with it:
+
+    ask      when the request's cache is created (it holds the local prefix, ``start``):
+             get_num_new_matched_tokens once; the end is clamped below the prompt length and
+             the dropped tail handed back with cancel_load at once
+    reserve  after every successful resume until it succeeds: capacity and history to ``end``
+             in one resize; if that cannot be had (or the cache had to start over below
+             ``start``), the offer is handed back with cancel_load
+    deliver  when the request is in the batch that runs: update_state_after_alloc exactly once,
+             the worker loads, and the loaded tokens are committed to the cache
+
+An offer not delivered when its request is aborted is handed back too. A request whose save is
+still running when it finishes keeps its cache (pages locked in the primary tier) until
+``get_finished`` reports the save done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.connector.base import ConnectorRequest, SchedulerOutput
+from kvtier.engine.request import Request
+
+if TYPE_CHECKING:
+    from kvtier.cache import KVCache
+    from kvtier.engine.llm_engine import LLMEngine
+    from kvtier.engine.scheduler import ScheduledChunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Offer:
+    """What the connector promised a request: tokens ``[start, end)``."""
+
+    start: int
+    end: int
+    asynchronous: bool
+    reserved: bool = False
+    delivered: bool = False
+
+
+class ConnectorDriver:
+    """Runs one connector (an object implementing both halves) for one engine."""
+
+    def __init__(self, connector, engine: LLMEngine) -> None:
+        self.connector = connector
+        self.engine = engine
+        self.mgr = engine.cache_manager
+        self.saving: dict[int, KVCache] = {}
+        self.num_asks = 0
+        layout = dataclasses.replace(self.mgr.layout(), model_fingerprint=model_fingerprint(engine.model))
+        connector.register_kv_cache_layout(layout)
+        engine.scheduler.on_cache_created = self.ask
+        engine.scheduler.on_resumed = self.reserve
+        engine.scheduler.pages_pending_release = lambda: bool(self.saving)
+
+    # -- the three phases ------------------------------------------------------------------------
+
+    def ask(self, request: Request) -> None:
+        """Phase 1, once per allocation: what can the connector add after the local prefix?"""
+        assert request.cache is not None and request.connector is None
+        local = request.cache.num_committed_tokens
+        view = self._view(request, with_blocks=False)
+        self.num_asks += 1
+        tokens, asynchronous = self.connector.get_num_new_matched_tokens(view, local)
+        end = local + max(0, int(tokens))
+        limit = len(request.prompt) - 1  # the last prompt token is always computed
+        if end > limit:
+            self.connector.cancel_load(view, max(local, limit), end)
+            end = limit
+        if end > local:
+            request.connector = Offer(local, end, bool(asynchronous))
+
+    def reserve(self, request: Request) -> None:
+        """Phase 2, after resume: back the offer with pages, history moved to its end in the same call."""
+        offer = request.connector
+        if not isinstance(offer, Offer):
+            return
+        cache = request.cache
+        assert cache is not None
+        intact = cache.num_committed_tokens == offer.start
+        if offer.reserved and intact and cache.history_length >= offer.end:
+            return  # still backed (resumed again after a deferral or a preemption)
+        if not offer.reserved and intact and cache.resize(max(offer.end, cache.capacity), history=offer.end):
+            offer.reserved = True
+            request.loaded_until = offer.end
+            return
+        # It could not be had, or the cache started over below the offer: hand it back.
+        self.connector.cancel_load(self._view(request, with_blocks=False), offer.start, offer.end)
+        request.connector = None
+        request.loaded_until = 0
+
+    def before_forward(self, batch: list[ScheduledChunk]) -> None:
+        """Phase 3 for the batch that runs: deliver, load, and commit what was loaded."""
+        delivered = []
+        for chunk in batch:
+            offer = chunk.request.connector
+            if isinstance(offer, Offer) and offer.reserved and not offer.delivered:
+                offer.delivered = True
+                view = self._view(chunk.request)
+                self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
+                delivered.append(chunk.request)
+        output = SchedulerOutput(
+            [self._view(c.request) for c in batch], {c.request.request_id: c.num_tokens for c in batch}, []
+        )
+        self.connector.bind_connector_meta(self.connector.build_connector_meta(output))
+        stream = self._stream()
+        self.connector.start_load_kv(stream)
+        for layer_id in range(len(self.mgr.spec.layers)):
+            self.connector.wait_for_layer_load(layer_id, stream)
+        waiting = {r.request_id for r in delivered if r.connector.asynchronous}
+        while waiting:
+            _, loaded = self.connector.get_finished([], sorted(waiting))
+            waiting -= set(loaded)
+            if waiting:
+                time.sleep(0.001)
+        for request in delivered:
+            offer = request.connector
+            assert request.cache is not None and request.cache.num_committed_tokens == offer.start
+            request.cache.commit(request.tokens[offer.start : offer.end])
+            request.reused_by_tier["connector"] = request.reused_by_tier.get("connector", 0) + offer.end - offer.start
+            request.loaded_until = 0
+
+    def after_forward(self, batch: list[ScheduledChunk]) -> None:
+        stream = self._stream()
+        for layer_id in range(len(self.mgr.spec.layers)):
+            self.connector.save_kv_layer(layer_id, stream)
+        self.connector.wait_for_save(stream)
+        self.poll()
+
+    # -- endings ----------------------------------------------------------------------------------
+
+    def request_finished(self, request: Request) -> bool:
+        """Tell the connector; True if its save runs on and the cache must stay open until it ends."""
+        view = self._view(request)
+        if self.connector.request_finished(view, view.block_ids_by_layer_group):
+            assert request.cache is not None
+            self.saving[request.request_id] = request.cache
+            return True
+        return False
+
+    def abort(self, request: Request) -> None:
+        """The request leaves before its offer was delivered: hand the offer back."""
+        offer = request.connector
+        if isinstance(offer, Offer) and not offer.delivered:
+            self.connector.cancel_load(self._view(request, with_blocks=False), offer.start, offer.end)
+        request.connector = None
+
+    def poll(self) -> None:
+        """Close the caches of requests whose saves finished."""
+        if not self.saving:
+            return
+        saved, _ = self.connector.get_finished(sorted(self.saving), [])
+        for request_id in saved:
+            cache = self.saving.pop(request_id, None)
+            if cache is not None:
+                cache.close()
+
+    def close(self) -> None:
+        """Wait for every save, then close the connector."""
+        while self.saving:
+            self.poll()
+            if self.saving:
+                time.sleep(0.001)
+        self.connector.close()
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _view(self, request: Request, with_blocks: bool = True) -> ConnectorRequest:
+        cache = request.cache
+        computed = cache.num_committed_tokens if cache is not None else 0
+        blocks = []
+        if with_blocks and cache is not None:
+            blocks = [cache.page_indices(g.group_id).tolist() for g in self.mgr.layer_groups]
+        return ConnectorRequest(
+            request.request_id, list(request.prompt), request.tokens[:computed], request.scope, computed, blocks
+        )
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.mgr.device) if self.mgr.device.type == "cuda" else None
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Names a model's weights too, not only its shapes: two fine-tunes never share pages.
+
+    Hashes the spec, the config, and for every tensor its name, shape, dtype and first 4,096 values.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(model.spec.fingerprint().encode())
+    h.update(repr(getattr(model, "config", "")).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
+        sample = tensor.detach().reshape(-1)[:4096].to("cpu", torch.float64)
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()

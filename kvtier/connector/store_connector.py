@@ -1,0 +1,300 @@
+"""A connector over a ``BlockStore``: both halves in one object, and the two shipped ones.
+
+- Ask: the chained keys of the prompt's full blocks after the local prefix are looked up
+  (``contains_many``), the longest run that every attention group's hit rule accepts is fetched
+  and verified (``get_many``) into a private read-ahead buffer, and exactly what arrived intact is
+  offered. Fetching before the offer means a load can never fail afterwards: a store that dies
+  between ask and load costs nothing but the offer.
+- Deliver: ``update_state_after_alloc`` maps the staged blocks to their pages; ``start_load_kv``
+  copies them in (one ``PageCopier`` call per layer group, on the engine's stream).
+- Save: ``request_finished`` lists the request's full blocks the store lacks and returns True;
+  a background thread copies those pages out and writes them; ``get_finished`` reports the
+  request once they are written, and only then does the engine release its pages.
+
+Models with a recurrent layer group are not served (their reuse needs a state snapshot at the
+offer's end, which the pages a request holds at the end do not give): such connectors offer
+nothing and save nothing, and say so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvtier.cache import as_token_array
+from kvtier.config import ReuseScope
+from kvtier.connector.base import ConnectorRequest, KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
+from kvtier.connector.fs_store import FileSystemStore
+from kvtier.connector.keys import BlockKeyspace
+from kvtier.connector.redis_store import RedisStore
+from kvtier.connector.store import BlockStore
+from kvtier.copy import PageCopier
+from kvtier.layout import GroupLayout, KvCacheLayout
+from kvtier.pages import BAD_PAGE_INDEX
+from kvtier.spec import GroupKind
+from kvtier.storage.pinned import allocate_host_buffer
+from kvtier.tree import TOKEN_BYTES, block_key, encode_tokens, scope_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A request's offer: verified payloads of blocks ``first_block ..``, per (block, group)."""
+
+    first_block: int
+    pages: dict[tuple[int, int], bytes] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Load:
+    group: int
+    slot: int
+    payload: bytes
+
+
+@dataclass(slots=True)
+class ConnectorMeta:
+    """What the worker half does this step: pages to load."""
+
+    loads: list[_Load]
+
+
+class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
+    """Supplies prefixes from, and saves finished blocks to, one ``BlockStore``."""
+
+    def __init__(self, store: BlockStore, tp_rank: int = 0, tp_world_size: int = 1) -> None:
+        self.store = store
+        self.tp_rank = tp_rank
+        self.tp_world_size = tp_world_size
+        self._staged: dict[int, _Staged] = {}
+        self._pending_loads: list[_Load] = []
+        self._meta = ConnectorMeta([])
+        self._saves: dict[int, Future] = {}
+        self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-connector-save")
+        self._lock = threading.Lock()
+        self._layout: KvCacheLayout | None = None
+        self._keyspace: BlockKeyspace | None = None
+        self._copier: PageCopier | None = None
+        self._servable = True
+
+    # -- worker: layout ---------------------------------------------------------------------------
+
+    def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
+        fingerprint = layout.model_fingerprint
+        if not fingerprint:
+            raise ValueError("the layout carries no model fingerprint: register the layout an engine hands over")
+        self._layout = layout
+        self._keyspace = BlockKeyspace(fingerprint, layout.tokens_per_block, self.tp_rank, self.tp_world_size)
+        buffer = layout.groups[0].regions[0].buffer
+        self._copier = PageCopier(buffer.device if buffer is not None else "cpu")
+        if any(g.kind is GroupKind.RECURRENT for g in layout.groups):
+            self._servable = False
+            log.warning("kvtier connector: models with recurrent layers are not served; it will offer and save nothing")
+
+    # -- scheduler: ask, deliver, cancel ---------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        self._staged.pop(request.request_id, None)
+        if not self._servable:
+            return 0, False
+        layout, keyspace = self._ready()
+        tpb = layout.tokens_per_block
+        first = num_computed_tokens // tpb
+        full = len(request.prompt_token_ids) // tpb
+        if full <= first:
+            return 0, False
+        chain = block_chain(request.prompt_token_ids, request.scope, tpb, full)
+        groups = [g for g in layout.groups if g.kind is not GroupKind.RECURRENT]
+        wanted = [(b, g.group_id) for b in range(first, full) for g in groups]
+        present = dict(
+            zip(
+                wanted,
+                self.store.contains_many([keyspace.key(request.scope, chain[b], g) for b, g in wanted]),
+                strict=True,
+            )
+        )
+        end = _best_end(present, groups, first, full, tpb, num_computed_tokens)
+        while end > num_computed_tokens:
+            needed = _needed(groups, first, end // tpb, end, tpb)
+            keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
+            sizes = [self._page_bytes(g) for _, g in needed]
+            payloads = self.store.get_many(keys, sizes)
+            missing = [needed[i] for i, p in enumerate(payloads) if p is None]
+            if not missing:
+                staged = _Staged(first, dict(zip(needed, payloads, strict=True)))
+                self._staged[request.request_id] = staged
+                return end - num_computed_tokens, False
+            for block_group in missing:
+                present[block_group] = False
+            end = _best_end(present, groups, first, min(b for b, _ in missing), tpb, num_computed_tokens)
+        return 0, False
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids_by_layer_group: list[list[int]]) -> None:
+        staged = self._staged.pop(request.request_id, None)
+        if staged is None:
+            return
+        for (block, group), payload in staged.pages.items():
+            slot = block_ids_by_layer_group[group][block]
+            if slot != BAD_PAGE_INDEX:  # a sliding-window block already stale at the offer's end
+                self._pending_loads.append(_Load(group, slot, payload))
+
+    def cancel_load(self, request: ConnectorRequest, start: int, end: int) -> None:
+        staged = self._staged.get(request.request_id)
+        if staged is None:
+            return
+        tpb = self._ready()[0].tokens_per_block
+        for block, group in list(staged.pages):
+            if block * tpb >= start:
+                del staged.pages[(block, group)]
+        if not staged.pages:
+            del self._staged[request.request_id]
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
+        loads, self._pending_loads = self._pending_loads, []
+        return ConnectorMeta(loads)
+
+    # -- worker: loads ------------------------------------------------------------------------------
+
+    def start_load_kv(self, stream: object) -> None:
+        loads = self._meta.loads if isinstance(self._meta, ConnectorMeta) else []
+        by_group: dict[int, list[_Load]] = {}
+        for load in loads:
+            by_group.setdefault(load.group, []).append(load)
+        for group, items in by_group.items():
+            region = self._group(group).regions[0]
+            buffer = region.as_tensor().reshape(-1)
+            staging = allocate_host_buffer(len(items) * region.size, region.size, buffer.device)
+            host = staging.tensor.numpy()
+            for i, item in enumerate(items):
+                host[i * region.size : (i + 1) * region.size] = np.frombuffer(item.payload, dtype=np.uint8)
+            pairs = np.array([[i, item.slot] for i, item in enumerate(items)], dtype=np.int64)
+            assert self._copier is not None
+            self._copier.copy(staging.tensor, buffer, pairs, region.size, stream)
+            if buffer.device.type == "cuda":
+                torch.cuda.current_stream(buffer.device).synchronize()  # the staging buffer goes next
+            staging.release()
+
+    def wait_for_layer_load(self, layer_id: int, stream: object) -> None:
+        """Loads are whole pages, all enqueued on the engine's stream by ``start_load_kv``."""
+
+    # -- scheduler + worker: saves ----------------------------------------------------------------
+
+    def request_finished(self, request: ConnectorRequest, block_ids_by_layer_group: list[list[int]]) -> bool:
+        if not self._servable:
+            return False
+        layout, keyspace = self._ready()
+        tpb = layout.tokens_per_block
+        full = len(request.all_token_ids) // tpb
+        if full == 0:
+            return False
+        chain = block_chain(request.all_token_ids, request.scope, tpb, full)
+        pages = [
+            (keyspace.key(request.scope, chain[b], g.group_id), g.group_id, block_ids_by_layer_group[g.group_id][b])
+            for g in layout.groups
+            if g.kind is not GroupKind.RECURRENT
+            for b in range(full)
+            if block_ids_by_layer_group[g.group_id][b] != BAD_PAGE_INDEX
+        ]
+        have = self.store.contains_many([key for key, _, _ in pages])
+        todo = [page for page, present in zip(pages, have, strict=True) if not present]
+        if not todo:
+            return False
+        with self._lock:
+            self._saves[request.request_id] = self._save_pool.submit(self._save, todo)
+        return True
+
+    def _save(self, todo: list[tuple[str, int, int]]) -> None:
+        """Copy the pages out of the cache (the engine keeps them locked meanwhile) and write them."""
+        items = []
+        for key, group, slot in todo:
+            page = self._group(group).regions[0].as_tensor()[slot]
+            items.append((key, page.to("cpu").numpy().copy()))
+        self.store.put_many(items)
+
+    def save_kv_layer(self, layer_id: int, stream: object) -> None:
+        """Saves copy whole pages once their request has finished; nothing to do per layer."""
+
+    def wait_for_save(self, stream: object) -> None:
+        """Saves run on their own thread after the request finished; nothing to wait for here."""
+
+    def get_finished(self, finished_gen_ids: Sequence[int], started_loading_ids: Sequence[int]) -> tuple[list, list]:
+        with self._lock:
+            done = [rid for rid, future in self._saves.items() if future.done()]
+            for rid in done:
+                error = self._saves.pop(rid).exception()
+                if error is not None:
+                    log.warning("kvtier connector: saving request %d failed: %s", rid, error)
+        return done, list(started_loading_ids)  # loads complete within start_load_kv
+
+    def close(self) -> None:
+        self._save_pool.shutdown(wait=True)
+        self.store.close()
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _ready(self) -> tuple[KvCacheLayout, BlockKeyspace]:
+        if self._layout is None or self._keyspace is None:
+            raise RuntimeError("register_kv_cache_layout must be called before the connector is used")
+        return self._layout, self._keyspace
+
+    def _group(self, group_id: int) -> GroupLayout:
+        return next(g for g in self._ready()[0].groups if g.group_id == group_id)
+
+    def _page_bytes(self, group_id: int) -> int:
+        return self._group(group_id).regions[0].size
+
+
+class FileSystemConnector(StoreConnector):
+    """Blocks in a shared directory: one file per page, written atomically, checksummed."""
+
+    def __init__(self, path, tp_rank: int = 0, tp_world_size: int = 1) -> None:
+        super().__init__(FileSystemStore(path), tp_rank, tp_world_size)
+
+
+class RedisConnector(StoreConnector):
+    """Blocks in Redis (``redis://`` or ``rediss://``, password in the URL), optional TTL in seconds."""
+
+    def __init__(self, url: str, ttl_seconds: float | None = None, tp_rank: int = 0, tp_world_size: int = 1) -> None:
+        super().__init__(RedisStore(url, ttl_seconds=ttl_seconds), tp_rank, tp_world_size)
+
+
+def block_chain(tokens: Sequence[int], scope: ReuseScope, tokens_per_block: int, count: int) -> list[bytes]:
+    """The chained keys of the first ``count`` full blocks of ``tokens`` (as the reuse tree names them)."""
+    data = encode_tokens(as_token_array(tokens[: count * tokens_per_block]))
+    step = tokens_per_block * TOKEN_BYTES
+    keys, parent = [], scope_key(scope)
+    for b in range(count):
+        parent = block_key(parent, data[b * step : (b + 1) * step])
+        keys.append(parent)
+    return keys
+
+
+def _needed(groups: list[GroupLayout], first: int, blocks: int, end: int, tpb: int) -> list[tuple[int, int]]:
+    """(block, group) pages an offer ending at ``end`` must load: every attention block, and for a
+    sliding-window group only the sink blocks and those still inside the window at ``end``."""
+    out = []
+    for g in groups:
+        sink_blocks = -(-g.sink_tokens // tpb)
+        live_from = 0 if g.window is None else max(sink_blocks, (end + 1 - g.window) // tpb)
+        out.extend((b, g.group_id) for b in range(first, blocks) if b >= live_from or b < sink_blocks)
+    return sorted(out)
+
+
+def _best_end(
+    present: dict[tuple[int, int], bool], groups: list[GroupLayout], first: int, limit: int, tpb: int, computed: int
+) -> int:
+    """The largest block-aligned end in ``(computed, limit * tpb]`` whose needed pages are all present."""
+    for blocks in range(limit, first, -1):
+        end = blocks * tpb
+        if end <= computed:
+            break
+        if all(present.get(bg, False) for bg in _needed(groups, first, blocks, end, tpb)):
+            return end
+    return computed

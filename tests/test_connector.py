@@ -1,0 +1,263 @@
+"""The connector protocol against the real scheduler, and the shipped connectors end to end.
+
+Protocol: asked once per allocation across a deferral; the clamp hands back exactly the tail; an
+offer dropped before delivery, or one reserve cannot back, is handed back with cancel_load;
+update_state_after_alloc once per delivered offer; sliding-window block ids keep BAD_PAGE_INDEX
+in place. End to end (float64, CPU): tokens always equal the dense oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.connector import FileSystemConnector, FileSystemStore, RedisConnector, StoreConnector
+from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
+from kvtier.models import build_model
+from tests.test_engine import check_against_oracle, page_bytes, prompts_for
+
+TPB = 16
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class RecordingConnector(FileSystemConnector):
+    """The shipped filesystem connector, recording every protocol call it receives."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.calls: list[tuple] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self.calls.append(("ask", request.request_id, num_computed_tokens, result[0]))
+        return result
+
+    def update_state_after_alloc(self, request, block_ids_by_layer_group):
+        self.calls.append(("deliver", request.request_id, [list(ids) for ids in block_ids_by_layer_group]))
+        super().update_state_after_alloc(request, block_ids_by_layer_group)
+
+    def cancel_load(self, request, start, end):
+        self.calls.append(("cancel", request.request_id, start, end))
+        super().cancel_load(request, start, end)
+
+    def of(self, kind: str, request_id: int | None = None) -> list[tuple]:
+        return [c for c in self.calls if c[0] == kind and (request_id is None or c[1] == request_id)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_model("tiny-llama", "cpu", torch.float64, seed=0)
+
+
+def engine(model, blocks, connector, **scheduler) -> LLMEngine:
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(page_bytes(model) * blocks)])
+    return LLMEngine(model, config, SchedulerConfig(**scheduler), connector=connector)
+
+
+def seed_store(model, path, prompts, max_tokens=2) -> None:
+    """Another engine computes the prompts and saves their blocks to the store."""
+    with engine(model, 200, FileSystemConnector(path)) as eng:
+        eng.generate(prompts, SamplingParams(max_tokens=max_tokens))
+
+
+def test_filesystem_cold_then_warm_across_engines(llama, tmp_path):
+    prompts = prompts_for(llama, [100, 140, 60], seed=1)
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as cold:
+        outs = cold.generate(prompts, SamplingParams(max_tokens=5))
+        assert all(o.reused_tokens_by_tier.get("connector", 0) == 0 for o in outs)
+    assert len(list(tmp_path.rglob("*.page"))) >= 6 + 8 + 3
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as warm:
+        outs = warm.generate(prompts, SamplingParams(max_tokens=5))
+        check_against_oracle(llama, prompts, outs, 5)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert out.reused_tokens_by_tier["connector"] == (len(prompt) - 1) // TPB * TPB
+            assert out.num_computed_prompt_tokens == len(prompt) - out.reused_tokens_by_tier["connector"]
+
+
+def test_asked_once_per_allocation_across_a_deferral(llama, tmp_path):
+    prompts = prompts_for(llama, [30, 100], seed=2)
+    seed_store(llama, tmp_path, [prompts[1]])
+    conn = RecordingConnector(tmp_path)
+    # A holds 5 of 13 pages: B's offer (6 pages) is reserved, its prompt + max_tokens (9) is not: deferred
+    with engine(llama, 13, conn, policy="guaranteed_no_evict", max_num_tokens=256) as eng:
+        outs = eng.generate(prompts, SamplingParams(max_tokens=40))
+        check_against_oracle(llama, prompts, outs, 40)
+    b = outs[1].request_id
+    assert len(conn.of("ask", b)) == 1
+    assert len(conn.of("deliver", b)) == 1
+    assert outs[1].reused_tokens_by_tier["connector"] == 96
+
+
+def test_clamp_hands_back_exactly_the_tail(llama, tmp_path):
+    prompt = prompts_for(llama, [96], seed=3)[0]  # exactly six blocks, all in the store
+    seed_store(llama, tmp_path, [prompt])
+    conn = RecordingConnector(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        out = eng.generate([prompt], SamplingParams(max_tokens=3))[0]
+    assert conn.of("ask")[0][3] == 96
+    assert conn.of("cancel") == [("cancel", out.request_id, 95, 96)]
+    assert out.reused_tokens_by_tier["connector"] == 95
+    assert out.token_ids == llama.reference_generate(prompt, 3)
+
+
+def test_offer_dropped_before_delivery_is_handed_back(llama, tmp_path):
+    prompts = prompts_for(llama, [30, 100], seed=4)
+    seed_store(llama, tmp_path, [prompts[1]])
+    conn = RecordingConnector(tmp_path)
+    eng = engine(llama, 13, conn, policy="guaranteed_no_evict", max_num_tokens=256)
+    eng.add_request(prompts[0], SamplingParams(max_tokens=40))
+    b = eng.add_request(prompts[1], SamplingParams(max_tokens=40))
+    eng.step()  # A runs; B is asked and reserved but cannot get its pages: deferred, not delivered
+    assert len(conn.of("ask", b)) == 1 and not conn.of("deliver", b)
+    eng.abort_request(b)
+    assert conn.of("cancel", b) == [("cancel", b, 0, 96)]
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
+def test_reserve_failure_cancels_and_computes_instead(llama, tmp_path):
+    prompts = prompts_for(llama, [100, 100], seed=5)
+    seed_store(llama, tmp_path, [prompts[1]])
+    conn = RecordingConnector(tmp_path)
+    # max_utilization: A holds 4 of 8 pages; B's reserve needs 6 at once and fails
+    with engine(llama, 8, conn, policy="max_utilization", max_num_tokens=64, max_batch_size=2) as eng:
+        eng.add_request(prompts[0][:60], SamplingParams(max_tokens=4))
+        eng.step()
+        b = eng.add_request(prompts[1], SamplingParams(max_tokens=4))
+        outputs = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                outputs[out.request_id] = out
+    assert conn.of("cancel", b)[0][2:] == (0, 96)
+    assert outputs[b].token_ids == llama.reference_generate(prompts[1], 4)
+
+
+def test_sliding_window_block_ids_keep_bad_page_index_in_place(tmp_path):
+    model = build_model("tiny-swa", "cpu", torch.float64, seed=0)
+    prompt = prompts_for(model, [160], seed=6)[0]
+    seed_store(model, tmp_path, [prompt])
+    conn = RecordingConnector(tmp_path)
+    with engine(model, 200, conn) as eng:
+        out = eng.generate([prompt], SamplingParams(max_tokens=4))[0]
+    check_against_oracle(model, [prompt], [out], 4)
+    ((_, _, block_ids),) = conn.of("deliver")
+    window_group = next(g.group_id for g in model.spec.groups if g.window)
+    ids = block_ids[window_group]
+    assert len(ids) == len(block_ids[1 - window_group]) == 11  # positional: one entry per block of capacity 164
+    assert ids[0] != kvtier.BAD_PAGE_INDEX  # the sink block
+    assert kvtier.BAD_PAGE_INDEX in ids[1:-3] and ids[-1] != kvtier.BAD_PAGE_INDEX
+    assert out.reused_tokens_by_tier["connector"] == 159  # all ten blocks, clamped below the prompt end
+
+
+def test_scopes_never_see_each_others_blocks(llama, tmp_path):
+    prompt = prompts_for(llama, [80], seed=7)[0]
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as eng:
+        eng.generate([prompt], SamplingParams(max_tokens=2), scope=kvtier.ReuseScope(lora_id=1))
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as eng:
+        other = eng.generate([prompt], SamplingParams(max_tokens=2), scope=kvtier.ReuseScope(lora_id=2))[0]
+        same = eng.generate([prompt], SamplingParams(max_tokens=2), scope=kvtier.ReuseScope(lora_id=1))[0]
+    assert other.reused_tokens_by_tier.get("connector", 0) == 0
+    assert same.reused_tokens_by_tier["connector"] == 79
+
+
+def test_corrupted_block_file_is_a_miss(llama, tmp_path):
+    prompt = prompts_for(llama, [100], seed=8)[0]
+    seed_store(llama, tmp_path, [prompt])
+    files = sorted(tmp_path.rglob("*.page"))
+    victim = files[len(files) // 2]
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as eng:
+        out = eng.generate([prompt], SamplingParams(max_tokens=4))[0]
+    assert out.reused_tokens_by_tier.get("connector", 0) < 96  # stops before the damaged block
+    assert out.token_ids == llama.reference_generate(prompt, 4)
+
+
+class GatedStore(FileSystemStore):
+    """A real filesystem store whose writes wait for a gate (to hold a save in flight)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.gate = threading.Event()
+
+    def put_many(self, items):
+        self.gate.wait(timeout=30)
+        return super().put_many(items)
+
+
+def test_pages_stay_locked_while_a_save_is_in_flight(llama, tmp_path):
+    store = GatedStore(tmp_path)
+    with engine(llama, 200, StoreConnector(store)) as eng:
+        out = eng.generate(prompts_for(llama, [70], seed=9), SamplingParams(max_tokens=2))[0]
+        cache = eng.connector.saving[out.request_id]
+        assert cache.state is kvtier.CacheState.ACTIVE  # held, locked in the primary tier
+        store.gate.set()
+        eng.close()
+        assert cache.state is kvtier.CacheState.CLOSED
+    assert len(list(tmp_path.rglob("*.page"))) == 4
+
+
+REDIS_PEER = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import kvtier
+from kvtier.connector import RedisConnector
+from kvtier.engine import LLMEngine, SamplingParams
+from kvtier.models import build_model
+from tests.test_engine import prompts_for, page_bytes
+model = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+config = kvtier.CacheConfig(16, [kvtier.PrimaryTier(page_bytes(model) * 200)])
+with LLMEngine(model, config, connector=RedisConnector({url!r})) as eng:
+    eng.generate(prompts_for(model, [120, 90], seed=10), SamplingParams(max_tokens=3))
+print("saved")
+"""
+
+
+def test_redis_shares_blocks_across_processes(llama, redis_url):
+    peer = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(REDIS_PEER.format(root=str(ROOT), url=redis_url))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert peer.returncode == 0 and "saved" in peer.stdout, peer.stderr[-2000:]
+    prompts = prompts_for(llama, [120, 90], seed=10)
+    with engine(llama, 200, RedisConnector(redis_url)) as eng:
+        outs = eng.generate(prompts, SamplingParams(max_tokens=5))
+    check_against_oracle(llama, prompts, outs, 5)
+    assert [o.reused_tokens_by_tier["connector"] for o in outs] == [112, 80]
+
+
+def test_redis_stopped_mid_run_gives_misses_and_correct_tokens(llama, start_redis):
+    server = start_redis()
+    prompts = prompts_for(llama, [90, 70, 110], seed=11)
+    conn = RedisConnector(server.url)
+    with engine(llama, 200, conn) as eng:
+        eng.generate(prompts[:1], SamplingParams(max_tokens=2))
+        server.kill()
+        outs = eng.generate(prompts, SamplingParams(max_tokens=4))  # asks and saves now fail
+        check_against_oracle(llama, prompts, outs, 4)
+        assert all(o.reused_tokens_by_tier.get("connector", 0) == 0 for o in outs)
+
+
+def test_lower_tiers_keep_working_with_a_connector(llama, tmp_path):
+    prompts = prompts_for(llama, [100, 100, 100, 100], seed=12)
+    pb = page_bytes(llama)
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(pb * 16), kvtier.HostTier(pb * 40)])
+    with LLMEngine(llama, config, connector=FileSystemConnector(tmp_path / "store")) as eng:
+        eng.generate(prompts, SamplingParams(max_tokens=3))
+        outs = eng.generate(prompts, SamplingParams(max_tokens=3))
+        check_against_oracle(llama, prompts, outs, 3)
+        stats = eng.cache_manager.stats()
+        assert stats.demotions > 0 and stats.hit_tokens["host"] > 0
+        eng.cache_manager.check_invariants()
