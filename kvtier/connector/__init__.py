@@ -1,7 +1,7 @@
 """Connectors: external KV stores that supply prefixes and receive finished blocks.
 
 The protocol (``base``): ``KvCacheConnectorScheduler`` and ``KvCacheConnectorWorker``, driven by
-the engine through ask / reserve / deliver (``driver``). The shipped connectors
+the engine through ask / reserve / deliver (``kvtier.engine.connector_driver``). The shipped connectors
 (``store_connector``): ``FileSystemConnector(path)`` and ``RedisConnector(url)``, both halves in
 one object over a store.
 

@@ -1,6 +1,6 @@
 """The connector interface: a scheduler half and a worker half, and what each half is shown.
 
-The engine drives a connector in three phases per allocation (see ``kvtier.connector.driver``):
+The engine drives a connector in three phases per allocation (see ``kvtier.engine.connector_driver``):
 
     ask      get_num_new_matched_tokens(request, num_computed_tokens), at most once per
              allocation, before residency exists; it must have no side effects on the engine

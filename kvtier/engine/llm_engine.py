@@ -44,7 +44,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache_manager)
         self.connector = None
         if connector is not None:
-            from kvtier.connector.driver import ConnectorDriver
+            from kvtier.engine.connector_driver import ConnectorDriver
 
             self.connector = ConnectorDriver(connector, self)
         self._ids = itertools.count()
