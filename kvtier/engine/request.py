@@ -40,7 +40,7 @@ class Request:
     computed_prompt_tokens: int = 0
     reused_by_tier: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
-    connector: object | None = None  # the connector's offer for this allocation (kvtier.connector.driver)
+    connector: object | None = None  # the connector offer of this allocation (kvtier.engine.connector_driver)
     loaded_until: int = 0  # end of a reserved connector offer: tokens below it are loaded, not computed
 
     def __post_init__(self) -> None:

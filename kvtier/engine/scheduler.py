@@ -52,7 +52,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # Hooks a connector driver sets: after a cache is created/resumed, and when a chunk is dropped.
+        # Hooks a connector driver sets: right after a cache is created, and after each resume.
         self.on_cache_created: AdmitHook = _nothing
         self.on_resumed: AdmitHook = _nothing
         # Whether pages held outside the queues (e.g. by a connector's save in flight) will be freed.
