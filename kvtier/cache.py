@@ -146,14 +146,13 @@ class KVCache:
         self._capacity = self._history = self._committed = self.num_reused_tokens = p
         self._num_blocks = nb
         self._nodes = list(match.full_nodes)
-        for node in self._nodes:
-            node.users += 1
-        hold = res.hold
+        if self._nodes:
+            self._nodes[-1].users += 1  # protects the whole path: every ancestor has a child
         for rule in self._mgr._rules:
             g = rule.group_id
             if rule.kind is GroupKind.RECURRENT:
                 source = snapshot_at(match, tpb)
-                hold(source)
+                res.hold(source)
                 self._pending.append((g, source))
                 continue
             live_from = rule.first_live_block(p, tpb)
@@ -163,13 +162,11 @@ class KVCache:
             else:
                 sink = rule.sink_blocks
                 blocks = [n.pages[g] if b < sink or b >= live_from else None for b, n in enumerate(self._nodes)]
-            for page in blocks:
-                if page is not None:
-                    hold(page)
+            res.hold_all(blocks)
             if match.partial is not None:
                 source = match.partial.pages[g]
                 assert source is not None
-                hold(source)
+                res.hold(source)
                 self._pending.append((g, source))
             if nb > full:
                 blocks.append(None)
@@ -208,21 +205,18 @@ class KVCache:
         res = self._res
         pages = self._live_pages()
         sources = [src for _, src in self._pending]
-        for page in pages:
-            res.lock(page)
-        for page in sources:
-            res.lock(page)
-        extra: dict[int, int] = {}
+        need, damaged = res.lock_all(pages)
+        res.lock_all(sources)
         for g, _ in self._pending:
-            extra[g] = extra.get(g, 0) + 1
+            need[g] = need.get(g, 0) + 1
         recurrent = self._mgr._recurrent_group
-        if recurrent is not None and self._state_page is None and recurrent not in extra:
-            extra[recurrent] = 1
+        if recurrent is not None and self._state_page is None and not any(g == recurrent for g, _ in self._pending):
+            need[recurrent] = need.get(recurrent, 0) + 1
         plan = MovePlan()
-        ok = res.promote(pages, plan, extra)
+        ok = res.promote(pages, plan, need)
         if ok:
             self._materialize_pending(plan)
-        self._mgr._mover.run(plan, stream)
+        damaged = self._mgr._mover.run(plan, stream) > 0 or damaged
         if not ok:
             for page in pages:
                 res.unlock(page)
@@ -232,7 +226,7 @@ class KVCache:
         for page in sources:
             res.release(page, locked=True)
         self._pending = []
-        if any(page.damaged for page in self._live_pages()):
+        if damaged and any(page.damaged for page in self._live_pages()):
             self._start_over()
             return self.resume(stream)
         for g in range(len(self._blocks)):
@@ -255,14 +249,10 @@ class KVCache:
             res.release(page, locked=True)
         if self._pending_snapshot is not None:
             res.release(self._pending_snapshot, locked=False)
-        for node in self._nodes:
-            node.users -= 1
-        if self._nodes:
-            self._mgr._tree.prune(self._nodes[-1])
+        self._drop_path()
         tokens = self._tokens
         self._blocks = [[] for _ in self._blocks]
         self._state_page = self._pending_snapshot = None
-        self._nodes = []
         self._tokens = array("Q")
         self._num_blocks = self._capacity = self._history = self._committed = self.num_reused_tokens = 0
         self._stale_end = [rule.sink_blocks for rule in self._mgr._rules]
@@ -318,11 +308,7 @@ class KVCache:
         self._blocks = [[] for _ in self._blocks]
         self._state_page = self._pending_snapshot = None
         self._pending = []
-        for node in self._nodes:
-            node.users -= 1
-        if self._nodes:
-            self._mgr._tree.prune(self._nodes[-1])
-        self._nodes = []
+        self._drop_path()
         self._num_blocks = 0
         self._state = CacheState.CLOSED
         self._mgr._caches.discard(self)
@@ -445,11 +431,11 @@ class KVCache:
         tree = self._mgr._tree
         tpb = self._tpb
         rules = self._mgr._attention_rules
-        parent = self._nodes[-1] if self._nodes else self._root
+        deepest = self._nodes[-1] if self._nodes else None
+        parent = deepest or self._root
         assert parent is not None
         for b in range(len(self._nodes), full_blocks):
             node = tree.child(parent, encode_tokens(self._tokens[b * tpb : (b + 1) * tpb]))
-            node.users += 1
             self._nodes.append(node)
             for rule in rules:
                 page = self._blocks[rule.group_id][b]
@@ -461,6 +447,9 @@ class KVCache:
                 self._pending_snapshot = None
                 self._attach_snapshot(pending, node, self._input_len - b * tpb)
             parent = node
+        self._nodes[-1].users += 1  # the use moves to the new deepest node; the old one has a child now
+        if deepest is not None:
+            deepest.users -= 1
 
     def _snapshot(self, position: int) -> None:
         """Keep a copy of the live recurrent state after ``position`` tokens, for reuse."""
@@ -519,6 +508,14 @@ class KVCache:
                     res.release(page, locked)
             self._stale_end[g] = new_end
         self._history = history
+
+    def _drop_path(self) -> None:
+        """Let go of the tree path (only its deepest node counts this cache as a user)."""
+        if self._nodes:
+            deepest = self._nodes[-1]
+            deepest.users -= 1
+            self._mgr._tree.prune(deepest)
+        self._nodes = []
 
     def _live_pages(self) -> list[Page]:
         """Every page the cache holds that compute uses: its blocks and its state page."""

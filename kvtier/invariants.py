@@ -80,8 +80,8 @@ def _count_holders(mgr: KVCacheManager) -> tuple[Counter, Counter, Counter]:
             refs[id(source)] += 1
         if cache._pending_snapshot is not None:
             refs[id(cache._pending_snapshot)] += 1
-        for node in cache._nodes:
-            users[id(node)] += 1
+        if cache._nodes:
+            users[id(cache._nodes[-1])] += 1  # a cache counts as a user of its deepest node only
     return refs, locks, users
 
 

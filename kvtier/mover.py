@@ -37,8 +37,12 @@ class Mover:
         self._staging: HostBuffer | None = None
         residency.write_to_disk = self.write_to_disk
 
-    def run(self, plan: MovePlan, stream: torch.cuda.Stream | None = None) -> None:
-        """Copy the data of ``plan``, then let the residency finish its bookkeeping."""
+    def run(self, plan: MovePlan, stream: torch.cuda.Stream | None = None) -> int:
+        """Copy the data of ``plan``, then let the residency finish its bookkeeping.
+
+        Returns how many pages failed their checksum on the way (they are marked damaged).
+        """
+        damaged = 0
         if plan.edges:
             stream = self._stream(stream)
             demotions = sorted((e for e in plan.edges if e[1] > e[0]), key=lambda e: -e[0])
@@ -50,10 +54,12 @@ class Mover:
                 else:
                     self._copy_edge(edge, pairs, stream)
             self._record(stream)
+            damaged = len(plan.damaged)
         self.residency.finish(plan)
         for tier in self.tiers:
             if tier.disk_index is not None:
                 tier.disk_index.flush()
+        return damaged
 
     def synchronize(self) -> None:
         """Wait until every copy issued so far has finished (before the CPU touches host memory)."""

@@ -244,16 +244,37 @@ class Residency:
         if not demotion:
             plan.deferred_frees.append((src_index, page.group, src_slot))
 
-    def promote(self, pages: list[Page], plan: MovePlan, extra: dict[int, int] | None = None) -> bool:
-        """Plan moving every page of ``pages`` into the primary tier, plus room for ``extra`` new pages.
+    def hold_all(self, pages: list[Page | None]) -> None:
+        """``hold`` for every page of a list (None entries skipped), in one pass."""
+        last = self._last
+        evictable = self.tiers[last].evictable
+        for page in pages:
+            if page is not None:
+                page.refs += 1
+                if page.refs == 1 and page.tier == last and not page.locks:
+                    evictable[page.group].discard(page)
 
-        The pages must be pinned (locked) by the caller so that making room cannot evict them.
+    def lock_all(self, pages: list[Page]) -> tuple[dict[int, int], bool]:
+        """``lock`` every page; returns (pages outside the primary tier per group, any damaged)."""
+        tiers = self.tiers
+        cold: dict[int, int] = {}
+        damaged = False
+        for page in pages:
+            page.locks += 1
+            if page.locks == 1:
+                tiers[page.tier].evictable[page.group].discard(page)
+            if page.tier != PRIMARY:
+                cold[page.group] = cold.get(page.group, 0) + 1
+            damaged = damaged or page.damaged
+        return cold, damaged
+
+    def promote(self, pages: list[Page], plan: MovePlan, need: dict[int, int]) -> bool:
+        """Plan moving every page of ``pages`` into the primary tier, with room for ``need[g]`` pages.
+
+        ``need`` counts the pages outside the primary tier plus any new pages to allocate. The
+        pages must be pinned (locked) by the caller so that making room cannot evict them.
         Returns False, with nothing promoted, when the primary tier cannot hold them all.
         """
-        need: dict[int, int] = dict(extra) if extra else {}
-        for page in pages:
-            if page.tier != PRIMARY:
-                need[page.group] = need.get(page.group, 0) + 1
         for group, count in need.items():
             if not self.make_room(PRIMARY, group, count, plan):
                 return False

@@ -57,7 +57,7 @@ class Node:
         self.children: dict[bytes, Node] = {}
         self.pages: list[Page | None] = [None] * num_groups
         self.snapshots: dict[int, Page] = {}
-        self.users = 0  # caches whose block list includes this node
+        self.users = 0  # caches whose deepest block is this node (their ancestors all have a child)
 
     def is_empty(self) -> bool:
         return not self.children and not self.snapshots and self.users == 0 and all(p is None for p in self.pages)

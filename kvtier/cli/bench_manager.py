@@ -116,7 +116,7 @@ def bench_round_trip() -> dict[str, float]:
         with tempfile.TemporaryDirectory() as tmp:
             pages = 256
             _, page = _manager(1)
-            tiers = [kvtier.HostTier(page * pages)]
+            tiers = [kvtier.HostTier(page * pages * 2)]  # a swap needs room beside the pages it swaps
             if label == "host+disk":
                 tiers = [kvtier.HostTier(page * 8), kvtier.DiskTier(page * pages * 2, tmp)]
             mgr, _ = _manager(pages, tiers)
