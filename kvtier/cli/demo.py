@@ -164,6 +164,7 @@ def _plot(records: dict, path: str) -> None:
         turns = sorted({t.turn for t in record.turns})
         means = [statistics.fmean(t.output.ttft_s * 1e3 for t in record.turns if t.turn == n) for n in turns]
         ax.plot([n + 1 for n in turns], means, marker="o", label=label)
+    ax.set_xticks([n + 1 for n in sorted({t.turn for r in records.values() for t in r.turns})])
     ax.set_xlabel("turn")
     ax.set_ylabel("mean TTFT (ms)")
     ax.set_title("Time to first token per turn")

@@ -5,7 +5,7 @@ two knobs read once per process:
 
 - ``KVTIER_COPY_ENGINE_MIN_BYTES``: the smallest page that goes to the copy engines. ``0`` sends
   every size there, a negative value none. Unset, it is ``DEFAULT_COPY_ENGINE_MIN_BYTES`` = 64 KiB,
-  measured on an H200 over PCIe Gen5 (docs/benchmarks_copy.md): from 64 KiB on the copy engines
+  measured on an H200 over PCIe Gen5 (docs/benchmarks.md): from 64 KiB on the copy engines
   match the kernel on an idle GPU (within 5%) and beat it by 15-90% while matmuls run; at 32 KiB
   and below their cost per copy lets the kernel win, idle and under load.
 - ``KVTIER_COHERENT_COPY_KERNEL``: on a coherent CPU-GPU link (NVLink-C2C) the copy engines take
