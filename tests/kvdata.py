@@ -47,16 +47,17 @@ class PageOracle:
     def _get(self, group: int, at: int, n: int) -> np.ndarray:
         return self.mgr._tiers[0].storage.buffers[group][at : at + n].cpu().numpy()
 
-    def write(self, cache: kvtier.KVCache, tokens: list[int], start: int, end: int) -> None:
-        """Write KV rows for positions ``start..end-1`` (and the state after ``end`` tokens)."""
+    def _places(self, cache: kvtier.KVCache, tokens: list[int], start: int, end: int):
+        """(group, byte offset, expected bytes, what) of every row ``start..end-1`` with a page, and of
+        each recurrent state after ``end`` tokens."""
         digests = prefix_digests(tokens[:end])
         for geo in self.geometries:
             g = geo.group_id
             slots = cache.page_indices(g)
             if geo.group.kind is kvtier.GroupKind.RECURRENT:
                 if end:
-                    base = int(slots[0]) * geo.page_bytes
-                    self._put(g, base, _bytes_for(digests[end - 1], 1000 + g, geo.page_bytes))
+                    want = _bytes_for(digests[end - 1], 1000 + g, geo.page_bytes)
+                    yield g, int(slots[0]) * geo.page_bytes, want, f"state page of group {g}"
                 continue
             for pos in range(start, end):
                 slot = int(slots[pos // self.tpb])
@@ -65,32 +66,18 @@ class PageOracle:
                 for i, part in enumerate(geo.parts):
                     row = part.nbytes // self.tpb
                     at = slot * geo.page_bytes + part.offset + (pos % self.tpb) * row
-                    self._put(g, at, _bytes_for(digests[pos], i, row))
+                    what = f"group {g} position {pos} part {part.layer_id}/{part.role} (slot {slot})"
+                    yield g, at, _bytes_for(digests[pos], i, row), what
+
+    def write(self, cache: kvtier.KVCache, tokens: list[int], start: int, end: int) -> None:
+        """Write KV rows for positions ``start..end-1`` (and the state after ``end`` tokens)."""
+        for group, at, data, _ in self._places(cache, tokens, start, end):
+            self._put(group, at, data)
 
     def check(self, cache: kvtier.KVCache, tokens: list[int]) -> None:
         """Every row below ``num_committed_tokens`` that has a page holds its expected bytes."""
-        end = cache.num_committed_tokens
-        digests = prefix_digests(tokens[:end])
-        for geo in self.geometries:
-            g = geo.group_id
-            slots = cache.page_indices(g)
-            if geo.group.kind is kvtier.GroupKind.RECURRENT:
-                if end:
-                    base = int(slots[0]) * geo.page_bytes
-                    want = _bytes_for(digests[end - 1], 1000 + g, geo.page_bytes)
-                    assert np.array_equal(self._get(g, base, geo.page_bytes), want), f"state page of group {g} differs"
-                continue
-            for pos in range(end):
-                slot = int(slots[pos // self.tpb])
-                if slot == kvtier.BAD_PAGE_INDEX:
-                    continue
-                for i, part in enumerate(geo.parts):
-                    row = part.nbytes // self.tpb
-                    at = slot * geo.page_bytes + part.offset + (pos % self.tpb) * row
-                    got = self._get(g, at, row)
-                    assert np.array_equal(got, _bytes_for(digests[pos], i, row)), (
-                        f"group {g} position {pos} part {part.layer_id}/{part.role} differs (slot {slot})"
-                    )
+        for group, at, want, what in self._places(cache, tokens, 0, cache.num_committed_tokens):
+            assert np.array_equal(self._get(group, at, want.size), want), f"{what} differs"
 
 
 def small_spec(kind: str = "llama", dtype: torch.dtype = torch.float16) -> kvtier.ModelSpec:
