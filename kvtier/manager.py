@@ -48,7 +48,7 @@ class KVCacheManager:
         self._snapshot_tokens = config.snapshot_interval_blocks * self.tokens_per_block
         self._tiers = build_tiers(spec, config, self._geometries)
         self._tier_names = tuple(t.name for t in self._tiers)
-        self._counters = Counters(self._tier_names)
+        self._counters = Counters()
         self._tree = RadixTree(len(self.layer_groups), self.tokens_per_block)
         self._residency = Residency(self._tiers, self._tree, self._counters)
         self._mover = Mover(self._tiers, self._residency, self._counters, self.device)

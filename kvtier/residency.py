@@ -40,9 +40,6 @@ class MovePlan:
     deferred_frees: list[tuple[int, int, int]] = field(default_factory=list)  # (tier, group, slot)
     damaged: list[Page] = field(default_factory=list)  # pages whose bytes failed their checksum on the way
 
-    def __bool__(self) -> bool:
-        return bool(self.edges or self.landed or self.deferred_frees)
-
     def add(self, src_tier: int, dst_tier: int, group: int, src_slot: int, dst_slot: int) -> None:
         edge = self.edges[(src_tier, dst_tier, group)]
         edge.append(src_slot)

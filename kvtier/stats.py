@@ -45,7 +45,6 @@ class Counters:
     cache entirely; ``bytes_copied`` is keyed "<src>-><dst>:<path>".
     """
 
-    tier_names: tuple[str, ...]
     hit_tokens: Counter[str] = field(default_factory=Counter)
     lookup_tokens: int = 0
     evictions: int = 0

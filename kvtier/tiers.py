@@ -28,9 +28,6 @@ class Tier:
         self.owners: list[list[Page | None]] = [[None] * s.num_slots for s in storage.slots]
         self.evictable = [EvictionIndex() for _ in storage.slots]
 
-    def num_free(self, group: int) -> int:
-        return self.storage.slots[group].num_free
-
     def place(self, page: Page) -> bool:
         """Give ``page`` a free slot here (not yet indexed); False when the group is full."""
         slot = self.storage.slots[page.group].allocate()

@@ -59,7 +59,6 @@ class ConnectorDriver:
         self.engine = engine
         self.mgr = engine.cache_manager
         self.saving: dict[int, KVCache] = {}
-        self.num_asks = 0
         layout = dataclasses.replace(self.mgr.layout(), model_fingerprint=model_fingerprint(engine.model))
         connector.register_kv_cache_layout(layout)
         engine.scheduler.on_cache_created = self.ask
@@ -73,7 +72,6 @@ class ConnectorDriver:
         assert request.cache is not None and request.connector is None
         local = request.cache.num_committed_tokens
         view = self._view(request, with_blocks=False)
-        self.num_asks += 1
         tokens, asynchronous = self.connector.get_num_new_matched_tokens(view, local)
         end = local + max(0, int(tokens))
         limit = len(request.prompt) - 1  # the last prompt token is always computed
