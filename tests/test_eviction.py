@@ -1,0 +1,122 @@
+"""kvtier/eviction.py: eviction order (lowest priority, then least recently added) and priority checks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.eviction import MAX_PRIORITY, MIN_PRIORITY, EvictionIndex, check_priority
+from kvtier.pages import Page
+
+
+def page(priority: int, slot: int = 0) -> Page:
+    return Page(group=0, tier=0, slot=slot, priority=priority)
+
+
+def test_empty_index():
+    index = EvictionIndex()
+    assert len(index) == 0
+    assert index.first() is None
+    assert list(index) == []
+    assert page(35) not in index
+
+
+def test_lowest_priority_first_then_least_recently_added():
+    index = EvictionIndex()
+    a, b, c, d, e = page(50, 1), page(10, 2), page(50, 3), page(10, 4), page(100, 5)
+    for p in (a, b, c, d, e):
+        index.add(p)
+    assert list(index) == [b, d, a, c, e]
+    assert index.first() is b
+    assert len(index) == 5
+    assert all(p in index for p in (a, b, c, d, e))
+
+
+def test_pages_are_distinct_records_even_when_equal_fields():
+    index = EvictionIndex()
+    twins = [page(20, 7), page(20, 7)]
+    for p in twins:
+        index.add(p)
+    assert len(index) == 2
+    assert list(index) == twins
+    index.discard(twins[0])
+    assert list(index) == [twins[1]]
+
+
+def test_add_of_a_present_page_moves_it_to_the_most_recent_end():
+    index = EvictionIndex()
+    a, b, c, low = page(40, 1), page(40, 2), page(40, 3), page(0, 4)
+    for p in (a, b, c, low):
+        index.add(p)
+    index.add(a)
+    assert list(index) == [low, b, c, a]
+    assert len(index) == 4  # re-adding does not count twice
+    index.add(a)
+    assert list(index) == [low, b, c, a]
+    index.add(low)  # alone in its level: stays first
+    assert index.first() is low
+
+
+def test_discard():
+    index = EvictionIndex()
+    a, b, c = page(5, 1), page(5, 2), page(6, 3)
+    for p in (a, b, c):
+        index.add(p)
+    index.discard(a)
+    assert list(index) == [b, c] and len(index) == 2 and a not in index
+    index.discard(a)  # absent: nothing happens
+    index.discard(page(5, 9))
+    assert list(index) == [b, c] and len(index) == 2
+    index.discard(b)
+    assert index.first() is c
+    index.discard(c)
+    assert index.first() is None and len(index) == 0 and list(index) == []
+
+
+def test_extreme_priorities():
+    index = EvictionIndex()
+    top, bottom = page(MAX_PRIORITY), page(MIN_PRIORITY)
+    index.add(top)
+    index.add(bottom)
+    assert list(index) == [bottom, top]
+
+
+@pytest.mark.parametrize("value", [0, 1, 35, 99, 100])
+def test_check_priority_accepts(value):
+    assert check_priority(value) == value
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(-1, ValueError), (101, ValueError), (1000, ValueError), (True, TypeError), (False, TypeError), (3.0, TypeError)]
+    + [("35", TypeError), (None, TypeError)],
+)
+def test_check_priority_rejects(value, error):
+    with pytest.raises(error, match=r"priority must be (an int )?in 0\.\.100"):
+        check_priority(value)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "discard"]), st.integers(0, 9)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 4).map(lambda x: x * 25), min_size=10, max_size=10), ops)
+def test_against_a_sorted_list_model(priorities, steps):
+    pages = [page(p, i) for i, p in enumerate(priorities)]
+    index = EvictionIndex()
+    model: list[Page] = []  # in the order pages were (last) added
+    for op, i in steps:
+        p = pages[i]
+        if p in model:
+            model.remove(p)
+        if op == "add":
+            index.add(p)
+            model.append(p)
+        else:
+            index.discard(p)
+        expected = sorted(model, key=lambda x: x.priority)  # stable: ties stay in order of addition
+        assert list(index) == expected
+        assert len(index) == len(expected)
+        assert index.first() is (expected[0] if expected else None)
+        assert all((q in index) == (q in model) for q in pages)

@@ -1,0 +1,160 @@
+"""kvtier/storage/slots.py: the O(1) slot allocator (free stack + free map)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvtier
+from kvtier.storage.slots import SlotAllocator
+
+
+def test_fresh_allocator_hands_out_low_slots_first():
+    slots = SlotAllocator(4)
+    assert (slots.num_slots, slots.num_free, slots.num_used) == (4, 4, 0)
+    assert [slots.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    assert (slots.num_free, slots.num_used) == (0, 4)
+    slots.check()
+
+
+def test_exhaustion_returns_none_and_changes_nothing():
+    slots = SlotAllocator(2)
+    assert (slots.allocate(), slots.allocate()) == (0, 1)
+    assert slots.allocate() is None
+    assert slots.allocate() is None
+    assert (slots.num_free, slots.num_used) == (0, 2)
+    slots.free(1)
+    assert slots.allocate() == 1
+    slots.check()
+
+
+def test_empty_allocator():
+    slots = SlotAllocator(0)
+    assert slots.allocate() is None
+    assert (slots.num_free, slots.num_used) == (0, 0)
+    slots.check()
+
+
+def test_negative_size():
+    with pytest.raises(ValueError, match="num_slots must be >= 0, got -1"):
+        SlotAllocator(-1)
+
+
+def test_free_is_lifo():
+    slots = SlotAllocator(6)
+    got = [slots.allocate() for _ in range(6)]
+    assert got == [0, 1, 2, 3, 4, 5]
+    for s in (4, 1, 3):
+        slots.free(s)
+    assert [slots.is_free(s) for s in range(6)] == [False, True, False, True, True, False]
+    assert [slots.allocate() for _ in range(4)] == [3, 1, 4, None]
+
+
+def test_double_free_raises_invariant_error():
+    slots = SlotAllocator(3)
+    s = slots.allocate()
+    slots.free(s)
+    with pytest.raises(kvtier.InvariantError, match=f"slot {s} freed twice"):
+        slots.free(s)
+    assert slots.num_free == 3
+    slots.check()
+
+
+def test_freeing_a_never_allocated_slot_raises():
+    slots = SlotAllocator(3)
+    slots.allocate()
+    with pytest.raises(kvtier.InvariantError):
+        slots.free(2)
+    assert slots.num_free == 2
+
+
+def test_freeing_bad_page_index_raises():
+    slots = SlotAllocator(3)
+    assert [slots.allocate() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(kvtier.InvariantError):
+        slots.free(kvtier.BAD_PAGE_INDEX)
+
+
+def test_reserve():
+    slots = SlotAllocator(6)
+    slots.reserve([1, 4, 2])
+    assert (slots.num_free, slots.num_used) == (3, 3)
+    assert [slots.is_free(s) for s in range(6)] == [True, False, False, True, False, True]
+    slots.check()
+    # The remaining free slots keep their order: lowest first.
+    assert [slots.allocate() for _ in range(4)] == [0, 3, 5, None]
+    slots.free(4)  # a reserved slot is allocated: it can be freed
+    assert slots.allocate() == 4
+    slots.check()
+
+
+def test_reserve_twice_raises():
+    slots = SlotAllocator(4)
+    slots.reserve([2])
+    with pytest.raises(kvtier.InvariantError, match="slot 2 reserved twice"):
+        slots.reserve([2])
+    with pytest.raises(kvtier.InvariantError, match="slot 3 reserved twice"):
+        slots.reserve([3, 3])
+    allocated = SlotAllocator(4)
+    allocated.allocate()
+    with pytest.raises(kvtier.InvariantError, match="slot 0 reserved twice"):
+        allocated.reserve([0])
+
+
+def test_reserve_nothing():
+    slots = SlotAllocator(3)
+    slots.allocate()
+    slots.reserve([])
+    assert [slots.allocate() for _ in range(3)] == [1, 2, None]
+
+
+def test_check_detects_a_broken_stack_or_map():
+    dup = SlotAllocator(3)
+    dup._free.append(dup._free[-1])
+    with pytest.raises(AssertionError, match="on the free stack twice"):
+        dup.check()
+
+    used_on_stack = SlotAllocator(3)
+    used_on_stack._is_free[0] = 0
+    with pytest.raises(AssertionError, match="free map and free stack disagree"):
+        used_on_stack.check()
+
+    swapped = SlotAllocator(3)
+    swapped.allocate()  # slot 0 is used, 1 and 2 are free
+    swapped._is_free[0], swapped._is_free[1] = 1, 0  # map says 0 free, 1 used; stack still holds 1
+    with pytest.raises(AssertionError, match="a slot on the free stack is marked used"):
+        swapped.check()
+
+
+ops = st.lists(st.one_of(st.just(("alloc", 0)), st.tuples(st.just("free"), st.integers(0, 11))), max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 12), ops)
+def test_against_a_set_model(num_slots, steps):
+    slots = SlotAllocator(num_slots)
+    used: set[int] = set()
+    stack = list(range(num_slots - 1, -1, -1))  # the model's free stack: the last freed comes back first
+    for op, n in steps:
+        if op == "alloc":
+            got = slots.allocate()
+            if not stack:
+                assert got is None
+                continue
+            assert got == stack.pop()
+            assert got not in used and 0 <= got < num_slots
+            used.add(got)
+        elif num_slots:
+            slot = n % num_slots
+            if slot in used:
+                slots.free(slot)
+                used.discard(slot)
+                stack.append(slot)
+            else:
+                with pytest.raises(kvtier.InvariantError):
+                    slots.free(slot)
+        assert slots.num_used == len(used)
+        assert slots.num_free == num_slots - len(used)
+        assert all(slots.is_free(s) == (s not in used) for s in range(num_slots))
+        slots.check()
