@@ -69,14 +69,19 @@ class ReuseScope:
 
     @classmethod
     def decode(cls, data: bytes) -> ReuseScope:
-        """The scope ``encode`` wrote; ``ValueError`` for anything else."""
+        """The scope ``encode`` wrote; ``ValueError`` for anything else (only exact encodings decode)."""
+        if not isinstance(data, bytes | bytearray):
+            raise TypeError(f"decode takes bytes, got {type(data).__name__}")
         try:
             head, lora, salt = data.split(b":", 1)[0], *data.split(b":", 1)[1].split(b"|")
             if head != b"scope":
                 raise ValueError
-            return cls(_decode_part(lora), _decode_part(salt))
+            scope = cls(_decode_part(lora), _decode_part(salt))
         except (ValueError, IndexError, UnicodeDecodeError, TypeError):
-            raise ValueError(f"not an encoded ReuseScope: {data[:40]!r}") from None
+            raise ValueError(f"not an encoded ReuseScope: {bytes(data[:40])!r}") from None
+        if scope.encode() != data:
+            raise ValueError(f"not an encoded ReuseScope: {bytes(data[:40])!r}")
+        return scope
 
 
 def _encode_part(x: object) -> bytes:
@@ -117,12 +122,12 @@ class CacheConfig:
     snapshot_interval_blocks: int = 4
 
     def __post_init__(self) -> None:
-        tpb = self.tokens_per_block
-        if isinstance(tpb, bool) or not isinstance(tpb, int) or tpb <= 0:
-            raise ValueError(f"tokens_per_block must be a positive int, got {tpb!r}")
-        sib = self.snapshot_interval_blocks
-        if isinstance(sib, bool) or not isinstance(sib, int) or sib <= 0:
-            raise ValueError(f"snapshot_interval_blocks must be a positive int, got {sib!r}")
+        for name in ("tokens_per_block", "snapshot_interval_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         tiers = list(self.tiers)
         if not tiers or not isinstance(tiers[0], PrimaryTier):
             raise ValueError("tiers must start with a PrimaryTier, e.g. tiers=[kvtier.PrimaryTier(1 << 30)]")
@@ -134,9 +139,12 @@ class CacheConfig:
             ranks.append(order[type(t)])
         if ranks != sorted(set(ranks)):
             raise ValueError("tiers must be ordered warm to cold, each kind at most once: primary, host, disk")
-        device = torch.device(self.device)
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         object.__setattr__(self, "tiers", tiers)
         object.__setattr__(self, "device", device)
 

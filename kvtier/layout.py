@@ -105,7 +105,7 @@ class Region:
         """A uint8 ``[num_slots, size]`` view of the region (needs the owning process)."""
         if self.buffer is None:
             raise ValueError("this Region was built without its buffer; only its addresses are known")
-        offset = self.base - self.buffer.data_ptr()
+        offset = self.base - self.buffer.untyped_storage().data_ptr()  # as_strided counts from the storage
         return torch.as_strided(self.buffer, (self.num_slots, self.size), (self.stride, 1), offset)
 
 

@@ -87,16 +87,22 @@ def find_reuse(
             for k, node in tree.partial_children(parent, tail):
                 offsets = {k} if not recurrent else {j for j in node.snapshots if j <= k and j < tpb}
                 candidates.extend((start + j, node) for j in offsets)
-    if recurrent:
-        # A snapshot inside a fully matched block (e.g. at the end of an earlier prompt) is a
-        # reuse point too: its block is then reused partly, like a partial match.
-        for b in range(min(len(path), max_blocks + 1)):
-            candidates.extend((b * tpb + j, path[b]) for j in path[b].snapshots if j < tpb and b * tpb + j <= limit)
+        if recurrent:
+            # A snapshot inside a fully matched block (e.g. at the end of an earlier prompt) is a
+            # reuse point too: its block is then reused partly, like a partial match.
+            for b in range(min(len(path), max_blocks + 1)):
+                candidates.extend((b * tpb + j, path[b]) for j in path[b].snapshots if j < tpb and b * tpb + j <= limit)
     candidates.sort(key=lambda c: -c[0])
+    # Block boundaries max_blocks * tpb, ..., tpb merged in: every point is tried from the longest down.
+    boundary = max_blocks
     for p, partial in candidates:
+        while boundary > 0 and boundary * tpb > p:
+            if _hit(boundary * tpb, None, path, attention, recurrent, tpb):
+                return ReuseMatch(boundary * tpb, path[:boundary], None)
+            boundary -= 1
         if _hit(p, partial, path, attention, recurrent, tpb):
             return ReuseMatch(p, path[: p // tpb], partial)
-    for b in range(max_blocks, 0, -1):
+    for b in range(boundary, 0, -1):
         if _hit(b * tpb, None, path, attention, recurrent, tpb):
             return ReuseMatch(b * tpb, path[:b], None)
     return None

@@ -17,13 +17,17 @@ from kvtier.spec import GroupKind
 def slots_per_group(
     quota: int, geometries: Sequence[PageGeometry], snapshot_interval_blocks: int, tier: str
 ) -> list[int]:
-    """Slots of each group in a tier of ``quota`` bytes; ``ValueError`` if a group gets none."""
-    weights = [1.0 / snapshot_interval_blocks if g.group.kind is GroupKind.RECURRENT else 1.0 for g in geometries]
+    """Slots of each group in a tier of ``quota`` bytes; ``ValueError`` if a group gets none.
+
+    Integer arithmetic throughout: weights are ``snapshot_interval_blocks`` for attention groups
+    and 1 for recurrent ones, so a quota that holds an exact number of blocks loses no page.
+    """
+    weights = [1 if g.group.kind is GroupKind.RECURRENT else snapshot_interval_blocks for g in geometries]
     demand = sum(w * g.page_bytes for w, g in zip(weights, geometries, strict=True))
-    slots = [int(quota * w / demand) for w in weights]
+    slots = [quota * w // demand for w in weights]
     for n, geometry in zip(slots, geometries, strict=True):
         if n < 1:
-            need = int(demand / min(weights)) + 1
+            need = -(-demand // min(weights))
             raise ValueError(
                 f"the {tier} tier's quota of {quota} bytes is too small for one page of layer group "
                 f"{geometry.group_id} ({geometry.page_bytes} bytes); give it at least {need} bytes"

@@ -52,6 +52,8 @@ class AttentionLayer:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         if self.sink_tokens and self.window is None:
             raise ValueError("sink_tokens only applies to sliding-window layers (set window)")
+        if isinstance(self.roles, str | bytes):
+            raise TypeError(f"roles must be a tuple of names, e.g. ('k', 'v'), not the string {self.roles!r}")
         roles = tuple(self.roles)
         if not roles or len(set(roles)) != len(roles) or not all(isinstance(r, str) and r for r in roles):
             raise ValueError(f"roles must be distinct non-empty names, got {self.roles!r}")

@@ -39,8 +39,8 @@ class SlotAllocator:
         return slot
 
     def free(self, slot: int) -> None:
-        """Return ``slot``; freeing a slot that is not allocated is a bug and raises."""
-        if self._is_free[slot]:
+        """Return ``slot``; freeing a slot that is not allocated (or not a slot) is a bug and raises."""
+        if not 0 <= slot < self.num_slots or self._is_free[slot]:
             raise InvariantError(f"slot {slot} freed twice")
         self._is_free[slot] = 1
         self._free.append(slot)
@@ -48,7 +48,7 @@ class SlotAllocator:
     def reserve(self, slots: list[int]) -> None:
         """Mark these free slots as allocated (restoring a persisted state); rebuilds the stack once."""
         for slot in slots:
-            if not self._is_free[slot]:
+            if not 0 <= slot < self.num_slots or not self._is_free[slot]:
                 raise InvariantError(f"slot {slot} reserved twice")
             self._is_free[slot] = 0
         self._free = [s for s in self._free if self._is_free[s]]
