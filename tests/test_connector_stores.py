@@ -179,6 +179,22 @@ def test_codec_rejects_every_kind_of_damage():
 # -------------------------------------------------------------------------------- file system
 
 
+def test_codec_binds_a_value_to_its_key():
+    payload = np.arange(1, 257, dtype=np.uint8)
+    blob = encode_page(payload, "kvtier/a")
+    assert bytes(decode_page(blob, 256, "kvtier/a")) == payload.tobytes()
+    assert decode_page(blob, 256, "kvtier/b") is None
+
+
+def test_fs_store_value_copied_under_another_key_is_a_miss(tmp_path):
+    store = FileSystemStore(tmp_path)
+    payload = np.arange(1, 65, dtype=np.uint8)
+    assert store.put_many([("kvtier/x/1", payload), ("kvtier/x/2", payload[::-1].copy())]) == [True, True]
+    store.path_of("kvtier/x/2").write_bytes(store.path_of("kvtier/x/1").read_bytes())
+    assert store.get_many(["kvtier/x/1", "kvtier/x/2"], [64, 64]) == [payload.tobytes(), None]
+    store.close()
+
+
 def test_fs_store_round_trip(tmp_path):
     rng = np.random.default_rng(0)
     store = FileSystemStore(tmp_path)

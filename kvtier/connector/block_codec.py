@@ -6,12 +6,13 @@ Layout (little-endian, ``HEADER_BYTES`` = 24)::
     version    uint16    FORMAT_VERSION
     reserved   uint16    0
     length     uint64    payload bytes
-    checksum   8 bytes   blake2b (digest_size=8) of the payload
+    checksum   8 bytes   blake2b (digest_size=8) of the store key, a NUL, then the payload
     payload    length bytes
 
 Every header byte is checked on decode, so any single damaged byte, a truncation, trailing
-bytes, or a value of another format reads as a miss (None). ``decode_page`` never raises on bad
-data and never copies the payload.
+bytes, or a value of another format reads as a miss (None). The key is part of the checksum,
+so a value copied under another key is a miss too. ``decode_page`` never raises on bad data
+and never copies the payload.
 """
 
 from __future__ import annotations
@@ -25,18 +26,20 @@ Buffer = bytes | bytearray | memoryview | np.ndarray
 """A page payload: any C-contiguous object with the buffer protocol (a CPU tensor via ``.numpy()``)."""
 
 MAGIC = b"KVTB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _HEADER = struct.Struct("<4sHHQ8s")
 HEADER_BYTES = _HEADER.size
 CHECKSUM_BYTES = 8
 
 
-def payload_checksum(payload: memoryview) -> bytes:
-    """The 8-byte blake2b digest stored in the header (hashlib releases the GIL while hashing)."""
-    return hashlib.blake2b(payload, digest_size=CHECKSUM_BYTES).digest()
+def payload_checksum(payload: memoryview, key: str = "") -> bytes:
+    """The 8-byte digest stored in the header (hashlib releases the GIL while hashing the payload)."""
+    digest = hashlib.blake2b(key.encode() + b"\0", digest_size=CHECKSUM_BYTES)
+    digest.update(payload)
+    return digest.digest()
 
 
-def encode_page(data: Buffer) -> bytes:
+def encode_page(data: Buffer, key: str = "") -> bytes:
     """The stored form of a payload: header + payload. ``TypeError`` for a non-contiguous or non-buffer object."""
     try:
         view = memoryview(data)
@@ -48,14 +51,17 @@ def encode_page(data: Buffer) -> bytes:
     if not view.c_contiguous:
         raise TypeError("a page payload must be C-contiguous")
     payload = view.cast("B")
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, payload_checksum(payload)) + payload
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, payload_checksum(payload, key)) + payload
 
 
-def decode_page(blob: bytes | bytearray | memoryview, expected_size: int | None = None) -> memoryview | None:
+def decode_page(
+    blob: bytes | bytearray | memoryview, expected_size: int | None = None, key: str = ""
+) -> memoryview | None:
     """The payload inside ``blob`` (a view, no copy), or None if anything is wrong with it.
 
     Wrong means: shorter than a header, another magic, version or reserved field, a length that
-    is not the bytes that follow (or not ``expected_size`` when given), or a checksum mismatch.
+    is not the bytes that follow (or not ``expected_size`` when given), or a checksum mismatch
+    (which includes a value stored under another ``key``).
     """
     view = memoryview(blob).cast("B")
     if view.nbytes < HEADER_BYTES:
@@ -66,6 +72,6 @@ def decode_page(blob: bytes | bytearray | memoryview, expected_size: int | None 
     if length != view.nbytes - HEADER_BYTES or (expected_size is not None and length != expected_size):
         return None
     payload = view[HEADER_BYTES:]
-    if payload_checksum(payload) != checksum:
+    if payload_checksum(payload, key) != checksum:
         return None
     return payload

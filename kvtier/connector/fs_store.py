@@ -88,7 +88,7 @@ class FileSystemStore:
         """Store each payload under its key, atomically; per item True if it was stored."""
         items = list(items)
         keys = check_keys([key for key, _ in items])
-        blobs = [encode_page(data) for _, data in items]
+        blobs = [encode_page(data, key) for key, (_, data) in zip(keys, items, strict=True)]
         errors = list(self._open_pool().map(self._put_one, keys, blobs))
         failed = [err for err in errors if err is not None]
         if failed:
@@ -137,7 +137,7 @@ class FileSystemStore:
             return _Read()
         except OSError as exc:
             return _Read(error=exc)
-        payload = decode_page(blob, size)
+        payload = decode_page(blob, size, key)
         return _Read(damaged=True) if payload is None else _Read(payload=bytes(payload))
 
     def _put_one(self, key: str, blob: bytes) -> OSError | None:

@@ -110,8 +110,8 @@ class RedisStore:
         if blobs is None:
             return [None] * len(keys)
         out: list[bytes | None] = []
-        for blob, size in zip(blobs, sizes, strict=True):
-            payload = None if blob is None else decode_page(blob, size)
+        for key, blob, size in zip(keys, blobs, sizes, strict=True):
+            payload = None if blob is None else decode_page(blob, size, key)
             out.append(None if payload is None else bytes(payload))
         damaged = sum(1 for blob, payload in zip(blobs, out, strict=True) if blob is not None and payload is None)
         if damaged:
@@ -123,7 +123,7 @@ class RedisStore:
         self._check_open()
         items = list(items)
         keys = check_keys([key for key, _ in items])
-        blobs = [encode_page(data) for _, data in items]
+        blobs = [encode_page(data, key) for key, (_, data) in zip(keys, items, strict=True)]
 
         def send() -> list[Any]:
             with self._client.pipeline(transaction=False) as pipe:
