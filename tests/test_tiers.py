@@ -148,6 +148,19 @@ def persist_conversations(path, count: int = 3) -> None:
     mgr.close()
 
 
+def serve_intact(mgr: kvtier.KVCacheManager, count: int) -> None:
+    """Every conversation comes back byte for byte, from whatever survived on disk; then close."""
+    oracle = PageOracle(mgr)
+    for i in range(count):
+        tokens = convo(i) + [1]
+        cache = mgr.create_cache(tokens)
+        assert cache.resume()
+        oracle.check(cache, tokens)
+        cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_restart_finds_pages_on_disk(tmp_path):
     persist_conversations(tmp_path)
     again = manager(tmp_path, primary=8, host=0, disk=32)
@@ -208,16 +221,7 @@ def test_damaged_index_is_a_miss_never_a_crash(tmp_path):
     persist_conversations(tmp_path)
     index = next(tmp_path.rglob("index.sqlite"))
     flip_bytes(index, list(range(100, index.stat().st_size, 97)))
-    again = manager(tmp_path, primary=8, host=0, disk=32)
-    oracle = PageOracle(again)
-    for i in range(3):
-        tokens = convo(i) + [1]
-        cache = again.create_cache(tokens)
-        assert cache.resume()
-        oracle.check(cache, tokens)
-        cache.close()
-    again.check_invariants()
-    again.close()
+    serve_intact(manager(tmp_path, primary=8, host=0, disk=32), 3)
 
 
 def test_index_rows_with_wrong_values_are_rejected(tmp_path):
@@ -320,16 +324,8 @@ while True:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     again = manager(tmp_path, primary=6, host=0, disk=200)
-    oracle = PageOracle(again)
     assert again.stats().tiers["disk"].pages_used > 0
-    for i in range(30):
-        tokens = convo(i) + [1]
-        cache = again.create_cache(tokens)
-        assert cache.resume()
-        oracle.check(cache, tokens)
-        cache.close()
-    again.check_invariants()
-    again.close()
+    serve_intact(again, 30)
 
 
 @pytest.mark.parametrize("kind", ["swa", "hybrid"])
