@@ -206,7 +206,7 @@ class KVCache:
         pages = self._live_pages()
         sources = [src for _, src in self._pending]
         need, damaged = res.lock_all(pages)
-        res.lock_all(sources)
+        _, damaged_source = res.lock_all(sources)  # e.g. found damaged by a prefetch meanwhile
         for g, _ in self._pending:
             need[g] = need.get(g, 0) + 1
         recurrent = self._mgr._recurrent_group
@@ -216,17 +216,18 @@ class KVCache:
         ok = res.promote(pages, plan, need)
         if ok:
             self._materialize_pending(plan)
-        damaged = self._mgr._mover.run(plan, stream) > 0 or damaged
+        damaged = self._mgr._mover.run(plan, stream) > 0 or damaged or damaged_source
         if not ok:
             for page in pages:
                 res.unlock(page)
             for page in sources:
                 res.unlock(page)
             return False
+        damaged = damaged and any(page.damaged for page in sources + self._live_pages())
         for page in sources:
             res.release(page, locked=True)
         self._pending = []
-        if damaged and any(page.damaged for page in self._live_pages()):
+        if damaged:
             self._start_over()
             return self.resume(stream)
         for g in range(len(self._blocks)):

@@ -343,3 +343,23 @@ def test_layer_groups_round_trip_through_disk(tmp_path, kind):
         cache.close()
     mgr.check_invariants()
     mgr.close()
+
+
+def test_a_partly_reused_page_found_damaged_by_a_prefetch_is_not_copied(tmp_path):
+    """The damage is found while promoting the page for a prefetch; the cache that will copy part
+    of it must start over rather than copy the bad bytes."""
+    persist_conversations(tmp_path, count=1)
+    pages_file = next(tmp_path.rglob("group0.pages"))
+    again = manager(tmp_path, primary=8, host=0, disk=32)
+    flip_bytes(pages_file, list(range(3, pages_file.stat().st_size, again.page_bytes(0))))
+    oracle = PageOracle(again)
+    tokens = convo(0)[:3] + [7]
+    cache = again.create_cache(tokens)
+    assert cache.num_reused_tokens == 3  # a partial hit on block 0, still on disk
+    again.prefetch(convo(0)[:2] + [9])  # promotes that page: its checksum fails
+    assert again.stats().checksum_failures >= 1
+    assert cache.resume()
+    assert cache.num_committed_tokens == 0
+    oracle.check(cache, tokens)
+    again.check_invariants()
+    again.close()
