@@ -93,9 +93,13 @@ class Residency:
             self.tiers[page.tier].evictable[page.group].discard(page)
 
     def unlock(self, page: Page) -> None:
+        """Drop a pin; a page that nobody holds any more (unpublished while pinned) is freed now."""
         page.locks -= 1
         if page.locks == 0:
-            self.tiers[page.tier].reindex(page)
+            if page.refs == 0 and page.node is None:
+                self.tiers[page.tier].vacate(page)
+            else:
+                self.tiers[page.tier].reindex(page)
 
     # -- dropping ------------------------------------------------------------------------
 
@@ -106,7 +110,8 @@ class Residency:
         self.unpublish(page)
 
     def unpublish(self, page: Page) -> None:
-        """Take ``page`` out of the tree; it is freed unless a cache still holds it."""
+        """Take ``page`` out of the tree; it is freed unless a cache holds it or an operation pins it
+        (then the last ``unlock`` frees it)."""
         node = page.node
         assert node is not None
         tier = self.tiers[page.tier]
@@ -116,7 +121,7 @@ class Residency:
         else:
             node.pages[page.group] = None
         page.node = None
-        if page.refs == 0:
+        if page.refs == 0 and page.locks == 0:
             tier.vacate(page)
         else:
             tier.reindex(page)

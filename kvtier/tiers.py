@@ -80,12 +80,7 @@ class Tier:
         return page.locks == 0 and (page.refs == 0 or not self.is_last)
 
     def reindex(self, page: Page) -> None:
-        """Put ``page`` in or out of the eviction index; re-adding makes it the most recently used.
-
-        A page that has left this tier (freed while an operation still pinned it) is left alone.
-        """
-        if self.owners[page.group][page.slot] is not page:
-            return
+        """Put ``page`` in or out of the eviction index; re-adding makes it the most recently used."""
         if self.may_evict(page):
             self.evictable[page.group].add(page)
         else:

@@ -47,10 +47,6 @@ class DiskStorage:
         for g, (pb, n) in enumerate(zip(self.page_bytes, num_slots, strict=True)):
             self._fds.append(_open_page_file(directory, g, pb * n))
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.page_bytes)
-
     def write(self, group: int, slots: Sequence[int], pages: Sequence[np.ndarray]) -> list[int | None]:
         """Write whole pages to slots; per page its checksum, or None if the write failed."""
         fd, pb = self._fds[group], self.page_bytes[group]

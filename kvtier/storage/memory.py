@@ -27,10 +27,6 @@ class MemoryStorage:
         self._host_buffers = [m for m in made if isinstance(m, HostBuffer)]
         self.buffers = tuple(m.tensor if isinstance(m, HostBuffer) else m for m in made)
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.page_bytes)
-
     def close(self) -> None:
         """Release the buffers (unpinning host memory); the storage must not be used afterwards."""
         for host in self._host_buffers:
