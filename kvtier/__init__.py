@@ -8,6 +8,7 @@ Public names (see docs/ARCHITECTURE.md for the layers behind them)::
     layout    KvCacheLayout, GroupLayout, Region
     stats     CacheStats, TierStats
     errors    OutOfPagesError, CacheStateError, InvariantError
+    weights   weights_fingerprint (a ModelSpec.model_id from the weights)
     modules   kvtier.copy, kvtier.connector, kvtier.engine, kvtier.models, kvtier.metrics
 """
 
@@ -20,6 +21,7 @@ from kvtier.manager import KVCacheManager
 from kvtier.pages import BAD_PAGE_INDEX
 from kvtier.spec import AttentionLayer, GroupKind, LayerGroup, ModelSpec, RecurrentLayer
 from kvtier.stats import CacheStats, TierStats
+from kvtier.weights import weights_fingerprint
 
 __version__ = "0.1.0"
 
@@ -48,4 +50,5 @@ __all__ = [
     "ReuseScope",
     "TierStats",
     "copy",
+    "weights_fingerprint",
 ]

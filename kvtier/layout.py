@@ -125,8 +125,8 @@ class GroupLayout:
 class KvCacheLayout:
     """The primary tier's memory, per layer group. Addresses are valid only while pages stay there.
 
-    ``model_fingerprint`` names what the pages hold (the model spec's fingerprint; an engine
-    replaces it with one that also covers the weights), so connectors can key their stores.
+    ``model_fingerprint`` names what the pages hold (the model spec's fingerprint, which covers
+    the weights through ``ModelSpec.model_id``), so connectors can key their stores.
     """
 
     tokens_per_block: int

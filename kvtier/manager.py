@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from kvtier.cache import KVCache, as_token_array
-from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
+from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, ReuseScope
 from kvtier.disk_restore import restore_disk_tier
 from kvtier.errors import InvariantError
 from kvtier.eviction import check_priority
@@ -21,6 +22,8 @@ from kvtier.spec import GroupKind, ModelSpec
 from kvtier.stats import CacheStats, Counters, TierStats
 from kvtier.tier_factory import build_tiers
 from kvtier.tree import RadixTree, encode_tokens
+
+log = logging.getLogger(__name__)
 
 
 class KVCacheManager:
@@ -46,10 +49,15 @@ class KVCacheManager:
         self._window_rules = [r for r in self._rules if r.kind is GroupKind.SLIDING_WINDOW]
         self._recurrent_group = next((r.group_id for r in self._rules if r.kind is GroupKind.RECURRENT), None)
         self._snapshot_tokens = config.snapshot_interval_blocks * self.tokens_per_block
+        if spec.model_id is None and any(isinstance(t, DiskTier) for t in config.tiers):
+            log.warning(
+                "kvtier: a DiskTier with ModelSpec.model_id=None: its pages would be served to any model of the "
+                "same shape after a restart; set model_id to the checkpoint's name or kvtier.weights_fingerprint(model)"
+            )
         self._tiers = build_tiers(spec, config, self._geometries)
         self._tier_names = tuple(t.name for t in self._tiers)
         self._counters = Counters()
-        self._tree = RadixTree(len(self.layer_groups), self.tokens_per_block)
+        self._tree = RadixTree(len(self.layer_groups), self.tokens_per_block, spec.fingerprint().encode())
         self._residency = Residency(self._tiers, self._tree, self._counters)
         self._mover = Mover(self._tiers, self._residency, self._counters, self.device)
         for tier in self._tiers:

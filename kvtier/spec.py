@@ -86,10 +86,18 @@ class LayerGroup:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The layers of a model and the element type of its attention KV."""
+    """The layers of a model, the element type of its attention KV, and the weights' name.
+
+    ``model_id`` names the weights (a checkpoint name and revision, or a fingerprint of the
+    weights, see ``kvtier.weights``). It is part of ``fingerprint()``, which names every key
+    derived from a page (tree roots, the disk directory, connector keys), so pages computed
+    under one ``model_id`` are never served under another. None means "any weights of this
+    shape": fine in memory, unsafe for a disk directory or a store shared across checkpoints.
+    """
 
     layers: list[Layer]
     dtype: torch.dtype = torch.bfloat16
+    model_id: str | None = None
     groups: tuple[LayerGroup, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +109,8 @@ class ModelSpec:
                 raise TypeError(f"layer {i} is {type(layer).__name__}, not AttentionLayer or RecurrentLayer")
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
+            raise TypeError(f"model_id must be a non-empty str or None, got {self.model_id!r}")
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "groups", _group_layers(layers))
 
@@ -112,10 +122,12 @@ class ModelSpec:
         head_dim: int,
         dtype: torch.dtype = torch.bfloat16,
         window: int | None = None,
+        model_id: str | None = None,
     ) -> ModelSpec:
         """``num_layers`` identical attention layers."""
         _check_positive_int("num_layers", num_layers)
-        return cls([AttentionLayer(num_kv_heads, head_dim, window=window) for _ in range(num_layers)], dtype)
+        layers = [AttentionLayer(num_kv_heads, head_dim, window=window) for _ in range(num_layers)]
+        return cls(layers, dtype, model_id)
 
     def group_of(self, layer_id: int) -> LayerGroup:
         """The layer group holding ``layer_id``; ``ValueError`` for an unknown layer."""
@@ -127,9 +139,10 @@ class ModelSpec:
         raise AssertionError("every layer belongs to a group")  # pragma: no cover
 
     def fingerprint(self) -> str:
-        """A stable hex digest of everything that decides the bytes of a page."""
+        """A stable hex digest of everything that decides the bytes of a page: shapes, dtype, weights."""
         desc = {
             "dtype": str(self.dtype),
+            "model_id": self.model_id,
             "layers": [
                 {
                     "kind": "attention",

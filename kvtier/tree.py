@@ -33,9 +33,13 @@ def encode_tokens(tokens: array) -> bytes:
     return swapped.tobytes()  # pragma: no cover
 
 
-def scope_key(scope: ReuseScope) -> bytes:
-    """The key of a scope's root: every block key of the scope chains from it."""
-    return hashlib.blake2b(scope.encode(), digest_size=16, person=b"kvtier-root-v1").digest()
+def scope_key(scope: ReuseScope, namespace: bytes = b"") -> bytes:
+    """The key of a scope's root: every block key of the scope chains from it.
+
+    ``namespace`` names the model (its ``ModelSpec.fingerprint()``, weights included), so the
+    same tokens under two models never share a key.
+    """
+    return hashlib.blake2b(namespace + b"|" + scope.encode(), digest_size=16, person=b"kvtier-root-v2").digest()
 
 
 def block_key(parent_key: bytes, block_tokens: bytes) -> bytes:
@@ -69,8 +73,9 @@ class Node:
 class RadixTree:
     """Blocks published for reuse, per scope."""
 
-    def __init__(self, num_groups: int, tokens_per_block: int) -> None:
+    def __init__(self, num_groups: int, tokens_per_block: int, namespace: bytes = b"") -> None:
         self.num_groups = num_groups
+        self.namespace = namespace
         self.tokens_per_block = tokens_per_block
         self.block_bytes = tokens_per_block * TOKEN_BYTES
         self.roots: dict[ReuseScope, Node] = {}
@@ -79,7 +84,7 @@ class RadixTree:
         """The root of ``scope`` (created on first use)."""
         node = self.roots.get(scope)
         if node is None:
-            node = self.roots[scope] = Node(None, b"", scope_key(scope), self.num_groups, scope)
+            node = self.roots[scope] = Node(None, b"", scope_key(scope, self.namespace), self.num_groups, scope)
         return node
 
     def child(self, parent: Node, block_tokens: bytes) -> Node:

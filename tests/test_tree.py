@@ -65,7 +65,7 @@ def test_scope_root_keys():
     keys = [scope_key(s) for s in scopes]
     assert len(set(keys)) == len(scopes)
     assert all(len(k) == 16 for k in keys)
-    expected = hashlib.blake2b(b"scope:i1|-", digest_size=16, person=b"kvtier-root-v1").digest()
+    expected = hashlib.blake2b(b"|scope:i1|-", digest_size=16, person=b"kvtier-root-v2").digest()
     assert scope_key(ReuseScope(lora_id=1)) == expected
     tree = RadixTree(1, TPB)
     assert [tree.root(s).key for s in scopes] == keys

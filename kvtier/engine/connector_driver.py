@@ -20,8 +20,6 @@ still running when it finishes keeps its cache (pages locked in the primary tier
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -59,8 +57,7 @@ class ConnectorDriver:
         self.engine = engine
         self.mgr = engine.cache_manager
         self.saving: dict[int, KVCache] = {}
-        layout = dataclasses.replace(self.mgr.layout(), model_fingerprint=model_fingerprint(engine.model))
-        connector.register_kv_cache_layout(layout)
+        connector.register_kv_cache_layout(self.mgr.layout())
         engine.scheduler.on_cache_created = self.ask
         engine.scheduler.on_resumed = self.reserve
         engine.scheduler.pages_pending_release = lambda: bool(self.saving)
@@ -188,18 +185,3 @@ class ConnectorDriver:
 
     def _stream(self):
         return torch.cuda.current_stream(self.mgr.device) if self.mgr.device.type == "cuda" else None
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Names a model's weights too, not only its shapes: two fine-tunes never share pages.
-
-    Hashes the spec, the config, and for every tensor its name, shape, dtype and first 4,096 values.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(model.spec.fingerprint().encode())
-    h.update(repr(getattr(model, "config", "")).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
-        sample = tensor.detach().reshape(-1)[:4096].to("cpu", torch.float64)
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()

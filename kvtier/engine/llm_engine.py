@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from kvtier.engine.scheduler import Scheduler
 from kvtier.eviction import check_priority
 from kvtier.manager import KVCacheManager
 from kvtier.models import DecoderModel
+from kvtier.weights import weights_fingerprint
 
 
 class LLMEngine:
@@ -39,7 +41,10 @@ class LLMEngine:
                 f"the cache lives on {cache_config.device} but the model on {model.device}: give both the same device"
             )
         self.model = model
-        self.cache_manager = KVCacheManager(model.spec, cache_config)
+        spec = model.spec
+        if spec.model_id is None:  # name the weights, so pages never outlive a change of checkpoint
+            spec = dataclasses.replace(spec, model_id=f"weights:{weights_fingerprint(model)}")
+        self.cache_manager = KVCacheManager(spec, cache_config)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache_manager)
         self.runner = ModelRunner(model, self.cache_manager)
         self.connector = None

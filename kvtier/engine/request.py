@@ -70,7 +70,7 @@ class Request:
             latency_s=self.finish_time - self.arrival,
             num_prompt_tokens=len(self.prompt),
             num_computed_prompt_tokens=self.computed_prompt_tokens,
-            reused_tokens_by_tier=dict(self.reused_by_tier),
+            reused_tokens_by_tier={"primary": 0, "host": 0, "disk": 0, "connector": 0, **self.reused_by_tier},
             finish_reason=self.finish_reason or "length",
         )
 

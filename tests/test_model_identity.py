@@ -1,0 +1,120 @@
+"""Pages computed under one set of weights are never served under another (``ModelSpec.model_id``).
+
+Two checkpoints of one architecture (two seeds of tiny-llama, or one with a few rows changed)
+have the same shapes: before ``model_id`` they shared a disk directory after a restart and a
+connector's keys, and the second model was served the first one's KV.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.connector import FileSystemConnector
+from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
+from kvtier.models import build_model
+from kvtier.weights import weights_fingerprint
+
+TPB = 16
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(1, vocab, (70,), generator=g).tolist()
+    return [system + torch.randint(1, vocab, (n,), generator=g).tolist() for n in (9, 30, 17, 44)]
+
+
+def config(path) -> kvtier.CacheConfig:
+    return kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20), kvtier.DiskTier(4 << 20, path)])
+
+
+def fine_tune(model) -> None:
+    """Change row 64 onward of every gate projection: the first 4,096 values stay as they were."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "gate_proj" in name:
+                param[64:] += 0.25
+
+
+def test_the_fingerprint_covers_every_byte():
+    model = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+    before = weights_fingerprint(model)
+    assert before == weights_fingerprint(build_model("tiny-llama", "cpu", torch.float64, seed=0))
+    fine_tune(model)
+    assert weights_fingerprint(model) != before
+    last = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+    with torch.no_grad():
+        tensor = max(last.parameters(), key=lambda p: p.numel())
+        flat = tensor.view(-1)
+        flat[-1] = torch.nextafter(flat[-1], torch.tensor(float("inf"), dtype=flat.dtype))  # one ulp, last value
+    assert weights_fingerprint(last) != before
+
+
+def test_the_fingerprint_does_not_depend_on_the_chunking(monkeypatch):
+    import kvtier.weights as weights
+
+    layer = torch.nn.Linear(300, 700).to(torch.float16)
+    digest = weights_fingerprint(layer)
+    monkeypatch.setitem(weights.CHUNKS_PER_STEP, "cpu", 7)
+    assert weights_fingerprint(layer) == digest
+
+
+def test_model_id_names_the_pages():
+    spec = kvtier.ModelSpec.uniform(2, 2, 8, torch.float16)
+    named = kvtier.ModelSpec.uniform(2, 2, 8, torch.float16, model_id="org/model@rev1")
+    assert named.model_id == "org/model@rev1"
+    assert (
+        len({spec.fingerprint(), named.fingerprint(), named.__class__(named.layers, named.dtype, "x").fingerprint()})
+        == 3
+    )
+    with pytest.raises(TypeError, match="model_id"):
+        kvtier.ModelSpec.uniform(2, 2, 8, model_id="")
+    with pytest.raises(TypeError, match="model_id"):
+        kvtier.ModelSpec.uniform(2, 2, 8, model_id=7)
+
+
+def test_a_disk_tier_without_model_id_warns(tmp_path, caplog):
+    spec = kvtier.ModelSpec.uniform(2, 2, 8, torch.float16)
+    with caplog.at_level("WARNING", logger="kvtier.manager"), kvtier.KVCacheManager(spec, config(tmp_path)):
+        pass
+    assert sum("model_id=None" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("change", ["seed", "fine_tune"])
+def test_another_checkpoint_on_the_same_disk_directory_reuses_nothing(tmp_path, change):
+    first = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+    ps = prompts(first.vocab_size)
+    with LLMEngine(first, config(tmp_path), SchedulerConfig(max_num_tokens=256)) as eng:
+        eng.generate(ps, SamplingParams(max_tokens=4))
+    if change == "seed":
+        second = build_model("tiny-llama", "cpu", torch.float64, seed=1)
+    else:
+        second = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+        fine_tune(second)
+    with LLMEngine(second, config(tmp_path), SchedulerConfig(max_num_tokens=256)) as eng:
+        outs = eng.generate(ps, SamplingParams(max_tokens=4))
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.token_ids == second.reference_generate(prompt, 4)
+    assert sum(o.reused_tokens_by_tier["disk"] for o in outs) == 0
+    # ... while the first model, restarted on the same directory, still finds its own pages
+    with LLMEngine(first, config(tmp_path), SchedulerConfig(max_num_tokens=256)) as eng:
+        outs = eng.generate(ps, SamplingParams(max_tokens=4))
+    assert sum(o.reused_tokens_by_tier["disk"] for o in outs) > 0
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.token_ids == first.reference_generate(prompt, 4)
+
+
+def test_another_checkpoint_never_loads_through_a_connector(tmp_path):
+    first = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+    second = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+    fine_tune(second)
+    ps = prompts(first.vocab_size)
+    small = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)])
+    with LLMEngine(first, small, connector=FileSystemConnector(tmp_path / "store")) as eng:
+        eng.generate(ps, SamplingParams(max_tokens=4))
+    with LLMEngine(second, small, connector=FileSystemConnector(tmp_path / "store")) as eng:
+        outs = eng.generate(ps, SamplingParams(max_tokens=4))
+    assert sum(o.reused_tokens_by_tier["connector"] for o in outs) == 0
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.token_ids == second.reference_generate(prompt, 4)
