@@ -13,7 +13,10 @@ The storage layer behind the shipped connectors:
   frames and verifies pages itself (``encode_page``/``decode_page``), so callers see only whole,
   verified payloads or misses, and it never raises for a failure of what is behind it.
 - ``FileSystemStore(path)``: one file per page, atomic writes, shareable between processes.
-- ``RedisStore(url)``: one round trip per batch, optional TTL, back-off while the server is down.
+- ``RedisStore(url)``: one server, a Redis Cluster or a Sentinel-watched primary (Valkey alike);
+  one round trip per batch (per node), optional TTL, back-off while a server is down.
+- ``SavePolicy``: which finished blocks a connector saves; ``ConnectorStats``: what it did
+  (``kvtier.connector.metrics`` exports them to Prometheus).
   ``redis`` is imported only when a ``RedisStore`` is made.
 """
 
@@ -27,6 +30,8 @@ from kvtier.connector.block_codec import decode_page, encode_page
 from kvtier.connector.fs_store import FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RedisStore
+from kvtier.connector.save_policy import SavePolicy
+from kvtier.connector.stats import ConnectorStats
 from kvtier.connector.store import BlockStore
 from kvtier.connector.store_connector import FileSystemConnector, RedisConnector, StoreConnector
 
@@ -34,12 +39,14 @@ __all__ = [
     "BlockKeyspace",
     "BlockStore",
     "ConnectorRequest",
+    "ConnectorStats",
     "FileSystemConnector",
     "FileSystemStore",
     "KvCacheConnectorScheduler",
     "KvCacheConnectorWorker",
     "RedisConnector",
     "RedisStore",
+    "SavePolicy",
     "SchedulerOutput",
     "StoreConnector",
     "decode_page",

@@ -44,6 +44,7 @@ class ConnectorRequest:
     scope: ReuseScope
     num_computed_tokens: int
     block_ids_by_layer_group: list[list[int]] = field(default_factory=list)
+    priority: int = 35  # the request's priority (0..100), as given to the engine
 
     @property
     def new_block_ids(self) -> list[int]:

@@ -7,9 +7,12 @@
   between ask and load costs nothing but the offer.
 - Deliver: ``update_state_after_alloc`` maps the staged blocks to their pages; ``start_load_kv``
   copies them in (one ``PageCopier`` call per layer group, on the engine's stream).
-- Save: ``request_finished`` lists the request's full blocks the store lacks and returns True;
-  a background thread copies those pages out and writes them; ``get_finished`` reports the
-  request once they are written, and only then does the engine release its pages.
+- Save: ``request_finished`` lists the request's full blocks that the save policy wants
+  (``SavePolicy``: default all) and the store lacks, and returns True; a background thread
+  copies those pages out and writes them; ``get_finished`` reports the request once they are
+  written, and only then does the engine release its pages.
+- ``stats()``: what the connector did with its store (``ConnectorStats``); exported to
+  Prometheus by ``kvtier.connector.metrics``.
 
 Models with a recurrent layer group are not served (their reuse needs a state snapshot at the
 offer's end, which the pages a request holds at the end do not give): such connectors offer
@@ -32,7 +35,9 @@ from kvtier.config import ReuseScope
 from kvtier.connector.base import ConnectorRequest, KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from kvtier.connector.fs_store import FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
-from kvtier.connector.redis_store import RedisStore
+from kvtier.connector.redis_store import RETRY_AFTER_S, SOCKET_TIMEOUT_S, RedisStore
+from kvtier.connector.save_policy import PrefixSightings, SavePolicy
+from kvtier.connector.stats import ConnectorCounters, ConnectorStats
 from kvtier.connector.store import BlockStore
 from kvtier.copy import PageCopier
 from kvtier.layout import GroupLayout, KvCacheLayout
@@ -67,9 +72,16 @@ class ConnectorMeta:
 
 
 class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
-    """Supplies prefixes from, and saves finished blocks to, one ``BlockStore``."""
+    """Supplies prefixes from, and saves finished blocks to, one ``BlockStore``.
 
-    def __init__(self, store: BlockStore, tp_rank: int = 0, tp_world_size: int = 1) -> None:
+    ``save_policy``: which finished blocks to save, a ``SavePolicy`` or its text form
+    (``"all"``, ``"priority>=P"``, ``"seen>=N"``); ``ValueError`` for a bad one.
+    """
+
+    def __init__(
+        self, store: BlockStore, tp_rank: int = 0, tp_world_size: int = 1, *, save_policy: str | SavePolicy = "all"
+    ) -> None:
+        self.save_policy = SavePolicy.parse(save_policy)
         self.store = store
         self.tp_rank = tp_rank
         self.tp_world_size = tp_world_size
@@ -83,6 +95,12 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._keyspace: BlockKeyspace | None = None
         self._copier: PageCopier | None = None
         self._servable = True
+        self._sightings = PrefixSightings(self.save_policy.max_tracked)
+        self._counters = ConnectorCounters()
+
+    def stats(self) -> ConnectorStats:
+        """A snapshot of what this connector did with its store."""
+        return self._counters.snapshot()
 
     # -- worker: layout ---------------------------------------------------------------------------
 
@@ -113,20 +131,19 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         chain = block_chain(request.prompt_token_ids, request.scope, tpb, full)
         groups = [g for g in layout.groups if g.kind is not GroupKind.RECURRENT]
         wanted = [(b, g.group_id) for b in range(first, full) for g in groups]
-        present = dict(
-            zip(
-                wanted,
-                self.store.contains_many([keyspace.key(request.scope, chain[b], g) for b, g in wanted]),
-                strict=True,
-            )
-        )
+        with self._counters.stall():
+            found = self.store.contains_many([keyspace.key(request.scope, chain[b], g) for b, g in wanted])
+        present = dict(zip(wanted, found, strict=True))
+        self._counters.add(missed_pages=found.count(False))
         end = _best_end(present, groups, first, full, tpb, num_computed_tokens)
         while end > num_computed_tokens:
             needed = _needed(groups, first, end // tpb, end, tpb)
             keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
             sizes = [self._page_bytes(g) for _, g in needed]
-            payloads = self.store.get_many(keys, sizes)
+            with self._counters.stall():
+                payloads = self.store.get_many(keys, sizes)
             missing = [needed[i] for i, p in enumerate(payloads) if p is None]
+            self._counters.add(missed_pages=len(missing), errors=len(missing))
             if not missing:
                 staged = _Staged(first, dict(zip(needed, payloads, strict=True)))
                 self._staged[request.request_id] = staged
@@ -177,6 +194,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             pairs = np.array([[i, item.slot] for i, item in enumerate(items)], dtype=np.int64)
             assert self._copier is not None
             self._copier.copy(staging.tensor, buffer, pairs, region.size, stream)
+            self._counters.add(loaded_pages=len(items), loaded_bytes=len(items) * region.size)
             if buffer.device.type == "cuda":
                 torch.cuda.current_stream(buffer.device).synchronize()  # the staging buffer goes next
             staging.release()
@@ -195,14 +213,22 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         if full == 0:
             return False
         chain = block_chain(request.all_token_ids, request.scope, tpb, full)
-        pages = [
-            (keyspace.key(request.scope, chain[b], g.group_id), g.group_id, block_ids_by_layer_group[g.group_id][b])
-            for g in layout.groups
-            if g.kind is not GroupKind.RECURRENT
-            for b in range(full)
-            if block_ids_by_layer_group[g.group_id][b] != BAD_PAGE_INDEX
-        ]
-        have = self.store.contains_many([key for key, _, _ in pages])
+        wanted = self._blocks_to_save(request, chain)
+        pages, skipped = [], 0
+        for g in (g for g in layout.groups if g.kind is not GroupKind.RECURRENT):
+            slots = block_ids_by_layer_group[g.group_id]
+            for b in range(full):
+                if slots[b] == BAD_PAGE_INDEX:
+                    continue
+                if wanted[b]:
+                    pages.append((keyspace.key(request.scope, chain[b], g.group_id), g.group_id, slots[b]))
+                else:
+                    skipped += 1
+        self._counters.add(skipped_pages=skipped)
+        if not pages:
+            return False
+        with self._counters.stall():
+            have = self.store.contains_many([key for key, _, _ in pages])
         todo = [page for page, present in zip(pages, have, strict=True) if not present]
         if not todo:
             return False
@@ -210,13 +236,23 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             self._saves[request.request_id] = self._save_pool.submit(self._save, todo)
         return True
 
+    def _blocks_to_save(self, request: ConnectorRequest, chain: list[bytes]) -> list[bool]:
+        """Per full block whether the save policy wants it; every finished request counts as a sighting."""
+        policy = self.save_policy
+        seen = self._sightings.see(chain) if policy.min_seen > 1 else None
+        if request.priority < policy.min_priority:
+            return [False] * len(chain)
+        return [True] * len(chain) if seen is None else [n >= policy.min_seen for n in seen]
+
     def _save(self, todo: list[tuple[str, int, int]]) -> None:
         """Copy the pages out of the cache (the engine keeps them locked meanwhile) and write them."""
         items = []
         for key, group, slot in todo:
             page = self._group(group).regions[0].as_tensor()[slot]
             items.append((key, page.to("cpu").numpy().copy()))
-        self.store.put_many(items)
+        stored = self.store.put_many(items)
+        saved_bytes = sum(page.nbytes for (_, page), ok in zip(items, stored, strict=True) if ok)
+        self._counters.add(saved_pages=sum(stored), saved_bytes=saved_bytes, errors=stored.count(False))
 
     def save_kv_layer(self, layer_id: int, stream: object) -> None:
         """Saves copy whole pages once their request has finished; nothing to do per layer."""
@@ -259,10 +295,27 @@ class FileSystemConnector(StoreConnector):
 
 
 class RedisConnector(StoreConnector):
-    """Blocks in Redis (``redis://`` or ``rediss://``, password in the URL), optional TTL in seconds."""
+    """Blocks in Redis, Redis Cluster, behind Sentinel, or Valkey (``RedisStore``'s URL forms; password in the URL).
 
-    def __init__(self, url: str, ttl_seconds: float | None = None, tp_rank: int = 0, tp_world_size: int = 1) -> None:
-        super().__init__(RedisStore(url, ttl_seconds=ttl_seconds), tp_rank, tp_world_size)
+    ``timeout_s`` bounds what a store that is down or hung costs a call (the socket timeouts);
+    after a failure the server (or the cluster node) is left alone for ``retry_after_s`` and
+    asked calls answer misses at once. ``ttl_seconds``: values expire after that long (None:
+    never). ``save_policy``: see ``StoreConnector``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        ttl_seconds: float | None = None,
+        tp_rank: int = 0,
+        tp_world_size: int = 1,
+        *,
+        timeout_s: float = SOCKET_TIMEOUT_S,
+        retry_after_s: float = RETRY_AFTER_S,
+        save_policy: str | SavePolicy = "all",
+    ) -> None:
+        store = RedisStore(url, ttl_seconds=ttl_seconds, socket_timeout_s=timeout_s, retry_after_s=retry_after_s)
+        super().__init__(store, tp_rank, tp_world_size, save_policy=save_policy)
 
 
 def block_chain(tokens: Sequence[int], scope: ReuseScope, tokens_per_block: int, count: int) -> list[bytes]:

@@ -180,7 +180,13 @@ class ConnectorDriver:
         if with_blocks and cache is not None:
             blocks = [cache.page_indices(g.group_id).tolist() for g in self.mgr.layer_groups]
         return ConnectorRequest(
-            request.request_id, list(request.prompt), request.tokens[:computed], request.scope, computed, blocks
+            request.request_id,
+            list(request.prompt),
+            request.tokens[:computed],
+            request.scope,
+            computed,
+            blocks,
+            request.priority,
         )
 
     def _stream(self):

@@ -1,0 +1,135 @@
+"""Where a Redis store lives: the URL forms ``RedisStore`` accepts, parsed and checked.
+
+- ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS, e.g.
+  ``?ssl_ca_certs=/path/ca.pem``) and ``unix:///path.sock``: one server. These go to
+  ``redis.Redis.from_url`` as they are, so its query arguments work.
+- ``redis-cluster://[[user]:password@]host[:port][,host[:port]...]``: any nodes of a Redis
+  Cluster (the client discovers the rest); default port 6379; no database (a cluster has only 0).
+- ``redis-sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db]``: the
+  Sentinels that watch ``service_name``; the primary is asked of them. Default port 26379. The
+  user and password are the data servers'; the Sentinels are reached without one.
+
+Valkey servers speak the same protocol and take the same URLs. A password never appears in
+``redact_url``'s output, which is what logs and errors show.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+SERVER_SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEME = "redis-cluster"
+SENTINEL_SCHEME = "redis-sentinel"
+SCHEMES = (*SERVER_SCHEMES, CLUSTER_SCHEME, SENTINEL_SCHEME)
+DEFAULT_PORTS = {CLUSTER_SCHEME: 6379, SENTINEL_SCHEME: 26379}
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    """A parsed store URL. ``kind`` says which client reaches it; ``shown`` is the URL without its password.
+
+    For ``server``, ``url`` is handed to redis-py unchanged; for ``cluster`` and ``sentinel``,
+    ``nodes`` are the addresses to start from (cluster nodes, or Sentinels).
+    """
+
+    kind: Literal["server", "cluster", "sentinel"]
+    url: str
+    shown: str
+    nodes: tuple[tuple[str, int], ...] = ()
+    service_name: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """The target of ``url``; ``TypeError`` unless a str, ``ValueError`` (password redacted) if malformed."""
+    if not isinstance(url, str):
+        raise TypeError(f"the Redis URL must be a str, got {url!r}")
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"bad Redis URL {shown}: {exc}") from None
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"bad Redis URL {shown}: the scheme must be one of {', '.join(s + '://' for s in SCHEMES)}")
+    if parts.scheme in SERVER_SCHEMES:
+        _check_server_url(parts, shown)
+        return RedisTarget("server", url, shown)
+    if parts.query or parts.fragment:
+        raise ValueError(f"bad Redis URL {shown}: {parts.scheme}:// takes no query arguments")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, password = _credentials(userinfo)
+    nodes = _addresses(hosts, DEFAULT_PORTS[parts.scheme], shown)
+    path = [p for p in parts.path.split("/") if p]
+    if parts.scheme == CLUSTER_SCHEME:
+        if path not in ([], ["0"]):
+            raise ValueError(f"bad Redis URL {shown}: a cluster has only database 0, got path {parts.path!r}")
+        return RedisTarget("cluster", url, shown, nodes, username=username, password=password)
+    if not path or len(path) > 2:
+        raise ValueError(f"bad Redis URL {shown}: expected /service_name[/db] after the Sentinels")
+    db = _database(path[1] if len(path) == 2 else "", shown)
+    return RedisTarget("sentinel", url, shown, nodes, unquote(path[0]), db, username, password)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs and errors)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<malformed Redis URL>"
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
+
+
+def _check_server_url(parts, shown: str) -> None:
+    """A port that is a number in range, and a database that is a number (redis://, rediss://)."""
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError as exc:
+        raise ValueError(f"bad Redis URL {shown}: {exc}") from None
+    if parts.scheme != "unix":
+        _database(parts.path.lstrip("/"), shown)
+
+
+def _database(text: str, shown: str) -> int:
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise ValueError(f"bad Redis URL {shown}: the database must be a number, got {text!r}")
+    return int(text)
+
+
+def _credentials(userinfo: str) -> tuple[str | None, str | None]:
+    if not userinfo:
+        return None, None
+    user, colon, password = userinfo.partition(":")
+    return (unquote(user) or None), (unquote(password) if colon else None)
+
+
+def _addresses(hosts: str, default_port: int, shown: str) -> tuple[tuple[str, int], ...]:
+    """``host[:port]`` entries separated by commas (IPv6 in brackets), each checked."""
+    out = []
+    for entry in hosts.split(","):
+        if entry.startswith("["):
+            host, bracket, rest = entry[1:].partition("]")
+            port_text = rest[1:] if bracket and rest.startswith(":") else None
+            if not bracket or (rest and port_text is None):
+                raise ValueError(f"bad Redis URL {shown}: bad address {entry!r}")
+        else:
+            host, colon, port_text = entry.partition(":")
+            port_text = port_text if colon else None
+        if not host:
+            raise ValueError(f"bad Redis URL {shown}: an empty host in {hosts!r}")
+        port = default_port
+        if port_text is not None:
+            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+                raise ValueError(f"bad Redis URL {shown}: the port must be a number in 1..65535, got {port_text!r}")
+            port = int(port_text)
+        out.append((host, port))
+    return tuple(out)

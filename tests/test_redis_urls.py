@@ -1,0 +1,92 @@
+"""Store URLs: every form parsed to its target, malformed ones refused with a ValueError that hides the password."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.connector import RedisConnector, RedisStore
+from kvtier.connector.redis_urls import parse_redis_url, redact_url
+
+pytest.importorskip("redis")
+
+
+@pytest.mark.parametrize(
+    "url, kind, nodes",
+    [
+        ("redis://127.0.0.1:6379/0", "server", ()),
+        ("rediss://cache.example:6380/2?ssl_ca_certs=/tmp/ca.pem", "server", ()),
+        ("unix:///run/redis.sock", "server", ()),
+        (
+            "redis-cluster://10.0.0.1:7000,10.0.0.2:7001,10.0.0.3",
+            "cluster",
+            (("10.0.0.1", 7000), ("10.0.0.2", 7001), ("10.0.0.3", 6379)),
+        ),
+        ("redis-cluster://[::1]:7000,[fe80::2]/", "cluster", (("::1", 7000), ("fe80::2", 6379))),
+        ("redis-sentinel://s1:26380,s2/mymaster", "sentinel", (("s1", 26380), ("s2", 26379))),
+    ],
+)
+def test_each_form_parses_to_its_target(url, kind, nodes):
+    target = parse_redis_url(url)
+    assert (target.kind, target.nodes) == (kind, nodes)
+    assert target.shown == url  # nothing to hide
+
+
+def test_credentials_service_and_database():
+    target = parse_redis_url("redis-sentinel://app:p%40ss@127.0.0.1:26379/my%20service/3")
+    assert (target.username, target.password, target.service_name, target.db) == ("app", "p@ss", "my service", 3)
+    assert "p%40ss" not in target.shown and target.shown.startswith("redis-sentinel://app:***@127.0.0.1:26379/")
+    cluster = parse_redis_url("redis-cluster://:s3cret@a:1,b:2")
+    assert (cluster.username, cluster.password) == (None, "s3cret")
+    assert redact_url("redis-cluster://:s3cret@a:1,b:2") == "redis-cluster://:***@a:1,b:2"
+    assert parse_redis_url("redis-sentinel://h/svc").db == 0
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis-cluster://",
+        "redis-cluster://a:1,,b:2",
+        "redis-cluster://a:0",
+        "redis-cluster://a:70000",
+        "redis-cluster://a:port",
+        "redis-cluster://[::1:7000",
+        "redis-cluster://a:1/3",
+        "redis-cluster://a:1?socket_timeout=2",
+        "redis-sentinel://s:26379",
+        "redis-sentinel://s:26379/",
+        "redis-sentinel://s:26379/svc/zero",
+        "redis-sentinel://s:26379/svc/0/extra",
+        "redis+cluster://a:1",
+    ],
+)
+def test_a_malformed_url_is_a_value_error(url):
+    with pytest.raises(ValueError, match="Redis URL"):
+        parse_redis_url(url)
+    with pytest.raises(ValueError, match="Redis URL"):
+        RedisStore(url)
+
+
+def test_the_password_never_shows_in_errors():
+    for url in ("redis-cluster://:topsecret@a:bad", "redis-sentinel://u:topsecret@s:1/svc/x"):
+        with pytest.raises(ValueError) as info:
+            RedisStore(url)
+        assert "topsecret" not in str(info.value) and "***" in str(info.value)
+
+
+def test_nothing_connects_before_the_first_call():
+    for url in ("redis-cluster://127.0.0.1:1,127.0.0.1:2", "redis-sentinel://127.0.0.1:1/svc"):
+        store = RedisStore(url)
+        assert repr(store) == f"RedisStore({url!r})"
+        store.close()
+        store.close()
+        with pytest.raises(ValueError, match="closed"):
+            store.get_many(["k"])
+
+
+def test_connector_settings_are_checked():
+    with pytest.raises(ValueError, match="timeout"):
+        RedisConnector("redis://127.0.0.1:1/0", timeout_s=0)
+    with pytest.raises(ValueError, match="save policy"):
+        RedisConnector("redis://127.0.0.1:1/0", save_policy="hot")
+    with pytest.raises(TypeError):
+        RedisConnector(None)
