@@ -1,0 +1,33 @@
+"""``kvtier.hf``: prefix reuse across ``generate()`` calls for Hugging Face transformers models.
+
+``PrefixCache(model, cache_config, scope=...)`` wraps a decoder-only model whose cache layers are
+full attention, sliding-window attention or linear attention (hybrid models), and serves its
+``generate()`` calls from kvtier's tiers: the longest cached prefix of each row is loaded instead
+of recomputed, and every computed block is saved for the next call (or the next process, through
+a disk tier). Importing ``kvtier`` does not import transformers; using ``kvtier.hf.PrefixCache``
+does. The data path (``batch_rows``, ``page_io``) does not, and is tested without it.
+
+    model layers   kvtier/hf/model_layers.py  the model's cache layers as a ModelSpec; refusals
+    batch rows     kvtier/hf/batch_rows.py    left padding; how many columns each row reuses
+    page copies    kvtier/hf/page_io.py       batched gather/scatter between pages and dense tensors
+    hf cache       kvtier/hf/hf_cache.py      the DynamicCache handed to generate, what it records
+    load / save    kvtier/hf/prefix_load.py, prefix_save.py
+    the adapter    kvtier/hf/prefix_cache.py  PrefixCache
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.hf.prefix_cache import PrefixCache
+
+__all__ = ["PrefixCache"]
+
+
+def __getattr__(name: str):
+    if name == "PrefixCache":
+        from kvtier.hf.prefix_cache import PrefixCache
+
+        return PrefixCache
+    raise AttributeError(f"module 'kvtier.hf' has no attribute {name!r}")

@@ -1,0 +1,125 @@
+"""The transformers cache a ``PrefixCache`` hands to ``generate``, and what it records on the way.
+
+``RecordingCache`` is a ``DynamicCache`` built from the model's config whose sliding-window layers
+keep every key and value they are given at ``update()`` (the layer itself drops tokens that leave
+the window), so every block of the call can be saved afterwards. Full-attention layers keep all
+columns anyway. ``StateRecorder`` is a forward hook that packs the linear-attention states of a
+row whenever a forward ends at one of that row's snapshot points.
+
+Layout of a batch (left padding): row i has ``pad_i`` padding columns, then its tokens; token t
+of row i is column ``pad_i + t``. A prefix of ``width`` columns holds, for row i, its first
+``width - pad_i`` tokens (none when that is <= 0: padding only, zeros, as a padded prefill leaves
+it: masked keys, and states that padding never changes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+from kvtier.hf.model_layers import LayerKind, ModelLayers
+
+
+class RecordingSlidingWindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer that also keeps every key and value written to it, in order."""
+
+    def __init__(self, sliding_window: int, **kwargs) -> None:
+        super().__init__(sliding_window, **kwargs)
+        self.written_keys: list[torch.Tensor] = []
+        self.written_values: list[torch.Tensor] = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.written_keys.append(key_states)
+        self.written_values.append(value_states)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def written(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every column written since the prefix, ``[batch, heads, columns, dim]``."""
+        return torch.cat(self.written_keys, dim=-2), torch.cat(self.written_values, dim=-2)
+
+    def forget_written(self) -> None:
+        self.written_keys, self.written_values = [], []
+
+
+class RecordingCache(DynamicCache):
+    """``DynamicCache(config=...)`` whose sliding-window layers record what they are given."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config=config)
+        for i, layer in enumerate(self.layers):
+            if type(layer) is DynamicSlidingWindowLayer:
+                self.layers[i] = RecordingSlidingWindowLayer(layer.sliding_window)
+
+    def forget_written(self) -> None:
+        """Drop the recorded tensors (the cache stays usable, as a plain ``DynamicCache``)."""
+        for layer in self.layers:
+            if isinstance(layer, RecordingSlidingWindowLayer):
+                layer.forget_written()
+
+
+def fill_attention(layer, kind: LayerKind, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
+    """Make a fresh layer hold a prefix of ``width`` columns: all of them (full attention), or the
+    last ``keys.shape[-2]`` (sliding window, which keeps ``window - 1``)."""
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    if kind is LayerKind.SLIDING:
+        layer.cumulative_length = width
+
+
+def fill_states(layer, states: dict[tuple[str, int], torch.Tensor]) -> None:
+    """Make a fresh linear-attention layer hold ``states`` (role, state index) -> ``[batch, ...]``."""
+    for (role, index), tensor in states.items():
+        if role == "conv":
+            layer.lazy_initialization(conv_states=tensor, state_idx=index, conv_kernel_size=tensor.shape[-1])
+            layer.conv_states[index].copy_(tensor)
+        else:
+            layer.lazy_initialization(recurrent_states=tensor, state_idx=index)
+            layer.recurrent_states[index].copy_(tensor)
+        layer.has_previous_state[index] = True
+
+
+def live_states(cache: RecordingCache, layers: ModelLayers) -> dict[tuple[int, str, int], torch.Tensor]:
+    """The linear-attention states the cache holds now, keyed (layer index, role, state index)."""
+    out = {}
+    for layer in layers.linear:
+        hf = cache.layers[layer.index]
+        for state in layer.states:
+            tensors = hf.conv_states if state.role == "conv" else hf.recurrent_states
+            out[(layer.index, state.role, state.index)] = tensors[state.index]
+    return out
+
+
+class StateRecorder:
+    """A forward hook: after each forward, pack the states of rows that reached a snapshot point.
+
+    ``points(row, position) -> bool`` says whether a row's state after ``position`` tokens is wanted.
+    ``records[row][position]`` is then a uint8 page image (see ``page_io.StatePacking``).
+    """
+
+    def __init__(
+        self,
+        cache: RecordingCache,
+        layers: ModelLayers,
+        pads: list[int],
+        pack: Callable[[dict, torch.Tensor], torch.Tensor],
+        points: Callable[[int, int], bool],
+    ) -> None:
+        self.cache = cache
+        self.layers = layers
+        self.pads = pads
+        self.pack = pack
+        self.points = points
+        self.records: list[dict[int, torch.Tensor]] = [{} for _ in pads]
+
+    def __call__(self, module, args, output) -> None:
+        columns = self.cache.get_seq_length()
+        rows = [i for i, pad in enumerate(self.pads) if self.points(i, columns - pad)]
+        if not rows:
+            return
+        states = live_states(self.cache, self.layers)
+        device = next(iter(states.values())).device
+        pages = self.pack(states, torch.tensor(rows, dtype=torch.long, device=device))
+        for k, i in enumerate(rows):
+            self.records[i][columns - self.pads[i]] = pages[k]

@@ -1,0 +1,186 @@
+"""A transformers model's cache, as kvtier sees it: one entry per decoder layer, and a ``ModelSpec``.
+
+The layer kinds come from the cache classes transformers builds for the model
+(``DynamicCache(config=model.config)``, what ``generate`` builds), matched by exact class:
+
+    DynamicLayer               full attention           -> kvtier.AttentionLayer
+    DynamicSlidingWindowLayer  sliding window W          -> kvtier.AttentionLayer(window=W)
+    LinearAttentionLayer       conv + recurrent states   -> kvtier.RecurrentLayer (states packed)
+    DummyLayer                 holds nothing             -> no kvtier layer
+
+Any other class (an indexed, quantized, static or custom layer) raises ``NotImplementedError``
+naming it, as do encoder-decoder models and models without an attention layer. Shapes and dtypes
+(KV heads, head dim, each state's shape) are read from a one-token probe forward through a fresh
+cache, so they are exactly what the model writes. Both use ``W`` the same way: a query attends to
+itself and the ``W - 1`` tokens before it.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
+)
+
+from kvtier.spec import AttentionLayer, ModelSpec, RecurrentLayer
+from kvtier.weights import weights_fingerprint
+
+STATE_ALIGN = 64  # bytes; every packed state starts on this boundary (any dtype can view it)
+
+
+class LayerKind(str, enum.Enum):
+    FULL = "full_attention"
+    SLIDING = "sliding_attention"
+    LINEAR = "linear_attention"
+    EMPTY = "empty"  # a DummyLayer: nothing cached
+
+
+@dataclass(frozen=True, slots=True)
+class StateTensor:
+    """One state tensor of a linear-attention layer, packed at ``offset`` in the layer's state bytes.
+
+    ``role`` is "conv" or "recurrent", ``index`` the layer's state index; ``shape`` is one row's.
+    """
+
+    role: str
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayer:
+    """One decoder layer's cache: its kind, attention geometry or packed states, its kvtier layer id."""
+
+    index: int
+    kind: LayerKind
+    kvtier_id: int | None = None
+    window: int | None = None
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    states: tuple[StateTensor, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayers:
+    """Every decoder layer in transformers order, and the ``ModelSpec`` of those that cache something."""
+
+    layers: tuple[ModelLayer, ...]
+    spec: ModelSpec
+    cache_argument: str  # the name the model's forward takes its cache by
+    attention: tuple[ModelLayer, ...] = field(init=False)
+    linear: tuple[ModelLayer, ...] = field(init=False)
+    by_kvtier_id: dict[int, ModelLayer] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attention", tuple(x for x in self.layers if x.kind in _ATTENTION))
+        object.__setattr__(self, "linear", tuple(x for x in self.layers if x.kind is LayerKind.LINEAR))
+        object.__setattr__(self, "by_kvtier_id", {x.kvtier_id: x for x in self.layers if x.kvtier_id is not None})
+
+
+_ATTENTION = (LayerKind.FULL, LayerKind.SLIDING)
+_KINDS = {
+    DynamicLayer: LayerKind.FULL,
+    DynamicSlidingWindowLayer: LayerKind.SLIDING,
+    LinearAttentionLayer: LayerKind.LINEAR,
+    DummyLayer: LayerKind.EMPTY,
+}
+
+
+def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLayers:
+    """The cache layers of ``model`` and their ``ModelSpec``; ``model_id`` defaults to a weights fingerprint.
+
+    Raises ``NotImplementedError`` naming what kvtier cannot represent.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(model, "generate", None)):
+        raise TypeError(f"expected a transformers model with a config and generate(), got {type(model).__name__}")
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"{type(model).__name__} is an encoder-decoder model; kvtier.hf serves decoder-only")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise NotImplementedError(f"{type(model).__name__} is split across devices {sorted(map(str, devices))}")
+    probe = DynamicCache(config=config)
+    kinds = []
+    for i, layer in enumerate(probe.layers):
+        kind = _KINDS.get(type(layer))
+        if kind is None:
+            raise NotImplementedError(f"layer {i} has a {type(layer).__name__} cache, which kvtier cannot represent")
+        kinds.append(kind)
+    if not any(k in _ATTENTION for k in kinds):
+        raise NotImplementedError(
+            f"{type(model).__name__} has no attention layer (only {sorted({k.value for k in kinds})}); "
+            "generate() cannot resume such a cache from a prefix"
+        )
+    argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    _run_probe(model, probe, argument)
+    layers: list[ModelLayer] = []
+    spec_layers: list[AttentionLayer | RecurrentLayer] = []
+    kv_dtypes = set()
+    for i, (kind, layer) in enumerate(zip(kinds, probe.layers, strict=True)):
+        if kind is LayerKind.EMPTY:
+            layers.append(ModelLayer(i, kind))
+            continue
+        if kind is LayerKind.LINEAR:
+            states = _state_tensors(i, layer)
+            layers.append(ModelLayer(i, kind, len(spec_layers), states=states))
+            spec_layers.append(RecurrentLayer(sum(_align(s.nbytes) for s in states)))
+            continue
+        keys, values = layer.keys, layer.values
+        if not layer.is_initialized or keys is None or keys.numel() == 0:
+            raise NotImplementedError(f"layer {i} ({kind.value}) was not written by a forward pass")
+        if keys.shape != values.shape or keys.dtype != values.dtype:
+            raise NotImplementedError(
+                f"layer {i} keeps keys {tuple(keys.shape)} {keys.dtype} and values {tuple(values.shape)} "
+                f"{values.dtype}; kvtier pages need one shape and dtype for both"
+            )
+        kv_dtypes.add(keys.dtype)
+        window = layer.sliding_window if kind is LayerKind.SLIDING else None
+        heads, dim = keys.shape[1], keys.shape[3]
+        layers.append(ModelLayer(i, kind, len(spec_layers), window, heads, dim))
+        spec_layers.append(AttentionLayer(heads, dim, window=window))
+    if len(kv_dtypes) != 1:
+        raise NotImplementedError(f"attention layers keep different dtypes {sorted(map(str, kv_dtypes))}")
+    model_id = model_id if model_id is not None else weights_fingerprint(model)
+    spec = ModelSpec(spec_layers, dtype=kv_dtypes.pop(), model_id=model_id)
+    return ModelLayers(tuple(layers), spec, argument)
+
+
+def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str) -> None:
+    """One token through the model into ``cache``, so every layer holds tensors of its true shape."""
+    token = torch.zeros((1, 1), dtype=torch.long, device=next(model.parameters()).device)
+    with torch.no_grad():
+        model(input_ids=token, use_cache=True, **{argument: cache})
+
+
+def _state_tensors(index: int, layer: LinearAttentionLayer) -> tuple[StateTensor, ...]:
+    """The states a linear-attention layer holds after the probe, packed one after another."""
+    out = []
+    offset = 0
+    for role, tensors, ready in (
+        ("conv", layer.conv_states, layer.is_conv_states_initialized),
+        ("recurrent", layer.recurrent_states, layer.is_recurrent_states_initialized),
+    ):
+        for state_index, tensor in sorted(tensors.items()):
+            if not ready[state_index] or tensor is None:
+                continue
+            nbytes = tensor[0].numel() * tensor.element_size()
+            out.append(StateTensor(role, state_index, tuple(tensor.shape[1:]), tensor.dtype, offset, nbytes))
+            offset += _align(nbytes)
+    if not out:
+        raise NotImplementedError(f"layer {index} (linear attention) kept no state after a forward pass")
+    return tuple(out)
+
+
+def _align(n: int) -> int:
+    return -(-n // STATE_ALIGN) * STATE_ALIGN

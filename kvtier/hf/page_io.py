@@ -1,0 +1,110 @@
+"""Copies between kvtier pages and a batch's dense per-layer tensors, batched over every block.
+
+A ``TokenMap`` lists tokens twice: where they live in kvtier (page slot, offset in the block) and
+where they live in a dense ``[batch, heads, columns, dim]`` tensor (row, column), as four index
+tensors on the device. ``gather`` and ``scatter`` move one layer's role for every listed token
+of every row in one indexed copy; nothing loops over blocks. Recurrent states move as whole
+pages through ``StatePacking``. Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.pages import BAD_PAGE_INDEX
+
+
+@dataclass(slots=True)
+class TokenMap:
+    """Token i sits at ``(slots[i], offsets[i])`` in kvtier and at ``(rows[i], columns[i])`` densely."""
+
+    slots: torch.Tensor
+    offsets: torch.Tensor
+    rows: torch.Tensor
+    columns: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+class TokenMapBuilder:
+    """Collects token ranges row by row on the host, then ships the indices to the device once."""
+
+    def __init__(self, tokens_per_block: int) -> None:
+        self._tpb = tokens_per_block
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(self, row: int, page_slots: np.ndarray, start: int, end: int, first_column: int) -> None:
+        """Tokens ``[start, end)`` of a row whose block b is in slot ``page_slots[b]``; token t at column
+        ``first_column + t``. ``ValueError`` if one of those blocks has no page (a broken caller)."""
+        if end <= start:
+            return
+        positions = np.arange(start, end, dtype=np.int64)
+        slots = page_slots[positions // self._tpb].astype(np.int64)
+        if (slots == BAD_PAGE_INDEX).any():
+            raise ValueError(f"row {row}: tokens {start}..{end} include a block without a page")
+        rows = np.full(len(positions), row, dtype=np.int64)
+        self._parts.append((slots, positions % self._tpb, rows, positions + first_column))
+
+    def build(self, device: torch.device) -> TokenMap:
+        if self._parts:
+            arrays = [np.concatenate(a) for a in zip(*self._parts, strict=True)]
+        else:
+            arrays = [np.zeros(0, dtype=np.int64)] * 4
+        return TokenMap(*(torch.from_numpy(a).to(device, non_blocking=True) for a in arrays))
+
+
+def gather(view: torch.Tensor, dense: torch.Tensor, tokens: TokenMap) -> None:
+    """``dense[row, :, column] = view[slot, offset]`` for every token: pages -> dense tensor.
+
+    ``view``: one layer's role, ``[num_slots, tokens_per_block, heads, dim]``; ``dense``:
+    ``[batch, heads, columns, dim]``.
+    """
+    if len(tokens):
+        dense[tokens.rows, :, tokens.columns] = view[tokens.slots, tokens.offsets]
+
+
+def scatter(dense: torch.Tensor, view: torch.Tensor, tokens: TokenMap, first_column: int = 0) -> None:
+    """``view[slot, offset] = dense[row, :, column - first_column]`` for every token: dense -> pages."""
+    if len(tokens):
+        view[tokens.slots, tokens.offsets] = dense[tokens.rows, :, tokens.columns - first_column]
+
+
+@dataclass(frozen=True, slots=True)
+class StatePart:
+    """One state tensor inside a recurrent page: ``nbytes`` at byte ``offset``, one row's ``shape``."""
+
+    key: tuple[int, str, int]  # (transformers layer index, role, state index)
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class StatePacking:
+    """A recurrent page as bytes: every linear-attention state of every layer at a fixed offset."""
+
+    def __init__(self, parts: list[StatePart], page_bytes: int) -> None:
+        self.parts = parts
+        self.page_bytes = page_bytes
+
+    def pack(self, states: dict[tuple[int, str, int], torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """Pages ``[len(rows), page_bytes]`` (uint8) holding ``states[key][rows]`` for every part."""
+        first = states[self.parts[0].key]
+        out = torch.zeros(len(rows), self.page_bytes, dtype=torch.uint8, device=first.device)
+        for part in self.parts:
+            tensor = states[part.key].index_select(0, rows)
+            out[:, part.offset : part.offset + part.nbytes] = tensor.contiguous().view(torch.uint8).view(len(rows), -1)
+        return out
+
+    def unpack(self, pages: torch.Tensor) -> dict[tuple[int, str, int], torch.Tensor]:
+        """Each part of ``pages`` (``[n, page_bytes]`` uint8) as an ``[n, *shape]`` tensor of its dtype."""
+        n = pages.shape[0]
+        out = {}
+        for part in self.parts:
+            raw = pages[:, part.offset : part.offset + part.nbytes].contiguous()
+            out[part.key] = raw.view(part.dtype).view(n, *part.shape)
+        return out

@@ -1,0 +1,240 @@
+"""``PrefixCache``: prefix reuse across ``generate()`` calls of a transformers model, on kvtier's tiers.
+
+One call, for a batch of left-padded rows:
+
+1. match: each row's prompt gets a kvtier cache holding its longest cached prefix (never the
+   last prompt token); ``batch_rows.choose_width`` picks how many leading columns every row can
+   take from kvtier exactly, and resumes the caches that hold them (promoting pages from host or
+   disk in one batch per tier and layer group);
+2. load: a ``RecordingCache`` is filled with that prefix (``prefix_load``);
+3. generate: ``model.generate`` runs with that cache on the rest, with the caller's arguments
+   (a model with linear-attention layers first runs the prompt up to each snapshot point, so the
+   states there can be kept);
+4. save: every computed token of every row goes into its pages and is committed, publishing full
+   blocks for the next call (``prefix_save``).
+
+Outputs are those of ``model.generate`` with the same arguments. What is reused in a batch:
+``last_reused_tokens[i]`` prompt tokens of row i, where the batch takes the same number of
+leading columns from kvtier for every row (see ``batch_rows``). A batch whose attention mask is
+not left padding runs as plain ``model.generate``, reusing and saving nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
+from kvtier.errors import CacheStateError
+from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
+from kvtier.hf.hf_cache import RecordingCache, StateRecorder
+from kvtier.hf.model_layers import ModelLayers, read_model
+from kvtier.hf.prefix_load import load_prefix, state_packing
+from kvtier.hf.prefix_save import save_rows
+from kvtier.manager import KVCacheManager
+
+log = logging.getLogger(__name__)
+
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
+_UNSUPPORTED = {
+    "assistant_model": "assisted decoding",
+    "prompt_lookup_num_tokens": "prompt lookup decoding",
+    "custom_generate": "a custom generate",
+    "negative_prompt_ids": "classifier-free guidance with a negative prompt",
+}
+
+
+class PrefixCache:
+    """Prefix reuse for ``model.generate`` over kvtier's tiers (GPU, host, disk).
+
+    ``cache_config.device`` must be the model's device. ``model_id`` names the weights (default:
+    ``kvtier.weights_fingerprint(model)``), so pages are only ever served to the same weights.
+    Raises ``NotImplementedError`` naming what kvtier cannot represent (see ``model_layers``).
+    Not thread-safe. Also a context manager; ``close`` persists a disk tier's pages.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache_config: CacheConfig,
+        scope: ReuseScope = DEFAULT_SCOPE,
+        model_id: str | None = None,
+    ) -> None:
+        if not isinstance(cache_config, CacheConfig):
+            raise TypeError(f"cache_config must be a kvtier.CacheConfig, got {type(cache_config).__name__}")
+        if not isinstance(scope, ReuseScope):
+            raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
+        device = next(model.parameters()).device
+        if not _same_device(device, cache_config.device):
+            raise ValueError(f"cache_config.device is {cache_config.device}, the model is on {device}: use the same")
+        self.model = model
+        self.scope = scope
+        self._layers: ModelLayers = read_model(model, model_id)
+        self.manager = KVCacheManager(self._layers.spec, cache_config)
+        self._packing = state_packing(self._layers, self.manager)
+        self._forward_arguments = set(inspect.signature(model.forward).parameters)
+        self.last_reused_tokens: list[int] = []
+        self._closed = False
+
+    @property
+    def spec(self):
+        """The ``kvtier.ModelSpec`` read from the model."""
+        return self._layers.spec
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """``model.generate(input_ids, attention_mask=attention_mask, **kwargs)``, reusing cached prefixes.
+
+        Sets ``last_reused_tokens``. Greedy and sampling with one sequence per row; beam search,
+        several sequences per row, assisted decoding and static caches raise ``NotImplementedError``.
+        """
+        if self._closed:
+            raise CacheStateError("the PrefixCache is closed")
+        self._check_arguments(input_ids, attention_mask, kwargs)
+        mask = attention_mask if attention_mask is not None else self._inferred_mask(input_ids, kwargs)
+        pads = left_pads(mask)
+        if pads is None:
+            self.last_reused_tokens = [0] * input_ids.shape[0]
+            return self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+        with torch.no_grad():
+            return self._generate(input_ids, attention_mask, mask, pads, kwargs)
+
+    def _generate(self, input_ids, attention_mask, mask, pads: list[int], kwargs: dict):
+        mgr = self.manager
+        host_ids = input_ids.detach().to("cpu")
+        rows = []
+        try:
+            for i, pad in enumerate(pads):
+                prompt = host_ids[i, pad:].tolist()
+                rows.append(Row(i, pad, prompt, mgr.create_cache(prompt, self.scope)))
+            stream = torch.cuda.current_stream(mgr.device) if mgr.device.type == "cuda" else None
+            width = choose_width(mgr, rows, input_ids.shape[1], self.scope, stream)
+            cache = RecordingCache(self.model.config)
+            load_prefix(cache, self._layers, mgr, rows, width, self._packing)
+            release_reads(rows)
+            self.last_reused_tokens = [row.reused for row in rows]
+            recorder = self._recorder(cache, rows)
+            hook = self.model.register_forward_hook(recorder) if recorder is not None else None
+            try:
+                if recorder is not None:
+                    self._prefill_to_snapshots(input_ids, mask, pads, width, cache)
+                arguments = {self._layers.cache_argument: cache, **kwargs}
+                out = self.model.generate(input_ids, attention_mask=attention_mask, **arguments)
+            finally:
+                if hook is not None:
+                    hook.remove()
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            records = recorder.records if recorder is not None else None
+            save_rows(mgr, self._layers, rows, cache, sequences, width, records, stream)
+            cache.forget_written()
+            return out
+        finally:
+            close_rows(rows)
+
+    def _recorder(self, cache: RecordingCache, rows: list[Row]) -> StateRecorder | None:
+        """For a model with linear-attention layers: a hook keeping each row's states at its snapshot points
+        (multiples of ``snapshot_interval_blocks`` blocks and the end of its prompt) past its reused prefix."""
+        if self._packing is None:
+            return None
+        interval = self.manager.config.snapshot_interval_blocks * self.manager.tokens_per_block
+
+        def wanted(i: int, position: int) -> bool:
+            row = rows[i]
+            return position > row.reused and (position % interval == 0 or position == len(row.prompt))
+
+        return StateRecorder(cache, self._layers, [row.pad for row in rows], self._packing.pack, wanted)
+
+    def _prefill_to_snapshots(self, input_ids, mask, pads: list[int], width: int, cache: RecordingCache) -> None:
+        """Run the prompt columns ``[width, L)`` up to every snapshot point a row has there, one forward
+        per stretch, as ``generate`` would (same mask and positions); ``generate`` runs the last stretch."""
+        num_columns = input_ids.shape[1]
+        interval = self.manager.config.snapshot_interval_blocks * self.manager.tokens_per_block
+        ends = sorted(
+            {pad + m for pad in set(pads) for m in range(interval, num_columns - pad, interval) if pad + m > width}
+        )
+        if not ends:
+            return
+        device = self.manager.device
+        ids = input_ids.to(device)
+        mask = mask.to(device=device, dtype=torch.long)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        padded = not bool(mask.all())
+        start = width
+        for end in ends:
+            arguments = {"input_ids": ids[:, start:end], "use_cache": True, self._layers.cache_argument: cache}
+            if "position_ids" in self._forward_arguments:
+                arguments["position_ids"] = positions[:, start:end]
+            if padded:
+                arguments["attention_mask"] = mask[:, :end]
+            if "logits_to_keep" in self._forward_arguments:
+                arguments["logits_to_keep"] = 1
+            self.model(**arguments)
+            start = end
+
+    def _check_arguments(self, input_ids, attention_mask, kwargs: dict) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+            raise TypeError("input_ids must be a 2-D integer tensor [batch, tokens]")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+        if attention_mask is not None and (
+            not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
+        ):
+            raise ValueError("attention_mask must be a tensor of input_ids' shape")
+        for name in _CACHE_ARGUMENTS:
+            if name in kwargs:
+                raise ValueError(f"PrefixCache.generate supplies the cache: do not pass {name}=")
+        if "inputs_embeds" in kwargs or "inputs" in kwargs:
+            raise ValueError("PrefixCache.generate takes input_ids (token ids), not inputs/inputs_embeds")
+        for name, what in _UNSUPPORTED.items():
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(f"{what} ({name}=) is not supported by PrefixCache.generate")
+        config = kwargs.get("generation_config") or self.model.generation_config
+
+        def setting(name: str):
+            return kwargs.get(name, getattr(config, name, None))
+
+        if (setting("num_beams") or 1) > 1:
+            raise NotImplementedError("beam search (num_beams > 1) is not supported by PrefixCache.generate")
+        if (setting("num_return_sequences") or 1) > 1:
+            raise NotImplementedError("num_return_sequences > 1 is not supported by PrefixCache.generate")
+        if setting("use_cache") is False:
+            raise ValueError("PrefixCache.generate needs use_cache=True")
+        if setting("cache_implementation") is not None:
+            name = setting("cache_implementation")
+            raise NotImplementedError(f"cache_implementation={name!r} is not supported (kvtier fills a DynamicCache)")
+
+    def _inferred_mask(self, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The mask ``generate`` infers without one: padding wherever ``pad_token_id`` appears, if it is
+        set and is not an end-of-sequence token; else all ones."""
+        config = kwargs.get("generation_config") or self.model.generation_config
+        pad = kwargs.get("pad_token_id", config.pad_token_id)
+        eos = kwargs.get("eos_token_id", config.eos_token_id)
+        eos = [] if eos is None else [int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()]
+        if pad is not None and int(pad) not in eos and bool((input_ids == int(pad)).any()):
+            return (input_ids != int(pad)).long()
+        return torch.ones_like(input_ids, dtype=torch.long)
+
+    def close(self) -> None:
+        """Close the manager (a disk tier persists its pages for the next process). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.manager.close()
+
+    def __enter__(self) -> PrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _same_device(model_device: torch.device, cache_device: torch.device) -> bool:
+    if model_device.type != cache_device.type:
+        return False
+    if model_device.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (model_device.index if model_device.index is not None else current) == (
+        cache_device.index if cache_device.index is not None else current
+    )

@@ -1,0 +1,99 @@
+"""Filling a ``RecordingCache`` with the reused prefix of every row, from kvtier's primary tier.
+
+For each attention layer group one ``TokenMap`` lists every reused token of every row that the
+transformers layer holds (all of them for full attention; the last ``window - 1`` columns for a
+sliding window, which are exactly the blocks kvtier keeps live there), and each layer's keys and
+values are gathered through it in one indexed copy each. The recurrent group's pages (one state
+snapshot per row, taken after exactly ``row.reused`` tokens) are gathered in one copy and
+unpacked into the layers' states. Every copy is a device operation on the current stream, which
+``resume`` ordered after the pages' promotion.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.hf.batch_rows import Row
+from kvtier.hf.hf_cache import RecordingCache, fill_attention, fill_states
+from kvtier.hf.model_layers import ModelLayers
+from kvtier.hf.page_io import StatePacking, StatePart, TokenMapBuilder, gather
+from kvtier.layout import page_geometries
+from kvtier.manager import KVCacheManager
+from kvtier.spec import GroupKind
+
+
+def state_packing(layers: ModelLayers, mgr: KVCacheManager) -> StatePacking | None:
+    """How the recurrent group's page holds each linear-attention state (None without one)."""
+    group = next((g for g in mgr.layer_groups if g.kind is GroupKind.RECURRENT), None)
+    if group is None:
+        return None
+    geometry = page_geometries(mgr.spec, mgr.tokens_per_block)[group.group_id]
+    parts = []
+    for part in geometry.parts:
+        layer = layers.by_kvtier_id[part.layer_id]
+        for s in layer.states:
+            parts.append(StatePart((layer.index, s.role, s.index), part.offset + s.offset, s.nbytes, s.shape, s.dtype))
+    return StatePacking(parts, geometry.page_bytes)
+
+
+def load_prefix(
+    cache: RecordingCache,
+    layers: ModelLayers,
+    mgr: KVCacheManager,
+    rows: list[Row],
+    width: int,
+    packing: StatePacking | None,
+) -> None:
+    """Make ``cache`` hold the first ``width`` columns of the batch, read from each row's read cache."""
+    if width == 0:
+        return
+    batch = len(rows)
+    device = mgr.device
+    for group in mgr.layer_groups:
+        if group.kind is GroupKind.RECURRENT:
+            assert packing is not None
+            _load_states(cache, layers, mgr, rows, group.group_id, packing)
+            continue
+        kept = width if group.window is None else min(width, group.window - 1)
+        first_column = width - kept  # the layer holds columns [first_column, width)
+        builder = TokenMapBuilder(mgr.tokens_per_block)
+        for row in rows:
+            if row.reused:
+                assert row.read is not None
+                start = max(0, row.reused - kept)
+                builder.add(row.index, row.read.page_indices(group.group_id), start, row.reused, row.pad - first_column)
+        tokens = builder.build(device)
+        for layer_id in group.layer_ids:
+            layer = layers.by_kvtier_id[layer_id]
+            views = mgr.kv_views(layer_id)
+            shape = (batch, layer.num_kv_heads, kept, layer.head_dim)
+            keys = torch.zeros(shape, dtype=mgr.spec.dtype, device=device)
+            values = torch.zeros(shape, dtype=mgr.spec.dtype, device=device)
+            gather(views["k"], keys, tokens)
+            gather(views["v"], values, tokens)
+            fill_attention(cache.layers[layer.index], layer.kind, keys, values, width)
+
+
+def _load_states(
+    cache: RecordingCache,
+    layers: ModelLayers,
+    mgr: KVCacheManager,
+    rows: list[Row],
+    group_id: int,
+    packing: StatePacking,
+) -> None:
+    """Each reusing row's state page into the linear-attention layers; zeros for the other rows."""
+    device = mgr.device
+    reusing = [row for row in rows if row.reused]
+    slots = torch.tensor([int(row.read.page_indices(group_id)[0]) for row in reusing], dtype=torch.long)
+    region = mgr.layout().groups[group_id].regions[0].as_tensor()
+    pages = region[slots.to(device)]
+    states = packing.unpack(pages)
+    at = torch.tensor([row.index for row in reusing], dtype=torch.long, device=device)
+    for layer in layers.linear:
+        full = {}
+        for s in layer.states:
+            tensor = torch.zeros((len(rows), *s.shape), dtype=s.dtype, device=device)
+            tensor[at] = states[(layer.index, s.role, s.index)]
+            full[(s.role, s.index)] = tensor
+        fill_states(cache.layers[layer.index], full)

@@ -1,0 +1,138 @@
+"""Saving what a ``generate`` call computed: every row's new tokens into its write cache's pages.
+
+Row i computed its tokens from ``row.reused`` up to ``N_i`` (its prompt and every generated token
+but the last, which no forward has seen). Its write cache already holds (committed) the prefix it
+matched, so only tokens ``[committed, N_i)`` are written: resumed, resized to ``N_i``, one
+``TokenMap`` per attention group and one indexed copy per layer and role for all rows, then
+committed, which publishes every full block. A model with linear-attention layers commits in
+segments that end exactly at the snapshot points recorded during generation (multiples of
+``snapshot_interval_blocks`` blocks and the end of the prompt), after writing that point's state
+into the live state page, so kvtier keeps a snapshot there.
+
+Rows are saved together while the primary tier holds them all; the rest in later rounds. A row
+that does not fit the primary tier on its own is not saved (a warning says so).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvtier.errors import InvariantError
+from kvtier.hf.batch_rows import Row
+from kvtier.hf.hf_cache import RecordingCache, RecordingSlidingWindowLayer
+from kvtier.hf.model_layers import LayerKind, ModelLayers
+from kvtier.hf.page_io import TokenMapBuilder, scatter
+from kvtier.manager import KVCacheManager
+from kvtier.spec import GroupKind
+
+log = logging.getLogger(__name__)
+
+
+def save_rows(
+    mgr: KVCacheManager,
+    layers: ModelLayers,
+    rows: list[Row],
+    cache: RecordingCache,
+    sequences: torch.Tensor,
+    width: int,
+    records: list[dict[int, torch.Tensor]] | None,
+    stream=None,
+) -> None:
+    """Write and commit every row's computed tokens, then close its write cache."""
+    columns = min(cache.get_seq_length(), sequences.shape[1])
+    tokens = [sequences[row.index, row.pad : columns].tolist() for row in rows]
+    sources = _sources(cache, layers, width)
+    pending = list(rows)
+    while pending:
+        batch = _take_round(pending, tokens, stream)
+        if not batch:
+            row = pending.pop(0)
+            log.warning(
+                "kvtier.hf: the new blocks of row %d are not saved: the primary tier cannot hold its %d tokens, "
+                "or a page it reused was damaged meanwhile",
+                row.index,
+                len(tokens[row.index]),
+            )
+            row.write.close()
+            continue
+        _write_pages(mgr, layers, batch, tokens, sources)
+        for row in batch:
+            _commit(mgr, row, tokens[row.index], records[row.index] if records is not None else None)
+            row.write.close()
+        pending = pending[len(batch) :]
+
+
+def _take_round(pending: list[Row], tokens: list[list[int]], stream) -> list[Row]:
+    """The leading rows of ``pending`` that fit the primary tier together, resumed and resized.
+
+    A row whose committed prefix fell below ``row.reused`` (a damaged page made it start over)
+    cannot be saved: the tokens before ``row.reused`` were never computed here.
+    """
+    batch = []
+    for row in pending:
+        cache = row.write
+        if (
+            not cache.resume(stream)
+            or cache.num_committed_tokens < row.reused
+            or not cache.resize(len(tokens[row.index]))
+        ):
+            cache.suspend()
+            break
+        batch.append(row)
+    return batch
+
+
+def _sources(cache: RecordingCache, layers: ModelLayers, width: int) -> dict[int, tuple]:
+    """Per transformers layer: (keys, values, first column) holding every column the call computed."""
+    out = {}
+    for layer in layers.attention:
+        hf = cache.layers[layer.index]
+        if layer.kind is LayerKind.SLIDING:
+            assert isinstance(hf, RecordingSlidingWindowLayer)
+            keys, values = hf.written()
+            out[layer.index] = (keys, values, width)
+        else:
+            out[layer.index] = (hf.keys, hf.values, 0)
+    return out
+
+
+def _write_pages(
+    mgr: KVCacheManager, layers: ModelLayers, batch: list[Row], tokens: list[list[int]], sources: dict
+) -> None:
+    """Keys and values of tokens ``[committed, N_i)`` of every row into its pages, per layer and role."""
+    for group in mgr.layer_groups:
+        if group.kind is GroupKind.RECURRENT:
+            continue
+        builder = TokenMapBuilder(mgr.tokens_per_block)
+        for row in batch:
+            start = row.write.num_committed_tokens
+            builder.add(row.index, row.write.page_indices(group.group_id), start, len(tokens[row.index]), row.pad)
+        token_map = builder.build(mgr.device)
+        for layer_id in group.layer_ids:
+            layer = layers.by_kvtier_id[layer_id]
+            keys, values, first_column = sources[layer.index]
+            views = mgr.kv_views(layer_id)
+            scatter(keys, views["k"], token_map, first_column)
+            scatter(values, views["v"], token_map, first_column)
+
+
+def _commit(mgr: KVCacheManager, row: Row, tokens: list[int], records: dict[int, torch.Tensor] | None) -> None:
+    """Commit ``tokens[committed:]``; with a recurrent group, in segments ending at recorded snapshots."""
+    start = row.write.num_committed_tokens
+    end = len(tokens)
+    if records is None:
+        row.write.commit(tokens[start:end])
+        return
+    group = next(g.group_id for g in mgr.layer_groups if g.kind is GroupKind.RECURRENT)
+    interval = mgr.config.snapshot_interval_blocks * mgr.tokens_per_block
+    region = mgr.layout().groups[group].regions[0].as_tensor()
+    slot = int(row.write.page_indices(group)[0])
+    for point in sorted({p for p in records if start < p <= end} | {end}):
+        if point in records:
+            region[slot].copy_(records[point])
+        elif point % interval == 0 or point == len(row.prompt):
+            raise InvariantError(f"row {row.index}: no state was recorded at snapshot point {point}")
+        row.write.commit(tokens[start:point])
+        start = point

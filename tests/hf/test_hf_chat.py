@@ -1,0 +1,87 @@
+"""``PrefixCache.generate`` is token-identical to ``model.generate`` over chat turns, for every kind of
+cache layer, while pages travel through host and disk, after a restart on the same disk directory,
+and never serves one checkpoint's pages to another."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.hf import PrefixCache
+from tests.hf.tiny import ARCHS, WINDOW, tiers_config, tiny_model, tokens
+
+NEW_TOKENS = 6
+
+
+def _turn(model, pc: PrefixCache, prompt: list[int]) -> list[int]:
+    """One turn through both paths; they must agree token for token. Returns the whole sequence.
+
+    The mask is given: answers may contain the pad token, from which ``generate`` would infer one.
+    """
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    got = pc.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(got, expected), f"reused {pc.last_reused_tokens}"
+    return got[0].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chat_through_host_and_disk_then_restart_then_other_weights(arch, tmp_path):
+    model = tiny_model(arch)
+    config = tiers_config(model, blocks=12, host_blocks=4, disk_blocks=400, disk_path=tmp_path / "disk")
+    g = torch.Generator().manual_seed(ARCHS.index(arch) + 10)
+    system = tokens(g, 41)  # longer than the sliding window
+    history = [system + tokens(g, n) for n in (20, 24, 17)]
+    with PrefixCache(model, config) as pc:
+        for turn in range(2):
+            for c in range(3):
+                sequence = _turn(model, pc, history[c])
+                reused = pc.last_reused_tokens[0]
+                if turn or c:  # later conversations share the system prompt from their first turn
+                    assert reused >= (len(history[c]) - 24 if turn else 32), (turn, c, reused)
+                history[c] = sequence + tokens(g, 7)
+        stats = pc.manager.stats()
+        assert stats.demotions > 0
+        assert stats.hit_tokens["host"] + stats.hit_tokens["disk"] > 0, stats.hit_tokens
+
+    with PrefixCache(model, config) as pc:  # a new process on the same disk directory
+        _turn(model, pc, history[0])
+        assert pc.last_reused_tokens[0] > WINDOW
+        assert pc.manager.stats().hit_tokens["disk"] > 0
+
+    other = tiny_model(arch, seed=1)  # another checkpoint of the same architecture
+    with PrefixCache(other, config) as pc:
+        _turn(other, pc, history[0])
+        assert pc.last_reused_tokens == [0]
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3_next"])
+def test_a_prompt_that_leaves_an_earlier_one_midway_reuses_what_the_window_or_state_needs_there(arch):
+    """The window's blocks at the point where the prompts part (long gone from the transformers
+    cache of the first call) and the recurrent state there were saved as they were written."""
+    model = tiny_model(arch)
+    config = tiers_config(model, blocks=64)
+    g = torch.Generator().manual_seed(3)
+    first = tokens(g, 90)
+    with PrefixCache(model, config) as pc:
+        _turn(model, pc, first)
+        _turn(model, pc, first[:53] + tokens(g, 20))
+        assert pc.last_reused_tokens[0] >= 48
+
+
+def test_sampling_draws_the_same_tokens_with_the_same_seed():
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(4)
+    prompt = tokens(g, 40)
+    with PrefixCache(model, tiers_config(model, blocks=32)) as pc:
+        for _ in range(2):
+            ids = torch.tensor([prompt])
+            mask = torch.ones_like(ids)
+            torch.manual_seed(7)
+            expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=0)
+            torch.manual_seed(7)
+            got = pc.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=0)
+            assert torch.equal(got, expected)
+            prompt = got[0].tolist() + tokens(g, 5)
+        assert pc.last_reused_tokens[0] > 0

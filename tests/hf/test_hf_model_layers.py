@@ -1,0 +1,102 @@
+"""What ``PrefixCache`` reads from a model, what it refuses (at construction, naming it), and the
+arguments ``generate`` refuses before touching anything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import kvtier
+from kvtier.hf import PrefixCache
+from kvtier.hf.model_layers import LayerKind, read_model
+from tests.hf.tiny import VOCAB, WINDOW, tiers_config, tiny_model, tokens
+
+
+def test_layers_and_groups_of_each_architecture():
+    gemma = read_model(tiny_model("gemma2"))
+    assert [x.kind for x in gemma.layers] == [LayerKind.SLIDING, LayerKind.FULL] * 2
+    assert [(g.kind.value, g.window, g.layer_ids) for g in gemma.spec.groups] == [
+        ("sliding_window", WINDOW, (0, 2)),
+        ("attention", None, (1, 3)),
+    ]
+    qwen = read_model(tiny_model("qwen3_next"))
+    assert [x.kind for x in qwen.layers] == [LayerKind.LINEAR] * 3 + [LayerKind.FULL]
+    layer = qwen.layers[0]
+    assert [(s.role, s.shape, s.dtype) for s in layer.states] == [
+        ("conv", (64, 4), torch.float64),  # (2 * key dim + value dim) channels, kernel 4
+        ("recurrent", (4, 8, 8), torch.float32),  # value heads, key dim, value dim
+    ]
+    assert qwen.spec.layers[0].state_bytes == 64 * 4 * 8 + 4 * 8 * 8 * 4
+    assert qwen.spec.layers[3] == kvtier.AttentionLayer(2, 8)
+    assert qwen.spec.dtype == torch.float64
+
+
+def test_model_id_is_a_fingerprint_of_the_weights_unless_given():
+    model = tiny_model("llama")
+    assert read_model(model).spec.model_id == kvtier.weights_fingerprint(model)
+    assert read_model(tiny_model("llama", seed=1)).spec.model_id != kvtier.weights_fingerprint(model)
+    with PrefixCache(model, tiers_config(model, blocks=8), model_id="llama-tiny@1") as pc:
+        assert pc.manager.spec.model_id == "llama-tiny@1"
+
+
+def test_an_encoder_decoder_model_is_refused():
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    model = transformers.T5ForConditionalGeneration(config)
+    with pytest.raises(NotImplementedError, match="encoder-decoder"):
+        PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
+
+
+def test_a_model_without_attention_layers_is_refused():
+    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, state_size=4)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(NotImplementedError, match="no attention layer"):
+        PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
+
+
+def test_a_cache_layer_kvtier_cannot_represent_is_refused_by_name():
+    config = transformers.ZayaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(NotImplementedError, match="LinearAttentionAndFullAttentionLayer"):
+        PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
+
+
+def test_the_cache_must_live_on_the_models_device():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="same"):
+        PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)], device="cuda"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_beams": 2}, NotImplementedError, "beam search"),
+        ({"num_return_sequences": 2, "do_sample": True}, NotImplementedError, "num_return_sequences"),
+        ({"use_cache": False}, ValueError, "use_cache"),
+        ({"cache_implementation": "static"}, NotImplementedError, "cache_implementation"),
+        ({"past_key_values": None}, ValueError, "supplies the cache"),
+        ({"inputs_embeds": torch.zeros(1, 3, 32)}, ValueError, "input_ids"),
+    ],
+)
+def test_generate_refuses_what_it_cannot_serve_and_changes_nothing(kwargs, error, match):
+    model = tiny_model("llama")
+    with PrefixCache(model, tiers_config(model, blocks=8)) as pc:
+        ids = torch.tensor([tokens(torch.Generator().manual_seed(5), 12)])
+        with pytest.raises(error, match=match):
+            pc.generate(ids, max_new_tokens=2, **kwargs)
+        assert pc.manager.stats().lookup_tokens == 0
+
+
+def test_generate_checks_its_inputs_and_a_closed_cache():
+    model = tiny_model("llama")
+    pc = PrefixCache(model, tiers_config(model, blocks=8))
+    with pytest.raises(TypeError, match="2-D integer"):
+        pc.generate(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="shape"):
+        pc.generate(torch.tensor([[5, 6, 7]]), attention_mask=torch.ones(1, 2))
+    pc.close()
+    pc.close()
+    with pytest.raises(kvtier.CacheStateError):
+        pc.generate(torch.tensor([[5, 6, 7]]))
