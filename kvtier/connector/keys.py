@@ -13,7 +13,8 @@ A key is ``<prefix>/<scope>/<block>/g<group>`` with the prefix
 - ``<group>`` is the layer group id.
 
 Every part is derived from bytes with a fixed encoding, so keys are the same in every process
-and on every machine. Keys use only ``[0-9a-z/]``.
+and on every machine. Keys use only ``[0-9a-z/]``: no ``{hash tag}``, so a Redis Cluster hashes
+each whole key to its slot and one model's blocks spread over every node.
 """
 
 from __future__ import annotations
