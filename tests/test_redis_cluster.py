@@ -260,3 +260,22 @@ def run_steps(eng, connector, prompts) -> tuple[tuple[list[float], list[float]],
         times.append(time.monotonic() - start)
         stalls.append(connector.stats().stall_s - stall)
     return (times, stalls), [outputs[i] for i in ids]
+
+
+def test_the_first_call_waits_for_a_hung_cluster_at_most_the_timeout(own_cluster):
+    """Discovery (connecting to the URL's node) runs in the background: a call waits for it at
+    most the timeout and answers misses; once the node answers, the store works."""
+    hung = own_cluster.nodes[0]
+    store = RedisStore(f"redis-cluster://127.0.0.1:{hung.port}", socket_timeout_s=0.5, retry_after_s=0.2)
+    _, keys = fresh_keys(6)
+    hung.pause()
+    try:
+        start = time.monotonic()
+        assert store.get_many(keys) == [None] * 6
+        assert store.put_many([(k, b"v") for k in keys]) == [False] * 6
+        assert time.monotonic() - start < 0.5 + 0.3
+    finally:
+        hung.resume()
+    wait_until(lambda: store.put_many([(k, b"v") for k in keys]) == [True] * 6, 10, "the cluster to be discovered")
+    assert store.get_many(keys) == [b"v"] * 6
+    store.close()

@@ -86,7 +86,8 @@ class ClusterTransport:
         for i, command in enumerate(commands):
             try:
                 node = client.nodes_manager.get_node_from_slot(client.keyslot(command[1]))
-            except self._errors:  # a slot no node serves right now: a miss
+            except self._errors:  # a slot no node serves, as far as the table knows: a miss, and read it again
+                self._refresh_slots("")
                 continue
             groups.setdefault(node.name, (node, []))[1].append(i)
         asked = [
@@ -106,6 +107,9 @@ class ClusterTransport:
         """Wait for the background threads (each bounded by the socket timeout) and close every connection."""
         self._fanout.shutdown(wait=True)
         self._topology.shutdown(wait=True)
+        connecting = self._connecting
+        if self._client is None and connecting is not None and connecting.exception() is None:
+            self._client = connecting.result()  # made after the last call stopped waiting for it
         if self._client is not None:
             self._client.close()
 
