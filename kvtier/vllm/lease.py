@@ -1,0 +1,143 @@
+"""A request's kvtier cache while vLLM holds its blocks: the scheduler half's unit of bookkeeping.
+
+States, in order:
+
+    OFFERED   a SUSPENDED cache holding the longest cached prefix (on any tier, no memory yet)
+    ACTIVE    resumed: every page locked in the host tier. Loads read its pages; saves give it
+              new pages (``grow``) that a worker job fills.
+    CLOSING   vLLM let go of the request (finished, aborted, preempted); closed once no job of
+              it is in flight, so no page is unlocked (demotable, reusable) under a copy
+    CLOSED
+
+Invariants: ``committed <= planned``; a page is committed (published in the tree, so other
+requests may reuse it) only after the job that filled it completed, jobs commit in the order they
+were planned, and a failed save stops the lease's saving for good (later blocks cannot be
+committed past a hole). Imports nothing of vLLM.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.cache import KVCache
+
+
+class LeaseState(str, enum.Enum):
+    OFFERED = "offered"
+    ACTIVE = "active"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class _Commit:
+    job_id: int
+    tokens: list[int]  # the tokens the job's blocks hold, from the previous planned end
+    done: bool = False
+
+
+class Lease:
+    """One request's cache; see the module docstring for its states."""
+
+    __slots__ = ("_commits", "cache", "loads", "local_tokens", "planned", "saves", "saving", "state")
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.state = LeaseState.OFFERED
+        self.local_tokens = 0  # tokens vLLM had computed itself when the offer was made
+        self.planned = 0
+        self.saving = True
+        self.loads: set[int] = set()
+        self.saves: set[int] = set()
+        self._commits: deque[_Commit] = deque()
+
+    @property
+    def matched(self) -> int:
+        """Tokens of the prefix the cache holds (the offer's reach)."""
+        return self.cache.num_reused_tokens
+
+    @property
+    def committed(self) -> int:
+        return self.cache.num_committed_tokens
+
+    @property
+    def busy(self) -> bool:
+        """A job of this lease is in flight."""
+        return bool(self.loads or self.saves)
+
+    def activate(self) -> bool:
+        """OFFERED -> ACTIVE: lock the prefix's pages in the host tier (reading them from disk if needed).
+
+        A page that fails its checksum shortens the prefix (``committed`` drops to what is
+        intact). False, and the lease is closed, when the host tier cannot hold the pages.
+        """
+        assert self.state is LeaseState.OFFERED
+        if not self.cache.resume():
+            self.close()
+            return False
+        self.state = LeaseState.ACTIVE
+        self.planned = self.committed
+        return True
+
+    def host_slots(self, group_id: int, first_block: int, end_block: int) -> np.ndarray:
+        """Host slots of blocks ``[first_block, end_block)`` of a group (``BAD_PAGE_INDEX`` where none)."""
+        return self.cache.page_indices(group_id)[first_block:end_block].astype(np.int64)
+
+    def grow(self, end: int) -> bool:
+        """Pages up to token ``end`` for a save; False (saving stops) when the host tier has no room."""
+        assert self.state is LeaseState.ACTIVE and end > self.planned
+        if not self.saving or not self.cache.resize(end):
+            self.saving = False
+            return False
+        return True
+
+    def plan_save(self, job_id: int, tokens: list[int]) -> None:
+        """A job fills the pages of ``tokens`` (the next ones after ``planned``)."""
+        self.saves.add(job_id)
+        self._commits.append(_Commit(job_id, tokens))
+        self.planned += len(tokens)
+
+    def stop_saving(self) -> None:
+        self.saving = False
+
+    def save_done(self, job_id: int, ok: bool) -> None:
+        """The save ``job_id`` completed: commit every completed job at the front, in order."""
+        self.saves.discard(job_id)
+        if self.state is LeaseState.CLOSED:
+            return
+        for commit in self._commits:
+            if commit.job_id == job_id:
+                commit.done = True
+        if not ok:
+            self.saving = False
+            self._commits.clear()
+        while self._commits and self._commits[0].done:
+            self.cache.commit(self._commits.popleft().tokens)
+        self._close_if_idle()
+
+    def load_done(self, job_id: int) -> None:
+        """The load ``job_id`` completed (its pages were read)."""
+        self.loads.discard(job_id)
+        self._close_if_idle()
+
+    def release(self) -> None:
+        """vLLM let go: close now, or once the jobs in flight are done."""
+        if self.state is LeaseState.CLOSED:
+            return
+        self.state = LeaseState.CLOSING
+        if not self.busy:
+            self.close()
+
+    def _close_if_idle(self) -> None:
+        if self.state is LeaseState.CLOSING and not self.busy:
+            self.close()
+
+    def close(self) -> None:
+        """Close the cache: committed blocks stay in the tree for reuse, the rest is freed."""
+        self._commits.clear()
+        self.cache.close()
+        self.state = LeaseState.CLOSED

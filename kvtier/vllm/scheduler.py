@@ -1,0 +1,261 @@
+"""The scheduler half: kvtier's index below vLLM's GPU blocks, and the jobs that move blocks.
+
+One ``KVCacheManager`` whose primary tier is host memory (then the disk tier) keeps every block
+vLLM computed, by a radix tree of its tokens per reuse scope (LoRA, cache salt), under the
+model's identity. Each request gets a ``Lease`` (``kvtier.vllm.lease``):
+
+- **ask** (``get_num_new_matched_tokens``): the lease's cache matches the longest cached prefix
+  (no memory, no copy; asking again returns the same answer); tokens past vLLM's own hit are
+  offered, loaded asynchronously.
+- **alloc** (``update_state_after_alloc``): the prefix is locked in host memory (read from disk
+  and checksum-verified if it was there); a load job copies the offered blocks into vLLM's new
+  blocks. Blocks whose pages turned out damaged or that could not be brought into host memory
+  are reported failed with the job, so vLLM recomputes them.
+- **every step** (``build_connector_meta``): for each scheduled request the blocks that become
+  full and computed by the end of the step get host pages and a save job; a page is published
+  for reuse only when its job completed (``update_connector_output``).
+- **finish** (``request_finished``): with saves in flight vLLM keeps the blocks until the worker
+  reports them done; the lease closes when its last job completes.
+
+Preempted requests flush their in-flight saves before the next forward (their blocks are freed
+at once), and so does every save of a model with sliding-window layers (vLLM frees blocks that
+leave the window).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.config import CacheConfig, DiskTier, PrimaryTier, ReuseScope
+from kvtier.manager import KVCacheManager
+from kvtier.pages import BAD_PAGE_INDEX
+from kvtier.vllm import host_pool
+from kvtier.vllm.kv_groups import ModelPlan
+from kvtier.vllm.lease import Lease, LeaseState
+from kvtier.vllm.meta import KVTierMetadata, KVTierWorkerMeta
+from kvtier.vllm.settings import ConnectorSettings
+from kvtier.vllm.transfer import Direction, GroupBlocks, TransferJob
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class KVTierScheduler:
+    """Offers, leases and jobs of one engine; see the module docstring."""
+
+    def __init__(self, plan: ModelPlan, settings: ConnectorSettings, engine_id: str) -> None:
+        tiers: list[PrimaryTier | DiskTier] = [PrimaryTier(settings.host_bytes)]
+        if settings.disk_path is not None and settings.disk_bytes is not None:
+            tiers.append(DiskTier(settings.disk_bytes, settings.disk_path))
+        config = CacheConfig(plan.block_size, tiers, device="cpu", enable_partial_reuse=False)
+        self.plan = plan
+        self.manager = KVCacheManager(plan.spec, config)
+        self._engine_id = engine_id
+        layout = self.manager.layout()
+        buffers = tuple(g.regions[0].buffer for g in layout.groups)
+        host_pool.publish(engine_id, host_pool.HostPool(buffers, tuple(g.host_page_bytes for g in plan.groups)))  # type: ignore[arg-type]
+        self._tpb = plan.block_size
+        self._leases: dict[str, Lease] = {}
+        self._requests: dict[str, Request] = {}
+        self._jobs: dict[int, tuple[Lease | None, Direction]] = {}
+        self._step_jobs: list[TransferJob] = []
+        self._delayed: list[str] = []
+        self._job_ids = itertools.count()
+        self.null_block_id = 0
+        self.block_ids_of: Any = None  # vLLM's KVCacheManager.get_block_ids, bound by the connector
+
+    # -- ask and alloc ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not _keyable(request):
+            return 0, False
+        rid = request.request_id
+        lease = self._leases.get(rid)
+        if lease is None:
+            lease = Lease(self.manager.create_cache(request.all_token_ids, scope_of(request)))
+            self._leases[rid] = lease
+            self._requests[rid] = request
+        if lease.state is not LeaseState.OFFERED:
+            return 0, False
+        lease.local_tokens = num_computed_tokens
+        offer = lease.matched - num_computed_tokens
+        return (offer, True) if offer > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, block_ids: tuple[list[int], ...], num_external: int) -> None:
+        rid = request.request_id
+        lease = self._leases.get(rid)
+        if lease is None or lease.state is not LeaseState.OFFERED:
+            return  # not keyable, or the second call after an asynchronous load
+        if not lease.activate():
+            log.warning(
+                "kvtier.vllm: the host tier cannot hold request %s's prefix; it is neither loaded nor saved", rid
+            )
+            self._leases.pop(rid)
+            lease = None
+        if num_external > 0:
+            self._add_load(rid, lease, block_ids, num_external)
+
+    def hit_sources(self, request: Request, num_external: int) -> tuple[int, int]:
+        """(host tokens, disk tokens) of an external hit of ``num_external`` tokens (disk counted first)."""
+        lease = self._leases.get(request.request_id)
+        on_disk = 0 if lease is None else lease.cache.reused_by_tier.get("disk", 0)
+        disk = min(num_external, on_disk)
+        return num_external - disk, disk
+
+    def _add_load(self, rid: str, lease: Lease | None, block_ids: tuple[list[int], ...], num_external: int) -> None:
+        tpb = self._tpb
+        start = 0 if lease is None else lease.local_tokens
+        first, end = start // tpb, -(-(start + num_external) // tpb)
+        job = TransferJob(next(self._job_ids), rid, Direction.LOAD)
+        good_end = first
+        if lease is not None:
+            good_end = min(self._intact_end(lease, plan, block_ids, first, end) for plan in self.plan.groups)
+            for plan in self.plan.groups:
+                job.groups.append(self._rows(lease, plan, block_ids, first, good_end))
+            lease.loads.add(job.job_id)
+        if good_end < end:
+            if self.plan.num_vllm_groups > 1:
+                job.failed = True  # block ids are per group: vLLM recomputes the whole request
+            else:
+                job.failed_block_ids = [b for b in block_ids[0][good_end:end] if b != self.null_block_id]
+            job.failed = job.failed or good_end == first
+        self._jobs[job.job_id] = (lease, Direction.LOAD)
+        self._step_jobs.append(job)
+
+    def _intact_end(self, lease: Lease, plan, block_ids, first: int, end: int) -> int:
+        """The first block in ``[first, end)`` that vLLM wants and this group cannot supply (or ``end``)."""
+        slots = _padded(lease.host_slots(plan.group_id, first, end), end - first)
+        wanted = self._device_blocks(plan, block_ids, first, end) != self.null_block_id
+        intact_blocks = lease.committed // self._tpb
+        for i in range(end - first):
+            if wanted[i].any() and (slots[i] == BAD_PAGE_INDEX or first + i >= intact_blocks):
+                return first + i
+        return end
+
+    # -- every step ----------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
+        flush: set[int] = set()
+        for rid in scheduler_output.preempted_req_ids or ():
+            lease = self._leases.pop(rid, None)
+            if lease is not None:
+                flush.update(lease.saves)
+                lease.release()
+        if self.plan.has_sliding_window:
+            flush.update(j for j, (_, d) in self._jobs.items() if d is Direction.SAVE)
+        for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            lease = self._leases.get(rid)
+            if lease is None or lease.state is not LeaseState.ACTIVE or not lease.saving:
+                continue
+            request = self._requests[rid]
+            end = min(request.num_computed_tokens + num_tokens, request.num_tokens) // self._tpb * self._tpb
+            if end > lease.planned:
+                self._add_save(rid, lease, request, end)
+        meta = KVTierMetadata(self._step_jobs, sorted(flush), self._delayed)
+        self._step_jobs, self._delayed = [], []
+        return meta
+
+    def _add_save(self, rid: str, lease: Lease, request: Request, end: int) -> None:
+        tpb = self._tpb
+        start = lease.planned
+        if not lease.grow(end):
+            return
+        block_ids = self.block_ids_of(rid)
+        first, stop = start // tpb, end // tpb
+        for plan in self.plan.groups:  # a page kvtier keeps whose block vLLM already let go cannot be filled
+            slots = lease.host_slots(plan.group_id, first, stop)
+            gone = (self._device_blocks(plan, block_ids, first, stop) == self.null_block_id).any(axis=1)
+            unfillable = np.flatnonzero((slots != BAD_PAGE_INDEX) & gone)
+            if len(unfillable):
+                stop = min(stop, first + int(unfillable[0]))
+        if stop < end // tpb:
+            lease.stop_saving()
+        if stop <= first:
+            return
+        job = TransferJob(next(self._job_ids), rid, Direction.SAVE)
+        job.groups = [self._rows(lease, plan, block_ids, first, stop) for plan in self.plan.groups]
+        lease.plan_save(job.job_id, list(request.all_token_ids[start : stop * tpb]))
+        self._jobs[job.job_id] = (lease, Direction.SAVE)
+        self._step_jobs.append(job)
+
+    def _rows(self, lease: Lease, plan, block_ids, first: int, end: int) -> GroupBlocks:
+        """The blocks of ``[first, end)`` that move for one group: a host page and a live vLLM block per column."""
+        slots = _padded(lease.host_slots(plan.group_id, first, end), end - first)
+        device = self._device_blocks(plan, block_ids, first, end)
+        keep = (slots != BAD_PAGE_INDEX) & (device != self.null_block_id).all(axis=1)
+        return GroupBlocks(plan.group_id, slots[keep], device[keep])
+
+    def _device_blocks(self, plan, block_ids, first: int, end: int) -> np.ndarray:
+        """(end - first, columns) vLLM block ids of the plan's columns (null past a table's end)."""
+        out = np.full((end - first, len(plan.columns)), self.null_block_id, dtype=np.int64)
+        for c, vllm_group in enumerate(plan.columns):
+            ids = block_ids[vllm_group][first:end]
+            out[: len(ids), c] = ids
+        return out
+
+    # -- completion and finish -------------------------------------------------------------------
+
+    def update_connector_output(self, worker_meta: object) -> None:
+        if not isinstance(worker_meta, KVTierWorkerMeta):
+            return
+        for job_id, ok in worker_meta.done.items():
+            lease, direction = self._jobs.pop(job_id, (None, Direction.LOAD))
+            if lease is None:
+                continue
+            if direction is Direction.LOAD:
+                lease.load_done(job_id)
+            else:
+                lease.save_done(job_id, ok)
+
+    def request_finished(self, request: Request) -> bool:
+        """True when vLLM must keep the request's blocks until the worker reports its saves done."""
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        lease = self._leases.pop(rid, None)
+        if lease is None:
+            return False
+        delay = bool(lease.saves) and not lease.loads  # during a load vLLM waits for the load itself
+        lease.release()
+        if delay:
+            self._delayed.append(rid)
+        return delay
+
+    def shutdown(self) -> None:
+        """Close every lease and the manager (published pages still in host memory go to disk)."""
+        leases = {id(lease): lease for lease in self._leases.values()}
+        leases.update({id(lease): lease for lease, _ in self._jobs.values() if lease is not None})
+        for lease in leases.values():
+            lease.close()
+        self._leases.clear()
+        self._jobs.clear()
+        self.manager.close()
+        host_pool.withdraw(self._engine_id)
+
+
+def scope_of(request: Request) -> ReuseScope:
+    """The reuse scope of a request: its LoRA adapter (name and path) and its cache salt."""
+    lora = getattr(request, "lora_request", None)
+    lora_id = None if lora is None else f"{lora.lora_name}:{getattr(lora, 'lora_path', '')}"
+    return ReuseScope(lora_id=lora_id, salt=getattr(request, "cache_salt", None))
+
+
+def _keyable(request: Request) -> bool:
+    """Whether a request's KV is decided by its token ids alone (no embeddings, no multimodal inputs)."""
+    return (
+        request.prompt_token_ids is not None
+        and getattr(request, "prompt_embeds", None) is None
+        and not getattr(request, "mm_features", None)
+    )
+
+
+def _padded(slots: np.ndarray, length: int) -> np.ndarray:
+    if len(slots) >= length:
+        return slots
+    return np.concatenate([slots, np.full(length - len(slots), BAD_PAGE_INDEX, dtype=np.int64)])

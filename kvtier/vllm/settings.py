@@ -1,0 +1,90 @@
+"""The connector's settings (``kv_connector_extra_config``) and the identity its pages carry.
+
+Keys of ``kv_connector_extra_config``:
+
+- ``host_bytes`` (int, default 4 GiB): host memory for kvtier's pages (page-locked on CUDA).
+- ``disk_bytes`` and ``disk_path`` (both or neither): a disk tier whose index survives a restart.
+- ``store_url`` (str or None): a store below the disk tier shared by processes and machines:
+  ``redis://...``, ``rediss://...``, ``redis-cluster://...``, ``redis-sentinel://...`` (a Redis
+  or Valkey server) or ``file:///path`` (a shared directory).
+- ``model_id`` (str or None): what names the weights in every key. By default vLLM's model name
+  and revision; set it to a fingerprint of the weights when a local directory may change.
+
+Anything else is a ``ValueError`` naming the known keys; a value of the wrong type a
+``TypeError``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_HOST_BYTES = 4 << 30
+KNOWN_KEYS = ("host_bytes", "disk_bytes", "disk_path", "store_url", "model_id")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    host_bytes: int = DEFAULT_HOST_BYTES
+    disk_bytes: int | None = None
+    disk_path: str | None = None
+    store_url: str | None = None
+    model_id: str | None = None
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Settings from ``kv_connector_extra_config``; ``ValueError``/``TypeError`` for bad input."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(KNOWN_KEYS))
+        if unknown:
+            raise ValueError(
+                f"kvtier.vllm: unknown kv_connector_extra_config keys {unknown}; known: {list(KNOWN_KEYS)}"
+            )
+        host_bytes = _positive_int("host_bytes", extra.get("host_bytes", DEFAULT_HOST_BYTES))
+        disk_bytes = extra.get("disk_bytes")
+        disk_path = extra.get("disk_path")
+        if (disk_bytes is None) != (disk_path is None):
+            raise ValueError("kvtier.vllm: give both disk_bytes and disk_path for a disk tier, or neither")
+        if disk_bytes is not None:
+            disk_bytes = _positive_int("disk_bytes", disk_bytes)
+            if not isinstance(disk_path, str | os.PathLike) or not os.fspath(disk_path):
+                raise TypeError(f"kvtier.vllm: disk_path must be a non-empty path, got {disk_path!r}")
+            disk_path = os.fspath(disk_path)
+        store_url = _optional_text("store_url", extra.get("store_url"))
+        model_id = _optional_text("model_id", extra.get("model_id"))
+        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id)
+
+
+def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
+    """What decides the bytes of a page besides its tokens: the weights (model and revision), the
+    KV cache dtype, quantization and physical layout, and the tensor-parallel shard."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    parts = [
+        f"vllm:{model.model}@{model.revision or 'default'}",
+        f"dtype={model.dtype}",
+        f"kv={cache.cache_dtype}",
+        f"quant={model.quantization}",
+        f"layout={kv_cache_layout}",
+        f"tp={getattr(parallel, 'rank', 0)}/{parallel.tensor_parallel_size}",
+    ]
+    return "|".join(parts)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"kvtier.vllm: {name} must be an int (bytes), got {value!r}")
+    if value <= 0:
+        raise ValueError(f"kvtier.vllm: {name} must be > 0, got {value}")
+    return value
+
+
+def _optional_text(name: str, value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"kvtier.vllm: {name} must be a non-empty str or None, got {value!r}")
+    return value

@@ -1,0 +1,303 @@
+"""The data path between vLLM's paged KV blocks and kvtier's host pages. Imports neither vLLM nor
+the cache manager, so it runs (and is tested) wherever torch does.
+
+vLLM keeps one view per layer into one device allocation; in its block-contiguous layouts block
+``b`` of a layer is one contiguous page of ``page_bytes`` at ``base + b * block_stride``. A
+kvtier host page of a layer group holds one block of every layer of the group, layer after layer:
+layer ``k`` of host slot ``s`` is bytes ``[(s * L + k) * p, (s * L + k + 1) * p)`` of the group's
+host buffer (``L`` layers of ``p`` bytes, no padding). So a batch of blocks moves as one
+``PageCopier`` call per layer group over ``p``-byte slots of both buffers, with pairs
+``(first_page[k] + block * block_stride[k], s * L + k)`` for every block and layer.
+
+A job names, per layer group, the host slots of its blocks and, per *column*, the vLLM block ids
+of the same blocks (a kvtier group may gather layers from several vLLM KV cache groups, each with
+its own block table: a column is one of them).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvtier.copy import PageCopier
+
+
+class Direction(str, enum.Enum):
+    LOAD = "load"  # host pages -> vLLM blocks
+    SAVE = "save"  # vLLM blocks -> host pages
+
+
+@dataclass(frozen=True, slots=True)
+class LayerBlocks:
+    """Where one layer's blocks are in the device allocation, counted in pages: block b is page
+    ``first_page + b * block_stride``."""
+
+    name: str
+    first_page: int
+    block_stride: int
+    column: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """One kvtier layer group as vLLM sees it: its layers in host-page order and their block tables.
+
+    ``columns[c]`` is the vLLM KV cache group whose block table feeds column c; layer i reads
+    column ``layer_columns[i]``. Every layer's block is one page of ``page_bytes``.
+    """
+
+    group_id: int
+    layer_names: tuple[str, ...]
+    columns: tuple[int, ...]
+    layer_columns: tuple[int, ...]
+    page_bytes: int
+
+    @property
+    def host_page_bytes(self) -> int:
+        """Bytes of one host page: one block of every layer."""
+        return len(self.layer_names) * self.page_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRoute:
+    """One kvtier layer group: its layers in host-page order, each found in the device allocation."""
+
+    group_id: int
+    page_bytes: int
+    layers: tuple[LayerBlocks, ...]
+    num_columns: int
+
+
+@dataclass(slots=True)
+class GroupBlocks:
+    """One group's share of a job: block i moves between host slot ``host_slots[i]`` and device
+    block ``device_blocks[i, c]`` for the layers of column c."""
+
+    group_id: int
+    host_slots: np.ndarray  # (n,) int64
+    device_blocks: np.ndarray  # (n, num_columns) int64
+
+
+@dataclass(slots=True)
+class TransferJob:
+    """One request's load or save of one step.
+
+    ``failed_block_ids`` (loads): vLLM block ids the scheduler already knows it cannot fill (the
+    pages were lost); they are reported as load errors with the job. ``failed`` (loads): the
+    whole load is reported failed.
+    """
+
+    job_id: int
+    req_id: str
+    direction: Direction
+    groups: list[GroupBlocks] = field(default_factory=list)
+    failed_block_ids: list[int] = field(default_factory=list)
+    failed: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g.host_slots) for g in self.groups)
+
+
+def locate_layer(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int, column: int) -> LayerBlocks:
+    """Find ``name``'s blocks in its device allocation (``cache`` is the view vLLM registered).
+
+    ``cache``'s first dimension holds ``num_blocks`` blocks, or a multiple of it (kernel blocks
+    that split a block evenly). ``ValueError`` unless each block is one contiguous page of
+    ``page_bytes`` bytes at a page-aligned offset with a page-multiple stride.
+    """
+    if cache.dim() < 1 or cache.shape[0] % num_blocks:
+        raise ValueError(f"layer {name}: a cache of shape {tuple(cache.shape)} does not hold {num_blocks} blocks")
+    blocks = cache.unflatten(0, (num_blocks, -1)) if cache.shape[0] != num_blocks else cache
+    itemsize = cache.element_size()
+    if not _is_dense(blocks[0]) or blocks[0].numel() * itemsize != page_bytes:
+        raise ValueError(
+            f"layer {name}: a block is not one contiguous page of {page_bytes} bytes (shape {tuple(blocks.shape)}, "
+            f"strides {blocks.stride()}); kvtier.vllm needs a block-contiguous KV cache layout such as LBNHC, "
+            "LBHNC or BLNHC (VLLM_KV_CACHE_LAYOUT)"
+        )
+    offset = cache.storage_offset() * itemsize
+    stride = blocks.stride(0) * itemsize
+    if offset % page_bytes or stride % page_bytes or stride == 0:
+        raise ValueError(
+            f"layer {name}: blocks at byte offset {offset} with stride {stride} are not on {page_bytes}-byte page "
+            "boundaries of their allocation"
+        )
+    return LayerBlocks(name, offset // page_bytes, stride // page_bytes, column)
+
+
+def route_groups(
+    plans: Sequence[GroupPlan], caches: dict[str, torch.Tensor], num_blocks: int
+) -> tuple[torch.Tensor, list[GroupRoute]]:
+    """The device allocation behind ``caches`` (vLLM's registered views) and a route per plan.
+
+    ``ValueError`` if a planned layer is missing, or the layers do not share one allocation.
+    """
+    missing = [name for plan in plans for name in plan.layer_names if name not in caches]
+    if missing:
+        raise ValueError(f"no KV cache registered for layers {missing[:4]}")
+    storages = {caches[name].untyped_storage().data_ptr() for plan in plans for name in plan.layer_names}
+    if len(storages) != 1:
+        raise ValueError(f"the KV caches live in {len(storages)} allocations; kvtier.vllm needs vLLM's single one")
+    routes = []
+    for plan in plans:
+        layers = tuple(
+            locate_layer(name, caches[name], num_blocks, plan.page_bytes, column)
+            for name, column in zip(plan.layer_names, plan.layer_columns, strict=True)
+        )
+        routes.append(GroupRoute(plan.group_id, plan.page_bytes, layers, len(plan.columns)))
+    first = caches[plans[0].layer_names[0]]
+    return allocation_of(first), routes
+
+
+def _is_dense(view: torch.Tensor) -> bool:
+    """Whether ``view`` covers one gap-free run of memory in some dimension order ([H, N, C] of an [N, H, C] block)."""
+    expected = 1
+    for size, stride in sorted(zip(view.shape, view.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def allocation_of(cache: torch.Tensor) -> torch.Tensor:
+    """The whole device allocation behind a layer view, as a flat uint8 tensor."""
+    storage = cache.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def copy_pairs(route: GroupRoute, blocks: GroupBlocks, direction: Direction) -> np.ndarray:
+    """The (src_slot, dst_slot) pairs of one group's blocks, ``p``-byte slots of both buffers.
+
+    Vectorised over blocks and layers: no Python object per page.
+    """
+    num_layers = len(route.layers)
+    first = np.array([layer.first_page for layer in route.layers], dtype=np.int64)
+    stride = np.array([layer.block_stride for layer in route.layers], dtype=np.int64)
+    column = np.array([layer.column for layer in route.layers], dtype=np.int64)
+    device = first[None, :] + blocks.device_blocks[:, column] * stride[None, :]
+    host = blocks.host_slots[:, None] * num_layers + np.arange(num_layers, dtype=np.int64)[None, :]
+    src, dst = (host, device) if direction is Direction.LOAD else (device, host)
+    return np.stack([src.reshape(-1), dst.reshape(-1)], axis=1)
+
+
+class BlockTransfer:
+    """Runs jobs between one device allocation and the host buffers of the layer groups.
+
+    On CUDA every batch runs on this object's own stream, after the work already queued on the
+    caller's current stream (so a save reads what the forward wrote, and a load lands after any
+    zeroing of fresh blocks); completion is an event per batch. On the CPU copies run in the
+    calling thread and are done on return.
+
+    Invariants: jobs complete in submission order (``poll`` returns them so); a job whose copy
+    call was refused (``ValueError`` from the copier) copied nothing of that group and is
+    reported failed, the other jobs of its batch are retried one by one.
+    """
+
+    def __init__(
+        self,
+        allocation: torch.Tensor,
+        routes: Sequence[GroupRoute],
+        host_buffers: Sequence[torch.Tensor],
+        copier: PageCopier | None = None,
+    ) -> None:
+        if len(routes) != len(host_buffers):
+            raise ValueError(f"{len(routes)} group routes but {len(host_buffers)} host buffers")
+        self.allocation = allocation
+        self.routes = {route.group_id: route for route in routes}
+        self.host_buffers = {route.group_id: buf for route, buf in zip(routes, host_buffers, strict=True)}
+        self.device = allocation.device
+        self.copier = copier if copier is not None else PageCopier(self.device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._batches: list[tuple[torch.cuda.Event | None, list[int]]] = []
+        self._events: dict[int, torch.cuda.Event] = {}
+        self._failed: set[int] = set()
+
+    def submit(self, jobs: Sequence[TransferJob]) -> None:
+        """Enqueue the copies of ``jobs`` (all of one direction or mixed); one copier call per (direction, group)."""
+        if not jobs:
+            return
+        event = None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for direction in Direction:
+            self._run([j for j in jobs if j.direction is direction and not j.failed], direction)
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            for job in jobs:
+                self._events[job.job_id] = event
+        self._batches.append((event, [job.job_id for job in jobs]))
+        self._failed.update(job.job_id for job in jobs if job.failed)
+
+    def poll(self) -> list[tuple[int, bool]]:
+        """(job id, succeeded) of every job that has completed since the last call, in submission order."""
+        done = []
+        while self._batches:
+            event, job_ids = self._batches[0]
+            if event is not None and not event.query():
+                break
+            self._batches.pop(0)
+            for job_id in job_ids:
+                self._events.pop(job_id, None)
+                done.append((job_id, job_id not in self._failed))
+                self._failed.discard(job_id)
+        return done
+
+    def fence(self, job_ids: Sequence[int]) -> None:
+        """Make the caller's current stream wait until ``job_ids`` have completed (no host wait)."""
+        if self.stream is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        for event in {id(e): e for j in job_ids if (e := self._events.get(j)) is not None}.values():
+            current.wait_event(event)
+
+    def synchronize(self) -> None:
+        """Wait on the host until every submitted job has completed."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet returned by ``poll``."""
+        return sum(len(ids) for _, ids in self._batches)
+
+    def _run(self, jobs: list[TransferJob], direction: Direction) -> None:
+        if not jobs:
+            return
+        by_group: dict[int, list[GroupBlocks]] = {}
+        owners: dict[int, list[TransferJob]] = {}
+        for job in jobs:
+            for blocks in job.groups:
+                if len(blocks.host_slots):
+                    by_group.setdefault(blocks.group_id, []).append(blocks)
+                    owners.setdefault(blocks.group_id, []).append(job)
+        for group_id, parts in by_group.items():
+            try:
+                self._copy(group_id, parts, direction)
+            except ValueError:
+                for part, job in zip(parts, owners[group_id], strict=True):
+                    try:
+                        self._copy(group_id, [part], direction)
+                    except ValueError:
+                        self._failed.add(job.job_id)
+
+    def _copy(self, group_id: int, parts: list[GroupBlocks], direction: Direction) -> None:
+        route = self.routes.get(group_id)
+        if route is None:
+            raise ValueError(f"no layer group {group_id} in this transfer")
+        merged = GroupBlocks(
+            group_id,
+            np.concatenate([p.host_slots for p in parts]),
+            np.concatenate([p.device_blocks for p in parts]),
+        )
+        pairs = copy_pairs(route, merged, direction)
+        host = self.host_buffers[group_id]
+        src, dst = (host, self.allocation) if direction is Direction.LOAD else (self.allocation, host)
+        self.copier.copy(src, dst, pairs, route.page_bytes, self.stream)
