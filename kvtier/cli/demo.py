@@ -5,7 +5,8 @@ host + disk tiers (the disk in a temporary directory), sized so that pages reall
 tiers between turns. It prints TTFT p50/p90, prompt tokens computed and reused, hit rates by tier
 and bytes moved, writes a PNG of TTFT per turn, and checks that both runs produced the same
 tokens (exactly in float64; by common prefix in lower precisions, where a different reduction
-order may flip a near-tie).
+order may flip a near-tie). ``--hf`` runs the workload on a transformers Llama through
+``kvtier.hf.PrefixCache`` instead, against plain ``model.generate`` (``kvtier/cli/hf_demo.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--metrics-port", type=int, help="serve kvtier's Prometheus metrics on this port")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf", action="store_true", help="the workload on a transformers Llama via kvtier.hf")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.hf:
+        from kvtier.cli.hf_demo import run_hf
+
+        return run_hf(args)
     import torch
     from rich.console import Console
     from rich.progress import Progress
