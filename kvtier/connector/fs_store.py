@@ -8,10 +8,20 @@ A value is written whole to a temporary file in the same directory
 (``.<h>.page.<pid>.<random>.tmp``) and renamed over the old one (``os.replace``), so a reader
 sees the old value, the new one, or nothing, never a partial file, even when the writer is
 killed mid-write or another process writes the same key. Temporary files never have a value's
-name, so a left-over one is never read; nothing removes them (a writer may still own one).
+name, so a left-over one is never read; the budget's scans remove those older than
+``STALE_TEMP_S`` (a writer owns one only while it writes).
 
 Values are framed by ``block_codec`` and verified on every read. There is no fsync: a store is
 a cache, and a value torn by a power loss fails its checksum and reads as a miss.
+
+The directory holds at most about ``max_bytes`` of values (default ``DEFAULT_MAX_BYTES``, 64 GiB):
+past it the least recently used values are removed (``_Budget``). A value's last use is its
+file's modification time: set by the write, refreshed by every read and every ``contains_many``
+hit. Removal is an ``unlink``, so a reader in another process that has the file open still reads
+the whole value and a later one misses: never a torn value.
+
+Everything the store creates is private to the user: directories 0700, files 0600, set exactly
+whatever the umask (a directory that already exists is left as it is).
 
 I/O errors (a read-only or full disk, a file-size limit, a path that cannot exist) are logged at
 WARNING, one line per call, and reported as failures and misses, never raised.
@@ -20,14 +30,18 @@ WARNING, one line per call, and reported as failures and misses, never raised.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
 import secrets
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from kvtier.connector.block_codec import HEADER_BYTES, Buffer, decode_page, encode_page
 from kvtier.connector.store import check_keys, check_sizes
@@ -38,6 +52,12 @@ log = logging.getLogger(__name__)
 IO_THREADS = min(8, max(2, os.cpu_count() or 2))
 VALUE_SUFFIX = ".page"
 TEMP_SUFFIX = ".tmp"
+DEFAULT_MAX_BYTES: Final = 64 << 30
+EVICT_TO: Final = 0.9  # an eviction pass leaves at most this share of the budget
+STALE_TEMP_S: Final = 600.0  # a temporary file this old was left by a killed writer
+PRIVATE_DIR: Final = 0o700
+PRIVATE_FILE: Final = 0o600
+_HEX: Final = frozenset("0123456789abcdef")
 
 
 @dataclass(slots=True)
@@ -49,19 +69,34 @@ class _Read:
     error: OSError | None = None
 
 
-class FileSystemStore:
-    """Pages as files under ``path`` (a local or shared file system); a ``BlockStore``."""
+@dataclass(slots=True)
+class _Value:
+    """A value file found by a scan: its size and last use (modification time) then."""
 
-    def __init__(self, path: str | os.PathLike[str], io_threads: int = IO_THREADS) -> None:
+    path: str
+    size: int
+    mtime_ns: int
+
+
+class FileSystemStore:
+    """Pages as files under ``path`` (a local or shared file system), at most about ``max_bytes``; a ``BlockStore``."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], io_threads: int = IO_THREADS, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
         if not isinstance(path, str | os.PathLike) or not os.fspath(path):
             raise TypeError(f"FileSystemStore needs a non-empty path, got {path!r}")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads <= 0:
             raise ValueError(f"io_threads must be a positive int, got {io_threads!r}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.root = Path(path)
+        self.max_bytes = max_bytes
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            _make_private_dirs(self.root)
         except OSError as exc:
             log.warning("kvtier fs store: cannot create %s (%s); every put will fail", self.root, exc)
+        self._budget = _Budget(self.root, max_bytes)
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-fs-store")
 
     def path_of(self, key: str) -> Path:
@@ -85,7 +120,11 @@ class FileSystemStore:
         return [r.payload for r in reads]
 
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        """Store each payload under its key, atomically; per item True if it was stored."""
+        """Store each payload under its key, atomically; per item True if it was stored.
+
+        A value larger than the whole budget is not stored. Past the budget, the least recently
+        used values are evicted before this returns (on the calling thread).
+        """
         items = list(items)
         keys = check_keys([key for key, _ in items])
         blobs = [encode_page(data, key) for key, (_, data) in zip(keys, items, strict=True)]
@@ -95,12 +134,13 @@ class FileSystemStore:
             log.warning(
                 "kvtier fs store: %d of %d writes under %s failed: %s", len(failed), len(keys), self.root, failed[0]
             )
+        self._budget.add(sum(len(blob) for blob, err in zip(blobs, errors, strict=True) if err is None))
         return [err is None for err in errors]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """Per key whether its file exists (not verified)."""
+        """Per key whether its file exists (not verified); a hit counts as a use, like a read."""
         self._open_pool()
-        return [self.path_of(key).is_file() for key in check_keys(keys)]
+        return [_touch(self.path_of(key)) for key in check_keys(keys)]
 
     def delete_many(self, keys: Sequence[str]) -> None:
         """Remove the files of ``keys``; missing files are fine, other failures are logged."""
@@ -129,8 +169,9 @@ class FileSystemStore:
         return self._pool
 
     def _get_one(self, key: str, size: int | None) -> _Read:
+        path = self.path_of(key)
         try:
-            with open(self.path_of(key), "rb") as f:
+            with open(path, "rb") as f:
                 # One byte past the expected length is enough to see that a value is too long.
                 blob = f.read() if size is None else f.read(HEADER_BYTES + size + 1)
         except FileNotFoundError:
@@ -138,10 +179,15 @@ class FileSystemStore:
         except OSError as exc:
             return _Read(error=exc)
         payload = decode_page(blob, size, key)
-        return _Read(damaged=True) if payload is None else _Read(payload=bytes(payload))
+        if payload is None:
+            return _Read(damaged=True)
+        _touch(path)
+        return _Read(payload=bytes(payload))
 
     def _put_one(self, key: str, blob: bytes) -> OSError | None:
         """Write ``blob`` to a temporary file next to the value and rename it over; the error, if any."""
+        if len(blob) > self.max_bytes:
+            return OSError(errno.EFBIG, f"a value of {len(blob)} bytes is larger than the budget of {self.max_bytes}")
         final = self.path_of(key)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
         try:
@@ -159,11 +205,139 @@ class FileSystemStore:
         return None
 
 
+class _Budget:
+    """Keeps a store's directory under ``max_bytes`` by evicting the least recently used values.
+
+    Each process keeps an estimate of the directory's bytes: a scan (at its first write), plus
+    what it wrote since. When the estimate passes ``max_bytes`` it scans the directory again, so
+    every process's files count, and removes the values used longest ago until at most
+    ``EVICT_TO`` of the budget is left; a value used again since the scan (its time changed) is
+    kept. Between passes each writing process adds at most about ``(1 - EVICT_TO) * max_bytes``
+    unseen by the others, so P processes writing at once may overshoot by about P times that.
+    Passes of several processes may overlap: each only removes files, and one already gone is fine.
+    """
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._used: int | None = None  # None until the first write scans the directory
+
+    def add(self, written: int) -> None:
+        """Count ``written`` new bytes; evict when the directory is estimated past the budget."""
+        if not written:
+            return
+        with self._lock:
+            if self._used is None:
+                self._used = sum(v.size for v in self.scan())  # what was just written included
+            else:
+                self._used += written
+            if self._used > self.max_bytes:
+                self._used = self.evict(int(self.max_bytes * EVICT_TO))
+
+    def scan(self) -> list[_Value]:
+        """Every value file under the root; temporary files older than ``STALE_TEMP_S`` are removed."""
+        values = []
+        stale_before = time.time_ns() - int(STALE_TEMP_S * 1e9)
+        for leaf in self._leaf_dirs():
+            for entry in _entries(leaf):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # removed meanwhile
+                name = entry.name
+                if name.endswith(VALUE_SUFFIX) and not name.startswith("."):
+                    values.append(_Value(entry.path, st.st_size, st.st_mtime_ns))
+                elif name.endswith(TEMP_SUFFIX) and st.st_mtime_ns < stale_before:
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+        return values
+
+    def evict(self, target: int) -> int:
+        """Remove the least recently used values until at most ``target`` bytes remain; the bytes left."""
+        values = self.scan()
+        left = sum(v.size for v in values)
+        values.sort(key=lambda v: v.mtime_ns)
+        failed: list[OSError] = []
+        removed = 0
+        for value in values:
+            if left <= target:
+                break
+            try:
+                if os.stat(value.path).st_mtime_ns != value.mtime_ns:
+                    continue  # read or rewritten since the scan: recently used after all
+                os.unlink(value.path)
+                removed += 1
+            except FileNotFoundError:
+                pass  # evicted by another process
+            except OSError as exc:
+                failed.append(exc)
+                continue
+            left -= value.size
+        if failed:
+            log.warning("kvtier fs store: %d evictions under %s failed: %s", len(failed), self.root, failed[0])
+        log.debug("kvtier fs store: evicted %d values under %s; %d bytes left", removed, self.root, left)
+        return left
+
+    def _leaf_dirs(self) -> Iterator[str]:
+        """The fan-out directories ``<root>/<xx>/<yy>`` (other entries under the root are not the store's)."""
+        for top in _entries(self.root):
+            if _is_fan_out(top):
+                yield from (leaf.path for leaf in _entries(top.path) if _is_fan_out(leaf))
+
+
+def _entries(path: str | Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def _is_fan_out(entry: os.DirEntry) -> bool:
+    name = entry.name
+    return len(name) == 2 and name[0] in _HEX and name[1] in _HEX and entry.is_dir(follow_symlinks=False)
+
+
+def _touch(path: Path) -> bool:
+    """Mark a value used now; whether it exists."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        return False
+    except OSError:  # not ours to touch (another user's file, a read-only file system): existence only
+        return path.is_file()
+    return True
+
+
 def _create(tmp: Path) -> int:
-    """A new file at ``tmp`` (its fan-out directories made if missing), open for writing."""
+    """A new private file at ``tmp`` (its fan-out directories made if missing), open for writing."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     try:
-        return os.open(tmp, flags, 0o644)
+        fd = os.open(tmp, flags, PRIVATE_FILE)
     except FileNotFoundError:
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(tmp, flags, 0o644)
+        _make_private_dirs(tmp.parent)
+        fd = os.open(tmp, flags, PRIVATE_FILE)
+    with contextlib.suppress(OSError):  # the mode asked for is already no wider; make it exact
+        os.fchmod(fd, PRIVATE_FILE)
+    return fd
+
+
+def _make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents as 0700 directories; ``OSError`` if it cannot be a directory."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, PRIVATE_DIR)
+        except FileExistsError:
+            continue  # made by another process meanwhile
+        with contextlib.suppress(OSError):
+            os.chmod(directory, PRIVATE_DIR)  # exactly, whatever the umask
+    target = missing[0] if missing else path
+    if not target.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(target))

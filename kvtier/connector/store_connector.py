@@ -33,7 +33,7 @@ import torch
 from kvtier.cache import as_token_array
 from kvtier.config import ReuseScope
 from kvtier.connector.base import ConnectorRequest, KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
-from kvtier.connector.fs_store import FileSystemStore
+from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RETRY_AFTER_S, SOCKET_TIMEOUT_S, RedisStore
 from kvtier.connector.save_policy import PrefixSightings, SavePolicy
@@ -288,10 +288,15 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
 
 
 class FileSystemConnector(StoreConnector):
-    """Blocks in a shared directory: one file per page, written atomically, checksummed."""
+    """Blocks in a shared directory: one file per page, written atomically, checksummed, private (0600).
 
-    def __init__(self, path, tp_rank: int = 0, tp_world_size: int = 1) -> None:
-        super().__init__(FileSystemStore(path), tp_rank, tp_world_size)
+    The directory holds at most about ``max_bytes`` (default ``DEFAULT_MAX_BYTES``, 64 GiB; per
+    process sharing it, up to 10% more between eviction passes): past it the least recently
+    used blocks are evicted.
+    """
+
+    def __init__(self, path, tp_rank: int = 0, tp_world_size: int = 1, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        super().__init__(FileSystemStore(path, max_bytes=max_bytes), tp_rank, tp_world_size)
 
 
 class RedisConnector(StoreConnector):

@@ -1,0 +1,228 @@
+"""The file-system store's byte budget (least recently used values evicted), shared by processes, and private files."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.connector import FileSystemConnector, FileSystemStore
+from kvtier.connector.block_codec import HEADER_BYTES
+from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, STALE_TEMP_S
+
+ROOT = Path(__file__).resolve().parents[1]
+PAYLOAD = 1000
+VALUE_BYTES = HEADER_BYTES + PAYLOAD  # one value file on disk
+TICK_S = 0.03  # longer than the file system's timestamp granularity (a few ms)
+
+
+def page_for(key: str, size: int = PAYLOAD) -> np.ndarray:
+    """Non-zero bytes derived from the key: a value read back under a key must be exactly this."""
+    rng = np.random.default_rng(list(key.encode()))
+    return rng.integers(1, 256, size, dtype=np.uint8)
+
+
+def value_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*.page"))
+
+
+def present(store: FileSystemStore, keys: list[str]) -> list[bool]:
+    """Which keys still have a file (without touching them, unlike ``contains_many``)."""
+    return [store.path_of(k).exists() for k in keys]
+
+
+def test_the_directory_stays_within_the_budget(tmp_path):
+    budget = 30 * VALUE_BYTES
+    store = FileSystemStore(tmp_path, max_bytes=budget)
+    batches = [[f"block/{b}/{i}" for i in range(7)] for b in range(24)]
+    for batch in batches:
+        assert store.put_many([(k, page_for(k)) for k in batch]) == [True] * len(batch)
+        assert value_bytes(tmp_path) <= budget
+        time.sleep(TICK_S)  # batches in order of time
+    kept = [
+        (b, k)
+        for b, batch in enumerate(batches)
+        for k, there in zip(batch, present(store, batch), strict=True)
+        if there
+    ]
+    gone = [b for b, batch in enumerate(batches) for there in present(store, batch) if not there]
+    assert 0.8 * budget <= len(kept) * VALUE_BYTES <= budget
+    assert max(gone) <= min(b for b, _ in kept)  # the oldest went first
+    survivors = [k for _, k in kept]
+    got = store.get_many(survivors, [PAYLOAD] * len(survivors))
+    assert got == [page_for(k).tobytes() for k in survivors]
+    store.close()
+
+
+def test_reads_and_lookups_keep_a_value(tmp_path):
+    budget = 30 * VALUE_BYTES
+    store = FileSystemStore(tmp_path, max_bytes=budget)
+    old = [f"old/{i}" for i in range(10)]
+    read_again = [f"read/{i}" for i in range(10)]
+    asked_again = [f"asked/{i}" for i in range(5)]
+    for batch in (old, read_again, asked_again):
+        assert all(store.put_many([(k, page_for(k)) for k in batch]))
+        time.sleep(TICK_S)
+    assert store.get_many(read_again, [PAYLOAD] * 10) == [page_for(k).tobytes() for k in read_again]
+    assert store.contains_many(asked_again) == [True] * 5
+    time.sleep(TICK_S)
+    new = [f"new/{i}" for i in range(6)]  # 31 values: over the budget, one pass down to 27
+    assert all(store.put_many([(k, page_for(k)) for k in new]))
+    assert sum(present(store, old)) == 6  # 4 of the least recently used went, and only those
+    assert all(present(store, read_again + asked_again + new))
+    store.close()
+
+
+def test_a_value_larger_than_the_budget_is_not_stored(tmp_path, caplog):
+    store = FileSystemStore(tmp_path, max_bytes=3 * VALUE_BYTES)
+    small = [f"small/{i}" for i in range(3)]
+    assert all(store.put_many([(k, page_for(k)) for k in small]))
+    assert store.put_many([("huge", page_for("huge", 4 * PAYLOAD)), ("small/3", page_for("small/3"))]) == [
+        False,
+        True,
+    ]
+    assert "larger than the budget" in caplog.text
+    assert store.get_many(["huge"]) == [None]
+    assert value_bytes(tmp_path) <= 3 * VALUE_BYTES
+    store.close()
+
+
+def test_a_new_store_counts_what_is_already_there(tmp_path):
+    first = FileSystemStore(tmp_path)
+    keys = [f"k/{i}" for i in range(40)]
+    for k in keys:  # one by one, so their times are in order
+        assert first.put_many([(k, page_for(k))]) == [True]
+    first.close()
+    time.sleep(TICK_S)
+    smaller = FileSystemStore(tmp_path, max_bytes=20 * VALUE_BYTES)
+    assert smaller.put_many([("last", page_for("last"))]) == [True]
+    assert value_bytes(tmp_path) <= 20 * VALUE_BYTES
+    assert present(smaller, ["last"]) == [True]
+    smaller.close()
+
+
+def test_stale_temporary_files_are_removed_fresh_ones_kept(tmp_path):
+    store = FileSystemStore(tmp_path, max_bytes=5 * VALUE_BYTES)
+    assert store.put_many([("a", page_for("a"))]) == [True]
+    leaf = store.path_of("a").parent
+    stale, fresh = leaf / ".x.page.1.aaaaaaaa.tmp", leaf / ".y.page.2.bbbbbbbb.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"half a value")
+    old = time.time() - STALE_TEMP_S - 60
+    os.utime(stale, (old, old))
+    for i in range(6):  # over the budget: a pass scans the directory
+        assert store.put_many([(f"b/{i}", page_for(f"b/{i}"))]) == [True]
+    assert not stale.exists() and fresh.exists()
+    store.close()
+
+
+def test_files_outside_the_store_layout_are_left_alone(tmp_path):
+    (tmp_path / "notes.txt").write_bytes(b"x" * 10 * VALUE_BYTES)
+    (tmp_path / "zz").mkdir()
+    (tmp_path / "zz" / "other.page").write_bytes(b"y" * 10 * VALUE_BYTES)
+    store = FileSystemStore(tmp_path, max_bytes=5 * VALUE_BYTES)
+    for i in range(10):
+        assert store.put_many([(f"k/{i}", page_for(f"k/{i}"))]) == [True]
+    assert (tmp_path / "notes.txt").exists() and (tmp_path / "zz" / "other.page").exists()
+    store.close()
+
+
+WRITER = """
+import sys, time
+import numpy as np
+from kvtier.connector import FileSystemStore
+from tests.test_fs_store_budget import PAYLOAD, page_for
+
+root, name, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = FileSystemStore(root, max_bytes=budget)
+other = "b" if name == "a" else "a"
+print("ready", flush=True)
+sys.stdin.readline()
+hits = misses = 0
+for i in range(150):
+    batch = [f"{name}/{i}/{j}" for j in range(4)]
+    assert all(store.put_many([(k, page_for(k)) for k in batch]))
+    wanted = [f"{who}/{n}/{j}" for who in (name, other) for n in range(max(0, i - 6), i) for j in range(4)]
+    for key, got in zip(wanted, store.get_many(wanted, [PAYLOAD] * len(wanted))):
+        if got is None:
+            misses += 1
+        else:
+            assert got == page_for(key).tobytes(), key  # never another value, never a torn one
+            hits += 1
+print(hits, misses, flush=True)
+"""
+
+
+def test_several_processes_share_one_budget_and_see_only_whole_values(tmp_path):
+    budget = 60 * VALUE_BYTES
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(WRITER), str(tmp_path), name, str(budget)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        for name in ("a", "b")
+    ]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == b"ready", proc.communicate()[1].decode()[-3000:]
+    for proc in procs:
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr.decode()[-3000:]
+        hits, _ = map(int, stdout.split())
+        assert hits > 0
+    # Between its passes each process may add about 10% of the budget and one batch unseen by the other.
+    assert value_bytes(tmp_path) <= budget + 2 * (budget // 10 + 4 * VALUE_BYTES)
+    assert list(tmp_path.rglob("*.tmp")) == []
+
+
+def test_everything_the_store_creates_is_private(tmp_path):
+    old_umask = os.umask(0)  # the widest umask: the modes must not come from it
+    try:
+        root = tmp_path / "made" / "for" / "kv"
+        store = FileSystemStore(root, max_bytes=1 << 20)
+        assert store.put_many([(f"k{i}", page_for(f"k{i}")) for i in range(20)]) == [True] * 20
+    finally:
+        os.umask(old_umask)
+    made = [tmp_path / "made", tmp_path / "made" / "for", root]
+    made += [p for p in root.rglob("*") if p.is_dir()]
+    files = list(root.rglob("*.page"))
+    assert len(files) == 20
+    assert {stat.S_IMODE(p.stat().st_mode) for p in made} == {0o700}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
+    store.close()
+
+
+def test_an_existing_directory_keeps_its_mode(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o750)
+    store = FileSystemStore(shared, max_bytes=1 << 20)
+    assert store.put_many([("k", page_for("k"))]) == [True]
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o750
+    assert stat.S_IMODE(store.path_of("k").stat().st_mode) == 0o600
+    store.close()
+
+
+def test_connector_takes_the_budget(tmp_path):
+    connector = FileSystemConnector(tmp_path, max_bytes=5 * VALUE_BYTES)
+    assert connector.store.max_bytes == 5 * VALUE_BYTES
+    connector.close()
+    default = FileSystemConnector(tmp_path)
+    assert default.store.max_bytes == DEFAULT_MAX_BYTES == 64 << 30
+    default.close()
+    for bad in (0, -1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="max_bytes"):
+            FileSystemStore(tmp_path, max_bytes=bad)
