@@ -128,6 +128,10 @@ class CacheConfig:
                 raise TypeError(f"{name} must be an int, got {value!r}")
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        for name in ("enable_reuse", "enable_partial_reuse"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # "no" and 0 would otherwise pass as truthy or falsy
+                raise TypeError(f"{name} must be True or False, got {value!r}")
         tiers = list(self.tiers)
         if not tiers or not isinstance(tiers[0], PrimaryTier):
             raise ValueError("tiers must start with a PrimaryTier, e.g. tiers=[kvtier.PrimaryTier(1 << 30)]")
