@@ -1,0 +1,310 @@
+"""``kvtier bench hf``: time to first token of a chat's second turn through ``kvtier.hf.PrefixCache``.
+
+A Llama-3-8B-shaped transformers model (random weights, bf16, SDPA). For each history length the
+second turn's prompt is the history plus a new suffix, timed five ways:
+
+    recompute  plain ``model.generate``: the whole prompt is prefilled
+    resident   ``model.generate`` with the history already in a ``DynamicCache`` on the GPU (the floor)
+    gpu        ``pc.generate`` with the history's pages in the primary tier
+    host       ``pc.generate`` with the history pushed out to pinned host memory
+    disk       ``pc.generate`` on a cache without a host tier, the history pushed out to disk (the
+               OS page cache dropped where the system allows it)
+
+TTFT runs from the call to the first generated token handed to a streamer (``generate`` copies
+it to the host, so the device is done with it); each timed call uses a suffix no call has used.
+``build`` is what ``pc.generate`` does before the model runs, timed on its own with device syncs:
+``match`` (``create_cache``), ``resume`` (promoting the history's pages) and ``fill`` (the
+transformers cache filled from the pages); its share of the TTFT is reported. The host target of
+issue 11 is 1.3 x (history bytes / measured link) + the resident TTFT. Each case's last call is
+compared with plain ``generate`` by first-token logits (relative error, same argmax).
+``--tiny`` runs a two-layer model, for a smoke run on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=65536,
+    rope_theta=500000.0,
+)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=65536,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
+    parser.add_argument("--histories", default="4096,16384,32768", help="history lengths in tokens")
+    parser.add_argument("--suffix", type=int, default=64, help="new prompt tokens of the second turn")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens-per-block", type=int, default=32)
+    parser.add_argument("--primary-gib", type=float, default=24.0)
+    parser.add_argument("--host-gib", type=float, default=12.0)
+    parser.add_argument("--disk-gib", type=float, default=12.0)
+    parser.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp dir)")
+    parser.add_argument("--tiny", action="store_true", help="a two-layer model (a smoke run, e.g. on a CPU)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    bench = _Bench(args)
+    ceiling = bench.link_ceiling()
+    rows = []
+    for length in (int(x) for x in args.histories.split(",")):
+        rows.extend(bench.history(length, ceiling))
+    bench.close()
+    result = {"link_ceiling_gbps": ceiling, "rows": rows, "args": vars(args), "torch": torch.__version__}
+    result["model"] = TINY if args.tiny else LLAMA_8B
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    _print_table(rows, ceiling)
+    return 0
+
+
+class _Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+        import transformers
+
+        import kvtier
+        from kvtier.hf import PrefixCache
+
+        self.torch = torch
+        self.args = args
+        self.device = torch.device(args.device)
+        dtype = getattr(torch, args.dtype)
+        config = transformers.LlamaConfig(**(TINY if args.tiny else LLAMA_8B))
+        with self.device:
+            self.model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        self.model.eval()
+        self.model.generation_config.eos_token_id = None
+        self.model.generation_config.pad_token_id = 0
+        self.vocab = config.vocab_size
+        self.gen = torch.Generator().manual_seed(1234)
+        model_id = kvtier.weights_fingerprint(self.model)
+        gib = 1 << 30
+        path = args.disk_path or tempfile.mkdtemp(prefix="kvtier-bench-hf-")
+        primary = kvtier.PrimaryTier(int(args.primary_gib * gib))
+        host_tiers = [primary, kvtier.HostTier(int(args.host_gib * gib))]
+        disk_tiers = [primary, kvtier.DiskTier(int(args.disk_gib * gib), os.path.join(path, "disk"))]
+        tpb = args.tokens_per_block
+        self.host_pc = PrefixCache(
+            self.model, kvtier.CacheConfig(tpb, host_tiers, device=args.device), model_id=model_id
+        )
+        self.disk_pc = PrefixCache(
+            self.model, kvtier.CacheConfig(tpb, disk_tiers, device=args.device), model_id=model_id
+        )
+        mgr = self.host_pc.manager
+        self.bytes_per_token = sum(mgr.page_bytes(g.group_id) for g in mgr.layer_groups) // tpb
+
+    def close(self) -> None:
+        self.host_pc.close()
+        self.disk_pc.close()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def tokens(self, n: int) -> list[int]:
+        return self.torch.randint(1, self.vocab, (n,), generator=self.gen).tolist()
+
+    def link_ceiling(self) -> float:
+        """Host-to-device GB/s of one large pinned copy (0 on a CPU device)."""
+        torch = self.torch
+        if self.device.type != "cuda":
+            return 0.0
+        from kvtier.storage.pinned import allocate_host_buffer
+
+        n = 1 << 30
+        host = allocate_host_buffer(n, n, self.device)
+        host.tensor.fill_(7)
+        dst = torch.empty(n, dtype=torch.uint8, device=self.device)
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(host.tensor, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        host.release()
+        del dst
+        return n / statistics.median(times[1:]) / 1e9
+
+    def _ttft(self, generate, prompt: list[int], **kwargs) -> tuple[float, object]:
+        """(seconds to the first generated token, generate's output with logits)."""
+        from kvtier.cli.hf_demo import FirstTokenClock
+
+        torch = self.torch
+        ids = torch.tensor([prompt], device=self.device)
+        mask = torch.ones_like(ids)
+        self.sync()
+        clock = FirstTokenClock()
+        out = generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=1,
+            do_sample=False,
+            streamer=clock,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kwargs,
+        )
+        return clock.first_token_s, out
+
+    def history(self, length: int, ceiling: float) -> list[dict]:
+        """Every case for one history length. Per case: ``suffixes[0]`` warms up, the next ``repeats``
+        are timed, the last one times the build stages; the last timed call's logits are checked."""
+        from transformers import DynamicCache
+
+        torch = self.torch
+        args = self.args
+        history = self.tokens(length)
+        suffixes = {case: [self.tokens(args.suffix) for _ in range(args.repeats + 2)] for case in _CASES}
+        rows = []
+
+        generate = self.model.generate
+        times = [self._ttft(generate, history + s)[0] for s in suffixes["recompute"][: args.repeats + 1]][1:]
+        recompute = statistics.median(times)
+        rows.append(self._row(length, "recompute", times, recompute))
+
+        resident_cache = DynamicCache(config=self.model.config)  # the history prefilled once, copied per call
+        with torch.no_grad():
+            ids = torch.tensor([history], device=self.device)
+            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, cache=resident_cache)
+        times = []
+        for suffix in suffixes["resident"][: args.repeats + 1]:
+            cache = copy.deepcopy(resident_cache)
+            times.append(self._ttft(generate, history + suffix, cache=cache)[0])
+            del cache
+        del resident_cache
+        resident = statistics.median(times[1:])
+        rows.append(self._row(length, "resident", times[1:], recompute))
+
+        for case, pc in (("gpu", self.host_pc), ("host", self.host_pc), ("disk", self.disk_pc)):
+            push = case != "gpu"
+            if case != "host":  # the host case finds the history the gpu case saved
+                pc.generate(torch.tensor([history], device=self.device), max_new_tokens=1)
+            times, reused, out = [], [], None
+            for suffix in suffixes[case][: args.repeats + 1]:
+                self._push(pc, push)
+                t, out = self._ttft(pc.generate, history + suffix)
+                times.append(t)
+                reused.append(pc.last_reused_tokens[0])
+            logits = out.logits[0][0].float()
+            expected = self._ttft(generate, history + suffixes[case][args.repeats])[1].logits[0][0].float()
+            build, by_tier = self._build(pc, history + suffixes[case][-1], push)
+            row = self._row(length, case, times[1:], recompute, build)
+            row["reused_tokens"] = reused[-1]
+            row["build_reused_by_tier"] = by_tier
+            row["logit_rel_err"] = float((logits - expected).norm() / expected.norm())
+            row["same_argmax"] = int(logits.argmax()) == int(expected.argmax())
+            row["history_bytes"] = length * self.bytes_per_token
+            if case == "host" and ceiling:
+                row["target_ms"] = (1.3 * row["history_bytes"] / (ceiling * 1e9) + resident) * 1e3
+            rows.append(row)
+        return rows
+
+    def _push(self, pc, push: bool) -> None:
+        """Fill the primary tier with a cache of its own, as other traffic would: the history moves down."""
+        if not push:
+            return
+        mgr = pc.manager
+        filler = mgr.create_cache([0])
+        assert filler.resume()
+        pages = mgr.stats().tiers["primary"].pages_total // len(mgr.layer_groups)
+        assert filler.resize(pages * mgr.tokens_per_block), "the primary tier could not be emptied"
+        filler.close()
+        self.sync()
+        if pc is self.disk_pc:
+            _drop_page_cache()
+
+    def _build(self, pc, prompt: list[int], push: bool) -> tuple[dict, dict]:
+        """The stages of ``pc.generate`` before the model runs, each timed with device syncs; and the
+        tokens the match found on each tier."""
+        from kvtier.hf.batch_rows import Row, choose_width, close_rows
+        from kvtier.hf.hf_cache import RecordingCache
+        from kvtier.hf.prefix_load import load_prefix
+
+        torch = self.torch
+        self._push(pc, push)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        mgr = pc.manager
+        self.sync()
+        t0 = time.perf_counter()
+        rows = [Row(0, 0, prompt, mgr.create_cache(prompt, pc.scope))]
+        t1 = time.perf_counter()
+        by_tier = dict(rows[0].write.reused_by_tier)
+        width = choose_width(mgr, rows, len(prompt), pc.scope, stream)
+        self.sync()
+        t2 = time.perf_counter()
+        cache = RecordingCache(pc.model.config)
+        load_prefix(cache, pc._layers, mgr, rows, width, pc._packing)  # the adapter's own stages, timed apart
+        self.sync()
+        t3 = time.perf_counter()
+        close_rows(rows)
+        del cache
+        stages = {"match_ms": (t1 - t0) * 1e3, "resume_ms": (t2 - t1) * 1e3, "fill_ms": (t3 - t2) * 1e3}
+        return stages, by_tier
+
+    def _row(self, length, case, times, recompute, build=None) -> dict:
+        ttft = statistics.median(times)
+        row = {"history": length, "case": case, "ttft_ms": ttft * 1e3, "ttft_all_ms": [t * 1e3 for t in times]}
+        row["speedup_vs_recompute"] = recompute / ttft
+        if build is not None:
+            row.update(build)
+            row["build_ms"] = build["match_ms"] + build["resume_ms"] + build["fill_ms"]
+            row["build_share"] = row["build_ms"] / row["ttft_ms"]
+        return row
+
+
+_CASES = ("recompute", "resident", "gpu", "host", "disk")
+
+
+def _drop_page_cache() -> bool:
+    """Ask the OS to drop its page cache (root only); True if it worked."""
+    try:
+        subprocess.run(["sync"], check=False)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _print_table(rows: list[dict], ceiling: float) -> None:
+    print(f"link ceiling (pinned H2D, this run): {ceiling:.1f} GB/s")
+    header = f"{'history':>7} {'case':<9} {'TTFT ms':>8} {'x recomp':>8} {'build ms':>8} {'match':>6} {'resume':>6}"
+    header += f" {'fill':>6} {'share':>5} {'target':>7} {'logit err':>9} {'argmax':>6} {'reused':>7}"
+    print(header)
+    nan = float("nan")
+    for r in rows:
+        print(
+            f"{r['history']:>7} {r['case']:<9} {r['ttft_ms']:>8.1f} {r['speedup_vs_recompute']:>8.2f} "
+            f"{r.get('build_ms', nan):>8.1f} {r.get('match_ms', nan):>6.1f} {r.get('resume_ms', nan):>6.1f} "
+            f"{r.get('fill_ms', nan):>6.1f} {r.get('build_share', nan):>5.2f} {r.get('target_ms', nan):>7.1f} "
+            f"{r.get('logit_rel_err', nan):>9.4f} {r.get('same_argmax', '')!s:>6} {r.get('reused_tokens', ''):>7}"
+        )
