@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.errors import CacheStateError
+from kvtier.exclusive import exclusive
 from kvtier.pages import BAD_PAGE_INDEX, Page
 from kvtier.residency import PRIMARY, MovePlan
 from kvtier.reuse import ReuseMatch, snapshot_at
@@ -53,6 +54,7 @@ class KVCache:
         "_blocks",
         "_capacity",
         "_committed",
+        "_guard",
         "_history",
         "_input_len",
         "_mgr",
@@ -76,6 +78,7 @@ class KVCache:
 
     def __init__(self, mgr: KVCacheManager, tokens: array, scope: ReuseScope, priority: int) -> None:
         self._mgr = mgr
+        self._guard = mgr._guard  # the manager's: calls that change shared state claim it
         self._res = mgr._residency
         self._tpb = mgr.tokens_per_block
         self.scope = scope
@@ -193,6 +196,7 @@ class KVCache:
 
     # -- life cycle ------------------------------------------------------------------------------
 
+    @exclusive
     def resume(self, stream=None) -> bool:
         """Lock every live page into the primary tier, migrating from lower tiers in one batch.
 
@@ -283,6 +287,7 @@ class KVCache:
             self._state_page = res.new_page(recurrent, self._priority, locked=True)
             assert self._state_page is not None, "promote() made room for the state page"
 
+    @exclusive
     def suspend(self) -> None:
         """Make the cache's pages evictable (demotable, never droppable) until it resumes."""
         if self._state is not _ACTIVE:
@@ -294,6 +299,7 @@ class KVCache:
         self._state = CacheState.SUSPENDED
         self._mgr._debug_check()
 
+    @exclusive
     def close(self) -> None:
         """Release every page; published blocks stay in the tree for reuse. Idempotent."""
         if self._state is CacheState.CLOSED:
@@ -335,6 +341,7 @@ class KVCache:
             return True
         return self._resize(capacity, history)
 
+    @exclusive
     def _resize(self, capacity: int, history: int | None) -> bool:
         _check_length("capacity", capacity)
         if history is None:
@@ -393,22 +400,34 @@ class KVCache:
         """
         if self._state is not _ACTIVE:
             raise CacheStateError(f"commit needs an ACTIVE cache; this one is {self._state.value}")
-        if type(new_tokens) is list and len(new_tokens) == 1 and type(new_tokens[0]) is int:
-            token = new_tokens[0]
-            if not 0 <= token <= MAX_TOKEN:
-                raise ValueError(f"token ids must be in 0..2**64-1, got {token}")
-            if self._committed >= self._capacity:
-                raise ValueError(f"commit past capacity: {self._committed + 1} tokens > capacity {self._capacity}")
-            self._tokens.append(token)
-            count = 1
-        else:
-            tokens = as_token_array(new_tokens)
-            count = len(tokens)
-            if self._committed + count > self._capacity:
-                raise ValueError(f"commit past capacity: {self._committed + count} tokens > capacity {self._capacity}")
-            self._tokens.extend(tokens)
-        old = self._committed
-        c = self._committed = old + count
+        c = self._committed + 1
+        if (
+            type(new_tokens) is list
+            and len(new_tokens) == 1
+            and type(new_tokens[0]) is int
+            and c % self._tpb
+            and c <= self._capacity
+            and self._mgr._attention_only
+            and 0 <= new_tokens[0] <= MAX_TOKEN
+        ):
+            # The decode step: one token inside a block of a model with full-attention layers only
+            # changes nothing but this cache's own lengths, so it claims nothing (kvtier.exclusive).
+            self._tokens.append(new_tokens[0])
+            self._committed = c
+            if c > self._history:
+                self._history = c
+            return
+        self._commit(new_tokens)
+
+    @exclusive
+    def _commit(self, new_tokens) -> None:
+        """``commit`` of anything that may publish a block, keep a snapshot or release stale pages."""
+        tokens = as_token_array(new_tokens)
+        count = len(tokens)
+        if self._committed + count > self._capacity:
+            raise ValueError(f"commit past capacity: {self._committed + count} tokens > capacity {self._capacity}")
+        self._tokens.extend(tokens)
+        c = self._committed = self._committed + count
         tpb = self._tpb
         if self._root is not None:
             if c // tpb > len(self._nodes):

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import threading
+import weakref
 
 import torch
 
 from kvtier.cache import KVCache, as_token_array
-from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, ReuseScope
+from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, PrimaryTier, ReuseScope
 from kvtier.disk_restore import restore_disk_tier
-from kvtier.errors import InvariantError
+from kvtier.errors import CacheStateError, InvariantError, OutOfPagesError
 from kvtier.eviction import check_priority
+from kvtier.exclusive import exclusive
 from kvtier.invariants import check_manager
+from kvtier.knobs import debug_enabled
 from kvtier.layout import GroupLayout, KvCacheLayout, Region, page_geometries, part_views
 from kvtier.mover import Mover
 from kvtier.pages import Page
@@ -29,8 +34,12 @@ log = logging.getLogger(__name__)
 class KVCacheManager:
     """Pages for every layer group of one model, over a primary tier and optional host/disk tiers.
 
-    Not thread-safe: one engine thread drives it. ``KVTIER_DEBUG=1`` checks every invariant
-    after each cache operation that changes residency (slow; for tests and debugging).
+    One thread at a time drives it and its caches (any thread, handed over between calls); a
+    call from a second thread while one is inside raises ``CacheStateError`` (``kvtier.exclusive``).
+    After ``close`` every method but ``close`` raises ``CacheStateError``; a manager never closed
+    is closed when the interpreter exits, so its pages still reach its disk tier.
+    ``KVTIER_DEBUG=1`` checks every invariant after each cache operation that changes residency
+    (slow; for tests and debugging).
     """
 
     def __init__(self, spec: ModelSpec, config: CacheConfig) -> None:
@@ -38,6 +47,8 @@ class KVCacheManager:
             raise TypeError(f"spec must be a kvtier.ModelSpec, got {type(spec).__name__}")
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a kvtier.CacheConfig, got {type(config).__name__}")
+        _check_device(config.device)  # type: ignore[arg-type]
+        _check_quotas_fit(config)
         self.spec = spec
         self.config = config
         self.device: torch.device = config.device  # type: ignore[assignment]
@@ -48,13 +59,21 @@ class KVCacheManager:
         self._attention_rules = [r for r in self._rules if r.kind is not GroupKind.RECURRENT]
         self._window_rules = [r for r in self._rules if r.kind is GroupKind.SLIDING_WINDOW]
         self._recurrent_group = next((r.group_id for r in self._rules if r.kind is GroupKind.RECURRENT), None)
+        self._attention_only = self._recurrent_group is None and not self._window_rules  # a commit's fast path
         self._snapshot_tokens = config.snapshot_interval_blocks * self.tokens_per_block
         if spec.model_id is None and any(isinstance(t, DiskTier) for t in config.tiers):
             log.warning(
                 "kvtier: a DiskTier with ModelSpec.model_id=None: its pages would be served to any model of the "
                 "same shape after a restart; set model_id to the checkpoint's name or kvtier.weights_fingerprint(model)"
             )
-        self._tiers = build_tiers(spec, config, self._geometries)
+        try:
+            self._tiers = build_tiers(spec, config, self._geometries)
+        except (MemoryError, RuntimeError) as exc:
+            if not _is_allocation_failure(exc):
+                raise
+            raise OutOfPagesError(
+                f"cannot allocate the tiers' memory ({exc or 'out of memory'}): free memory or configure smaller quotas"
+            ) from exc
         self._tier_names = tuple(t.name for t in self._tiers)
         self._counters = Counters()
         self._tree = RadixTree(len(self.layer_groups), self.tokens_per_block, spec.fingerprint().encode())
@@ -65,17 +84,21 @@ class KVCacheManager:
                 restore_disk_tier(tier, self._tree, self._rules)
         self._caches: set[KVCache] = set()
         self._views: dict[int, dict[str, torch.Tensor]] = {}
-        self._debug = os.environ.get("KVTIER_DEBUG") == "1"
+        self._debug = debug_enabled()
+        self._guard = threading.RLock()  # claimed by calls that change shared state (kvtier.exclusive)
         self._closed = False
+        _OPEN_MANAGERS.add(self)
 
     # -- caches ----------------------------------------------------------------------------------
 
+    @exclusive
     def create_cache(self, input_tokens, scope: ReuseScope = DEFAULT_SCOPE, priority: int = 35) -> KVCache:
         """A SUSPENDED cache for a request, holding the longest reusable prefix of its input.
 
         Matching takes ownership of the prefix's pages on whatever tier they are (they can no
         longer be dropped) and needs no memory, so it cannot fail for lack of pages.
         """
+        self._check_open()
         tokens = as_token_array(input_tokens)
         check_priority(priority)
         if not isinstance(scope, ReuseScope):
@@ -103,12 +126,14 @@ class KVCacheManager:
             self._tree, root, encode_tokens(tokens), num_tokens, self._rules, self.config.enable_partial_reuse
         )
 
+    @exclusive
     def prefetch(self, tokens, scope: ReuseScope = DEFAULT_SCOPE, stream=None) -> int:
         """Start promoting the reusable prefix of ``tokens`` toward the primary tier.
 
         Pages are moved as room allows (evicting colder pages, never locked or held ones below
         their due); they stay evictable, as recently used. Returns the number of pages promoted.
         """
+        self._check_open()
         token_array = as_token_array(tokens)
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
@@ -164,6 +189,7 @@ class KVCacheManager:
         recurrent: ``{"state": uint8 [num_slots, state_bytes]}``. Index the first dimension with
         ``cache.page_indices(group_id)``.
         """
+        self._check_open()
         views = self._views.get(layer_id)
         if views is None:
             group = self.spec.group_of(layer_id)
@@ -173,6 +199,7 @@ class KVCacheManager:
 
     def layout(self) -> KvCacheLayout:
         """Where each group's pages live in the primary tier (one whole-slot region per group)."""
+        self._check_open()
         storage = self._tiers[PRIMARY].storage
         groups = []
         for geometry in self._geometries:
@@ -187,11 +214,14 @@ class KVCacheManager:
 
     def page_bytes(self, group_id: int) -> int:
         """Bytes of one page of a layer group."""
+        self._check_open()
         return self._geometries[self._rule(group_id).group_id].page_bytes
 
     # -- stats and checks ------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:
+        """The tiers' occupancy and the counters since construction (any thread may read them)."""
+        self._check_open()
         c = self._counters
         tiers = {}
         for tier in self._tiers:
@@ -213,8 +243,10 @@ class KVCacheManager:
             bytes_copied=dict(c.bytes_copied),
         )
 
+    @exclusive
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` unless every internal invariant holds (slow: walks everything)."""
+        self._check_open()
         try:
             check_manager(self)
         except AssertionError as exc:
@@ -222,6 +254,7 @@ class KVCacheManager:
                 raise
             raise InvariantError(str(exc)) from exc
 
+    @exclusive
     def close(self, persist: bool = True) -> None:
         """Close every cache and release the tiers' memory and files. Idempotent.
 
@@ -244,6 +277,11 @@ class KVCacheManager:
             if tier.disk_index is not None:
                 tier.disk_index.close()
         self._views.clear()
+        _OPEN_MANAGERS.discard(self)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheStateError("the KVCacheManager is closed")
 
     def _debug_check(self) -> None:
         """With ``KVTIER_DEBUG=1``, check every invariant (called after residency changes)."""
@@ -256,7 +294,74 @@ class KVCacheManager:
         return self._rules[group_id]
 
     def __enter__(self) -> KVCacheManager:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_device(device: torch.device) -> None:
+    """A clear error, before any allocation, for a CUDA device this process cannot use."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device={str(device)!r} but CUDA is not available here (torch {torch.__version__}, "
+            f"built with CUDA {torch.version.cuda or 'none'}, sees no GPU): use device='cpu' or a CUDA machine"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r} but this process sees {torch.cuda.device_count()} GPU(s)")
+
+
+def _check_quotas_fit(config: CacheConfig) -> None:
+    """``ValueError`` for a memory tier larger than all the memory it would live in (it can never be had)."""
+    device: torch.device = config.device  # type: ignore[assignment]
+    for tier in config.tiers:
+        if isinstance(tier, DiskTier):
+            continue
+        if isinstance(tier, PrimaryTier) and device.type == "cuda":
+            where, have = str(device), torch.cuda.get_device_properties(device).total_memory
+        else:
+            where, have = "host memory", _host_memory_bytes()
+        if have is not None and tier.bytes > have:
+            raise ValueError(
+                f"{type(tier).__name__}({tier.bytes}) cannot be allocated: it is more than all of {where} "
+                f"({have / 2**30:.1f} GiB); configure a smaller quota"
+            )
+
+
+def _is_allocation_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says memory could not be had (torch's CPU allocator raises a plain RuntimeError)."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return "can't allocate memory" in text or "out of memory" in text
+
+
+def _host_memory_bytes() -> int | None:
+    """Physical memory of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# Managers not closed yet, weakly: the registry never keeps a dropped manager alive.
+_OPEN_MANAGERS: weakref.WeakSet[KVCacheManager] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """Close every manager still open at interpreter exit, so published pages reach its disk tier.
+
+    Runs after the interpreter has joined its non-daemon threads. Bounded: ``close`` never waits
+    on another thread (a manager still inside a daemon thread's call is refused and skipped).
+    """
+    for mgr in list(_OPEN_MANAGERS):
+        try:
+            mgr.close()
+        except Exception:
+            log.exception("kvtier: closing a KVCacheManager at interpreter exit failed")
+
+
+atexit.register(_close_at_exit)

@@ -199,8 +199,8 @@ def flip_bytes(path: Path, offsets: list[int]) -> None:
 def test_flipped_page_bytes_are_a_miss_never_a_wrong_page(tmp_path):
     persist_conversations(tmp_path)
     again = manager(tmp_path, primary=8, host=0, disk=32)
-    again.close(persist=False)
     page_bytes = again.page_bytes(0)
+    again.close(persist=False)
     pages_file = next(tmp_path.rglob("group0.pages"))
     flip_bytes(pages_file, list(range(7, pages_file.stat().st_size, page_bytes)))  # one byte in every slot
     again = manager(tmp_path, primary=8, host=0, disk=32)

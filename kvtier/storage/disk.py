@@ -67,7 +67,7 @@ class DiskStorage:
                 return None
             return checksum
 
-        return list(self._pool.map(one, slots, pages))
+        return _run(self._pool, one, slots, pages)
 
     def read(
         self, group: int, slots: Sequence[int], into: Sequence[np.ndarray], checksums: Sequence[int]
@@ -87,7 +87,7 @@ class DiskStorage:
                 return False
             return page_checksum(out) == checksum
 
-        return list(self._pool.map(one, slots, into, checksums))
+        return _run(self._pool, one, slots, into, checksums)
 
     def close(self) -> None:
         """Close the files and stop the I/O threads. Idempotent."""
@@ -96,6 +96,18 @@ class DiskStorage:
             if fd is not None:
                 os.close(fd)
         self._fds = []
+
+
+def _run(pool: ThreadPoolExecutor, fn, *iterables) -> list:
+    """``fn`` over the arguments on the I/O threads; on the calling thread once the interpreter is exiting.
+
+    At exit (``atexit``, where a manager never closed is closed) a pool takes no new work.
+    """
+    try:
+        futures = [pool.submit(fn, *args) for args in zip(*iterables, strict=True)]
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        return [fn(*args) for args in zip(*iterables, strict=True)]
+    return [future.result() for future in futures]
 
 
 def _open_page_file(directory: Path, group: int, size: int) -> int | None:

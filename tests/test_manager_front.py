@@ -1,0 +1,410 @@
+"""The manager's front door: use after close, bad settings, two threads, and closing at interpreter exit."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier.knobs import debug_enabled, parse_switch
+from tests.kvdata import PageOracle, small_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+TPB = 4
+
+
+def manager(pages: int = 64) -> kvtier.KVCacheManager:
+    """A manager of ``small_spec()`` (one full-attention group) with ``pages`` primary pages."""
+    spec = small_spec()
+    page_bytes = 2 * 2 * TPB * 2 * 8 * 2  # layers x roles x tokens x heads x dim x float16
+    return kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(pages * page_bytes)]))
+
+
+def fresh_tokens(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(t) for t in rng.integers(1, 50_000, n)]
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+# ------------------------------------------------------------------------------------ after close
+
+
+def public_methods(obj: object) -> list[str]:
+    return sorted(
+        name
+        for name, member in inspect.getmembers(type(obj))
+        if not name.startswith("_") and callable(member) and not isinstance(member, type)
+    )
+
+
+def test_every_manager_method_after_close_raises_cache_state_error():
+    rng = np.random.default_rng(13)
+    mgr = manager()
+    tokens = fresh_tokens(rng, 18)
+    cache = mgr.create_cache(tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    cache.commit(tokens)
+    mgr.close()
+
+    calls = {
+        "create_cache": lambda: mgr.create_cache(tokens),
+        "prefetch": lambda: mgr.prefetch(tokens),
+        "kv_views": lambda: mgr.kv_views(0),
+        "layout": mgr.layout,
+        "stats": mgr.stats,
+        "page_bytes": lambda: mgr.page_bytes(0),
+        "check_invariants": mgr.check_invariants,
+    }
+    assert sorted([*calls, "close"]) == public_methods(mgr), "a public method is not covered here"
+    for call in calls.values():
+        with pytest.raises(kvtier.CacheStateError, match="closed"):
+            call()
+    with pytest.raises(kvtier.CacheStateError, match="closed"), mgr:
+        pass
+    mgr.close()  # idempotent: nothing happens
+    mgr.close(persist=False)
+
+
+def test_every_cache_method_after_the_manager_closed_raises_cache_state_error():
+    rng = np.random.default_rng(14)
+    mgr = manager()
+    tokens = fresh_tokens(rng, 10)
+    active = mgr.create_cache(tokens)
+    assert active.resume() and active.resize(len(tokens))
+    suspended = mgr.create_cache(fresh_tokens(rng, 7))
+    mgr.close()
+    for cache in (active, suspended):
+        assert cache.state is kvtier.CacheState.CLOSED
+        calls = {
+            "resume": cache.resume,
+            "suspend": cache.suspend,
+            "resize": lambda cache=cache: cache.resize(40),
+            "commit": lambda cache=cache: cache.commit([5]),
+            "page_indices": lambda cache=cache: cache.page_indices(0),
+        }
+        assert sorted([*calls, "close"]) == public_methods(cache), "a public method is not covered here"
+        for call in calls.values():
+            with pytest.raises(kvtier.CacheStateError):
+                call()
+        cache.close()  # idempotent
+
+
+# ---------------------------------------------------------------------------------- bad settings
+
+
+@pytest.mark.parametrize("name", ["enable_reuse", "enable_partial_reuse"])
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None, np.bool_(True)])
+def test_reuse_switches_must_be_bools(name, value):
+    with pytest.raises(TypeError, match=name):
+        kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)], **{name: value})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)], device="cuda")  # a description: fine
+    with pytest.raises(RuntimeError, match="CUDA is not available") as info:
+        kvtier.KVCacheManager(small_spec(), config)
+    assert not isinstance(info.value, AssertionError)
+
+
+@pytest.mark.parametrize("tier", [kvtier.PrimaryTier(2**62), kvtier.HostTier(2**62)])
+def test_a_quota_beyond_the_machine_is_a_clear_error(tier):
+    tiers = [tier] if isinstance(tier, kvtier.PrimaryTier) else [kvtier.PrimaryTier(1 << 20), tier]
+    with pytest.raises(ValueError, match=f"{type(tier).__name__}.*cannot be allocated"):
+        kvtier.KVCacheManager(small_spec(), kvtier.CacheConfig(TPB, tiers))
+
+
+def test_memory_that_cannot_be_had_is_out_of_pages():
+    """A quota the machine has but this process may not allocate (RLIMIT_AS): a real allocation failure."""
+    out = run_python("""
+        import resource
+        import torch, kvtier
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+        spec = kvtier.ModelSpec.uniform(2, 2, 64, torch.float16)
+        try:
+            kvtier.KVCacheManager(spec, kvtier.CacheConfig(16, [kvtier.PrimaryTier(8 << 30)]))
+        except kvtier.OutOfPagesError as exc:
+            print("OutOfPagesError", exc)
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("OutOfPagesError cannot allocate"), out.stdout
+
+
+def test_debug_switch_other_than_0_or_1_warns_once(monkeypatch, caplog):
+    parse_switch.cache_clear()
+    for raw, on in ((None, False), ("0", False), ("1", True)):
+        if raw is None:
+            monkeypatch.delenv("KVTIER_DEBUG", raising=False)
+        else:
+            monkeypatch.setenv("KVTIER_DEBUG", raw)
+        with caplog.at_level(logging.WARNING, logger="kvtier.knobs"):
+            assert debug_enabled() is on
+        assert caplog.text == ""
+    monkeypatch.setenv("KVTIER_DEBUG", "true")
+    with caplog.at_level(logging.WARNING, logger="kvtier.knobs"):
+        manager().close()
+        manager().close()
+    warnings = [r for r in caplog.records if "KVTIER_DEBUG" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert "'true'" in warnings[0].getMessage() and "stays off" in warnings[0].getMessage()
+    assert debug_enabled() is False
+
+
+# ------------------------------------------------------------------------------------ two threads
+
+
+class GatedTokens:
+    """Tokens handed out only once ``gate`` opens: a caller reading them waits inside its call."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.inside = threading.Event()
+        self.gate = threading.Event()
+
+    def __iter__(self):
+        self.inside.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return iter(self.tokens)
+
+
+def test_a_second_thread_inside_the_manager_is_refused_and_changes_nothing():
+    rng = np.random.default_rng(16)
+    mgr = manager()
+    oracle = PageOracle(mgr)
+    tokens = fresh_tokens(rng, 21)
+    first = mgr.create_cache(tokens)
+    assert first.resume() and first.resize(len(tokens))
+    oracle.write(first, tokens, 0, len(tokens))
+    first.commit(tokens)
+    first.suspend()
+
+    gated = GatedTokens(tokens + fresh_tokens(rng, 5))
+    created: list[kvtier.KVCache] = []
+    holder = threading.Thread(target=lambda: created.append(mgr.create_cache(gated)))
+    holder.start()
+    try:
+        assert gated.inside.wait(30)
+        before = mgr.stats()
+        refused = {
+            "create_cache": lambda: mgr.create_cache(tokens),
+            "prefetch": lambda: mgr.prefetch(tokens),
+            "resume": first.resume,
+            "close": first.close,
+            "check_invariants": mgr.check_invariants,
+            "manager close": mgr.close,
+        }
+        for call in refused.values():
+            with pytest.raises(kvtier.CacheStateError, match="another thread"):
+                call()
+        assert mgr.stats() == before  # reads are fine from any thread, and nothing changed
+        assert first.state is kvtier.CacheState.SUSPENDED
+    finally:
+        gated.gate.set()
+        holder.join(30)
+    assert created and created[0].num_reused_tokens == 20  # the holder's call finished normally
+    mgr.check_invariants()
+    assert first.resume()
+    oracle.check(first, tokens)
+    mgr.close()
+
+
+def test_a_manager_handed_between_threads_works():
+    """Created on one thread, driven by another, closed by a third: sequential use is legitimate."""
+    rng = np.random.default_rng(17)
+    mgr = manager()
+    oracle = PageOracle(mgr)
+    tokens = fresh_tokens(rng, 30)
+    cache = mgr.create_cache(tokens)
+    errors: list[BaseException] = []
+
+    def drive() -> None:
+        try:
+            assert cache.resume() and cache.resize(len(tokens))
+            oracle.write(cache, tokens, 0, len(tokens))
+            cache.commit(tokens)
+            for t in fresh_tokens(rng, 9):  # decode steps
+                assert cache.resize(cache.capacity + 1)
+                cache.commit([t])
+            cache.suspend()
+        except BaseException as exc:  # reported to the main thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=drive)
+    worker.start()
+    worker.join(30)
+    assert not errors, errors
+    again = mgr.create_cache(tokens + [1])
+    assert again.num_reused_tokens == 30
+    closer = threading.Thread(target=mgr.close)
+    closer.start()
+    closer.join(30)
+    assert cache.state is kvtier.CacheState.CLOSED and again.state is kvtier.CacheState.CLOSED
+
+
+def test_two_threads_driving_one_manager_at_once_are_detected():
+    """Two real threads run requests on one manager at once: the overlap raises, the invariants hold."""
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    mgr = manager(pages=256)
+    refused = [0, 0]
+    unexpected: list[BaseException] = []
+    stop = threading.Event()
+
+    def serve(worker: int) -> None:
+        rng = np.random.default_rng(100 + worker)
+        caches: list[kvtier.KVCache] = []
+        while not stop.is_set() and not unexpected:
+            try:
+                if len(caches) > 3:
+                    caches[0].close()
+                    caches.pop(0)
+                cache = mgr.create_cache(fresh_tokens(rng, int(rng.integers(5, 30))))
+                caches.append(cache)
+                if cache.resume() and cache.resize(cache.num_committed_tokens + 12):
+                    cache.commit(fresh_tokens(rng, 12))
+                    cache.suspend()
+            except kvtier.CacheStateError as exc:
+                assert "another thread" in str(exc), exc
+                refused[worker] += 1
+            except BaseException as exc:  # an invariant broken by the overlap, reported to the main thread
+                unexpected.append(exc)
+                return
+        for cache in caches:
+            while True:
+                try:
+                    cache.close()
+                    break
+                except kvtier.CacheStateError:
+                    time.sleep(0.001)
+
+    threads = [threading.Thread(target=serve, args=(w,)) for w in (0, 1)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while sum(refused) < 20 and time.monotonic() < deadline and not unexpected:
+            time.sleep(0.01)
+        stop.set()
+        for t in threads:
+            t.join(30)
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert not unexpected, unexpected[0]
+    assert sum(refused) >= 20, f"the overlaps went unnoticed: {refused}"
+    mgr.check_invariants()  # every page held by a cache or published: a refused call leaked nothing
+    mgr.close()
+
+
+# --------------------------------------------------------------------------- closing at exit
+
+
+EXIT_PRELUDE = """
+import sys
+import torch, kvtier
+spec = kvtier.ModelSpec.uniform(2, 2, 8, torch.float16, model_id="front-test")
+def manager(path):
+    tiers = [kvtier.PrimaryTier(1 << 20), kvtier.DiskTier(1 << 20, path)]
+    return kvtier.KVCacheManager(spec, kvtier.CacheConfig(4, tiers))
+tokens = list(range(1, 42))
+"""
+
+
+def test_a_manager_never_closed_is_closed_at_exit_and_its_pages_persist(tmp_path):
+    wrote = run_python(
+        EXIT_PRELUDE
+        + textwrap.dedent(f"""
+        mgr = manager({str(tmp_path)!r})
+        cache = mgr.create_cache(tokens)
+        assert cache.resume() and cache.resize(len(tokens))
+        cache.commit(tokens)
+        cache.close()
+        print("exiting without close")
+    """)
+    )
+    assert wrote.returncode == 0, wrote.stderr[-3000:]
+    read = run_python(
+        EXIT_PRELUDE
+        + textwrap.dedent(f"""
+        mgr = manager({str(tmp_path)!r})
+        print(mgr.create_cache(tokens).num_reused_tokens)
+        mgr.close()
+    """)
+    )
+    assert read.returncode == 0, read.stderr[-3000:]
+    assert int(read.stdout) == 40, "the pages published before exit were lost"
+
+
+def test_closing_at_exit_never_waits_on_a_thread_still_inside(tmp_path):
+    """A daemon thread stuck inside a call at exit: that manager is skipped (logged), the process exits."""
+    out = run_python(
+        EXIT_PRELUDE
+        + textwrap.dedent(f"""
+        import threading
+        stuck_inside = threading.Event()
+        def never():
+            stuck_inside.set()
+            threading.Event().wait()
+            yield 1
+        mgr = manager({str(tmp_path)!r})
+        threading.Thread(target=lambda: mgr.create_cache(never()), daemon=True).start()
+        stuck_inside.wait()
+        print("exiting", flush=True)
+    """),
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "closing a KVCacheManager at interpreter exit failed" in out.stderr
+    assert "another thread" in out.stderr
+
+
+def test_the_exit_registry_does_not_keep_a_dropped_manager_alive():
+    mgr = manager()
+    ref = weakref.ref(mgr)
+    del mgr
+    gc.collect()
+    assert ref() is None
+
+
+# ------------------------------------------------------------------------------- invariant check
+
+
+def test_the_invariant_check_holds_under_python_optimize():
+    """``python -O`` strips ``assert``: the check must still see a broken invariant."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code = """
+        import torch, kvtier
+        mgr = kvtier.KVCacheManager(kvtier.ModelSpec.uniform(2, 2, 8, torch.float16),
+                                    kvtier.CacheConfig(4, [kvtier.PrimaryTier(1 << 20)]))
+        cache = mgr.create_cache(list(range(1, 20)))
+        assert 1 == 2, "never seen under -O"
+        cache.resume(); cache.resize(19); cache.commit(list(range(1, 20)))
+        mgr.check_invariants()
+        cache._blocks[0][0].refs += 1  # a broken invariant, as a bug would leave it
+        try:
+            mgr.check_invariants()
+        except kvtier.InvariantError as exc:
+            print("caught:", exc)
+    """
+    out = subprocess.run(
+        [sys.executable, "-O", "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("caught:") and "refs 2 but 1 caches hold it" in out.stdout, out.stdout
