@@ -1,0 +1,359 @@
+"""vLLM's real ``Scheduler`` driving ``KVTierConnector``, and a stand-in model runner on the CPU.
+
+The runner does what vLLM's GPU model runner does around the connector, in its order (bind,
+preemptions, forward, loads, saves, transfer results, load errors, worker metadata), over KV
+caches that vLLM's own allocator lays out (``allocate_kv_cache``, layout LBNHC). Its "forward"
+writes, for every scheduled token, a value that is a function of (layer, the token's whole
+prefix, head, element), so a block holds the right bytes only if it holds exactly this prefix's
+KV. Before each forward it checks every position the request counts as computed: what attention
+would read must be what this request's prefix wrote (``WrongKV`` otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvtier.vllm import KVTierConnector
+
+BLOCK = 16
+HEADS = 2
+HEAD_SIZE = 16
+EOS = 999
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": HEADS,
+    "head_dim": HEAD_SIZE,
+    "num_hidden_layers": 3,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+}
+
+
+class WrongKV(AssertionError):
+    """A request counts a position as computed whose KV is not its own prefix's."""
+
+
+def vllm_config(
+    tmp_path: Path, extra: dict, *, max_batched: int = 64, async_scheduling: bool = False, name: str = "model"
+) -> VllmConfig:
+    """A ``VllmConfig`` for a tiny Llama from a local config.json (no weights, no tokenizer)."""
+    model_dir = tmp_path / name
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=2048)
+    scheduler = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=max_batched,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
+    )
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cache.kv_cache_layout = "LBNHC"  # vLLM resolves the layout before it builds connectors
+    transfer = KVTransferConfig(
+        kv_connector="KVTierConnector",
+        kv_connector_module_path="kvtier.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+        kv_load_failure_policy="recompute",
+    )
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=scheduler,
+        cache_config=cache,
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def attention_spec(window: int | None = None) -> FullAttentionSpec | SlidingWindowSpec:
+    if window is None:
+        return FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+    return SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32, sliding_window=window
+    )
+
+
+def kv_cache_config(config: VllmConfig, groups: Sequence[tuple[list[str], object]], num_blocks: int) -> KVCacheConfig:
+    """vLLM's own plan of the KV cache tensors for these groups, with ``num_blocks`` blocks."""
+    config.cache_config.num_gpu_blocks_override = num_blocks
+    specs = [KVCacheGroupSpec(list(names), spec) for names, spec in groups]
+    kv_config = get_kv_cache_config_from_groups(config, specs, available_memory=1 << 40)
+    config.cache_config.num_gpu_blocks = kv_config.num_blocks
+    return kv_config
+
+
+def layer_names(count: int, first: int = 0) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(first, first + count)]
+
+
+def prefix_hashes(tokens: Sequence[int]) -> np.ndarray:
+    """A rolling hash per position over the whole prefix up to it (int64, < 2**31)."""
+    out = np.empty(len(tokens), dtype=np.int64)
+    h = 7
+    for i, t in enumerate(tokens):
+        h = (h * 1_000_003 + int(t) + 1) % 2_147_483_647
+        out[i] = h
+    return out
+
+
+def kv_values(hashes: np.ndarray, layer: int) -> torch.Tensor:
+    """int32 [positions, heads, elements]: the KV this prefix gives at ``layer``, distinct per entry."""
+    heads = np.arange(HEADS, dtype=np.int64)[None, :, None] * 104_729
+    elems = np.arange(2 * HEAD_SIZE, dtype=np.int64)[None, None, :] * 15_485_863
+    values = (hashes[:, None, None] * 31 + layer * 7_919 + heads + elems) % 2_147_483_647
+    return torch.from_numpy(values.astype(np.int32))
+
+
+@dataclass
+class StepLog:
+    """What the runner saw in one step."""
+
+    computed: dict[str, tuple[int, int]] = field(default_factory=dict)  # rid -> positions computed
+    loaded: set[str] = field(default_factory=set)  # finished_recving
+    sent: set[str] = field(default_factory=set)  # finished_sending
+    invalid: set[int] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+
+
+class Engine:
+    """A scheduler, the worker connector and the stand-in runner over vLLM-laid-out CPU caches."""
+
+    def __init__(self, config: VllmConfig, kv_config: KVCacheConfig) -> None:
+        init_none_hash(sha256)
+        self.config = config
+        self.kv_config = kv_config
+        self.async_scheduling = bool(config.scheduler_config.async_scheduling)
+        self.worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_config)  # built first, as in vLLM
+        layout = config.cache_config.get_resolved_kv_cache_layout()
+        self.caches = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
+        self.worker.register_kv_caches(self.caches)
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        self.connector = self.scheduler.connector
+        assert isinstance(self.connector, KVTierConnector)
+        self.layers = [name for group in kv_config.kv_cache_groups for name in group.layer_names]
+        self._group_of = {n: g for g, group in enumerate(kv_config.kv_cache_groups) for n in group.layer_names}
+        self._hasher = get_request_block_hasher(BLOCK, sha256)
+        self.requests: dict[str, Request] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.log: list[StepLog] = []
+        self._pending: tuple | None = None
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 4, salt: str | None = None) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params.update_from_generation_config({}, EOS)
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            cache_salt=salt,
+            block_hasher=self._hasher,
+        )
+        self.requests[rid] = request
+        self.outputs[rid] = []
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def schedule(self):
+        return self.scheduler.schedule()
+
+    def execute(self, out) -> ModelRunnerOutput:
+        """The worker's share of one step for scheduler output ``out``."""
+        step = StepLog()
+        meta = out.kv_connector_metadata
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        req_ids, sampled = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            start = request.num_computed_tokens - n
+            self.check(rid, start)
+            self._forward(rid, start, start + n)
+            step.computed[rid] = (start, start + n)
+            req_ids.append(rid)
+            tokens = self.tokens(rid)
+            sampled.append([sample(tokens)] if start + n >= len(tokens) else [])
+            self.outputs[rid].extend(sampled[-1])
+        w.start_load_kv(None)
+        w.wait_for_save()
+        results = w.get_transfer_results(out.finished_req_ids)
+        step.loaded, step.sent, step.failed = (
+            set(results.finished_recving),
+            set(results.finished_sending),
+            set(results.failed_recving),
+        )
+        step.invalid = w.get_block_ids_with_load_errors()
+        worker_meta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        self.log.append(step)
+        kv_out = KVConnectorOutput(
+            finished_sending=step.sent or None,
+            finished_recving=step.loaded or None,
+            failed_recving=step.failed,
+            invalid_block_ids=step.invalid,
+            kv_connector_worker_meta=worker_meta,
+        )
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
+        )
+
+    def update(self, out, result: ModelRunnerOutput) -> None:
+        self.scheduler.update_from_output(out, result)
+
+    def step(self) -> StepLog:
+        """One engine step; with asynchronous scheduling the previous step's output is applied after it."""
+        out = self.schedule()
+        result = self.execute(out)
+        if not self.async_scheduling:
+            self.update(out, result)
+            return self.log[-1]
+        if self._pending is not None:
+            self.update(*self._pending)
+        self._pending = (out, result)
+        return self.log[-1]
+
+    def run(self, max_steps: int = 500) -> None:
+        """Step until every request is finished and every transfer reported."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                if self._pending is None:
+                    return
+                self.update(*self._pending)
+                self._pending = None
+                continue
+            self.step()
+        raise AssertionError(f"requests still pending after {max_steps} steps")
+
+    def tokens(self, rid: str) -> list[int]:
+        """The request's tokens as the runner knows them (it knows what it sampled before the scheduler does)."""
+        return list(self.requests[rid].prompt_token_ids) + self.outputs[rid]
+
+    # -- KV -------------------------------------------------------------------------------------
+
+    def block_table(self, rid: str, layer: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[self._group_of[layer]])
+
+    def _pages(self, layer: str) -> torch.Tensor:
+        """int32 [blocks, tokens, heads, elements] view of a layer's cache (vLLM keeps [B, H, N, C])."""
+        return self.caches[layer].view(torch.int32).permute(0, 2, 1, 3)
+
+    def _forward(self, rid: str, start: int, end: int) -> None:
+        tokens = self.tokens(rid)
+        end = min(end, len(tokens))
+        if end <= start:
+            return
+        hashes = prefix_hashes(tokens[:end])[start:end]
+        positions = np.arange(start, end)
+        for i, layer in enumerate(self.layers):
+            table = np.array(self.block_table(rid, layer))
+            blocks = torch.from_numpy(table[positions // BLOCK])
+            offsets = torch.from_numpy(positions % BLOCK)
+            self._pages(layer)[blocks, offsets] = kv_values(hashes, i)
+
+    def check(self, rid: str, end: int) -> None:
+        """Positions ``[0, end)`` of request ``rid`` hold its prefix's KV (null blocks skipped)."""
+        if end <= 0:
+            return
+        hashes = prefix_hashes(self.tokens(rid)[:end])
+        null = self.scheduler.kv_cache_manager.block_pool.null_block.block_id
+        positions = np.arange(end)
+        for i, layer in enumerate(self.layers):
+            table = np.array(self.block_table(rid, layer))
+            blocks = table[positions // BLOCK]
+            keep = blocks != null
+            got = self._pages(layer)[torch.from_numpy(blocks[keep]), torch.from_numpy(positions[keep] % BLOCK)]
+            want = kv_values(hashes[keep], i)
+            if not torch.equal(got, want):
+                bad = int(positions[keep][(got != want).flatten(1).any(1).numpy()][0])
+                raise WrongKV(f"request {rid}, layer {layer}: position {bad} does not hold its prefix's KV")
+
+    def blocks_bytes(self, rid: str, num_blocks: int) -> list[bytes]:
+        """The raw bytes of the request's first ``num_blocks`` blocks, every layer."""
+        return [
+            self.caches[layer][self.block_table(rid, layer)[b]].view(torch.uint8).numpy().tobytes()
+            for layer in self.layers
+            for b in range(num_blocks)
+        ]
+
+    def poison(self) -> None:
+        """Overwrite every block of the device caches (fresh memory must never pass for a load)."""
+        for layer in self.layers:
+            self.caches[layer].view(torch.int32).fill_(-0x5A5A5A5B)
+
+    def reset_prefix_cache(self) -> None:
+        assert self.scheduler.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+    # -- what the connector holds ------------------------------------------------------------------
+
+    @property
+    def kv_scheduler(self):
+        return self.connector.scheduler
+
+    def assert_no_leaks(self) -> None:
+        """No request, block, lease, job or locked host page is left behind."""
+        s = self.scheduler
+        assert not s.requests and not s.running and len(s.waiting) == 0
+        pool = s.kv_cache_manager.block_pool
+        assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
+        k = self.kv_scheduler
+        assert not k._leases and not k._jobs and not k._requests
+        assert not k.manager._caches, "a kvtier cache is still open"
+        w = self.worker.worker
+        assert not w._jobs and not w._saves_of and not w._delayed
+
+
+def sample(tokens: Sequence[int]) -> int:
+    """The stand-in model's next token: a function of the whole prefix (never EOS)."""
+    return int(prefix_hashes(tokens)[-1] % 997)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(1, 990, size=length)]

@@ -1,0 +1,233 @@
+"""KVTierConnector under vLLM's real Scheduler, with a stand-in runner over vLLM-laid-out CPU caches.
+
+Every step the runner checks that each scheduled request's computed positions hold exactly its
+own prefix's KV (``WrongKV`` otherwise), so a test passes only if nothing wrong was ever served.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bash .ci/vllm_env.sh)")
+
+from vllm.v1.request import RequestStatus
+
+from kvtier.vllm.transfer import Direction
+from tests.vllm.harness import (
+    BLOCK,
+    HEAD_SIZE,
+    HEADS,
+    Engine,
+    attention_spec,
+    kv_cache_config,
+    layer_names,
+    prompt,
+    vllm_config,
+)
+
+MiB = 1 << 20
+HOST_PAGE = 3 * BLOCK * HEADS * 2 * HEAD_SIZE * 4  # 3 layers of a block: 2 heads x (K + V) x float32
+
+
+def engine(tmp_path: Path, *, disk: bool = False, blocks: int = 64, name: str = "model", **kwargs) -> Engine:
+    extra: dict = {"host_bytes": 4 * MiB}
+    if disk:
+        extra.update(disk_bytes=8 * MiB, disk_path=str(tmp_path / "disk"))
+    config = vllm_config(tmp_path, extra, name=name, **kwargs)
+    return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], blocks))
+
+
+def run_until_computed(e: Engine, rid: str, tokens: int) -> None:
+    while e.requests[rid].num_computed_tokens < tokens:
+        e.step()
+
+
+def first_step_of(e: Engine, rid: str) -> tuple[int, int]:
+    """The positions the runner computed for ``rid`` the first time it ran it."""
+    return next(step.computed[rid] for step in e.log if rid in step.computed)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_prefix_saved_by_one_request_is_loaded_by_the_next(tmp_path, async_scheduling):
+    e = engine(tmp_path, async_scheduling=async_scheduling)
+    shared = prompt(1, 100)
+    e.add("r1", shared, max_tokens=4)
+    run_until_computed(e, "r1", 100)
+    written = e.blocks_bytes("r1", 6)
+    e.run()
+    assert e.kv_scheduler.manager.stats().tiers["primary"].pages_used == 6  # 6 full blocks of 103 tokens
+
+    e.reset_prefix_cache()
+    e.poison()
+    e.add("r2", shared[:90] + [7, 8, 9], max_tokens=3)
+    e.step()
+    assert e.requests["r2"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert "r2" in e.log[-1].loaded and not e.log[-1].invalid
+    while "r2" not in {r for s in e.log for r in s.computed}:
+        e.step()
+    assert first_step_of(e, "r2")[0] == 80  # 5 full shared blocks came from kvtier, not the model
+    assert e.blocks_bytes("r2", 5) == [b for i, b in enumerate(written) if i % 6 < 5]
+    e.run()
+    assert e.kv_scheduler.manager.stats().hit_tokens["primary"] == 80
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_a_restart_on_the_same_disk_directory_serves_the_prefix(tmp_path):
+    first = engine(tmp_path, disk=True)
+    shared = prompt(2, 120)
+    first.add("r1", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+
+    second = engine(tmp_path, disk=True)  # a new process's engine: new engine id, empty host memory
+    second.poison()
+    second.add("r2", shared + [1, 2, 3], max_tokens=2)
+    second.run()
+    assert first_step_of(second, "r2")[0] == 112  # all 7 full blocks from disk
+    assert second.kv_scheduler.manager.stats().hit_tokens["disk"] == 112
+    second.assert_no_leaks()
+    second.shutdown()
+
+
+def damage_disk_pages(disk: Path, from_block: int) -> int:
+    """Overwrite the disk pages of blocks ``from_block`` and later; the number of pages damaged."""
+    (directory,) = disk.glob("kvtier-*")
+    with sqlite3.connect(directory / "index.sqlite") as db:
+        rows = db.execute(
+            "SELECT p.grp, p.slot FROM pages p JOIN nodes n ON p.block_key = n.block_key WHERE n.depth >= ?",
+            (from_block,),
+        ).fetchall()
+    for group, slot in rows:
+        with open(directory / f"group{group}.pages", "r+b") as f:
+            f.seek(slot * HOST_PAGE + 100)
+            f.write(b"\xff" * 64)
+    return len(rows)
+
+
+def test_a_page_that_fails_its_checksum_is_recomputed_not_served(tmp_path):
+    first = engine(tmp_path, disk=True)
+    shared = prompt(3, 120)
+    first.add("r1", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+    assert damage_disk_pages(tmp_path / "disk", from_block=3) == 4  # blocks 3..6 of 7
+
+    second = engine(tmp_path, disk=True)
+    second.poison()
+    second.add("r2", shared + [4, 5], max_tokens=2)
+    second.run()
+    failed = [step for step in second.log if step.invalid]
+    assert failed and "r2" in failed[0].loaded  # reported with the load, in the same step
+    assert first_step_of(second, "r2")[0] == 3 * BLOCK  # recomputed from the first damaged block
+    assert second.kv_scheduler.manager.stats().checksum_failures >= 1
+    second.assert_no_leaks()
+    second.shutdown()
+
+
+def test_an_abort_while_loading_frees_everything_once_the_load_is_done(tmp_path):
+    e = engine(tmp_path)
+    shared = prompt(4, 96)
+    e.add("r1", shared, max_tokens=2)
+    e.run()
+    e.reset_prefix_cache()
+    e.poison()
+    e.add("r2", shared + [1], max_tokens=2)
+    out = e.schedule()  # the load is issued: r2 waits for its blocks
+    assert e.requests["r2"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    e.abort("r2")  # while the worker has not run the load yet
+    e.update(out, e.execute(out))
+    e.run()
+    e.assert_no_leaks()
+    e.add("r3", shared + [2], max_tokens=2)  # the prefix is still whole and served
+    e.run()
+    assert first_step_of(e, "r3")[0] == 96
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_an_abort_while_saving_keeps_the_blocks_until_the_save_is_done(tmp_path):
+    e = engine(tmp_path)
+    shared = prompt(5, 64)
+    e.add("r1", shared, max_tokens=40)
+    run_until_computed(e, "r1", 95)
+    out = e.schedule()  # this step fills block 5: its save is planned
+    assert [job.req_id for job in out.kv_connector_metadata.jobs if job.direction is Direction.SAVE] == ["r1"]
+    e.abort("r1")
+    assert "r1" in e.scheduler.requests, "vLLM must keep an aborted request's blocks while its save runs"
+    e.update(out, e.execute(out))
+    e.run()
+    e.assert_no_leaks()
+    e.reset_prefix_cache()
+    e.poison()
+    e.add("r2", e.tokens("r1")[:96] + [3], max_tokens=2)
+    e.run()
+    assert first_step_of(e, "r2")[0] == 96
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preempted_requests_resume_from_kvtier_and_nothing_wrong_is_served(tmp_path, async_scheduling):
+    e = engine(tmp_path, blocks=14, async_scheduling=async_scheduling)  # 13 usable blocks for 2 x 11
+    for i in range(2):
+        e.add(f"r{i}", prompt(10 + i, 64), max_tokens=100)
+    e.run(max_steps=2000)
+    preempted = [r for r in e.requests.values() if r.num_preemptions]
+    assert preempted, "the workload was meant to preempt"
+    resumed_by_load = {rid for step in e.log for rid in step.loaded}
+    assert {r.request_id for r in preempted} & resumed_by_load
+    assert all(len(out) == 100 for out in e.outputs.values())
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_two_cache_salts_never_share(tmp_path):
+    e = engine(tmp_path)
+    shared = prompt(6, 80)
+    e.add("a1", shared, max_tokens=2, salt="tenant-a")
+    e.run()
+    e.reset_prefix_cache()
+    e.poison()
+    e.add("b1", shared + [1], max_tokens=2, salt="tenant-b")
+    e.run()
+    assert first_step_of(e, "b1")[0] == 0
+    e.reset_prefix_cache()
+    e.add("a2", shared + [1], max_tokens=2, salt="tenant-a")
+    e.run()
+    assert first_step_of(e, "a2")[0] == 80
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_another_model_never_reads_these_pages(tmp_path):
+    first = engine(tmp_path, disk=True, name="model-a")
+    shared = prompt(7, 64)
+    first.add("r1", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+    second = engine(tmp_path, disk=True, name="model-b")  # same shapes, other weights
+    second.add("r2", shared + [1], max_tokens=2)
+    second.run()
+    assert first_step_of(second, "r2")[0] == 0
+    second.shutdown()
+
+
+def test_a_sliding_window_model_keeps_its_hybrid_groups(tmp_path):
+    config = vllm_config(tmp_path, {"host_bytes": 4 * MiB})
+    groups = [(layer_names(2), attention_spec()), (layer_names(2, first=2), attention_spec(window=32))]
+    e = Engine(config, kv_cache_config(config, groups, 64))
+    assert len(e.kv_scheduler.plan.groups) == 2
+    shared = prompt(8, 112)
+    e.add("r1", shared, max_tokens=2)
+    e.run()
+    e.reset_prefix_cache()
+    e.poison()
+    e.add("r2", shared + [9], max_tokens=2)
+    e.run()
+    assert first_step_of(e, "r2")[0] == 112
+    e.assert_no_leaks()
+    e.shutdown()
