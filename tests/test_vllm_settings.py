@@ -1,0 +1,54 @@
+"""The vLLM connector's settings and the parts of ``kvtier.vllm`` that need no vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.vllm.settings import DEFAULT_HOST_BYTES, ConnectorSettings
+
+
+def test_defaults_and_a_full_configuration():
+    assert ConnectorSettings.parse(None) == ConnectorSettings(DEFAULT_HOST_BYTES)
+    s = ConnectorSettings.parse(
+        {"host_bytes": 1 << 30, "disk_bytes": 1 << 40, "disk_path": "/nvme/kv", "store_url": None, "model_id": "m@1"}
+    )
+    assert (s.host_bytes, s.disk_bytes, s.disk_path, s.store_url, s.model_id) == (
+        1 << 30,
+        1 << 40,
+        "/nvme/kv",
+        None,
+        "m@1",
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "words"),
+    [
+        ({"host_byte": 1}, ValueError, "unknown kv_connector_extra_config keys"),
+        ({"host_bytes": "4GB"}, TypeError, "host_bytes must be an int"),
+        ({"host_bytes": 0}, ValueError, "host_bytes must be > 0"),
+        ({"host_bytes": True}, TypeError, "host_bytes must be an int"),
+        ({"disk_bytes": 1 << 30}, ValueError, "both disk_bytes and disk_path"),
+        ({"disk_bytes": 1 << 30, "disk_path": ""}, TypeError, "disk_path must be a non-empty path"),
+        ({"store_url": 5}, TypeError, "store_url must be a non-empty str"),
+        ({"model_id": ""}, TypeError, "model_id must be a non-empty str"),
+    ],
+)
+def test_bad_settings_are_refused_with_what_to_fix(extra, error, words):
+    with pytest.raises(error, match=words):
+        ConnectorSettings.parse(extra)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_without_vllm_the_data_path_imports_and_the_connector_says_what_to_install():
+    code = (
+        "import sys, kvtier, kvtier.vllm.transfer, kvtier.vllm\n"
+        "assert 'vllm' not in sys.modules\n"
+        "try:\n    kvtier.vllm.KVTierConnector\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "needs vLLM 0.33" in out.stdout

@@ -1,0 +1,155 @@
+"""The vLLM connector's data path (``kvtier.vllm.transfer``), without vLLM: vLLM-laid-out caches
+to and from kvtier host pages, byte for byte, on the CPU (and on a GPU where there is one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.vllm.paged_views import paged_layer_views
+from kvtier.vllm.transfer import (
+    BlockTransfer,
+    Direction,
+    GroupBlocks,
+    GroupPlan,
+    TransferJob,
+    copy_pairs,
+    route_groups,
+)
+
+LAYERS, BLOCKS, HEADS, TOKENS, CONTENT = 4, 24, 2, 16, 32  # float32: a 4 KiB page per layer and block
+PAGE = HEADS * TOKENS * CONTENT * 4
+SLOTS = 10
+
+
+def caches(layout: str, device: str = "cpu") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Layer views in ``layout`` over one allocation filled with fresh, non-zero bytes."""
+    raw = torch.randint(1, 256, (LAYERS * BLOCKS * PAGE,), dtype=torch.uint8, device=device)
+    views = paged_layer_views(raw, LAYERS, BLOCKS, HEADS, TOKENS, CONTENT, torch.float32, layout)
+    return {f"layer{i}": v for i, v in enumerate(views)}, raw
+
+
+def one_group(names: list[str]) -> GroupPlan:
+    return GroupPlan(0, tuple(names), (0,), (0,) * len(names), PAGE)
+
+
+def block_bytes(view: torch.Tensor, block: int) -> bytes:
+    """The page of one layer's block as it lies in memory (vLLM's physical order, not the view's)."""
+    start = view[block].storage_offset() * view.element_size()
+    page = torch.empty(0, dtype=torch.uint8, device=view.device).set_(view.untyped_storage(), start, (PAGE,), (1,))
+    return page.cpu().numpy().tobytes()
+
+
+def job(job_id: int, direction: Direction, slots: list[int], blocks: list[int], group: int = 0) -> TransferJob:
+    rows = GroupBlocks(group, np.array(slots, dtype=np.int64), np.array(blocks, dtype=np.int64)[:, None])
+    return TransferJob(job_id, f"req{job_id}", direction, [rows])
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC"])
+def test_save_then_load_moves_every_byte_of_every_layer(layout):
+    views, raw = caches(layout)
+    plan = one_group(list(views))
+    allocation, routes = route_groups([plan], views, BLOCKS)
+    host = torch.zeros(SLOTS * plan.host_page_bytes, dtype=torch.uint8)
+    transfer = BlockTransfer(allocation, routes, [host])
+    saved = {b: [block_bytes(v, b) for v in views.values()] for b in (5, 2, 9)}
+
+    transfer.submit([job(1, Direction.SAVE, [0, 3, 1], [5, 2, 9])])
+    assert transfer.poll() == [(1, True)]
+    pages = host.view(SLOTS, LAYERS, PAGE).numpy()
+    for slot, block in ((0, 5), (3, 2), (1, 9)):
+        assert [pages[slot, k].tobytes() for k in range(LAYERS)] == saved[block]
+
+    raw.fill_(0xA5)  # vLLM's blocks are overwritten: a load must bring every byte back
+    transfer.submit([job(2, Direction.LOAD, [0, 3, 1], [11, 20, 0])])
+    assert transfer.poll() == [(2, True)]
+    for block, source in ((11, 5), (20, 2), (0, 9)):
+        assert [block_bytes(v, block) for v in views.values()] == saved[source]
+    assert block_bytes(views["layer0"], 1) == bytes([0xA5]) * PAGE  # nothing else was written
+
+
+def test_a_group_gathers_layers_of_several_block_tables():
+    views, _ = caches("LBNHC")
+    names = list(views)
+    plan = GroupPlan(0, tuple(names), (0, 1), (0, 1, 0, 1), PAGE)  # layers 1 and 3 follow another table
+    allocation, routes = route_groups([plan], views, BLOCKS)
+    host = torch.zeros(SLOTS * plan.host_page_bytes, dtype=torch.uint8)
+    transfer = BlockTransfer(allocation, routes, [host])
+    rows = GroupBlocks(0, np.array([4], dtype=np.int64), np.array([[7, 13]], dtype=np.int64))
+    transfer.submit([TransferJob(1, "r", Direction.SAVE, [rows])])
+    pages = host.view(SLOTS, LAYERS, PAGE).numpy()
+    tables = dict(zip(names, plan.layer_columns, strict=True))
+    want = [block_bytes(views[n], 7 if tables[n] == 0 else 13) for n in names]
+    assert [pages[4, k].tobytes() for k in range(LAYERS)] == want
+
+
+def test_pairs_match_the_layout_formula():
+    views, _ = caches("BLNHC")
+    _, (route,) = route_groups([one_group(list(views))], views, BLOCKS)
+    rows = GroupBlocks(0, np.array([2, 0], dtype=np.int64), np.array([[3], [8]], dtype=np.int64))
+    pairs = copy_pairs(route, rows, Direction.SAVE)
+    want = [(block * LAYERS + k, slot * LAYERS + k) for slot, block in ((2, 3), (0, 8)) for k in range(LAYERS)]
+    assert pairs.tolist() == [list(p) for p in want]
+    assert copy_pairs(route, rows, Direction.LOAD).tolist() == [[d, s] for s, d in want]
+
+
+def test_a_job_the_copier_refuses_fails_alone():
+    views, _ = caches("LBNHC")
+    plan = one_group(list(views))
+    allocation, routes = route_groups([plan], views, BLOCKS)
+    host = torch.zeros(SLOTS * plan.host_page_bytes, dtype=torch.uint8)
+    transfer = BlockTransfer(allocation, routes, [host])
+    good, bad = job(1, Direction.SAVE, [2], [6]), job(2, Direction.SAVE, [SLOTS + 5], [7])  # past the host pages
+    transfer.submit([good, bad])
+    assert transfer.poll() == [(1, True), (2, False)]
+    assert host.view(SLOTS, LAYERS, PAGE)[2, 0].numpy().tobytes() == block_bytes(views["layer0"], 6)
+
+
+def test_a_job_marked_failed_copies_nothing_and_reports_failure():
+    views, _ = caches("LBNHC")
+    plan = one_group(list(views))
+    allocation, routes = route_groups([plan], views, BLOCKS)
+    host = torch.zeros(SLOTS * plan.host_page_bytes, dtype=torch.uint8)
+    transfer = BlockTransfer(allocation, routes, [host])
+    failed = job(1, Direction.LOAD, [0], [3])
+    failed.failed = True
+    before = block_bytes(views["layer0"], 3)
+    transfer.submit([failed])
+    assert transfer.poll() == [(1, False)]
+    assert block_bytes(views["layer0"], 3) == before
+
+
+def test_layouts_whose_blocks_are_not_one_page_are_refused():
+    views, _ = caches("LHBNC")
+    with pytest.raises(ValueError, match="block-contiguous KV cache layout"):
+        route_groups([one_group(list(views))], views, BLOCKS)
+    views, _ = caches("LBNHC")
+    with pytest.raises(ValueError, match="no KV cache registered"):
+        route_groups([one_group(["layer0", "missing"])], views, BLOCKS)
+    with pytest.raises(ValueError, match="does not hold"):
+        route_groups([one_group(["layer0"])], {"layer0": views["layer0"][1:]}, BLOCKS)
+    raw = torch.ones(LAYERS * BLOCKS * PAGE + 64, dtype=torch.uint8)
+    (shifted,) = paged_layer_views(raw[64:], 1, BLOCKS, HEADS, TOKENS, CONTENT, torch.float32)
+    with pytest.raises(ValueError, match="page boundaries"):
+        route_groups([one_group(["layer0"])], {"layer0": shifted}, BLOCKS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_save_then_load_on_the_gpu_through_pinned_host_pages(layout):
+    from kvtier.storage.pinned import allocate_host_buffer
+
+    views, raw = caches(layout, "cuda")
+    plan = one_group(list(views))
+    allocation, routes = route_groups([plan], views, BLOCKS)
+    with allocate_host_buffer(SLOTS * plan.host_page_bytes, plan.host_page_bytes, "cuda") as host:
+        transfer = BlockTransfer(allocation, routes, [host.tensor])
+        saved = [block_bytes(v, 4) for v in views.values()]
+        transfer.submit([job(1, Direction.SAVE, [7], [4])])
+        transfer.synchronize()
+        assert transfer.poll() == [(1, True)]
+        raw.fill_(0x3C)  # on the caller's stream: the load waits for it
+        transfer.submit([job(2, Direction.LOAD, [7], [19])])
+        transfer.synchronize()
+        assert [block_bytes(v, 19) for v in views.values()] == saved

@@ -1,0 +1,49 @@
+"""What KVTierConnector refuses at construction, and what importing kvtier does not do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bash .ci/vllm_env.sh)")
+
+import torch
+from vllm.config import ParallelConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+from kvtier.vllm import KVTierConnector, host_pool
+from kvtier.vllm.connector import check_one_process
+from tests.vllm.harness import BLOCK, attention_spec, kv_cache_config, layer_names, vllm_config
+
+
+def test_importing_kvtier_never_imports_vllm():
+    code = "import sys, kvtier, kvtier.engine, kvtier.connector, kvtier.copy; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_recurrent_state_group_is_refused_by_name(tmp_path):
+    config = vllm_config(tmp_path, {})
+    mamba = MambaSpec(block_size=BLOCK, shapes=((16,), (16,)), dtypes=(torch.float32,), mamba_cache_mode="all")
+    groups = [KVCacheGroupSpec(layer_names(2), attention_spec()), KVCacheGroupSpec(["mamba.0", "mamba.1"], mamba)]
+    kv_config = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(NotImplementedError, match=r"KV cache group 1 \(MambaSpec"):
+            KVTierConnector(config, role, kv_config)
+    assert host_pool.lookup(str(config.kv_transfer_config.engine_id)) is None  # nothing was set up
+
+
+def test_more_than_one_process_is_refused(tmp_path):
+    config = vllm_config(tmp_path, {})
+    config.parallel_config = ParallelConfig(tensor_parallel_size=1, distributed_executor_backend="mp")
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=1"):
+        check_one_process(config)
+
+
+def test_bad_extra_config_is_refused_before_anything_is_built(tmp_path):
+    config = vllm_config(tmp_path, {"host_bytes": "lots"})
+    kv_config = kv_cache_config(config, [(layer_names(3), attention_spec())], 16)
+    with pytest.raises(TypeError, match="host_bytes must be an int"):
+        KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config)
