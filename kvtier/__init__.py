@@ -15,7 +15,7 @@ Public names (see docs/ARCHITECTURE.md for the layers behind them)::
 from kvtier import copy
 from kvtier.cache import CacheState, KVCache
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, HostTier, PrimaryTier, ReuseScope
-from kvtier.errors import CacheStateError, InvariantError, OutOfPagesError
+from kvtier.errors import CacheStateError, DiskTierBusyError, InvariantError, OutOfPagesError
 from kvtier.layout import GroupLayout, KvCacheLayout, Region
 from kvtier.manager import KVCacheManager
 from kvtier.pages import BAD_PAGE_INDEX
@@ -34,6 +34,7 @@ __all__ = [
     "CacheStateError",
     "CacheStats",
     "DiskTier",
+    "DiskTierBusyError",
     "GroupKind",
     "GroupLayout",
     "HostTier",

@@ -6,6 +6,8 @@
   fault; the manager must not be used after one.
 - ``CacheStateError``: an operation that the cache's state does not allow (e.g. ``resize`` on a
   suspended cache). The caller's mistake; nothing was changed.
+- ``DiskTierBusyError``: a disk tier's directory is held by another manager (an OS lock). Close
+  that manager first, or give this one another directory; nothing was changed.
 """
 
 from __future__ import annotations
@@ -21,3 +23,10 @@ class CacheStateError(RuntimeError):
 
 class InvariantError(AssertionError):
     """An internal invariant of kvtier does not hold: a bug, not a usage error."""
+
+
+class DiskTierBusyError(RuntimeError):
+    """A disk tier's directory belongs to another manager, in this process or another. Nothing was changed.
+
+    A directory is used by one manager at a time; to share prefixes between processes, use a connector.
+    """

@@ -49,6 +49,7 @@ class CacheCollector(Collector):
             ("promotions", "Pages moved to a warmer tier"),
             ("drops", "Pages discarded from the cache"),
             ("checksum_failures", "Pages that failed their checksum when read back"),
+            ("disk_resets", "Disk tier directories that could not be read and started empty"),
         ):
             yield CounterMetricFamily(f"kvtier_{name}", doc, value=getattr(stats, name))
         copied = CounterMetricFamily(

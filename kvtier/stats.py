@@ -18,7 +18,11 @@ class TierStats:
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    """A snapshot of the manager's counters (cumulative since it was created)."""
+    """A snapshot of the manager's counters (cumulative since it was created).
+
+    ``disk_resets`` counts disk tier directories whose index or files could not be read when the
+    manager started: each was reported (an ERROR log line) and started empty.
+    """
 
     tiers: dict[str, TierStats]
     hit_tokens: dict[str, int]
@@ -29,6 +33,7 @@ class CacheStats:
     drops: int
     checksum_failures: int
     bytes_copied: dict[str, int]
+    disk_resets: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -52,6 +57,7 @@ class Counters:
     promotions: int = 0
     drops: int = 0
     checksum_failures: int = 0
+    disk_resets: int = 0
     bytes_copied: Counter[str] = field(default_factory=Counter)
 
     def add_copy(self, src: str, dst: str, path: str, nbytes: int) -> None:
