@@ -1,80 +1,119 @@
 """Rebuilding the reuse tree from a disk tier's index when a manager starts on an existing path.
 
-Every row is checked before it is believed: its scope must decode, its parent must be a root
-or an already restored node, its tokens must hash (with the parent's key) to its block key, its
-group, slot and snapshot offset must fit this manager, and no two rows may claim one slot or one
-(node, group). A row that fails is deleted; the page bytes themselves are verified against the
-row's checksum when they are first read.
+Every row is checked before it is believed. A block row's parent must be a restored block one
+level up, and its tokens must hash (under the parent's key) to its key; a top block waits under
+the dormant root of its scope's tag (``RadixTree.dormant_root``) and is checked against the
+scope's root key when the scope is first used. A page row must name a restored block, a group,
+slot and snapshot offset that fit this manager, and no slot or (block, group) another row took.
+A row that fails is deleted, and an ERROR line says how many were lost. Page bytes are verified
+against their checksum when they are first read.
 """
 
 from __future__ import annotations
 
 import logging
 
-from kvtier.config import ReuseScope
 from kvtier.pages import Page
 from kvtier.reuse import GroupRule
 from kvtier.spec import GroupKind
-from kvtier.storage.disk_index import IndexRow
+from kvtier.stats import Counters
+from kvtier.storage.disk_index import NodeRow, PageRow
 from kvtier.tiers import Tier
-from kvtier.tree import Node, RadixTree
+from kvtier.tree import Node, RadixTree, block_key
 
 log = logging.getLogger(__name__)
 
+KEY_BYTES = 16  # the tree's block keys
 
-def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule]) -> int:
-    """Publish the disk tier's indexed pages in ``tree`` as droppable pages; returns how many."""
+
+def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], counters: Counters) -> int:
+    """Publish the disk tier's indexed pages in ``tree`` as droppable pages; returns how many.
+
+    ``counters.disk_resets`` counts a directory whose index could not be read (it starts empty).
+    """
     index = tier.disk_index
     assert index is not None
+    counters.disk_resets += index.resets
+    tree.scope_tag = index.scope_tag
     nodes: dict[bytes, Node] = {}
+    rejected_nodes = 0
+    for row in index.nodes:
+        node = _restore_node(row, tree, nodes)
+        if node is None:
+            rejected_nodes += 1
+            index.delete_node(row.block_key)
+        else:
+            nodes[row.block_key] = node
+            tier.written[row.block_key] = node
     taken: list[set[int]] = [set() for _ in rules]
-    restored = rejected = 0
-    for row in index.rows():
-        page = _restore_row(row, tier, tree, rules, nodes, taken)
-        if page is None:
-            rejected += 1
+    restored = rejected_pages = 0
+    for row in index.pages:
+        if _restore_page(row, tier, tree, rules, nodes, taken) is None:
+            rejected_pages += 1
             index.delete(row.block_key, row.group, row.snapshot_offset)
-            continue
-        restored += 1
+        else:
+            restored += 1
     for group, slots in enumerate(taken):
         tier.storage.slots[group].reserve(sorted(slots))
     for group in range(len(rules)):
         for page in tier.owners[group]:
             if page is not None:
                 tier.reindex(page)
-    for node in sorted(tree.nodes(), key=lambda n: -n.block):
-        tree.prune(node)  # restored nodes left holding nothing (their rows were rejected)
+    _prune(tree, tier)
     index.flush()
-    if rejected:
-        log.warning("kvtier disk tier: %d index rows did not check out and were removed", rejected)
+    lost = index.rejected + rejected_nodes + rejected_pages
+    if lost:
+        log.error(
+            "kvtier disk tier: %d of %d index rows of %s did not check out and were removed (%d block rows, "
+            "%d page rows; the pages they named are lost); %d pages restored",
+            lost,
+            index.rejected + len(index.nodes) + len(index.pages),
+            index.path,
+            index.rejected + rejected_nodes,
+            rejected_pages,
+            restored,
+        )
+    if not tier.writable and index.directory.readable:
+        log.warning(
+            "kvtier disk tier: %s is read-only (%s): its %d pages are served, nothing new is written there",
+            index.directory.path,
+            index.directory.why_not_writable,
+            restored,
+        )
+    index.nodes, index.pages = [], []  # read once; the tree holds them now
     return restored
 
 
-def _restore_row(
-    row: IndexRow, tier: Tier, tree: RadixTree, rules: list[GroupRule], nodes: dict[bytes, Node], taken: list[set[int]]
-) -> Page | None:
-    if not 0 <= row.group < len(rules) or not 0 <= row.slot < tier.storage.slots[row.group].num_slots:
+def _restore_node(row: NodeRow, tree: RadixTree, nodes: dict[bytes, Node]) -> Node | None:
+    if len(row.block_key) != KEY_BYTES or len(row.tokens) != tree.block_bytes:
         return None
-    if row.slot in taken[row.group] or len(row.tokens) != tree.block_bytes or not 0 <= row.priority <= 100:
+    if row.depth == 0:
+        if row.parent_key or len(row.scope_tag) != KEY_BYTES:
+            return None
+        parent = tree.dormant_root(row.scope_tag)
+        if row.tokens in parent.children:
+            return None
+        return tree.restored_child(parent, row.tokens, row.block_key)
+    parent = nodes.get(row.parent_key)
+    if parent is None or parent.block != row.depth - 1 or row.scope_tag or row.tokens in parent.children:
+        return None
+    if block_key(parent.key, row.tokens) != row.block_key:
+        return None
+    return tree.child(parent, row.tokens)
+
+
+def _restore_page(
+    row: PageRow, tier: Tier, tree: RadixTree, rules: list[GroupRule], nodes: dict[bytes, Node], taken: list[set[int]]
+) -> Page | None:
+    node = nodes.get(row.block_key)
+    if node is None or not 0 <= row.group < len(rules):
+        return None
+    if not 0 <= row.slot < tier.storage.slots[row.group].num_slots or row.slot in taken[row.group]:
+        return None
+    if not 0 <= row.priority <= 100:
         return None
     recurrent = rules[row.group].kind is GroupKind.RECURRENT
     if recurrent != (row.snapshot_offset > 0) or row.snapshot_offset > tree.tokens_per_block:
-        return None
-    try:
-        scope = ReuseScope.decode(row.scope)
-    except ValueError:
-        return None
-    if row.depth == 0:
-        parent = tree.root(scope)
-        if row.parent_key != parent.key:
-            return None
-    else:
-        parent = nodes.get(row.parent_key)
-        if parent is None or parent.block != row.depth - 1 or parent.scope != scope:
-            return None
-    node = tree.child(parent, row.tokens)
-    if node.key != row.block_key:
-        tree.prune(node)
         return None
     occupied = node.snapshots.get(row.snapshot_offset) if recurrent else node.pages[row.group]
     if occupied is not None:
@@ -94,5 +133,17 @@ def _restore_row(
         node.pages[row.group] = page
     tier.owners[row.group][row.slot] = page
     taken[row.group].add(row.slot)
-    nodes[row.block_key] = node
     return page
+
+
+def _prune(tree: RadixTree, tier: Tier) -> None:
+    """Remove restored blocks left holding nothing (no page below them), and their rows."""
+    assert tier.disk_index is not None
+    for node in sorted(tree.nodes(dormant=True), key=lambda n: -n.block):
+        tree.prune(node)
+        if node.parent is None:
+            tier.disk_index.delete_node(node.key)
+            tier.written.pop(node.key, None)
+    for tag, root in list(tree.dormant.items()):
+        if not root.children:
+            del tree.dormant[tag]

@@ -81,7 +81,7 @@ class KVCacheManager:
         self._mover = Mover(self._tiers, self._residency, self._counters, self.device)
         for tier in self._tiers:
             if tier.is_disk:
-                restore_disk_tier(tier, self._tree, self._rules)
+                restore_disk_tier(tier, self._tree, self._rules, self._counters)
         self._caches: set[KVCache] = set()
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._debug = debug_enabled()
@@ -119,7 +119,7 @@ class KVCacheManager:
         num_tokens = len(tokens) + 1 if whole else len(tokens)
         if not self.config.enable_reuse or num_tokens < 2:
             return None
-        root = self._tree.roots.get(scope)
+        root = self._tree.find_root(scope)
         if root is None:
             return None
         return find_reuse(
@@ -240,6 +240,7 @@ class KVCacheManager:
             promotions=c.promotions,
             drops=c.drops,
             checksum_failures=c.checksum_failures,
+            disk_resets=c.disk_resets,
             bytes_copied=dict(c.bytes_copied),
         )
 

@@ -11,6 +11,10 @@ old contents have been read:
 
 A page the plan is moving is not in any eviction index until its data has landed, so a plan
 never picks it as a victim, and a page pinned by the operation (``locks``) is never a victim.
+
+Writes to the disk tier happen while planning (``kvtier.disk_writes``). A published page
+promoted from disk leaves its bytes there as a copy (``Tier.add_copy``). A read-only disk tier
+is never a destination.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
+from kvtier.disk_writes import DiskWrites
 from kvtier.pages import Page
 from kvtier.stats import Counters
 from kvtier.tiers import Tier
@@ -38,6 +43,7 @@ class MovePlan:
     edges: defaultdict[tuple[int, int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
     landed: list[Page] = field(default_factory=list)
     deferred_frees: list[tuple[int, int, int]] = field(default_factory=list)  # (tier, group, slot)
+    kept_on_disk: list[tuple[Page, int]] = field(default_factory=list)  # promoted from disk: (page, its disk slot)
     damaged: list[Page] = field(default_factory=list)  # pages whose bytes failed their checksum on the way
 
     def add(self, src_tier: int, dst_tier: int, group: int, src_slot: int, dst_slot: int) -> None:
@@ -54,6 +60,8 @@ class Residency:
         self.tree = tree
         self.counters = counters
         self._last = len(tiers) - 1
+        self._disk = next((t for t in tiers if t.is_disk), None)
+        self._disk_writes = None if self._disk is None else DiskWrites(self, self._disk)
         # Writes pages (all in one tier and group) to disk slots; a checksum per page, None if it failed.
         self.write_to_disk: Callable[[list[Page], list[int]], list[int | None]] = _no_disk
 
@@ -116,6 +124,8 @@ class Residency:
         assert node is not None
         tier = self.tiers[page.tier]
         tier.forget(page)
+        if self._disk is not None and page in self._disk.copies:
+            self._disk.remove_copy(self._disk.copies[page])
         if page.snapshot_offset:
             del node.snapshots[page.snapshot_offset]
         else:
@@ -161,7 +171,7 @@ class Residency:
             victims = list(islice(index, short))
             for dst_index in range(tier_index + 1, len(self.tiers)):
                 # The next tier first; a colder one when the next is full of pinned pages (a swap).
-                if self.make_room(dst_index, group, short, plan):
+                if self.tiers[dst_index].writable and self.make_room(dst_index, group, short, plan):
                     self._demote(victims, dst_index, plan)
                     break
             if slots.num_free < count:
@@ -174,6 +184,9 @@ class Residency:
         if len(victims) < count:
             return
         for page in victims:
+            if self._disk is not None and page in self._disk.originals:
+                self._disk.remove_copy(page)  # a copy: its original stays where it is
+                continue
             self.counters.evictions += 1
             self.drop(page)
 
@@ -186,54 +199,24 @@ class Residency:
                 self.counters.demotions += 1
                 self.move(page, dst_index, plan)
             return
-        # Disk writes happen now, before any copy of the plan reuses the slots they free, so a
-        # failed write leaves its page where it was (or drops it if only the tree held it).
-        group = victims[0].group
-        allocator = dst.storage.slots[group]
-        disk_slots = [allocator.allocate() for _ in victims]
-        checksums = self.write_to_disk(victims, disk_slots)
-        for page, slot, checksum in zip(victims, disk_slots, checksums, strict=True):
-            assert slot is not None
-            if checksum is None:
-                allocator.free(slot)
-                if page.refs == 0:
-                    self.counters.evictions += 1
-                    self.drop(page)
-                continue
-            self.counters.evictions += 1
-            self.counters.demotions += 1
-            self.tiers[page.tier].vacate(page)
-            page.tier, page.slot, page.checksum = dst_index, slot, checksum
-            dst.owners[group][slot] = page
-            dst.record(page)
-            dst.reindex(page)
+        assert self._disk_writes is not None and dst is self._disk_writes.disk
+        self._disk_writes.demote(victims, plan)
 
     def persist(self, plan: MovePlan) -> int:
-        """Write published pages held in memory tiers to free disk slots, parents first.
+        """Write published pages held in memory tiers to the disk tier, parents first (at close).
 
-        Used when the manager closes, so that a manager started later on the same path finds
-        the hot prefixes too, with unbroken chains. Returns the number of pages written.
+        So that a manager started later on the same path finds the hot prefixes too, with
+        unbroken chains. Returns the number of pages it tried to write.
         """
-        disk_index = next((t.index for t in self.tiers if t.is_disk), None)
-        if disk_index is None:
-            return 0
-        free = [s.num_free for s in self.tiers[disk_index].storage.slots]
-        batches: dict[tuple[int, int], list[Page]] = defaultdict(list)
-        for node in sorted(self.tree.nodes(), key=lambda n: n.block):
-            for page in [*node.pages, *node.snapshots.values()]:
-                if page is None or page.tier == disk_index or page.locks or not free[page.group]:
-                    continue
-                free[page.group] -= 1
-                batches[(page.tier, page.group)].append(page)
-        for pages in batches.values():
-            self._demote(pages, disk_index, plan)
-        return sum(len(p) for p in batches.values())
+        return 0 if self._disk_writes is None else self._disk_writes.persist(plan)
 
     def move(self, page: Page, dst_index: int, plan: MovePlan) -> None:
         """Plan moving ``page`` to a tier that has a free slot for it.
 
         Demotions free the source slot at once (a deeper edge runs first, so its contents are
-        read before anything lands there); promotions free it only after the plan ran.
+        read before anything lands there); promotions free it only after the plan ran, except a
+        published page's disk slot, which then holds its copy (its chain's rows stay restorable,
+        and demoting it again needs no write).
         """
         src = self.tiers[page.tier]
         src_index, src_slot = page.tier, page.slot
@@ -243,7 +226,9 @@ class Residency:
         assert placed, "move() needs a free slot in the destination"
         plan.add(src_index, dst_index, page.group, src_slot, page.slot)
         plan.landed.append(page)
-        if not demotion:
+        if not demotion and src.is_disk and page.node is not None:
+            plan.kept_on_disk.append((page, src_slot))  # its bytes stay there, as a copy
+        elif not demotion:
             plan.deferred_frees.append((src_index, page.group, src_slot))
 
     def hold_all(self, pages: list[Page | None]) -> None:
@@ -295,6 +280,13 @@ class Residency:
                 self.tiers[page.tier].reindex(page)
         for page in plan.damaged:
             self.mark_damaged(page)
+        for page, slot in plan.kept_on_disk:
+            assert self._disk is not None
+            if page.damaged or page.node is None:
+                self._disk.storage.slots[page.group].free(slot)
+            else:
+                self._disk.add_copy(page, slot, page.checksum)
+        plan.kept_on_disk.clear()
         plan.deferred_frees.clear()
         plan.landed.clear()
         plan.edges.clear()

@@ -1,4 +1,9 @@
-"""Building the run-time tiers from the configured ones."""
+"""Building the run-time tiers from the configured ones.
+
+The disk tier is opened first: its directory lock (``DiskTierBusyError`` when another manager
+holds it) and its checks (``ValueError`` for a path that is a file) come before any memory is
+allocated, and a failure to allocate memory releases the directory again.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from kvtier.layout import PageGeometry
 from kvtier.sizing import slots_per_group
 from kvtier.spec import ModelSpec
 from kvtier.storage.disk import DiskStorage
+from kvtier.storage.disk_dir import DiskDirectory
 from kvtier.storage.disk_index import DiskIndex
 from kvtier.storage.memory import MemoryStorage
 from kvtier.storage.pinned import allocate_host_buffer
@@ -24,22 +30,45 @@ def build_tiers(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageG
     """One ``Tier`` per configured tier, warm to cold, each quota split across layer groups."""
     device = torch.device(config.device)
     page_bytes = [g.page_bytes for g in geometries]
-    tiers: list[Tier] = []
     last = len(config.tiers) - 1
-    for index, tier_config in enumerate(config.tiers):
-        slots = slots_per_group(tier_config.bytes, geometries, config.snapshot_interval_blocks, tier_config.name)
-        disk_index = None
-        if isinstance(tier_config, PrimaryTier):
-            storage = MemoryStorage(page_bytes, slots, lambda n, _p: torch.empty(n, dtype=torch.uint8, device=device))
-        elif isinstance(tier_config, HostTier):
-            storage = MemoryStorage(page_bytes, slots, lambda n, p: allocate_host_buffer(n, p, device))
-        else:
-            assert isinstance(tier_config, DiskTier)
-            directory = Path(os.fspath(tier_config.path)) / f"kvtier-{layout_fingerprint(spec, config, geometries)}"
-            storage = DiskStorage(directory, page_bytes, slots)
-            disk_index = DiskIndex(directory / "index.sqlite", layout_fingerprint(spec, config, geometries))
-        tiers.append(Tier(tier_config.name, index, storage, is_last=index == last, disk_index=disk_index))
+    slots = [slots_per_group(t.bytes, geometries, config.snapshot_interval_blocks, t.name) for t in config.tiers]
+    disk: Tier | None = None
+    if isinstance(config.tiers[last], DiskTier):
+        disk = _disk_tier(
+            config.tiers[last], last, layout_fingerprint(spec, config, geometries), page_bytes, slots[last]
+        )
+    tiers: list[Tier] = []
+    try:
+        for index, tier_config in enumerate(config.tiers):
+            if isinstance(tier_config, PrimaryTier):
+                storage = MemoryStorage(
+                    page_bytes, slots[index], lambda n, _p: torch.empty(n, dtype=torch.uint8, device=device)
+                )
+            elif isinstance(tier_config, HostTier):
+                storage = MemoryStorage(page_bytes, slots[index], lambda n, p: allocate_host_buffer(n, p, device))
+            else:
+                assert disk is not None
+                tiers.append(disk)
+                continue
+            tiers.append(Tier(tier_config.name, index, storage, is_last=index == last))
+    except BaseException:
+        if disk is not None:
+            disk.storage.close()
+            disk.disk_index.close()
+        raise
     return tiers
+
+
+def _disk_tier(config: DiskTier, index: int, fingerprint: str, page_bytes: list[int], slots: list[int]) -> Tier:
+    """The disk tier in ``<path>/kvtier-<fingerprint>``: its directory, index and page files."""
+    directory = DiskDirectory(Path(os.fspath(config.path)) / f"kvtier-{fingerprint}")
+    try:
+        disk_index = DiskIndex(directory, fingerprint)
+        storage = DiskStorage(directory, page_bytes, slots)
+    except BaseException:
+        directory.close()
+        raise
+    return Tier(config.name, index, storage, is_last=True, disk_index=disk_index)
 
 
 def layout_fingerprint(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageGeometry]) -> str:

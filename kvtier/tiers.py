@@ -2,22 +2,45 @@
 
 Invariants (checked by ``KVCacheManager.check_invariants``): ``owners[g][s]`` is the page in
 slot ``s`` of group ``g`` or None; a page is in ``evictable[g]`` exactly when ``may_evict`` holds
-and its data has landed (pages a plan is still moving are left out until it has run). On the
-disk tier, every published page has a row in the persistent index (``record``), removed when
-the page leaves the tier or the tree.
+and its data has landed (pages a plan is still moving are left out until it has run).
+
+On the disk tier, every published page has a row in the persistent index (``record``), removed
+when the page leaves the tier or the tree, and every row's chain of blocks back to its scope's
+root has rows too (written before or with it): whatever the index holds can be restored. The
+disk tier also keeps *copies*: pages whose original is published in a memory tier (an ancestor
+of blocks on disk, e.g. a hot system prompt that is never demoted), written so that a restart
+finds the whole chain. A copy is a page of this tier owned by no cache and published nowhere
+(``copies[original]`` / ``originals[copy]``); it is evictable like a dropped page, is taken over
+when its original is demoted here, and goes when its original leaves the tree.
 """
 
 from __future__ import annotations
 
 from kvtier.eviction import EvictionIndex
 from kvtier.pages import Page
-from kvtier.storage.disk_index import DiskIndex, IndexRow
+from kvtier.storage.disk_index import DiskIndex, NodeRow, PageRow
+from kvtier.tree import Node
+
+SWEEP_MIN = 4096  # index rows of blocks that left the tree are removed in sweeps, when this many are known
 
 
 class Tier:
     """One tier (0 = primary) with per-group slot owners and eviction indexes."""
 
-    __slots__ = ("disk_index", "evictable", "index", "is_last", "name", "owners", "storage")
+    __slots__ = (
+        "_sweep_at",
+        "copies",
+        "disk_index",
+        "evictable",
+        "index",
+        "is_last",
+        "name",
+        "originals",
+        "owners",
+        "storage",
+        "writable",
+        "written",
+    )
 
     def __init__(self, name: str, index: int, storage, is_last: bool, disk_index: DiskIndex | None = None) -> None:
         self.name = name
@@ -25,8 +48,13 @@ class Tier:
         self.storage = storage
         self.is_last = is_last
         self.disk_index = disk_index
+        self.writable = disk_index is None or storage.writable  # a read-only disk tier serves, takes nothing
         self.owners: list[list[Page | None]] = [[None] * s.num_slots for s in storage.slots]
         self.evictable = [EvictionIndex() for _ in storage.slots]
+        self.copies: dict[Page, Page] = {}
+        self.originals: dict[Page, Page] = {}
+        self.written: dict[bytes, Node] = {}  # blocks with an index row: key -> the node it was written for
+        self._sweep_at = SWEEP_MIN
 
     def place(self, page: Page) -> bool:
         """Give ``page`` a free slot here (not yet indexed); False when the group is full."""
@@ -50,30 +78,87 @@ class Tier:
             self.storage.slots[page.group].free(page.slot)
         self.forget(page)
 
+    # -- the persistent index (disk tier) --------------------------------------------------------
+
     def record(self, page: Page) -> None:
-        """On the disk tier, persist the index row of a published page that is here."""
+        """On the disk tier, persist the index row of a published page (or copy) that is here."""
         node = page.node
         if self.disk_index is None or node is None or node.parent is None:
             return
+        self._write_chain(node)
         self.disk_index.put(
-            IndexRow(
-                node.key,
-                page.group,
-                page.snapshot_offset,
-                page.slot,
-                page.checksum,
-                node.parent.key,
-                node.scope.encode(),
-                node.tokens,
-                node.block,
-                page.priority,
-            )
+            PageRow(node.key, page.group, page.snapshot_offset, page.slot, page.checksum, page.priority)
         )
+
+    def _write_chain(self, node: Node) -> None:
+        """Rows for ``node`` and each ancestor that has none yet, so the page row's chain restores."""
+        index = self.disk_index
+        assert index is not None
+        while node.parent is not None and self.written.get(node.key) is not node:
+            parent = node.parent
+            if parent.parent is None:
+                if parent.scope is None:
+                    break  # a restored block whose scope was not used yet: its rows are there already
+                row = NodeRow(node.key, b"", index.scope_tag(parent.scope.encode()), node.tokens, node.block)
+            else:
+                row = NodeRow(node.key, parent.key, b"", node.tokens, node.block)
+            index.put_node(row)
+            self.written[node.key] = node
+            node = parent
+        if len(self.written) > self._sweep_at:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove the rows of blocks pruned from the tree (no page, no descendant: nothing depends on them)."""
+        assert self.disk_index is not None
+        for key, node in list(self.written.items()):
+            if node.parent is None:
+                self.disk_index.delete_node(key)
+                del self.written[key]
+        self._sweep_at = max(SWEEP_MIN, 2 * len(self.written))
 
     def forget(self, page: Page) -> None:
         """On the disk tier, drop the index row of a page (before it leaves the tier or the tree)."""
         if self.disk_index is not None and page.node is not None:
             self.disk_index.delete(page.node.key, page.group, page.snapshot_offset)
+
+    # -- copies (disk tier) ----------------------------------------------------------------------
+
+    def add_copy(self, original: Page, slot: int, checksum: int, priority: int | None = None) -> None:
+        """Own a copy of ``original`` (published in a memory tier) written to ``slot``, and index it."""
+        copy = Page(
+            original.group,
+            self.index,
+            slot,
+            original.priority if priority is None else priority,
+            node=original.node,
+            snapshot_offset=original.snapshot_offset,
+            checksum=checksum,
+        )
+        self.owners[copy.group][slot] = copy
+        self.copies[original] = copy
+        self.originals[copy] = original
+        self.record(copy)
+        self.reindex(copy)
+
+    def take_copy(self, original: Page) -> tuple[int, int] | None:
+        """(slot, checksum) of ``original``'s copy, handed over to it (it is being demoted here); or None."""
+        copy = self.copies.pop(original, None)
+        if copy is None:
+            return None
+        del self.originals[copy]
+        self.evictable[copy.group].discard(copy)
+        self.owners[copy.group][copy.slot] = None  # the slot stays allocated: ``original`` lands in it
+        copy.node = None
+        return copy.slot, copy.checksum
+
+    def remove_copy(self, copy: Page) -> None:
+        """Free a copy and its index row (its original left the tree, or the slot is wanted)."""
+        del self.copies[self.originals.pop(copy)]
+        self.vacate(copy)
+        copy.node = None
+
+    # -- eviction --------------------------------------------------------------------------------
 
     def may_evict(self, page: Page) -> bool:
         """Unlocked pages may leave; from the last tier only pages no cache holds (they are dropped)."""

@@ -9,6 +9,12 @@ connectors). Keys are stable across machines: tokens are encoded as little-endia
 A node holds, per layer group, the page published for its block (or None), and recurrent
 state snapshots keyed by the offset inside the block after which they were taken. A node with
 no page, no snapshot, no child and no cache using it is pruned.
+
+Blocks restored from a disk tier whose scope is not known yet (the index stores a scope only as
+a keyed hash, its *tag*) wait under a *dormant* root per tag, outside ``roots``: nothing matches
+them. The first use of a scope whose tag has a dormant root claims it: each top block whose key
+chains from the scope's real root key moves under that root (with its subtree); a block that
+does not stays unreachable, and its pages age out like any other droppable page.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from collections.abc import Callable
 
 from kvtier.config import ReuseScope
 from kvtier.pages import Page
@@ -52,7 +59,9 @@ class Node:
 
     __slots__ = ("block", "children", "key", "pages", "parent", "scope", "snapshots", "tokens", "users")
 
-    def __init__(self, parent: Node | None, tokens: bytes, key: bytes, num_groups: int, scope: ReuseScope) -> None:
+    def __init__(
+        self, parent: Node | None, tokens: bytes, key: bytes, num_groups: int, scope: ReuseScope | None
+    ) -> None:
         self.parent = parent
         self.tokens = tokens
         self.key = key
@@ -79,13 +88,58 @@ class RadixTree:
         self.tokens_per_block = tokens_per_block
         self.block_bytes = tokens_per_block * TOKEN_BYTES
         self.roots: dict[ReuseScope, Node] = {}
+        self.dormant: dict[bytes, Node] = {}  # tag -> root of restored blocks whose scope was not used yet
+        self.scope_tag: Callable[[bytes], bytes] | None = None  # an encoded scope's tag (set with ``dormant``)
 
     def root(self, scope: ReuseScope) -> Node:
-        """The root of ``scope`` (created on first use)."""
+        """The root of ``scope`` (created on first use, claiming the scope's restored blocks)."""
         node = self.roots.get(scope)
         if node is None:
             node = self.roots[scope] = Node(None, b"", scope_key(scope, self.namespace), self.num_groups, scope)
+            if self.dormant:
+                self._claim(node)
         return node
+
+    def find_root(self, scope: ReuseScope) -> Node | None:
+        """The root of ``scope`` if it has one or restored blocks wait for it; else None (nothing to match)."""
+        node = self.roots.get(scope)
+        if node is None and self.dormant and self._tag(scope) in self.dormant:
+            node = self.root(scope)
+        return node
+
+    def dormant_root(self, tag: bytes) -> Node:
+        """The root under which restored blocks of the scope with this tag wait (created if absent)."""
+        node = self.dormant.get(tag)
+        if node is None:
+            node = self.dormant[tag] = Node(None, b"", b"", self.num_groups, None)
+        return node
+
+    def restored_child(self, parent: Node, block_tokens: bytes, key: bytes) -> Node:
+        """A new child of a dormant root with the key its index row gives (checked when claimed)."""
+        node = Node(parent, block_tokens, key, self.num_groups, None)
+        parent.children[block_tokens] = node
+        return node
+
+    def _tag(self, scope: ReuseScope) -> bytes:
+        assert self.scope_tag is not None, "dormant roots come with their tag function"
+        return self.scope_tag(scope.encode())
+
+    def _claim(self, root: Node) -> None:
+        """Move the restored blocks of ``root``'s scope under it; those whose key does not chain stay out."""
+        waiting = self.dormant.pop(self._tag(root.scope), None)  # type: ignore[arg-type]
+        if waiting is None:
+            return
+        for tokens, node in list(waiting.children.items()):
+            if node.key != block_key(root.key, tokens):
+                continue
+            del waiting.children[tokens]
+            node.parent = root
+            root.children[tokens] = node
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                n.scope = root.scope
+                stack.extend(n.children.values())
 
     def child(self, parent: Node, block_tokens: bytes) -> Node:
         """The child of ``parent`` for these block tokens, created if absent."""
@@ -129,10 +183,10 @@ class RadixTree:
             node.parent = None
             node = parent
 
-    def nodes(self) -> list[Node]:
-        """Every node except the roots (for checks and persistence, not for hot paths)."""
+    def nodes(self, dormant: bool = False) -> list[Node]:
+        """Every node except the roots, and with ``dormant`` those waiting for their scope (not for hot paths)."""
         out = []
-        stack = list(self.roots.values())
+        stack = list(self.roots.values()) + (list(self.dormant.values()) if dormant else [])
         while stack:
             node = stack.pop()
             for c in node.children.values():

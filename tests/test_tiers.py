@@ -228,9 +228,10 @@ def test_index_rows_with_wrong_values_are_rejected(tmp_path):
     persist_conversations(tmp_path)
     index = next(tmp_path.rglob("index.sqlite"))
     db = sqlite3.connect(index)
-    db.execute("UPDATE pages SET tokens = zeroblob(length(tokens)) WHERE depth = 1")  # breaks the key chain
-    db.execute("UPDATE pages SET slot = slot + 1000 WHERE depth = 2")  # out of range
-    db.execute("UPDATE pages SET checksum = checksum + 1 WHERE depth = 0")  # data no longer matches
+    at_depth = "block_key IN (SELECT block_key FROM nodes WHERE depth = {})"
+    db.execute("UPDATE nodes SET tokens = zeroblob(length(tokens)) WHERE depth = 1")  # breaks the key chain
+    db.execute(f"UPDATE pages SET slot = slot + 1000 WHERE {at_depth.format(2)}")  # out of range
+    db.execute(f"UPDATE pages SET checksum = checksum + 1 WHERE {at_depth.format(0)}")  # data no longer matches
     db.commit()
     db.close()
     again = manager(tmp_path, primary=8, host=0, disk=32)

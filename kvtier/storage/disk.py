@@ -1,11 +1,16 @@
 """The disk tier's storage: one preallocated page file per layer group, slot-addressed.
 
 Slot ``i`` of group ``g`` is bytes ``[i * page_bytes[g], (i + 1) * page_bytes[g])`` of
-``group<g>.pages`` in the tier's directory. Files are sized at start (sparse), read and written
-with positional I/O (``os.pwrite`` / ``os.preadv``) from a small thread pool, and every page
-carries a checksum (8-byte blake2b) that is verified on every read. A failed or short write or
-read, or a checksum mismatch, is reported per page and never raises: the caller treats the page
-as missing.
+``group<g>.pages`` in the tier's directory (``kvtier.storage.disk_dir``). Files are created 0600,
+sized at start (sparse), read and written with positional I/O (``os.pwrite`` / ``os.preadv``)
+from a small thread pool, and every page carries a checksum (8-byte blake2b) that is verified on
+every read. A failed or short write or read, or a checksum mismatch, is reported per page and
+never raises: the caller treats the page as missing. Failures are logged as rate-limited
+warnings (a full disk fails every write; it logs one line, then a summary a minute).
+
+A read-only directory's files are opened read-only (``writable`` is False: nothing is written);
+an unusable directory has no slots at all. The files are closed by ``close``, or when the storage
+is collected (a manager dropped without ``close``).
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
+from kvtier.storage.disk_dir import DiskDirectory, open_private
+from kvtier.storage.log_limit import RateLimitedWarning
 from kvtier.storage.slots import SlotAllocator
 
 log = logging.getLogger(__name__)
@@ -36,38 +43,44 @@ def page_checksum(data: np.ndarray) -> int:
 
 
 class DiskStorage:
-    """Page files and slot allocators of one disk tier, under ``directory``."""
+    """Page files and slot allocators of one disk tier, in a locked ``DiskDirectory``."""
 
-    def __init__(self, directory: Path, page_bytes: Sequence[int], num_slots: Sequence[int]) -> None:
-        self.directory = directory
+    def __init__(self, directory: DiskDirectory, page_bytes: Sequence[int], num_slots: Sequence[int]) -> None:
+        self.directory = directory.path
         self.page_bytes = tuple(page_bytes)
+        if not directory.readable:
+            num_slots = [0] * len(self.page_bytes)  # nothing can be kept: report no disk pages at all
         self.slots = tuple(SlotAllocator(n) for n in num_slots)
         self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="kvtier-disk")
         self._fds: list[int | None] = []
-        for g, (pb, n) in enumerate(zip(self.page_bytes, num_slots, strict=True)):
-            self._fds.append(_open_page_file(directory, g, pb * n))
+        self._finalizer = weakref.finalize(self, _release, self._pool, self._fds)
+        self._finalizer.atexit = False  # at exit a manager never closed may still persist through them
+        for g, (pb, n) in enumerate(zip(self.page_bytes, self.slots, strict=True)):
+            opener = _open_page_file if directory.writable else _open_page_file_read_only
+            self._fds.append(opener(directory, g, pb * n.num_slots) if directory.readable else None)
+        self.writable = directory.writable and all(fd is not None for fd in self._fds)
+        self._write_failures = RateLimitedWarning(log, "disk tier page write failed")
+        self._read_failures = RateLimitedWarning(log, "disk tier page read failed")
 
     def write(self, group: int, slots: Sequence[int], pages: Sequence[np.ndarray]) -> list[int | None]:
         """Write whole pages to slots; per page its checksum, or None if the write failed."""
         fd, pb = self._fds[group], self.page_bytes[group]
-        if fd is None:
+        if fd is None or not self.writable:
             return [None] * len(slots)
 
-        def one(slot: int, data: np.ndarray) -> int | None:
+        def one(slot: int, data: np.ndarray) -> int | str:
             try:
                 checksum = page_checksum(data)
                 written = os.pwrite(fd, memoryview(data), slot * pb)
             except OSError as exc:
-                log.warning("kvtier disk tier: write of group %d slot %d failed: %s", group, slot, exc)
-                return None
+                return f"group {group} slot {slot}: {exc}"
             if written != pb:
-                log.warning(
-                    "kvtier disk tier: short write of group %d slot %d (%d of %d bytes)", group, slot, written, pb
-                )
-                return None
+                return f"group {group} slot {slot}: short write ({written} of {pb} bytes)"
             return checksum
 
-        return _run(self._pool, one, slots, pages)
+        results = _run(self._pool, one, slots, pages)
+        _log_failures(results, self._write_failures)
+        return [None if isinstance(r, str) else r for r in results]
 
     def read(
         self, group: int, slots: Sequence[int], into: Sequence[np.ndarray], checksums: Sequence[int]
@@ -77,25 +90,39 @@ class DiskStorage:
         if fd is None:
             return [False] * len(slots)
 
-        def one(slot: int, out: np.ndarray, checksum: int) -> bool:
+        def one(slot: int, out: np.ndarray, checksum: int) -> bool | str:
             try:
                 got = os.preadv(fd, [memoryview(out)], slot * pb)
             except OSError as exc:
-                log.warning("kvtier disk tier: read of group %d slot %d failed: %s", group, slot, exc)
-                return False
-            if got != pb:
-                return False
-            return page_checksum(out) == checksum
+                return f"group {group} slot {slot}: {exc}"
+            return got == pb and page_checksum(out) == checksum
 
-        return _run(self._pool, one, slots, into, checksums)
+        results = _run(self._pool, one, slots, into, checksums)
+        _log_failures(results, self._read_failures)
+        return [r is True for r in results]
 
     def close(self) -> None:
         """Close the files and stop the I/O threads. Idempotent."""
+        self._write_failures.flush()
+        self._read_failures.flush()
         self._pool.shutdown(wait=True)
-        for fd in self._fds:
-            if fd is not None:
-                os.close(fd)
-        self._fds = []
+        self._finalizer()
+
+
+def _release(pool: ThreadPoolExecutor, fds: list[int | None]) -> None:
+    """Close the page files (also when the storage is collected without ``close``)."""
+    pool.shutdown(wait=False)
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
+    fds.clear()
+
+
+def _log_failures(results: list, failures: RateLimitedWarning) -> None:
+    """Log (rate-limited, on the calling thread) the results that describe an I/O error."""
+    for result in results:
+        if isinstance(result, str):
+            failures(result)
 
 
 def _run(pool: ThreadPoolExecutor, fn, *iterables) -> list:
@@ -110,14 +137,13 @@ def _run(pool: ThreadPoolExecutor, fn, *iterables) -> list:
     return [future.result() for future in futures]
 
 
-def _open_page_file(directory: Path, group: int, size: int) -> int | None:
-    """The page file of a group, sized (sparse) to ``size``; None, logged, if it cannot be had."""
-    path = directory / f"group{group}.pages"
+def _open_page_file(directory: DiskDirectory, group: int, size: int) -> int | None:
+    """The page file of a group, private and sized (sparse) to ``size``; None, logged, if it cannot be had."""
+    path = directory.file(f"group{group}.pages")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_private(path, os.O_RDWR | os.O_CREAT)
     except OSError as exc:
-        log.warning("kvtier disk tier: cannot open %s (%s); the disk tier will store nothing", path, exc)
+        log.error("kvtier disk tier: cannot open %s (%s); the disk tier will store nothing", path, exc)
         return None
     try:
         if os.fstat(fd).st_size != size:
@@ -125,3 +151,11 @@ def _open_page_file(directory: Path, group: int, size: int) -> int | None:
     except OSError as exc:  # a full or size-limited file system: writes past the end will fail
         log.warning("kvtier disk tier: cannot size %s to %d bytes (%s)", path, size, exc)
     return fd
+
+
+def _open_page_file_read_only(directory: DiskDirectory, group: int, size: int) -> int | None:
+    """The page file of a read-only directory, for reading its pages; None when there is none."""
+    try:
+        return os.open(directory.file(f"group{group}.pages"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None

@@ -1,46 +1,84 @@
 """The disk tier's persistent index: which block lives in which slot, in SQLite (WAL).
 
-One row per published page on disk: (block key, group, snapshot offset) -> slot, checksum,
-parent key, scope, the block's tokens, its depth and priority. A new manager on the same
-directory rebuilds its reuse tree from these rows. Changes are buffered and committed in one
-transaction per manager operation; a page's data is always written before its row is
-committed, so a process killed in between leaves at worst a row whose checksum no longer
-matches (a miss), never a row that names bytes it did not check.
+Two tables:
 
-A damaged or unreadable index is logged, moved aside, and replaced by an empty one: its pages
-are then simply missing.
+- ``nodes``: one row per block that has a page on disk or a descendant that has one: its key,
+  its parent's key, its tokens and depth. A block's row is written with its own first page row
+  or its first descendant's, so every page row's chain back to its scope's root is in the index
+  whenever the page row is: what a process killed at any point leaves behind restores.
+- ``pages``: one row per page on disk: (block key, group, snapshot offset) -> slot, checksum,
+  priority, and a seal (a hash of the row's other fields): a row changed by damage is rejected.
+
+A scope is stored only as a keyed hash (a *tag*, keyed by the directory's secret), in the rows of
+depth 0; token ids are stored as they are (the files are private to their user).
+
+Consistency with the slots: changes are buffered and committed in one transaction per manager
+operation, and before a slot is rewritten (the writer calls ``flush`` first), so a row never
+names a slot rewritten with other data. A commit that fails keeps its changes for the next one.
+
+Opening reads every row. An index that cannot be read (damaged, of another schema or secret, or
+lost while page files remain) is reported with an ERROR line saying what was lost, moved aside
+(``*.damaged``) and replaced by an empty one; ``resets`` counts it. A read-only directory's
+index is read from a private copy and never written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import shutil
 import sqlite3
+import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.storage.disk_dir import DiskDirectory, make_private, open_private
+from kvtier.storage.log_limit import RateLimitedWarning
+
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = "1"
+INDEX_FILE = "index.sqlite"
+SCHEMA_VERSION = "2"
+_SIDE_FILES = ("-wal", "-shm")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (
+    block_key BLOB PRIMARY KEY,
+    parent_key BLOB NOT NULL,
+    scope_tag BLOB NOT NULL,
+    tokens BLOB NOT NULL,
+    depth INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS pages (
     block_key BLOB NOT NULL,
     grp INTEGER NOT NULL,
     snapshot_offset INTEGER NOT NULL,
     slot INTEGER NOT NULL,
     checksum INTEGER NOT NULL,
-    parent_key BLOB NOT NULL,
-    scope BLOB NOT NULL,
-    tokens BLOB NOT NULL,
-    depth INTEGER NOT NULL,
     priority INTEGER NOT NULL,
+    seal INTEGER NOT NULL,
     PRIMARY KEY (block_key, grp, snapshot_offset)
 );
 """
+# What a damaged or foreign file can raise while it is read.
+_UNREADABLE = (sqlite3.Error, OSError, ValueError, TypeError, UnicodeError, OverflowError, struct.error)
 
 
 @dataclass(frozen=True, slots=True)
-class IndexRow:
+class NodeRow:
+    """One block: at depth 0 ``parent_key`` is empty and ``scope_tag`` names its scope; deeper, the reverse."""
+
+    block_key: bytes
+    parent_key: bytes
+    scope_tag: bytes
+    tokens: bytes
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageRow:
     """One page on disk. ``checksum`` is stored as a signed 64-bit value (SQLite's INTEGER)."""
 
     block_key: bytes
@@ -48,63 +86,157 @@ class IndexRow:
     snapshot_offset: int
     slot: int
     checksum: int
-    parent_key: bytes
-    scope: bytes
-    tokens: bytes
-    depth: int
     priority: int
+
+    def seal(self) -> int:
+        """A hash of every field: a row whose stored seal differs was changed by damage."""
+        fields = struct.pack("<qqqqq", self.group, self.snapshot_offset, self.slot, self.checksum, self.priority)
+        return int.from_bytes(hashlib.blake2b(fields + self.block_key, digest_size=8).digest(), "little", signed=True)
+
+
+class _Unusable(Exception):
+    """The index file is there but cannot be used (what is wrong with it is the message)."""
 
 
 class DiskIndex:
-    """The SQLite index of one disk tier directory."""
+    """The SQLite index of one disk tier directory; ``close`` also releases the directory."""
 
-    def __init__(self, path: Path, fingerprint: str) -> None:
-        self.path = path
-        self._pending_put: dict[tuple[bytes, int, int], IndexRow] = {}
+    def __init__(self, directory: DiskDirectory, fingerprint: str) -> None:
+        self.directory = directory
+        self.path = directory.file(INDEX_FILE)
+        self.resets = 0
+        self.rejected = 0  # rows dropped when read: wrong types or a broken seal
+        self.nodes: list[NodeRow] = []  # as read at open, shallowest first
+        self.pages: list[PageRow] = []
+        self._secret = directory.secret or b""
+        self._meta = {
+            b"fingerprint": fingerprint.encode(),
+            b"schema": SCHEMA_VERSION.encode(),
+            b"secret": hashlib.blake2b(b"kvtier-secret-check", key=self._secret, digest_size=16).hexdigest().encode(),
+        }
+        self._pending_nodes: dict[bytes, NodeRow] = {}
+        self._pending_node_deletes: set[bytes] = set()
+        self._pending_put: dict[tuple[bytes, int, int], PageRow] = {}
         self._pending_delete: set[tuple[bytes, int, int]] = set()
-        try:
-            self._db = self._open(str(path), fingerprint)
-        except sqlite3.DatabaseError as exc:
-            log.warning("kvtier disk tier: index %s is unusable (%s); starting with an empty one", path, exc)
-            try:
-                _move_aside(path)
-                self._db = self._open(str(path), fingerprint)
-            except (OSError, sqlite3.DatabaseError) as again:
-                log.warning("kvtier disk tier: cannot create %s (%s); the index lives in memory only", path, again)
-                self._db = self._open(":memory:", fingerprint)
+        self._failures = RateLimitedWarning(log, "disk tier index update failed")
+        self._db: sqlite3.Connection | None = None
+        if not directory.readable:
+            return
+        if directory.writable:
+            self._db = self._open_writable()
+        else:
+            self._read_only_copy()
 
-    @staticmethod
-    def _open(target: str, fingerprint: str) -> sqlite3.Connection:
-        db = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
+    # -- opening -------------------------------------------------------------------------------
+
+    def _open_writable(self) -> sqlite3.Connection:
         try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.executescript(_SCHEMA)
-            found = dict(db.execute("SELECT name, value FROM meta").fetchall())
-            expected = {"fingerprint": fingerprint, "schema": SCHEMA_VERSION}
-            if found and found != expected:
-                raise sqlite3.DatabaseError(f"index belongs to {found}, expected {expected}")
-            if not found:
-                db.executemany("INSERT INTO meta VALUES (?, ?)", expected.items())
-            db.execute("PRAGMA quick_check").fetchall()
-        except sqlite3.DatabaseError:
-            db.close()
-            raise
+            db = _connect(self.path)
+        except _UNREADABLE as exc:
+            return self._reset(None, f"it cannot be opened ({exc})")
+        try:
+            if self._load(db):
+                return db
+            if self.directory.had_pages:  # missing or empty, while page files remain from an earlier manager
+                self._report("it is missing or empty while page files remain", "every page in them")
+            _create(db, self._meta)
+        except _UNREADABLE + (_Unusable,) as exc:
+            return self._reset(db, str(exc))
         return db
 
-    def rows(self) -> list[IndexRow]:
-        """Every row, shallowest block first; an unreadable index gives none (and is reset)."""
+    def _read_only_copy(self) -> None:
+        """Read a read-only directory's index from a private copy (SQLite would write beside the original)."""
         try:
-            raw = self._db.execute(
-                "SELECT block_key, grp, snapshot_offset, slot, checksum, parent_key, scope, tokens, depth, priority "
-                "FROM pages ORDER BY depth"
-            ).fetchall()
-            return [IndexRow(*r) for r in raw]
-        except sqlite3.DatabaseError as exc:
-            log.warning("kvtier disk tier: cannot read index %s (%s); its pages are treated as missing", self.path, exc)
-            return []
+            with tempfile.TemporaryDirectory(prefix="kvtier-index-") as tmp:
+                for suffix in ("", "-wal"):
+                    source = Path(str(self.path) + suffix)
+                    if source.exists():
+                        shutil.copyfile(source, Path(tmp) / (INDEX_FILE + suffix))
+                db = _connect(Path(tmp) / INDEX_FILE)
+                try:
+                    found = self._load(db)
+                finally:
+                    db.close()
+        except _UNREADABLE + (_Unusable,) as exc:
+            self._report(f"it cannot be read ({exc})", "every page it named")
+            self.nodes, self.pages, self.rejected = [], [], 0
+            return
+        if not found and self.directory.had_pages:
+            self._report("it is missing or empty while page files remain", "every page in them")
 
-    def put(self, row: IndexRow) -> None:
+    def _load(self, db: sqlite3.Connection) -> bool:
+        """Read every row; False for a new (empty) file, ``_Unusable`` for one that is not this index."""
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            return False
+        if not {b"meta", b"nodes", b"pages"} <= tables:
+            raise _Unusable(f"it has the tables {sorted(t.decode(errors='replace') for t in tables)}")
+        found = dict(db.execute("SELECT name, value FROM meta").fetchall())
+        if found != self._meta:
+            if found.get(b"schema") != self._meta[b"schema"]:
+                schema = found.get(b"schema", b"?").decode(errors="replace")
+                raise _Unusable(f"it was written by schema {schema}, this is {SCHEMA_VERSION}")
+            if found.get(b"secret") != self._meta[b"secret"]:
+                raise _Unusable("it does not match the directory's secret file")
+            raise _Unusable("it belongs to another model or page layout")
+        check = db.execute("PRAGMA quick_check").fetchall()
+        if check != [(b"ok",)]:
+            raise _Unusable(f"SQLite finds it damaged: {check[0][0][:200]!r}")
+        nodes = db.execute("SELECT block_key, parent_key, scope_tag, tokens, depth FROM nodes").fetchall()
+        pages = db.execute(
+            "SELECT block_key, grp, snapshot_offset, slot, checksum, priority, seal FROM pages"
+        ).fetchall()
+        self.nodes = sorted((r for r in map(_node_row, nodes) if r is not None), key=lambda r: r.depth)
+        self.pages = [r for r in map(_page_row, pages) if r is not None]
+        self.rejected = len(nodes) + len(pages) - len(self.nodes) - len(self.pages)
+        return True
+
+    def _reset(self, db: sqlite3.Connection | None, why: str) -> sqlite3.Connection:
+        """Report the index as lost, move it aside and start an empty one (in memory if even that fails)."""
+        lost = _count_pages(db)
+        if db is not None:
+            db.close()
+        self._report(f"{why}; moved aside to {self.path.name}.damaged", lost)
+        self.nodes, self.pages, self.rejected = [], [], 0
+        try:
+            for suffix in ("", *_SIDE_FILES):
+                p = Path(str(self.path) + suffix)
+                if p.exists():
+                    p.replace(Path(str(p) + ".damaged"))
+            db = _connect(self.path)
+            _create(db, self._meta)
+            return db
+        except _UNREADABLE as exc:
+            log.error("kvtier disk tier: cannot create %s (%s); its pages last until the process ends", self.path, exc)
+            db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+            _create(db, self._meta)
+            return db
+
+    def _report(self, why: str, lost: str) -> None:
+        """One ERROR line: which index, what is wrong with it, what was lost. A directory resets once at most."""
+        self.resets = 1
+        log.error(
+            "kvtier disk tier: the index %s cannot be used: %s; %s lost, the directory starts empty",
+            self.path,
+            why,
+            lost,
+        )
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def scope_tag(self, scope: bytes) -> bytes:
+        """The keyed hash that stands for an encoded scope in this directory."""
+        return hashlib.blake2b(scope, key=self._secret, digest_size=16, person=b"kvtier-scope").digest()
+
+    def put_node(self, row: NodeRow) -> None:
+        self._pending_node_deletes.discard(row.block_key)
+        self._pending_nodes[row.block_key] = row
+
+    def delete_node(self, block_key: bytes) -> None:
+        self._pending_nodes.pop(block_key, None)
+        self._pending_node_deletes.add(block_key)
+
+    def put(self, row: PageRow) -> None:
         key = (row.block_key, row.group, row.snapshot_offset)
         self._pending_delete.discard(key)
         self._pending_put[key] = row
@@ -114,10 +246,17 @@ class DiskIndex:
         self._pending_put.pop(key, None)
         self._pending_delete.add(key)
 
-    def flush(self) -> None:
-        """Commit buffered changes in one transaction; a failure is logged and loses only index rows."""
-        if not self._pending_put and not self._pending_delete:
-            return
+    def flush(self) -> bool:
+        """Commit buffered changes in one transaction; False (logged, rate-limited) if it failed.
+
+        A failed commit keeps every change for the next call: a delete is never lost, so a row
+        never names a slot that the writer (which flushes before it rewrites slots) reused.
+        """
+        if not (self._pending_put or self._pending_delete or self._pending_nodes or self._pending_node_deletes):
+            return True
+        if self._db is None:  # read-only: nothing is written to the directory, so nothing can disagree
+            self._clear()
+            return True
         try:
             with self._db:
                 self._db.execute("BEGIN")
@@ -125,35 +264,86 @@ class DiskIndex:
                     "DELETE FROM pages WHERE block_key = ? AND grp = ? AND snapshot_offset = ?", self._pending_delete
                 )
                 self._db.executemany(
-                    "INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "DELETE FROM nodes WHERE block_key = ?", [(k,) for k in self._pending_node_deletes]
+                )
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?)",
+                    [(r.block_key, r.parent_key, r.scope_tag, r.tokens, r.depth) for r in self._pending_nodes.values()],
+                )
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?)",
                     [
-                        (
-                            r.block_key,
-                            r.group,
-                            r.snapshot_offset,
-                            r.slot,
-                            r.checksum,
-                            r.parent_key,
-                            r.scope,
-                            r.tokens,
-                            r.depth,
-                            r.priority,
-                        )
+                        (r.block_key, r.group, r.snapshot_offset, r.slot, r.checksum, r.priority, r.seal())
                         for r in self._pending_put.values()
                     ],
                 )
         except sqlite3.Error as exc:
-            log.warning("kvtier disk tier: index update failed (%s); those pages will be missing after a restart", exc)
+            self._failures(f"{self.path}: {exc}; the changes are kept and retried, disk writes wait for them")
+            return False
+        self._clear()
+        return True
+
+    def _clear(self) -> None:
         self._pending_put.clear()
         self._pending_delete.clear()
+        self._pending_nodes.clear()
+        self._pending_node_deletes.clear()
 
     def close(self) -> None:
-        self.flush()
-        self._db.close()
+        """Commit what is pending, close the file and release the directory. Idempotent."""
+        if self._db is not None:
+            self.flush()
+            self._db.close()
+            self._db = None
+        self._failures.flush()
+        self.directory.close()
 
 
-def _move_aside(path: Path) -> None:
-    for suffix in ("", "-wal", "-shm"):
-        p = Path(str(path) + suffix)
-        if p.exists():
-            p.replace(Path(str(path) + suffix + ".damaged"))
+def _connect(path: Path) -> sqlite3.Connection:
+    """A connection to ``path`` (created 0600; SQLite gives its side files the same mode)."""
+    os.close(open_private(path, os.O_RDWR | os.O_CREAT))
+    for suffix in _SIDE_FILES:
+        make_private(Path(str(path) + suffix))
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.text_factory = bytes  # a damaged TEXT value must not fail to decode
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+    except BaseException:  # a damaged file can also fail to decode SQLite's own error message
+        db.close()
+        raise
+    return db
+
+
+def _create(db: sqlite3.Connection, meta: dict[bytes, bytes]) -> None:
+    db.executescript(_SCHEMA)
+    db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [(k.decode(), v.decode()) for k, v in meta.items()])
+
+
+def _count_pages(db: sqlite3.Connection | None) -> str:
+    """'N pages' if the damaged index can still count them, else a phrase that says it cannot."""
+    if db is not None:
+        try:
+            (n,) = db.execute("SELECT count(*) FROM pages").fetchone()
+            return f"its {n} pages"
+        except _UNREADABLE:
+            pass
+    return "every page it named"
+
+
+def _node_row(raw: tuple) -> NodeRow | None:
+    key, parent, tag, tokens, depth = raw
+    if not all(isinstance(x, bytes) for x in (key, parent, tag, tokens)) or type(depth) is not int or depth < 0:
+        return None
+    return NodeRow(key, parent, tag, tokens, depth)
+
+
+def _page_row(raw: tuple) -> PageRow | None:
+    key, *numbers, seal = raw
+    if not isinstance(key, bytes) or not all(type(x) is int for x in (*numbers, seal)):
+        return None
+    row = PageRow(key, *numbers)
+    try:
+        return row if row.seal() == seal else None
+    except struct.error:
+        return None

@@ -1,0 +1,164 @@
+"""Writing pages to the disk tier: demotions, copies of their ancestors, and the close-time persist.
+
+Writes happen while an operation plans (synchronously, batched), before any copy of the plan
+reuses the slots they free, so a failed write leaves its page where it was (or drops it if only
+the tree held it). Before a disk slot is rewritten, the index commits the removal of the row that
+named it; if it cannot, nothing is written (a row never names a slot holding other bytes).
+
+A block written to disk brings along copies of its ancestors (same layer group) that are not on
+disk yet (``Tier.add_copy``): a hot prefix that is never demoted is on disk with its first child,
+so a process killed at any point leaves chains that restore whole. Ancestors on disk or copied
+are refreshed in the disk's LRU order with every descendant written, so a chain's upper blocks
+outlive its lower ones there.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from kvtier.pages import Page
+from kvtier.tiers import Tier
+
+if TYPE_CHECKING:
+    from kvtier.residency import MovePlan, Residency
+
+
+class DiskWrites:
+    """The disk tier's writer for one ``Residency`` (which owns the plans, counters and eviction)."""
+
+    def __init__(self, residency: Residency, disk: Tier) -> None:
+        self.residency = residency
+        self.disk = disk
+
+    def demote(self, victims: list[Page], plan: MovePlan) -> None:
+        """Write victims (one tier, one group) to disk, then copies of their ancestors not there yet.
+
+        A victim whose copy is on disk already takes the copy's slot without a write.
+        """
+        disk = self.disk
+        if not disk.disk_index.flush():  # the rows of freed slots must be gone before slots are rewritten
+            self._not_written(victims)
+            return
+        allocator = disk.storage.slots[victims[0].group]
+        pending: list[Page] = []
+        slots: list[int] = []
+        for page in victims:
+            copied = disk.take_copy(page)
+            if copied is not None:
+                self._land(page, *copied)
+                continue
+            slot = allocator.allocate()
+            if slot is None:
+                self._not_written([page])
+                continue
+            pending.append(page)
+            slots.append(slot)
+        if pending:
+            checksums = self.residency.write_to_disk(pending, slots)
+            for page, slot, checksum in zip(pending, slots, checksums, strict=True):
+                if checksum is None:
+                    allocator.free(slot)
+                    self._not_written([page])
+                else:
+                    self._land(page, slot, checksum)
+        self._copy_ancestors(victims, plan)
+
+    def _land(self, page: Page, slot: int, checksum: int) -> None:
+        """``page`` now lives in a disk slot holding its bytes: index it there."""
+        disk = self.disk
+        self.residency.counters.evictions += 1
+        self.residency.counters.demotions += 1
+        self.residency.tiers[page.tier].vacate(page)
+        page.tier, page.slot, page.checksum = disk.index, slot, checksum
+        disk.owners[page.group][slot] = page
+        disk.record(page)
+        disk.reindex(page)
+
+    def _not_written(self, pages: list[Page]) -> None:
+        """Pages that could not go to disk stay where they are; those only the tree held are dropped."""
+        for page in pages:
+            if page.refs == 0 and page.node is not None:
+                self.residency.counters.evictions += 1
+                self.residency.drop(page)
+
+    def _copy_ancestors(self, victims: list[Page], plan: MovePlan) -> None:
+        """Write copies of the victims' ancestors (same group) that have no page or copy on disk.
+
+        Their bytes are final (published blocks never change); pages this plan is still moving
+        are skipped (their bytes have not landed). Best effort: an ancestor that finds no room is
+        left out, and the index still restores its descendants' chain (without its page).
+        """
+        disk = self.disk
+        group = victims[0].group
+        moving = {id(p) for p in plan.landed}
+        wanted = self._uncopied_ancestors(victims, moving)
+        if not wanted or not self.residency.make_room(disk.index, group, len(wanted), plan):
+            wanted = self._uncopied_ancestors(victims, moving)[: disk.storage.slots[group].num_free]
+        by_tier: dict[int, list[Page]] = defaultdict(list)
+        for page in wanted:
+            by_tier[page.tier].append(page)
+        allocator = disk.storage.slots[group]
+        priority = max(p.priority for p in victims)
+        for pages in by_tier.values():
+            slots = [allocator.allocate() for _ in pages]
+            for page, slot, checksum in zip(pages, slots, self.residency.write_to_disk(pages, slots), strict=True):
+                if checksum is None:
+                    allocator.free(slot)
+                else:
+                    disk.add_copy(page, slot, checksum, max(priority, page.priority))
+
+    def _uncopied_ancestors(self, victims: list[Page], moving: set[int]) -> list[Page]:
+        """Ancestor pages of the victims (their group) with nothing on disk, parents first.
+
+        Ancestors already on disk, or copied, become the most recently used there, and a copy
+        takes the priority of the blocks below it if higher: a chain's upper blocks outlive its
+        lower ones on disk. The walk covers the whole chain (each block once per call).
+        """
+        disk = self.disk
+        group = victims[0].group
+        seen: set[int] = set()
+        out: list[Page] = []
+        for victim in sorted(victims, key=lambda p: p.node.block if p.node is not None else 0):
+            chain = []
+            node = victim.node.parent if victim.node is not None else None
+            while node is not None and node.parent is not None and id(node) not in seen:
+                seen.add(id(node))
+                page = node.pages[group]
+                if page is not None and id(page) not in moving:
+                    present = page if page.tier == disk.index else disk.copies.get(page)
+                    if present is None:
+                        chain.append(page)
+                    elif present in disk.originals and present.priority < victim.priority:
+                        disk.evictable[group].discard(present)
+                        present.priority = victim.priority
+                        disk.record(present)
+                    if present is not None:
+                        disk.reindex(present)
+                node = node.parent
+            out.extend(reversed(chain))
+        return out
+
+    def persist(self, plan: MovePlan) -> int:
+        """Write published pages held in memory tiers to free disk slots, parents first.
+
+        Used when the manager closes, so that a manager started later on the same path finds
+        the hot prefixes too, with unbroken chains. Returns the number of pages written.
+        """
+        disk = self.disk
+        if not disk.writable:
+            return 0
+        free = [s.num_free for s in disk.storage.slots]
+        batches: dict[tuple[int, int], list[Page]] = defaultdict(list)
+        for node in sorted(self.residency.tree.nodes(), key=lambda n: n.block):
+            for page in [*node.pages, *node.snapshots.values()]:
+                if page is None or page.tier == disk.index or page.locks:
+                    continue
+                if page not in disk.copies:
+                    if not free[page.group]:
+                        continue
+                    free[page.group] -= 1
+                batches[(page.tier, page.group)].append(page)
+        for pages in batches.values():
+            self.demote(pages, plan)
+        return sum(len(p) for p in batches.values())

@@ -1,0 +1,228 @@
+"""A disk tier's directory: created private, held by one manager at a time, writable or read-only.
+
+What lives in ``<DiskTier.path>/kvtier-<layout fingerprint>/`` (directories 0700, files 0600)::
+
+    lock            locked (``flock``) while a manager holds the directory; names the holder
+    secret          random bytes: the key of the index's scope tags (``kvtier.storage.disk_index``)
+    index.sqlite    the index, with SQLite's ``-wal`` and ``-shm`` files
+    group<g>.pages  one page file per layer group (``kvtier.storage.disk``)
+
+A directory is in one of three modes, decided once when it is opened:
+
+- writable: the usual;
+- read-only: it exists but cannot be written (permissions, a read-only file system, no space for
+  a new file): the pages its index names are served, nothing is written;
+- unusable: it can be neither created nor read: the tier stores nothing.
+
+The lock is taken before anything in the directory is read or changed, so a second manager on
+the directory raises ``DiskTierBusyError`` having changed nothing. It is released by ``close``,
+or by the operating system when the process dies, or when the ``DiskDirectory`` is collected (a
+manager dropped without ``close``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import logging
+import os
+import socket
+import time
+import weakref
+from pathlib import Path
+
+from kvtier.errors import DiskTierBusyError
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "lock"
+SECRET_FILE = "secret"
+SECRET_BYTES = 32
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
+
+
+def check_disk_path(path: Path) -> None:
+    """``ValueError`` when ``path`` or one of its parents is a regular file: no directory can be made there."""
+    for p in (path, *path.parents):
+        try:
+            if not p.exists():
+                continue
+        except OSError:  # cannot look: the directory code reports what it finds
+            return
+        if not p.is_dir():
+            raise ValueError(
+                f"DiskTier path {path} cannot be a directory: {p} is a file; give the disk tier a directory "
+                "(it is created when missing)"
+            )
+        return
+
+
+class DiskDirectory:
+    """One disk tier directory, locked for this manager. ``close`` releases it (idempotent)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.writable = False
+        self.readable = False
+        self.why_not_writable = ""
+        self.had_pages = False  # page files were there before: a lost index then means lost pages
+        self.secret: bytes | None = None
+        self._lock_fd: int | None = None
+        self._finalizer: weakref.finalize | None = None
+        check_disk_path(path)
+        try:
+            _make_private_dirs(path)
+        except OSError as exc:
+            log.error("kvtier disk tier: cannot create %s (%s); the disk tier stores nothing", path, exc)
+            self.why_not_writable = str(exc)
+            return
+        self._lock()
+        try:
+            self.had_pages = any(path.glob("group*.pages"))
+            self.why_not_writable = _why_not_writable(path)
+            self.writable = not self.why_not_writable
+            if self.writable:
+                make_private(path, PRIVATE_DIR)
+            self.secret = self._load_secret()
+        except OSError as exc:
+            log.error("kvtier disk tier: cannot read %s (%s); the disk tier stores nothing", path, exc)
+            self.writable, self.why_not_writable = False, str(exc)
+            self.close()
+            return
+        self.readable = True
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def _lock(self) -> None:
+        """Take the directory's lock, or raise ``DiskTierBusyError`` naming its holder."""
+        path = self.path / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
+        except OSError:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return  # a read-only directory that never had a lock file: nothing here will be written
+        if not _try_lock(fd):
+            holder = _read_holder(fd)
+            if holder.startswith(f"pid {os.getpid()} "):
+                gc.collect()  # a manager of this process dropped without close() releases it when collected
+            if not _try_lock(fd):
+                os.close(fd)
+                raise DiskTierBusyError(
+                    f"the disk tier directory {self.path} is in use by another KVCacheManager ({holder or 'unknown'}); "
+                    "a directory belongs to one manager at a time: close that manager, give this one another "
+                    "DiskTier path, or share prefixes between processes with a connector"
+                )
+        self._lock_fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+        self._finalizer.atexit = False  # the process's end releases it, after managers closed at exit
+        _write_holder(fd)
+
+    def _load_secret(self) -> bytes | None:
+        """The directory's secret; a new one when there is none (the index then no longer matches)."""
+        path = self.path / SECRET_FILE
+        try:
+            data = path.read_bytes()
+            if len(data) == SECRET_BYTES:
+                return data
+        except OSError:
+            pass
+        if not self.writable:
+            return None
+        secret = os.urandom(SECRET_BYTES)  # written before the index that depends on it
+        staged = self.path / f"{SECRET_FILE}.new"
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE)
+        try:
+            os.write(fd, secret)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(staged, path)
+        return secret
+
+    def close(self) -> None:
+        """Release the lock (idempotent)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def open_private(path: Path, flags: int) -> int:
+    """``os.open`` that creates a file 0600 and narrows an existing file of this user to 0600."""
+    fd = os.open(path, flags | os.O_CLOEXEC, PRIVATE_FILE)
+    if flags & (os.O_RDWR | os.O_WRONLY):
+        try:
+            st = os.fstat(fd)
+            if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+                os.fchmod(fd, PRIVATE_FILE)
+        except OSError:
+            pass
+    return fd
+
+
+def _make_private_dirs(path: Path) -> None:
+    """Create ``path`` and any missing parent 0700 (``mkdir -p`` would make the parents world-readable)."""
+    missing = []
+    p = path
+    while not p.is_dir():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, PRIVATE_DIR)
+
+
+def make_private(path: Path, mode: int = PRIVATE_FILE) -> None:
+    """Narrow ``path`` (this user's) to ``mode``, e.g. a file written before kvtier created them private."""
+    try:
+        st = path.stat()
+        if st.st_mode & 0o777 & ~mode and st.st_uid == os.geteuid():
+            path.chmod(mode)
+    except OSError:
+        pass
+
+
+def _why_not_writable(path: Path) -> str:
+    """Empty when files can be created in ``path`` and its existing files written; else the reason."""
+    probe = path / f".probe-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE))
+        probe.unlink()
+        for name in ("index.sqlite", "index.sqlite-wal", SECRET_FILE, *(p.name for p in path.glob("group*.pages"))):
+            try:
+                os.close(os.open(path / name, os.O_RDWR | os.O_CLOEXEC))
+            except FileNotFoundError:
+                continue
+    except OSError as exc:
+        return f"{exc.strerror or exc}: {exc.filename}"
+    return ""
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 256, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _write_holder(fd: int) -> None:
+    """Name this process in the lock file, for the error a second manager raises."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
+    except OSError:  # a read-only lock file: the holder stays unnamed
+        pass

@@ -1,0 +1,503 @@
+"""The disk tier under the faults users meet: crashes, damaged or lost indexes, a full disk, a
+read-only or busy directory, file modes, scope privacy, managers dropped without ``close``.
+
+Each test reproduces one failure of issue 10 (items 7-12 and 14) and checks what the disk tier
+promises instead (docs/reliability.md): a miss, a clear error, or a logged WARNING/ERROR; never
+a wrong byte, a crash at startup, or a lost delete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import os
+import random
+import shutil
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+import kvtier
+from kvtier.metrics import registry_for
+from tests.kvdata import PageOracle
+from tests.test_tiers import convo, manager, prefill
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEM = [4242 + (i % 5) for i in range(16)]  # a shared system prompt: 4 blocks of 4 tokens
+SCOPES = [
+    kvtier.ReuseScope(),
+    kvtier.ReuseScope(salt="tenant-secret-salt-1"),
+    kvtier.ReuseScope(lora_id=7, salt=b"raw-salt-bytes-22"),
+    kvtier.ReuseScope(lora_id="adapter-x"),
+]
+
+
+def kvtier_dir(path: Path) -> Path:
+    return next(path.glob("kvtier-*"))
+
+
+def serve(mgr: kvtier.KVCacheManager, tokens: list[int], scope=kvtier.DEFAULT_SCOPE) -> kvtier.KVCache:
+    """Create and resume a cache; every reused row must hold its exact bytes. Returns it ACTIVE."""
+    cache = mgr.create_cache(tokens, scope=scope)
+    assert cache.resume()
+    PageOracle(mgr).check(cache, tokens)
+    return cache
+
+
+def run_child(code: str, timeout: int = 120, **popen) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    prelude = f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+    return subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        **popen,
+    )
+
+
+# -- item 7: chains under a hot prefix survive a crash ----------------------------------------------
+
+
+def test_children_of_a_hot_prefix_restore_after_a_crash(tmp_path):
+    """The system prompt stays in primary memory (an ACTIVE cache holds it); its children go to disk.
+
+    Before: every child row on disk was an orphan (its parent never written), so a restart after a
+    crash restored none. Now the prefix is written along with its first child (a copy).
+    """
+    code = f"""
+    import os
+    from tests.test_tiers import manager, prefill, convo
+    from tests.test_disk_reliability import SYSTEM
+    from tests.kvdata import PageOracle
+    mgr = manager({str(tmp_path)!r}, primary=14, host=0, disk=120)
+    oracle = PageOracle(mgr)
+    hot = mgr.create_cache(SYSTEM + [1])
+    assert hot.resume() and hot.resize(17)
+    oracle.write(hot, SYSTEM + [1], 0, 17)
+    hot.commit(SYSTEM + [1])  # ACTIVE: its pages are locked, never demoted
+    for i in range(24):
+        prefill(mgr, oracle, SYSTEM + convo(i, 8))
+    assert mgr.stats().tiers["disk"].pages_used >= 30, mgr.stats()
+    os.kill(os.getpid(), 9)  # a crash: no close, no persist
+    """
+    out = run_child(code)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    again = manager(tmp_path, primary=14, host=0, disk=120)
+    restored = 0
+    for i in range(24):
+        tokens = SYSTEM + convo(i, 8) + [5]
+        cache = serve(again, tokens)
+        if cache.reused_by_tier["disk"] >= 8:
+            assert cache.num_reused_tokens == 24  # the prefix and the child, both from disk
+            restored += 1
+        cache.close()
+    assert restored >= 16
+    assert again.stats().checksum_failures == 0
+    again.check_invariants()
+    again.close()
+
+
+def test_a_promoted_parent_keeps_its_children_restorable(tmp_path):
+    """After a restart the prefix is read back into memory; a crash then must not orphan the children."""
+    mgr = manager(tmp_path, primary=8, host=0, disk=80)
+    oracle = PageOracle(mgr)
+    for i in range(10):
+        prefill(mgr, oracle, SYSTEM + convo(i, 8))
+    mgr.close()
+    again = manager(tmp_path, primary=8, host=0, disk=80)
+    serve(again, SYSTEM + convo(0, 8) + [5]).close()  # promotes the prefix out of its disk slots
+    again.close(persist=False)  # as a crash after that operation: nothing more is written
+    third = manager(tmp_path, primary=8, host=0, disk=80)
+    for i in range(1, 10):
+        cache = serve(third, SYSTEM + convo(i, 8) + [5])
+        assert cache.num_reused_tokens == 24
+        cache.close()
+    third.check_invariants()
+    third.close()
+
+
+# -- item 8: a full disk ----------------------------------------------------------------------------
+
+
+def test_write_failures_are_rate_limited(tmp_path):
+    """Every disk write fails (RLIMIT_FSIZE): a handful of WARNING lines, not one per failed page."""
+    code = f"""
+    import logging, resource, signal
+    from tests.test_tiers import manager, prefill, convo
+    from tests.kvdata import PageOracle
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    mgr = manager({str(tmp_path)!r}, primary=6, host=4, disk=40)
+    oracle = PageOracle(mgr)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1, 1))
+    for i in range(300):
+        prefill(mgr, oracle, convo(i % 40))
+    mgr.check_invariants()
+    print("demotions", mgr.stats().demotions)
+    """
+    out = run_child(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING kvtier.storage")]
+    assert 1 <= len(warnings) <= 3, warnings[:10]
+    assert "summarised every" in warnings[0]
+
+
+def test_failed_index_commits_keep_their_deletes(tmp_path):
+    """The index cannot grow (RLIMIT_FSIZE below its WAL) while page slots can still be written.
+
+    Before: a failed commit dropped its pending deletes, slots were rewritten under rows that still
+    named them, and after a restart those rows failed their checksums. Now a commit that fails keeps
+    its changes and no slot is rewritten until they are in: every restored row reads back intact.
+    """
+    code = f"""
+    import logging, resource, signal
+    from pathlib import Path
+    from tests.test_tiers import manager, prefill, convo
+    from tests.kvdata import PageOracle
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    mgr = manager({str(tmp_path)!r}, primary=6, host=0, disk=40)
+    oracle = PageOracle(mgr)
+    for i in range(12):
+        prefill(mgr, oracle, convo(i))
+    wal = next(Path({str(tmp_path)!r}).glob("kvtier-*/index.sqlite-wal"))
+    limit = max(wal.stat().st_size, 1)
+    assert limit > 8 * mgr.page_bytes(0), limit  # low page slots stay writable
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    for i in range(12, 60):
+        prefill(mgr, oracle, convo(i % 30))
+    mgr.check_invariants()
+    mgr.close()
+    print("ok")
+    """
+    out = run_child(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "index update failed" in out.stderr
+    again = manager(tmp_path, primary=6, host=0, disk=40)
+    assert again.stats().tiers["disk"].pages_used > 0
+    for i in range(30):
+        serve(again, convo(i) + [1]).close()
+    assert again.stats().checksum_failures == 0
+    again.close()
+
+
+# -- items 9 and 10: damaged, lost or unusable directories -----------------------------------------
+
+
+def persist_scoped(path: Path, kind: str = "hybrid") -> None:
+    """Conversations under every scope, on a model with recurrent snapshots, closed onto disk."""
+    mgr = manager(path, kind=kind, primary=10, host=0, disk=200, snapshot_interval_blocks=2)
+    oracle = PageOracle(mgr)
+    for s, scope in enumerate(SCOPES):
+        for i in range(3):
+            tokens = convo(10 * s + i, 18)
+            cache = mgr.create_cache(tokens, scope=scope)
+            assert cache.resume() and cache.resize(len(tokens))
+            for start in range(0, len(tokens), 8):
+                end = min(len(tokens), start + 8)
+                oracle.write(cache, tokens, start, end)
+                cache.commit(tokens[start:end])
+            cache.close()
+    mgr.close()
+
+
+def serve_scoped(mgr: kvtier.KVCacheManager) -> int:
+    """Every conversation under its scope, byte-exact; returns the reused tokens. Closes ``mgr``."""
+    reused = 0
+    for s, scope in enumerate(SCOPES):
+        for i in range(3):
+            cache = serve(mgr, convo(10 * s + i, 18) + [3], scope)
+            reused += cache.num_reused_tokens
+            cache.close()
+    mgr.check_invariants()
+    mgr.close()
+    return reused
+
+
+def test_random_damage_to_the_index_never_stops_startup(tmp_path, caplog):
+    """Bytes flipped at random in the index (and its WAL): the manager always starts and serves only
+    exact bytes; an index it cannot read is reported (ERROR, ``disk_resets``) and started empty.
+
+    Before: some flips raised ``UnicodeDecodeError`` or ``TypeError`` from ``KVCacheManager(...)``.
+    """
+    pristine = tmp_path / "pristine"
+    persist_scoped(pristine)
+    rng = random.Random(10)
+    resets = 0
+    for trial in range(30):
+        path = tmp_path / f"t{trial}"
+        shutil.copytree(pristine, path)
+        for name in ("index.sqlite", "index.sqlite-wal"):
+            target = kvtier_dir(path) / name
+            if target.exists() and target.stat().st_size:
+                data = bytearray(target.read_bytes())
+                for _ in range(rng.choice([1, 3, 20, 100])):
+                    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+                target.write_bytes(bytes(data))
+        caplog.clear()
+        mgr = manager(path, kind="hybrid", primary=10, host=0, disk=200, snapshot_interval_blocks=2)
+        reset = mgr.stats().disk_resets
+        assert reset in (0, 1)
+        if reset:
+            resets += 1
+            assert any(r.levelno == logging.ERROR and "lost" in r.getMessage() for r in caplog.records)
+        serve_scoped(mgr)
+        shutil.rmtree(path)
+    assert resets > 0  # some flips do make the whole index unreadable
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "UPDATE meta SET value = CAST(x'c328ff' AS TEXT) WHERE name = 'fingerprint'",  # not UTF-8
+        "PRAGMA writable_schema = ON; UPDATE sqlite_master SET name = CAST(x'e5e5' AS TEXT) WHERE name = 'meta'",
+        "UPDATE pages SET grp = 'one' WHERE rowid % 2 = 0",  # text where a number belongs
+        "UPDATE pages SET slot = 2.5 WHERE rowid % 3 = 0",
+    ],
+)
+def test_damaged_values_in_the_index_never_stop_startup(tmp_path, sql):
+    """Before: ``UnicodeDecodeError`` / ``TypeError`` from ``KVCacheManager(...)``: the server could not start."""
+    persist_scoped(tmp_path)
+    db = sqlite3.connect(kvtier_dir(tmp_path) / "index.sqlite")
+    db.executescript(sql)
+    db.close()
+    mgr = manager(tmp_path, kind="hybrid", primary=10, host=0, disk=200, snapshot_interval_blocks=2)
+    assert mgr.stats().disk_resets == ("meta" in sql or "schema" in sql)
+    serve_scoped(mgr)
+
+
+@pytest.mark.parametrize("damage", ["empty", "deleted", "foreign"])
+def test_a_lost_index_is_reported_with_what_was_lost(tmp_path, caplog, damage):
+    """Before: an index truncated to 0 bytes or deleted restored nothing and said nothing."""
+    persist_scoped(tmp_path, kind="llama")
+    directory = kvtier_dir(tmp_path)
+    index = directory / "index.sqlite"
+    for side in ("index.sqlite-wal", "index.sqlite-shm"):
+        (directory / side).unlink(missing_ok=True)
+    if damage == "empty":
+        index.write_bytes(b"")
+    elif damage == "deleted":
+        index.unlink()
+    else:
+        db = sqlite3.connect(index)
+        db.execute("UPDATE meta SET value = '1' WHERE name = 'schema'")
+        db.commit()
+        db.close()
+    with caplog.at_level(logging.ERROR):
+        mgr = manager(tmp_path, kind="llama", primary=10, host=0, disk=200)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "lost" in errors[0] and "starts empty" in errors[0], errors
+    if damage == "foreign":
+        assert "its 48 pages lost" in errors[0] and (directory / "index.sqlite.damaged").exists()
+    assert mgr.stats().disk_resets == 1
+    text = generate_latest(registry_for(mgr)).decode()
+    assert "kvtier_disk_resets_total 1.0" in text
+    assert serve_scoped(mgr) == 0
+    again = manager(tmp_path, kind="llama", primary=10, host=0, disk=200)  # the new index is sound
+    assert again.stats().disk_resets == 0
+    again.close()
+
+
+def test_a_disk_path_that_is_a_file_is_refused(tmp_path):
+    """Before: accepted; the manager reported 64 disk pages and dropped everything sent there."""
+    path = tmp_path / "kv"
+    path.write_bytes(b"not a directory")
+    with pytest.raises(ValueError, match="is a file"):
+        manager(path)
+    with pytest.raises(ValueError, match="is a file"):
+        manager(path / "below")
+    assert path.read_bytes() == b"not a directory" and sorted(tmp_path.iterdir()) == [path]
+
+
+def _without_dac_override() -> None:
+    """In the child: even root then obeys file modes (CAP_DAC_OVERRIDE, _READ_SEARCH, FOWNER dropped)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2, 3):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_read_only_directory_is_served_read_only(tmp_path):
+    """Before: opened read-write and the whole tier given up. Now its pages are served, nothing is
+    written, and one WARNING says so."""
+    persist_scoped(tmp_path, kind="llama")
+    directory = kvtier_dir(tmp_path)
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.iterdir()}
+    for p in directory.iterdir():
+        p.chmod(0o400)
+    directory.chmod(0o500)
+    code = f"""
+    import logging
+    from tests.test_tiers import manager
+    from tests.test_disk_reliability import serve_scoped
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    mgr = manager({str(tmp_path)!r}, kind="llama", primary=10, host=4, disk=200)
+    assert mgr.stats().disk_resets == 0
+    print("reused", serve_scoped(mgr))
+    """
+    try:
+        out = run_child(code, preexec_fn=_without_dac_override if os.geteuid() == 0 else None)
+    finally:
+        directory.chmod(0o700)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) == 4 * 3 * 16  # every conversation's full blocks, from disk
+    read_only = [line for line in out.stderr.splitlines() if "read-only" in line]
+    assert len(read_only) == 1 and read_only[0].startswith("WARNING"), out.stderr[-2000:]
+    assert "ERROR" not in out.stderr
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.iterdir()}
+    assert after == before
+
+
+# -- item 11: one manager per directory -----------------------------------------------------------
+
+
+def test_a_second_manager_on_the_directory_is_refused(tmp_path):
+    """Before: two managers silently overwrote each other's slots and rows."""
+    first = manager(tmp_path, primary=6, host=0, disk=40)
+    oracle = PageOracle(first)
+    for i in range(4):
+        prefill(first, oracle, convo(i))
+    directory = kvtier_dir(tmp_path)
+    before = {p.name: p.read_bytes() for p in directory.iterdir() if not p.name.endswith(("-wal", "-shm"))}
+    with pytest.raises(kvtier.DiskTierBusyError, match=f"pid {os.getpid()} "):
+        manager(tmp_path, primary=6, host=0, disk=40)
+    after = {p.name: p.read_bytes() for p in directory.iterdir() if not p.name.endswith(("-wal", "-shm"))}
+    assert after == before
+    serve(first, convo(0) + [1]).close()  # the first manager goes on as before
+    first.close()
+    second = manager(tmp_path, primary=6, host=0, disk=40)  # free once the first is closed
+    serve(second, convo(1) + [1]).close()
+    second.close()
+
+
+def test_a_manager_in_another_process_holds_the_directory(tmp_path):
+    code = f"""
+    import time
+    from tests.test_tiers import manager
+    mgr = manager({str(tmp_path)!r}, primary=6, host=0, disk=40)
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+    )
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        with pytest.raises(kvtier.DiskTierBusyError, match=f"pid {child.pid} "):
+            manager(tmp_path, primary=6, host=0, disk=40)
+    finally:
+        child.kill()
+        child.wait()
+    manager(tmp_path, primary=6, host=0, disk=40).close()  # the lock died with its holder
+
+
+# -- item 12: private files, no scope in plain text ------------------------------------------------
+
+
+def test_files_are_private_and_scopes_are_not_stored(tmp_path):
+    old_umask = os.umask(0o022)
+    try:
+        path = tmp_path / "new" / "deeper"
+        persist_scoped(path, kind="llama")
+        # a restart opens the WAL and shared-memory files again: they keep the mode too
+        again = manager(path, kind="llama", primary=10, host=0, disk=200)
+        directory = kvtier_dir(path)
+        for d in (tmp_path / "new", path, directory):
+            assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+        files = list(directory.iterdir())
+        assert {"index.sqlite", "index.sqlite-wal", "lock", "secret", "group0.pages"} <= {f.name for f in files}
+        for f in files:
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+        stored = b"".join(f.read_bytes() for f in files)
+        for secret in (b"tenant-secret-salt-1", b"raw-salt-bytes-22", b"adapter-x"):
+            for form in (secret, secret.hex().encode(), secret.hex().encode().hex().encode()):
+                assert form not in stored, form
+        assert serve_scoped(again) == 4 * 3 * 16  # every scope finds its own pages again
+    finally:
+        os.umask(old_umask)
+
+
+def test_scopes_never_claim_each_others_restored_blocks(tmp_path):
+    """The same tokens under four scopes; after a restart each scope reuses only its own pages, and a
+    depth-0 row given another scope's tag is not claimed (its key does not chain from that root)."""
+    mgr = manager(tmp_path, primary=8, host=0, disk=120)
+    for scope in SCOPES[:3]:
+        tokens = convo(0, 12)
+        cache = mgr.create_cache(tokens, scope=scope)
+        assert cache.resume() and cache.resize(12)
+        PageOracle(mgr).write(cache, tokens, 0, 12)
+        cache.commit(tokens)
+        cache.close()
+    mgr.close()
+    index = kvtier_dir(tmp_path) / "index.sqlite"
+    db = sqlite3.connect(index)
+    tags = [t for (t,) in db.execute("SELECT DISTINCT scope_tag FROM nodes WHERE depth = 0")]
+    assert len(tags) == 3
+    db.execute("UPDATE nodes SET scope_tag = ? WHERE scope_tag = ?", (tags[0], tags[1]))  # two claim one tag
+    db.commit()
+    db.close()
+    again = manager(tmp_path, primary=8, host=0, disk=120)
+    reused = []
+    for scope in [*SCOPES[:3], SCOPES[3]]:
+        cache = serve(again, convo(0, 12) + [1], scope)
+        reused.append(cache.num_reused_tokens)
+        cache.close()
+    assert reused.count(12) == 2 and reused[3] == 0, reused
+    again.check_invariants()
+    again.close()
+
+
+# -- item 14: a manager dropped without close ------------------------------------------------------
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_dropped_manager_releases_its_files_and_directory(tmp_path):
+    """Before: a manager dropped without close() kept one descriptor per layer group, for good."""
+    for _ in range(2):  # warm up what a first manager loads once (libraries, thread pools)
+        manager(tmp_path, kind="hybrid", primary=8, host=0, disk=40).close()
+    gc.collect()
+    baseline = open_fds()
+    for i in range(5):
+        mgr = manager(tmp_path, kind="hybrid", primary=8, host=0, disk=40)
+        prefill(mgr, PageOracle(mgr), convo(i))
+        del mgr  # no close(): the next manager on the directory must still start
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while open_fds() > baseline and time.monotonic() < deadline:
+        time.sleep(0.05)  # I/O threads finish exiting
+    assert open_fds() <= baseline
+
+
+def test_a_manager_never_closed_still_persists_at_exit(tmp_path):
+    """The storage's finalizers leave the files open at interpreter exit, where the manager is closed
+    (and persists its published pages) before the process ends."""
+    code = f"""
+    from tests.test_tiers import manager, prefill, convo
+    from tests.kvdata import PageOracle
+    mgr = manager({str(tmp_path)!r}, primary=30, host=0, disk=40)
+    for i in range(3):
+        prefill(mgr, PageOracle(mgr), convo(i))  # 18 pages, all still in the primary tier
+    assert mgr.stats().tiers["disk"].pages_used == 0
+    """
+    out = run_child(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = manager(tmp_path, primary=30, host=0, disk=40)
+    assert again.stats().tiers["disk"].pages_used == 18
+    for i in range(3):
+        assert serve(again, convo(i) + [1]).num_reused_tokens == 24
+    again.close()
