@@ -159,7 +159,7 @@ class _Bench:
         from kvtier.cli.hf_demo import FirstTokenClock
 
         torch = self.torch
-        ids = torch.tensor([prompt], device=self.device)
+        ids = torch.tensor([prompt])  # on the host: the streamer gets the prompt without waiting for the device
         mask = torch.ones_like(ids)
         self.sync()
         clock = FirstTokenClock()
@@ -256,12 +256,13 @@ class _Bench:
         self.sync()
         t0 = time.perf_counter()
         rows = [Row(0, 0, prompt, mgr.create_cache(prompt, pc.scope))]
+        cache = RecordingCache(pc.model.config)
+        cache.initialize_attention(mgr.spec.dtype, mgr.device)
         t1 = time.perf_counter()
         by_tier = dict(rows[0].write.reused_by_tier)
         width = choose_width(mgr, rows, len(prompt), pc.scope, stream)
         self.sync()
         t2 = time.perf_counter()
-        cache = RecordingCache(pc.model.config)
         load_prefix(cache, pc._layers, mgr, rows, width, pc._packing)  # the adapter's own stages, timed apart
         self.sync()
         t3 = time.perf_counter()

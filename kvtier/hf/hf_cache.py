@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvtier.hf.model_layers import LayerKind, ModelLayers
 
@@ -52,6 +52,17 @@ class RecordingCache(DynamicCache):
             if type(layer) is DynamicSlidingWindowLayer:
                 self.layers[i] = RecordingSlidingWindowLayer(layer.sliding_window)
 
+    def initialize_attention(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Initialize every attention layer empty, as its first ``update`` would.
+
+        Done before any page is promoted: a sliding-window layer's initialization copies a scalar
+        to the device, which would wait for every copy already queued there.
+        """
+        empty = torch.empty(0, dtype=dtype, device=device)
+        for layer in self.layers:
+            if isinstance(layer, DynamicLayer):
+                layer.lazy_initialization(empty, empty)
+
     def forget_written(self) -> None:
         """Drop the recorded tensors (the cache stays usable, as a plain ``DynamicCache``)."""
         for layer in self.layers:
@@ -60,9 +71,8 @@ class RecordingCache(DynamicCache):
 
 
 def fill_attention(layer, kind: LayerKind, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
-    """Make a fresh layer hold a prefix of ``width`` columns: all of them (full attention), or the
-    last ``keys.shape[-2]`` (sliding window, which keeps ``window - 1``)."""
-    layer.lazy_initialization(keys, values)
+    """Make an initialized, empty layer hold a prefix of ``width`` columns: all of them (full
+    attention), or the last ``keys.shape[-2]`` (sliding window, which keeps ``window - 1``)."""
     layer.keys, layer.values = keys, values
     if kind is LayerKind.SLIDING:
         layer.cumulative_length = width

@@ -1,10 +1,15 @@
 """Copies between kvtier pages and a batch's dense per-layer tensors, batched over every block.
 
-A ``TokenMap`` lists tokens twice: where they live in kvtier (page slot, offset in the block) and
-where they live in a dense ``[batch, heads, columns, dim]`` tensor (row, column), as four index
-tensors on the device. ``gather`` and ``scatter`` move one layer's role for every listed token
-of every row in one indexed copy; nothing loops over blocks. Recurrent states move as whole
-pages through ``StatePacking``. Nothing here imports transformers.
+Loading (pages -> dense): a row's blocks are copied whole, in one ``index_select`` per row, layer
+and role, straight into a token-major ``[batch, columns, heads, dim]`` storage whose rows have
+room for whole blocks (``RowBlocks``): one pass over the bytes, no per-block work.
+
+Saving (dense -> pages): a ``TokenMap`` lists tokens twice, where they live in kvtier (page slot,
+offset in the block) and in a dense ``[batch, heads, columns, dim]`` tensor (row, column), as
+four index tensors on the device; ``scatter`` moves one layer's role for every listed token of
+every row in one indexed copy, writing only those tokens (a block may already hold others).
+
+Recurrent states move as whole pages through ``StatePacking``. Nothing here imports transformers.
 """
 
 from __future__ import annotations
@@ -15,6 +20,18 @@ import numpy as np
 import torch
 
 from kvtier.pages import BAD_PAGE_INDEX
+
+
+def to_device(indices: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host indices as an int64 tensor on ``device``, copied without waiting for the device.
+
+    On CUDA the copy goes through pinned memory: from pageable memory the driver may first wait
+    for the stream, which holds the page promotions queued just before.
+    """
+    tensor = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))
+    if torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 @dataclass(slots=True)
@@ -54,17 +71,44 @@ class TokenMapBuilder:
             arrays = [np.concatenate(a) for a in zip(*self._parts, strict=True)]
         else:
             arrays = [np.zeros(0, dtype=np.int64)] * 4
-        return TokenMap(*(torch.from_numpy(a).to(device, non_blocking=True) for a in arrays))
+        return TokenMap(*(to_device(a, device) for a in arrays))
 
 
-def gather(view: torch.Tensor, dense: torch.Tensor, tokens: TokenMap) -> None:
-    """``dense[row, :, column] = view[slot, offset]`` for every token: pages -> dense tensor.
+@dataclass(slots=True)
+class RowBlocks:
+    """Whole blocks of one row to load: their page ``slots`` (on the device), the first landing at
+    ``column`` of the row's storage, the next ones right after it."""
 
-    ``view``: one layer's role, ``[num_slots, tokens_per_block, heads, dim]``; ``dense``:
-    ``[batch, heads, columns, dim]``.
+    row: int
+    slots: torch.Tensor
+    column: int
+
+
+def row_blocks(
+    row: int, page_slots: np.ndarray, start: int, end: int, first_column: int, tokens_per_block: int, device
+) -> RowBlocks:
+    """The blocks holding tokens ``[start, end)`` of a row whose token t belongs at storage column
+    ``first_column + t``. The storage needs ``tokens_per_block - 1`` spare columns on each side:
+    the first and last blocks bring the tokens around the range too. ``ValueError`` if one of
+    those blocks has no page (a broken caller)."""
+    first, last = start // tokens_per_block, -(-end // tokens_per_block)
+    slots = page_slots[first:last].astype(np.int64)
+    if len(slots) != last - first or (slots == BAD_PAGE_INDEX).any():
+        raise ValueError(f"row {row}: tokens {start}..{end} include a block without a page")
+    return RowBlocks(row, to_device(slots, device), first_column + first * tokens_per_block)
+
+
+def gather_blocks(view: torch.Tensor, rows: list[RowBlocks], storage: torch.Tensor) -> None:
+    """Copy each row's blocks of one layer's role into ``storage`` (``[batch, columns, heads, dim]``).
+
+    ``view``: the role's pages, ``[num_slots, tokens_per_block, heads, dim]``. One ``index_select``
+    per row, writing in place (the storage's row is contiguous, block after block).
     """
-    if len(tokens):
-        dense[tokens.rows, :, tokens.columns] = view[tokens.slots, tokens.offsets]
+    tokens_per_block = view.shape[1]
+    for blocks in rows:
+        n = len(blocks.slots)
+        out = storage[blocks.row, blocks.column : blocks.column + n * tokens_per_block]
+        torch.index_select(view, 0, blocks.slots, out=out.view(n, tokens_per_block, *view.shape[2:]))
 
 
 def scatter(dense: torch.Tensor, view: torch.Tensor, tokens: TokenMap, first_column: int = 0) -> None:

@@ -109,8 +109,9 @@ class PrefixCache:
                 prompt = host_ids[i, pad:].tolist()
                 rows.append(Row(i, pad, prompt, mgr.create_cache(prompt, self.scope)))
             stream = torch.cuda.current_stream(mgr.device) if mgr.device.type == "cuda" else None
-            width = choose_width(mgr, rows, input_ids.shape[1], self.scope, stream)
             cache = RecordingCache(self.model.config)
+            cache.initialize_attention(mgr.spec.dtype, mgr.device)
+            width = choose_width(mgr, rows, input_ids.shape[1], self.scope, stream)
             load_prefix(cache, self._layers, mgr, rows, width, self._packing)
             release_reads(rows)
             self.last_reused_tokens = [row.reused for row in rows]

@@ -1,22 +1,26 @@
 """Filling a ``RecordingCache`` with the reused prefix of every row, from kvtier's primary tier.
 
-For each attention layer group one ``TokenMap`` lists every reused token of every row that the
-transformers layer holds (all of them for full attention; the last ``window - 1`` columns for a
-sliding window, which are exactly the blocks kvtier keeps live there), and each layer's keys and
-values are gathered through it in one indexed copy each. The recurrent group's pages (one state
-snapshot per row, taken after exactly ``row.reused`` tokens) are gathered in one copy and
+A transformers attention layer holds the prefix's columns (all of them for full attention; the
+last ``window - 1`` for a sliding window, which lie in exactly the blocks kvtier keeps live
+there). Each layer's keys and values are a transposed view of a token-major storage
+``[batch, columns, heads, dim]`` with a block of spare columns on each side, into which every
+row's blocks are copied whole (``page_io.gather_blocks``): one pass over the bytes. Columns a row
+does not fill (its padding) are zeros; the spare columns, which may receive the tokens around the
+row's range from its first and last block, lie outside the view. The recurrent group's pages (one
+state snapshot per row, taken after exactly ``row.reused`` tokens) are gathered in one copy and
 unpacked into the layers' states. Every copy is a device operation on the current stream, which
 ``resume`` ordered after the pages' promotion.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvtier.hf.batch_rows import Row
 from kvtier.hf.hf_cache import RecordingCache, fill_attention, fill_states
 from kvtier.hf.model_layers import ModelLayers
-from kvtier.hf.page_io import StatePacking, StatePart, TokenMapBuilder, gather
+from kvtier.hf.page_io import StatePacking, StatePart, gather_blocks, row_blocks, to_device
 from kvtier.layout import page_geometries
 from kvtier.manager import KVCacheManager
 from kvtier.spec import GroupKind
@@ -44,7 +48,8 @@ def load_prefix(
     width: int,
     packing: StatePacking | None,
 ) -> None:
-    """Make ``cache`` hold the first ``width`` columns of the batch, read from each row's read cache."""
+    """Make ``cache`` (its attention layers initialized empty) hold the first ``width`` columns of the
+    batch, read from each row's read cache."""
     if width == 0:
         return
     batch = len(rows)
@@ -56,21 +61,25 @@ def load_prefix(
             continue
         kept = width if group.window is None else min(width, group.window - 1)
         first_column = width - kept  # the layer holds columns [first_column, width)
-        builder = TokenMapBuilder(mgr.tokens_per_block)
+        spare = mgr.tokens_per_block
+        blocks = []
         for row in rows:
             if row.reused:
                 assert row.read is not None
                 start = max(0, row.reused - kept)
-                builder.add(row.index, row.read.page_indices(group.group_id), start, row.reused, row.pad - first_column)
-        tokens = builder.build(device)
+                slots = row.read.page_indices(group.group_id)
+                column = spare + row.pad - first_column
+                blocks.append(row_blocks(row.index, slots, start, row.reused, column, mgr.tokens_per_block, device))
+        covered = all(row.pad == 0 and row.reused == width for row in rows)  # no column left unwritten
+        allocate = torch.empty if covered else torch.zeros
         for layer_id in group.layer_ids:
             layer = layers.by_kvtier_id[layer_id]
             views = mgr.kv_views(layer_id)
-            shape = (batch, layer.num_kv_heads, kept, layer.head_dim)
-            keys = torch.zeros(shape, dtype=mgr.spec.dtype, device=device)
-            values = torch.zeros(shape, dtype=mgr.spec.dtype, device=device)
-            gather(views["k"], keys, tokens)
-            gather(views["v"], values, tokens)
+            shape = (batch, spare + kept + spare, layer.num_kv_heads, layer.head_dim)
+            keys, values = (allocate(shape, dtype=mgr.spec.dtype, device=device) for _ in range(2))
+            gather_blocks(views["k"], blocks, keys)
+            gather_blocks(views["v"], blocks, values)
+            keys, values = (t[:, spare : spare + kept].transpose(1, 2) for t in (keys, values))
             fill_attention(cache.layers[layer.index], layer.kind, keys, values, width)
 
 
@@ -85,11 +94,10 @@ def _load_states(
     """Each reusing row's state page into the linear-attention layers; zeros for the other rows."""
     device = mgr.device
     reusing = [row for row in rows if row.reused]
-    slots = torch.tensor([int(row.read.page_indices(group_id)[0]) for row in reusing], dtype=torch.long)
+    slots = to_device(np.array([row.read.page_indices(group_id)[0] for row in reusing]), device)
     region = mgr.layout().groups[group_id].regions[0].as_tensor()
-    pages = region[slots.to(device)]
-    states = packing.unpack(pages)
-    at = torch.tensor([row.index for row in reusing], dtype=torch.long, device=device)
+    states = packing.unpack(region[slots])
+    at = to_device(np.array([row.index for row in reusing]), device)
     for layer in layers.linear:
         full = {}
         for s in layer.states:

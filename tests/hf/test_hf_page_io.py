@@ -12,7 +12,7 @@ import torch
 
 import kvtier
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
-from kvtier.hf.page_io import StatePacking, StatePart, TokenMapBuilder, gather, scatter
+from kvtier.hf.page_io import StatePacking, StatePart, TokenMapBuilder, gather_blocks, row_blocks, scatter
 
 TPB = 4
 
@@ -37,32 +37,39 @@ def test_importing_kvtier_or_the_data_path_does_not_import_transformers():
     assert out.stdout.strip() == "False"
 
 
-def test_scatter_then_gather_round_trips_every_token_of_every_row():
+def test_scatter_writes_exactly_the_listed_tokens_and_blocks_come_back_whole():
     mgr = _manager()
     caches = [mgr.create_cache(list(range(1, 12))), mgr.create_cache(list(range(50, 57)))]
     for cache, n in zip(caches, (11, 7), strict=True):
         assert cache.resume() and cache.resize(n)
+    k = mgr.kv_views(1)["k"]
+    k.fill_(-7.0)
     dense = torch.randn(2, 2, 13, 4, dtype=torch.float64) + 3.0
     builder = TokenMapBuilder(TPB)
     builder.add(0, caches[0].page_indices(0), 0, 11, 2)  # row 0: tokens 0..10 at columns 2..12
     builder.add(1, caches[1].page_indices(0), 3, 7, 6)  # row 1: tokens 3..6 at columns 9..12
     tokens = builder.build(mgr.device)
     assert len(tokens) == 15
-    for layer in range(2):
-        scatter(dense, mgr.kv_views(layer)["k"], tokens)
-    k = mgr.kv_views(1)["k"]
-    slots = caches[0].page_indices(0)
+    scatter(dense, k, tokens)
+    slots = [c.page_indices(0) for c in caches]
     for t in range(11):
-        assert torch.equal(k[slots[t // TPB], t % TPB], dense[0, :, 2 + t])
-    back = torch.zeros_like(dense)
-    gather(mgr.kv_views(1)["k"], back, tokens)
-    assert torch.equal(back[0, :, 2:], dense[0, :, 2:])
-    assert torch.equal(back[1, :, 9:], dense[1, :, 9:])
-    assert not back[0, :, :2].any() and not back[1, :, :9].any()
-    moved = torch.zeros_like(dense)
-    scatter(dense, mgr.kv_views(0)["v"], tokens, first_column=0)
-    gather(mgr.kv_views(0)["v"], moved, tokens)
-    assert torch.equal(moved[1, :, 9:], dense[1, :, 9:])
+        assert torch.equal(k[slots[0][t // TPB], t % TPB], dense[0, :, 2 + t])
+    for t in range(7):
+        expected = dense[1, :, 6 + t] if t >= 3 else torch.full((2, 4), -7.0, dtype=torch.float64)
+        assert torch.equal(k[slots[1][t // TPB], t % TPB], expected)  # tokens 0..2 untouched
+
+    # back, whole blocks into a token-major storage with a block of spare columns on each side
+    storage = torch.zeros(2, TPB + 13 + TPB, 2, 4, dtype=torch.float64)
+    blocks = [
+        row_blocks(0, slots[0], 0, 11, TPB + 2, TPB, mgr.device),
+        row_blocks(1, slots[1], 3, 7, TPB + 6, TPB, mgr.device),
+    ]
+    assert [len(b.slots) for b in blocks] == [3, 2] and [b.column for b in blocks] == [TPB + 2, TPB + 6]
+    gather_blocks(k, blocks, storage)
+    view = storage[:, TPB : TPB + 13].transpose(1, 2)  # [batch, heads, columns, dim]
+    assert torch.equal(view[0, :, 2:], dense[0, :, 2:])
+    assert torch.equal(view[1, :, 9:], dense[1, :, 9:])
+    assert not view[0, :, :2].any()  # row 0's padding is left alone
     mgr.close()
 
 
@@ -78,6 +85,9 @@ def test_a_token_map_refuses_a_block_without_a_page():
         builder.add(0, slots, 0, 24, 0)
     builder.add(0, slots, 20, 24, 0)  # the live ones are fine
     assert len(builder.build(mgr.device)) == 4
+    with pytest.raises(ValueError, match="without a page"):
+        row_blocks(0, slots, 0, 24, 0, TPB, mgr.device)
+    assert len(row_blocks(0, slots, 20, 24, 0, TPB, mgr.device).slots) == 1
     mgr.close()
 
 
