@@ -12,6 +12,8 @@ second turn's prompt is the history plus a new suffix, timed five ways:
 
 TTFT runs from the call to the first generated token handed to a streamer (``generate`` copies
 it to the host, so the device is done with it); each timed call uses a suffix no call has used.
+Prompts are passed on the host, as ``generate`` allows: a streamer given device ids copies them
+back first, which would make the forward's launch wait for every copy queued before it.
 ``build`` is what ``pc.generate`` does before the model runs, timed on its own with device syncs:
 ``match`` (``create_cache``), ``resume`` (promoting the history's pages) and ``fill`` (the
 transformers cache filled from the pages); its share of the TTFT is reported. The host target of
