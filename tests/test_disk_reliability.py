@@ -501,3 +501,21 @@ def test_a_manager_never_closed_still_persists_at_exit(tmp_path):
     for i in range(3):
         assert serve(again, convo(i) + [1]).num_reused_tokens == 24
     again.close()
+
+
+def test_repeated_failures_log_a_first_line_then_summaries(caplog):
+    from kvtier.storage.log_limit import RateLimitedWarning
+
+    now = [0.0]
+    warn = RateLimitedWarning(logging.getLogger("kvtier.test"), "page write failed", 60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="kvtier.test"):
+        for i in range(1000):  # 1,000 failures over 100 s
+            now[0] = i / 10
+            warn(f"slot {i}: [Errno 28] No space left on device")
+        warn.flush()
+        warn.flush()  # nothing new: no line
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert "slot 0" in lines[0] and "summarised every 60 s" in lines[0]
+    assert "600 more in the last 60 s (601 in all; the last: slot 600" in lines[1]
+    assert "399 more" in lines[2] and "1000 in all" in lines[2] and "slot 999" in lines[2]
