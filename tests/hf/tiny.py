@@ -67,7 +67,9 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def tiers_config(model, blocks: int, host_blocks: int = 0, disk_blocks: int = 0, disk_path=None) -> kvtier.CacheConfig:
+def tiers_config(
+    model, blocks: int, host_blocks: int = 0, disk_blocks: int = 0, disk_path=None, device: str = "cpu"
+) -> kvtier.CacheConfig:
     """A config whose primary tier holds about ``blocks`` blocks of history (host, disk likewise)."""
     spec = read_model(model, model_id="sizing").spec
     geometries = page_geometries(spec, TOKENS_PER_BLOCK)
@@ -79,7 +81,7 @@ def tiers_config(model, blocks: int, host_blocks: int = 0, disk_blocks: int = 0,
         tiers.append(kvtier.HostTier(int(host_blocks * per_block) + 1))
     if disk_blocks:
         tiers.append(kvtier.DiskTier(int(disk_blocks * per_block) + 1, disk_path))
-    return kvtier.CacheConfig(TOKENS_PER_BLOCK, tiers, snapshot_interval_blocks=SNAPSHOT_INTERVAL_BLOCKS)
+    return kvtier.CacheConfig(TOKENS_PER_BLOCK, tiers, device=device, snapshot_interval_blocks=SNAPSHOT_INTERVAL_BLOCKS)
 
 
 def tokens(generator: torch.Generator, n: int) -> list[int]:

@@ -1,0 +1,58 @@
+"""The same chat turns on a CUDA device (skipped without one): pages promoted by the copier on the
+model's stream, loaded and saved by device copies, token-identical to ``generate`` in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.hf import PrefixCache
+from tests.hf.tiny import ARCHS, tiers_config, tiny_model, tokens
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chat_turns_on_the_gpu_through_host_and_disk(arch, tmp_path):
+    model = tiny_model(arch).to("cuda")
+    config = tiers_config(model, blocks=12, host_blocks=4, disk_blocks=400, disk_path=tmp_path / "disk", device="cuda")
+    g = torch.Generator().manual_seed(ARCHS.index(arch) + 30)
+    system = tokens(g, 41)
+    history = [system + tokens(g, n) for n in (20, 24, 17)]
+    with PrefixCache(model, config) as pc:
+        for turn in range(2):
+            for c in range(3):
+                ids = torch.tensor([history[c]], device="cuda")
+                mask = torch.ones_like(ids)
+                expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+                got = pc.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+                assert torch.equal(got, expected), (turn, c, pc.last_reused_tokens)
+                if turn:
+                    assert pc.last_reused_tokens[0] >= len(history[c]) - 24
+                history[c] = got[0].tolist() + tokens(g, 7)
+        stats = pc.manager.stats()
+        assert stats.hit_tokens["host"] + stats.hit_tokens["disk"] > 0, stats.hit_tokens
+
+
+def test_a_left_padded_batch_on_the_gpu():
+    model = tiny_model("llama").to("cuda")
+    g = torch.Generator().manual_seed(31)
+    rows = [tokens(g, 40), tokens(g, 23), tokens(g, 31)]
+    with PrefixCache(model, tiers_config(model, blocks=64, device="cuda")) as pc:
+        for turn in range(2):
+            width = max(map(len, rows))
+            ids = torch.zeros((3, width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, row in enumerate(rows):
+                ids[i, width - len(row) :] = torch.tensor(row)
+                mask[i, width - len(row) :] = 1
+            ids, mask = ids.cuda(), mask.cuda()
+            expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+            got = pc.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+            assert torch.equal(got, expected)
+            if turn:
+                assert all(n > 0 for n in pc.last_reused_tokens)
+            rows = [got[i, width - len(r) :].tolist() + tokens(g, 3 + i) for i, r in enumerate(rows)]
