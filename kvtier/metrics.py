@@ -1,7 +1,7 @@
 """``CacheStats`` as Prometheus metrics (``prometheus-client``).
 
 ``CacheCollector(manager)`` reads ``manager.stats()`` at every scrape, so the figures are always
-current and the manager's hot paths pay nothing. Register it on a registry, or call
+current and the manager's hot paths pay nothing; a closed manager exports nothing. Register it on a registry, or call
 ``serve(manager, port)`` to expose it over HTTP.
 """
 
@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.errors import CacheStateError
 from kvtier.manager import KVCacheManager
 
 
@@ -23,7 +24,10 @@ class CacheCollector(Collector):
         self.manager = manager
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.manager.stats()
+        try:
+            stats = self.manager.stats()
+        except CacheStateError:  # a closed manager has nothing more to report
+            return
         for name, doc, field in (
             ("kvtier_tier_pages_total", "Pages a tier can hold", "pages_total"),
             ("kvtier_tier_pages_used", "Pages a tier holds now", "pages_used"),

@@ -50,3 +50,10 @@ def test_metrics_over_http(tmp_path):
     serve(mgr, port)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "kvtier_tier_pages_total" in body and "kvtier_evictions_total" in body
+
+
+def test_a_closed_manager_exports_nothing(tmp_path):
+    mgr = busy_manager(tmp_path)
+    registry = registry_for(mgr)
+    mgr.close()
+    assert "kvtier_tier_pages_total" not in generate_latest(registry).decode()
