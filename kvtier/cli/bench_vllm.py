@@ -50,7 +50,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"--paths must name {PATHS}, --blocks be >= 1 and --iters >= 5")
         return 2
     bench = _Bench(args, max(sizes))
-    rows = [bench.measure(path, direction, n) for path in paths for direction in ("save", "load") for n in sizes]
+    rows = []
+    for path in paths:
+        for direction in ("save", "load"):
+            for n in sizes:
+                rows.append(bench.measure(path, direction, n))
+                r = rows[-1]
+                print(
+                    f"  {path} {direction} {n}: {r['gpu_ms']:.3f} ms, {r['gbps']:.1f} GB/s, exact {r['exact']}",
+                    flush=True,
+                )
     report = {"shape": bench.shape, "rows": rows, "device": torch.cuda.get_device_name()}
     if args.json:
         with open(args.json, "w") as out:
@@ -116,27 +125,30 @@ class _Bench:
 
         torch, np = self.torch, self.np
         transfer = self.transfers[path]
-        gpu_ms, submit_us, sleep_cycles = [], [], 2_000_000
+        gpu_ms, submit_us = [], []
         job = None
-        for i in range(self.iters + 2):  # two warm-up jobs
+        for i in range(self.iters + 2):  # two warm-up jobs: the first call of a path initialises it
             blocks = self.rng.choice(self.num_blocks, n, replace=False).astype(np.int64)
             slots = self.rng.choice(self.slots, n, replace=False).astype(np.int64)
             job = TransferJob(i, "bench", Direction(direction), [GroupBlocks(0, slots, blocks[:, None])])
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(transfer.stream):
-                torch.cuda._sleep(sleep_cycles)  # the copies start after the host has submitted them
-                start.record()
+            if i >= 2:  # the copies start only after the host has submitted them: ~2x the last submit
+                cycles = min(int(submit_us[-1] * 4e3) if submit_us else 2_000_000, 400_000_000)
+                with torch.cuda.stream(transfer.stream):
+                    torch.cuda._sleep(max(cycles, 2_000_000))
+            start.record(transfer.stream)
             t0 = time.perf_counter()
             transfer.submit([job])
             t1 = time.perf_counter()
             end.record(transfer.stream)
             end.synchronize()
             assert transfer.poll() == [(i, True)], "a benchmark job failed"
-            sleep_cycles = max(sleep_cycles, int((t1 - t0) * 4e9))  # about twice the submit time at ~2 GHz
+            if i >= 1:
+                submit_us.append((t1 - t0) * 1e6)
             if i >= 2:
                 gpu_ms.append(start.elapsed_time(end))
-                submit_us.append((t1 - t0) * 1e6)
+        submit_us = submit_us[1:]
         assert job is not None
         exact = self._exact(job)
         ms = statistics.median(gpu_ms)
