@@ -7,8 +7,9 @@ than ``L - 1``. A row that needs a shorter prefix than the longest one kvtier ma
 it exactly: from the same pages when the model has only full-attention layers, else from a
 cache matched on that shorter prompt (a sliding window or a recurrent state is only valid at the
 point where it was kept); when kvtier cannot give exactly that, the width shrinks and the choice
-starts over. Each row keeps a ``write`` cache created on its whole prompt, which receives the new
-blocks after generation.
+starts over. Every reusing row's pages are resumed together, so the primary tier must hold them
+all at once (a row that cannot be resumed reuses nothing). Each row keeps a ``write`` cache
+created on its whole prompt, which receives the new blocks after generation.
 """
 
 from __future__ import annotations
