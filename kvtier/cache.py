@@ -354,9 +354,14 @@ class KVCache:
         tpb = self._tpb
         old_nb, new_nb = self._num_blocks, -(-capacity // tpb)
         need: dict[int, int] = {}
+        primary_slots = self._res.tiers[PRIMARY].storage.slots
         for rule in self._mgr._attention_rules:
             live_from = rule.first_live_block(history, tpb)
-            n = sum(1 for b in range(old_nb, new_nb) if b < rule.sink_blocks or b >= live_from)
+            # New blocks [old_nb, new_nb) less the stale ones [sink_blocks, live_from), counted in O(1):
+            # a capacity beyond what the primary tier can ever hold fails at once, whatever its size.
+            n = max(0, new_nb - old_nb) - max(0, min(new_nb, live_from) - max(old_nb, rule.sink_blocks))
+            if n > primary_slots[rule.group_id].num_slots:
+                return False
             if n:
                 need[rule.group_id] = n
         res = self._res
