@@ -197,8 +197,10 @@ class GatedStore(FileSystemStore):
 def test_pages_stay_locked_while_a_save_is_in_flight(llama, tmp_path):
     store = GatedStore(tmp_path)
     with engine(llama, 200, StoreConnector(store)) as eng:
-        out = eng.generate(prompts_for(llama, [70], seed=9), SamplingParams(max_tokens=2))[0]
-        cache = eng.connector.saving[out.request_id]
+        request_id = eng.add_request(prompts_for(llama, [70], seed=9)[0], SamplingParams(max_tokens=2))
+        while not eng.step():  # step() returns at once; generate() would wait for the save
+            pass
+        cache = eng.connector.saving[request_id]
         assert cache.state is kvtier.CacheState.ACTIVE  # held, locked in the primary tier
         store.gate.set()
         eng.close()

@@ -138,11 +138,13 @@ def test_restart_on_the_same_disk_directory(model, tmp_path):
         assert all(o.reused_tokens_by_tier["disk"] >= 32 for o in outs)
 
 
-def test_a_request_that_can_never_fit_is_an_error():
+def test_a_request_that_can_never_fit_is_refused_before_it_is_queued():
     model = build_model("tiny-llama", "cpu", torch.float64)
     eng = engine(model, primary_blocks=4, max_num_tokens=512)
-    with pytest.raises(kvtier.OutOfPagesError, match="cannot run even alone"):
+    with pytest.raises(ValueError, match="needs 13 pages of layer group 0 at once, but the primary tier has 4"):
         eng.generate(prompts_for(model, [200]), SamplingParams(max_tokens=2))
+    assert not eng.has_unfinished_requests()
+    eng.close()
 
 
 def test_bad_requests_are_rejected():

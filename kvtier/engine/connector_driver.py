@@ -13,15 +13,17 @@ protocol got with it:
     deliver  when the request is in the batch that runs: update_state_after_alloc exactly once,
              the worker loads, and the loaded tokens are committed to the cache
 
-An offer not delivered when its request is aborted is handed back too. A request whose save is
-still running when it finishes keeps its cache (pages locked in the primary tier) until
-``get_finished`` reports the save done.
+An offer not delivered when its request is aborted, fails, or is preempted for recompute (its
+cache closed) is handed back too. A request whose save is still running when it finishes keeps
+its cache (pages locked in the primary tier) until ``get_finished`` reports the save done;
+``wait_for_saves`` waits for that (``generate`` returns only then).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,6 +62,7 @@ class ConnectorDriver:
         connector.register_kv_cache_layout(self.mgr.layout())
         engine.scheduler.on_cache_created = self.ask
         engine.scheduler.on_resumed = self.reserve
+        engine.scheduler.on_cache_dropped = self.abort
         engine.scheduler.pages_pending_release = lambda: bool(self.saving)
 
     # -- the three phases ------------------------------------------------------------------------
@@ -147,11 +150,12 @@ class ConnectorDriver:
         return False
 
     def abort(self, request: Request) -> None:
-        """The request leaves before its offer was delivered: hand the offer back."""
+        """The request's cache is closed before it finished: hand an undelivered offer back."""
         offer = request.connector
         if isinstance(offer, Offer) and not offer.delivered:
             self.connector.cancel_load(self._view(request, with_blocks=False), offer.start, offer.end)
         request.connector = None
+        request.loaded_until = 0
 
     def poll(self) -> None:
         """Close the caches of requests whose saves finished."""
@@ -163,13 +167,31 @@ class ConnectorDriver:
             if cache is not None:
                 cache.close()
 
-    def close(self) -> None:
-        """Wait for every save, then close the connector."""
-        while self.saving:
+    def wait_for_saves(self, request_ids: Collection[int] | None = None, timeout_s: float | None = None) -> bool:
+        """Wait until the saves of ``request_ids`` (None: all) are complete and their caches closed.
+
+        Returns False if some were still running after ``timeout_s`` seconds (None: no limit).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
             self.poll()
-            if self.saving:
-                time.sleep(0.001)
+            pending = self.saving if request_ids is None else self.saving.keys() & set(request_ids)
+            if not pending:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Wait for every save (at most ``timeout_s``), then close the connector.
+
+        Returns False, leaving the connector open (closing it would wait for them), when saves
+        were still running at the deadline.
+        """
+        if not self.wait_for_saves(None, timeout_s):
+            return False
         self.connector.close()
+        return True
 
     # -- helpers ----------------------------------------------------------------------------------
 

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtier.cache import as_token_array
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
+from kvtier.engine import exit_close
+from kvtier.engine.admission import RequestLimits
 from kvtier.engine.params import SamplingParams, SchedulerConfig
-from kvtier.engine.request import Request, RequestOutput
+from kvtier.engine.request import Request, RequestOutput, RequestStatus
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import Scheduler
+from kvtier.errors import CacheStateError
 from kvtier.eviction import check_priority
 from kvtier.manager import KVCacheManager
 from kvtier.models import DecoderModel
 from kvtier.weights import weights_fingerprint
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -27,6 +33,15 @@ class LLMEngine:
     Greedy output is token-identical to ``model.reference_generate`` whatever the cache does
     (reuse, demotion to host or disk, preemption, a connector's load) when the model runs in
     float64; ``engine.cache_manager`` gives the manager's stats and layout.
+
+    Errors: a request that can never be served is refused before anything is queued
+    (``ValueError`` naming the field, ``TypeError`` for a wrong type; kvtier.engine.admission);
+    one that fails while served (it cannot run even alone, non-finite logits) finishes with
+    ``finish_reason="error"`` and ``error`` set, its pages freed, and the others go on.
+
+    One thread drives an engine. ``close()`` (idempotent; also a context manager) finishes the
+    connector's saves and closes the cache manager; an engine never closed is closed when the
+    interpreter exits (kvtier.engine.exit_close).
     """
 
     def __init__(
@@ -40,6 +55,8 @@ class LLMEngine:
             raise ValueError(
                 f"the cache lives on {cache_config.device} but the model on {model.device}: give both the same device"
             )
+        if scheduler_config is not None and not isinstance(scheduler_config, SchedulerConfig):
+            raise TypeError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         self.model = model
         spec = model.spec
         if spec.model_id is None:  # name the weights, so pages never outlive a change of checkpoint
@@ -47,6 +64,7 @@ class LLMEngine:
         self.cache_manager = KVCacheManager(spec, cache_config)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache_manager)
         self.runner = ModelRunner(model, self.cache_manager)
+        self.limits = RequestLimits.of(model.vocab_size, self.cache_manager, self.scheduler.config)
         self.connector = None
         if connector is not None:
             from kvtier.engine.connector_driver import ConnectorDriver
@@ -54,42 +72,89 @@ class LLMEngine:
             self.connector = ConnectorDriver(connector, self)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
+        self._closed = False
+        self.driver_thread = threading.get_ident()  # the thread that last drove this engine
+        exit_close.track(self)
+
+    # -- requests ---------------------------------------------------------------------------------
 
     def add_request(
         self, prompt: Sequence[int], params: SamplingParams, scope: ReuseScope = DEFAULT_SCOPE, priority: int = 35
     ) -> int:
-        """Queue a prompt; returns its request id."""
-        tokens = as_token_array(prompt)
-        if not tokens:
-            raise ValueError("a prompt needs at least one token")
-        if max(tokens) >= self.model.vocab_size:
-            raise ValueError(f"prompt tokens must be below the model's vocabulary size {self.model.vocab_size}")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        check_priority(priority)
-        request = Request(next(self._ids), list(tokens), params, scope, priority)
-        self._requests[request.request_id] = request
-        self.scheduler.add(request)
-        return request.request_id
+        """Queue a prompt; returns its request id. Refuses a request that can never be served."""
+        self._check_open()
+        _check_scope_and_priority(scope, priority)
+        tokens = self.limits.check(prompt, params)
+        return self._queue(list(tokens), params, scope, priority)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        scope: ReuseScope = DEFAULT_SCOPE,
+        priority: int = 35,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of ``prompts``.
+
+        Every prompt is checked before any is queued: one that can never be served raises
+        (``ValueError``/``TypeError`` naming ``prompts[i]``) and nothing runs. A request that
+        fails while served is in the outputs with ``finish_reason="error"``. Returns once the
+        requests have finished and every save they started through the connector is complete.
+        ``on_finish`` sees each output as it finishes, also those of requests queued earlier
+        with ``add_request`` (which run alongside).
+        """
+        self._check_open()
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        _check_scope_and_priority(scope, priority)
+        pairs = list(zip(prompts, params, strict=True))
+        checked = [self.limits.check(prompt, sp, f"prompts[{i}]") for i, (prompt, sp) in enumerate(pairs)]
+        ids = [self._queue(list(tokens), sp, scope, priority) for tokens, (_, sp) in zip(checked, pairs, strict=True)]
+        done: dict[int, RequestOutput] = {}
+        mine = set(ids)
+        try:
+            while len(done) < len(ids):
+                for output in self.step():
+                    if output.request_id in mine:
+                        done[output.request_id] = output
+                    if on_finish is not None:
+                        on_finish(output)
+            if self.connector is not None:
+                self.connector.wait_for_saves(ids)
+        except BaseException:
+            for request_id in ids:  # nothing of this call stays queued
+                self.abort_request(request_id)
+            raise
+        return [done[i] for i in ids]
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward over the batch, sample; returns the requests that finished."""
+        self._check_open()
+        self.driver_thread = threading.get_ident()
         if self.connector is not None:
             self.connector.poll()
         batch = self.scheduler.schedule()
+        finished = [self._finish_failed(request, request.error) for request in self.scheduler.take_failed()]
         if not batch:
-            if self.connector is not None and self.connector.saving:
+            if not finished and self.connector is not None and self.connector.saving:
                 time.sleep(0.001)  # waiting for a save to release its pages
-            return []
+            return finished
         if self.connector is not None:
             self.connector.before_forward(batch)
-        sampled = self.runner.run(batch)
+        sampled, errors = self.runner.run(batch)
         if self.connector is not None:
             self.connector.after_forward(batch)
         now = time.perf_counter()
-        finished = []
         for chunk in batch:
             request = chunk.request
+            error = errors.get(request.request_id)
+            if error is not None:
+                finished.append(self._finish_failed(request, f"request {request.request_id} failed: {error}"))
+                continue
             token = sampled.get(request.request_id)
             if token is None:
                 continue
@@ -103,44 +168,8 @@ class LLMEngine:
                 finished.append(request.to_output())
         return finished
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        scope: ReuseScope = DEFAULT_SCOPE,
-        priority: int = 35,
-        on_finish: Callable[[RequestOutput], None] | None = None,
-    ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of ``prompts``."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp, scope, priority) for p, sp in zip(prompts, params, strict=True)]
-        done: dict[int, RequestOutput] = {}
-        while len(done) < len(ids):
-            for output in self.step():
-                done[output.request_id] = output
-                if on_finish is not None:
-                    on_finish(output)
-        return [done[i] for i in ids]
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
-
-    def close(self) -> None:
-        """Close the cache manager (persisting to its disk tier, if any)."""
-        if self.connector is not None:
-            self.connector.close()
-        self.cache_manager.close()
-
-    def _finish_reason(self, request: Request, token: int) -> str | None:
-        if token in request.params.stop_token_ids:
-            return "stop"
-        if len(request.output) >= request.params.max_tokens:
-            return "length"
-        return None
 
     def abort_request(self, request_id: int) -> None:
         """Drop a request that has not finished; an undelivered connector offer is handed back."""
@@ -153,14 +182,75 @@ class LLMEngine:
         self.runner.forget(request)
         self._requests.pop(request_id, None)
 
-    def _finish(self, request: Request, reason: str) -> None:
-        saving = self.connector is not None and self.connector.request_finished(request)
-        self.scheduler.finish(request, reason, close_cache=not saving)
-        self.runner.forget(request)
-        self._requests.pop(request.request_id, None)
+    # -- closing ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish the connector's saves, close it and the cache manager (persisting to its disk tier). Idempotent."""
+        self.close_within(None)
+
+    def close_within(self, save_timeout_s: float | None) -> bool:
+        """``close``, waiting at most ``save_timeout_s`` for the connector's saves (None: no limit).
+
+        Returns False when saves were still running then: the connector is left open (its saves
+        go on) and the cache manager is closed all the same.
+        """
+        if self._closed:
+            return True
+        self._closed = True
+        exit_close.untrack(self)
+        saved = True
+        try:
+            if self.connector is not None:
+                saved = self.connector.close(save_timeout_s)
+        finally:
+            self.cache_manager.close()
+        return saved
 
     def __enter__(self) -> LLMEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _queue(self, tokens: list[int], params: SamplingParams, scope: ReuseScope, priority: int) -> int:
+        request = Request(next(self._ids), tokens, params, scope, priority)
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        if token in request.params.stop_token_ids:
+            return "stop"
+        if len(request.output) >= request.params.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        saving = self.connector is not None and self.connector.request_finished(request)
+        self.scheduler.finish(request, reason, close_cache=not saving)
+        self.runner.forget(request)
+        self._requests.pop(request.request_id, None)
+
+    def _finish_failed(self, request: Request, error: str | None) -> RequestOutput:
+        """Finish a request with an error (pages freed, nothing saved) and give its output."""
+        if request.status is not RequestStatus.FINISHED:
+            if self.connector is not None:
+                self.connector.abort(request)
+            self.scheduler.finish(request, "error")
+        request.error = error
+        request.finish_time = time.perf_counter()
+        self.runner.forget(request)
+        self._requests.pop(request.request_id, None)
+        return request.to_output()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheStateError("the engine is closed")
+
+
+def _check_scope_and_priority(scope: object, priority: object) -> None:
+    if not isinstance(scope, ReuseScope):
+        raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
+    check_priority(priority)  # type: ignore[arg-type]

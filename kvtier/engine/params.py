@@ -1,16 +1,30 @@
-"""What a caller asks of the engine: how to sample, and how to schedule."""
+"""What a caller asks of the engine: how to sample, and how to schedule.
+
+Both records check every field when they are built: a wrong type or a value out of range is a
+``ValueError`` naming the field, so a request never carries a setting that fails later.
+"""
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
 Policy = Literal["guaranteed_no_evict", "max_utilization"]
 
+MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes any 64-bit unsigned value
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request generation settings. ``temperature == 0`` is greedy (argmax)."""
+    """Per-request generation settings. ``temperature == 0`` is greedy (argmax).
+
+    - ``max_tokens``: tokens to generate, an int >= 1.
+    - ``temperature``: a finite real number >= 0.
+    - ``seed``: None (the request id seeds the sampler) or an int in ``[0, 2**64)``.
+    - ``stop_token_ids``: token ids (ints >= 0) that end the request once sampled.
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -18,11 +32,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", _stop_tokens(self.stop_token_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +48,14 @@ class SchedulerConfig:
 
     - ``policy``: ``"guaranteed_no_evict"`` admits a request only once pages for its whole
       prompt and ``max_tokens`` are reserved, so a running request never waits for memory;
-      ``"max_utilization"`` allocates step by step and, under memory pressure, suspends running
-      requests (their pages may be demoted to host and disk) and resumes them later.
+      ``"max_utilization"`` allocates step by step and, under memory pressure, preempts running
+      requests: their caches are suspended (their pages may be demoted to host and disk) and
+      resumed later, or, where no tier below the primary can take the pages, closed and the
+      requests recomputed later from what they published.
     - ``max_num_tokens``: tokens computed per step (decode tokens + prefill chunks).
     - ``max_batch_size``: requests per step.
-    - ``chunked_prefill``: split prompts longer than the step budget over several steps.
+    - ``chunked_prefill``: split prompts longer than the step budget over several steps; without
+      it a prompt longer than ``max_num_tokens`` is refused.
     """
 
     policy: Policy = "guaranteed_no_evict"
@@ -48,5 +68,26 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'guaranteed_no_evict' or 'max_utilization', got {self.policy!r}")
         for name in ("max_num_tokens", "max_batch_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.chunked_prefill, bool):
+            raise ValueError(f"chunked_prefill must be a bool, got {self.chunked_prefill!r}")
+
+
+def _stop_tokens(value: object) -> tuple[int, ...]:
+    """``stop_token_ids`` as a tuple of ints >= 0 (numpy integers accepted); ``ValueError`` otherwise."""
+    error = ValueError(f"stop_token_ids must be a sequence of int token ids >= 0, got {value!r}")
+    if isinstance(value, str | bytes):
+        raise error
+    try:
+        items = list(value)  # type: ignore[call-overload]
+        tokens = tuple(operator.index(t) for t in items if not isinstance(t, bool))
+    except TypeError:
+        raise error from None
+    if len(tokens) != len(items) or any(t < 0 for t in tokens):
+        raise error
+    return tokens
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +24,8 @@ class Request:
 
     ``tokens`` is the prompt followed by every generated token. The cache holds the KV of
     ``tokens[: cache.num_committed_tokens]``; the next forward computes from there, so a cache
-    that had to start over after a damaged page simply recomputes more.
+    that had to start over after a damaged page simply recomputes more, and a request preempted
+    for recompute (no cache) gets a new one that matches what it published, its output included.
     """
 
     request_id: int
@@ -35,11 +37,13 @@ class Request:
     tokens: list[int] = field(init=False)
     status: RequestStatus = RequestStatus.WAITING
     cache: KVCache | None = None
+    admitted: bool = False  # had a cache once (a recompute keeps the first admission's reuse counts)
     first_token_time: float | None = None
     finish_time: float | None = None
     computed_prompt_tokens: int = 0
     reused_by_tier: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
+    error: str | None = None  # why it finished with finish_reason "error"
     connector: object | None = None  # the connector offer of this allocation (kvtier.engine.connector_driver)
     loaded_until: int = 0  # end of a reserved connector offer: tokens below it are loaded, not computed
 
@@ -61,17 +65,19 @@ class Request:
         return max(self.num_computed, self.loaded_until)
 
     def to_output(self) -> RequestOutput:
-        assert self.first_token_time is not None and self.finish_time is not None
+        assert self.finish_time is not None
+        first = self.first_token_time
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=list(self.prompt),
             token_ids=self.output,
-            ttft_s=self.first_token_time - self.arrival,
+            ttft_s=math.nan if first is None else first - self.arrival,
             latency_s=self.finish_time - self.arrival,
             num_prompt_tokens=len(self.prompt),
             num_computed_prompt_tokens=self.computed_prompt_tokens,
             reused_tokens_by_tier={"primary": 0, "host": 0, "disk": 0, "connector": 0, **self.reused_by_tier},
             finish_reason=self.finish_reason or "length",
+            error=self.error,
         )
 
 
@@ -79,9 +85,12 @@ class Request:
 class RequestOutput:
     """The result of one prompt.
 
-    ``num_computed_prompt_tokens``: prompt tokens this engine ran through the model;
-    ``reused_tokens_by_tier``: prompt tokens whose KV came from each tier ("primary", "host",
-    "disk") or from the connector ("connector").
+    ``num_computed_prompt_tokens``: prompt tokens this engine ran through the model (a request
+    preempted and recomputed counts them again); ``reused_tokens_by_tier``: prompt tokens whose
+    KV came from each tier ("primary", "host", "disk") or from the connector ("connector") when
+    the request was first admitted. ``finish_reason`` is "stop", "length", "abort" or "error";
+    with "error", ``error`` says why and ``token_ids`` holds what was generated before it
+    (``ttft_s`` is NaN when no token was).
     """
 
     request_id: int
@@ -93,3 +102,4 @@ class RequestOutput:
     num_computed_prompt_tokens: int
     reused_tokens_by_tier: dict[str, int]
     finish_reason: str
+    error: str | None = None

@@ -36,24 +36,33 @@ class ModelRunner:
         self._snapshot_tokens = mgr.config.snapshot_interval_blocks * mgr.tokens_per_block if has_state else 0
         self._generators: dict[int, torch.Generator] = {}
 
-    def run(self, batch: list[ScheduledChunk]) -> dict[int, int]:
+    def run(self, batch: list[ScheduledChunk]) -> tuple[dict[int, int], dict[int, str]]:
         """Compute every chunk, commit it, and sample a token for each request now fully computed.
 
-        Returns request id -> sampled token.
+        Returns (request id -> sampled token, request id -> error). A request whose logits are
+        not finite (NaN or inf: broken weights, an overflow in a low precision) gets an error
+        instead of a token, since any token sampled from them would be wrong.
         """
         waves = self._waves(batch)
         sampled: dict[int, int] = {}
+        errors: dict[int, str] = {}
         for wave in waves:
             seqs = [self._sequence(piece) for piece in wave]
             logits = self.model.forward_paged(seqs, self.mgr.kv_views, "last")
+            ends = [piece.end == len(piece.chunk.request.tokens) for piece in wave]
+            finite = torch.isfinite(logits).all(dim=-1).tolist() if any(ends) else []
             for row, piece in enumerate(wave):
                 request = piece.chunk.request
                 assert request.cache is not None
                 request.cache.commit(request.tokens[piece.start : piece.end])
                 request.computed_prompt_tokens += max(0, min(piece.end, len(request.prompt)) - piece.start)
-                if piece.end == len(request.tokens):
+                if not ends[row]:
+                    continue
+                if finite[row]:
                     sampled[request.request_id] = self._sample(request, logits[row])
-        return sampled
+                else:
+                    errors[request.request_id] = f"the model gave non-finite logits at position {piece.end - 1}"
+        return sampled, errors
 
     def forget(self, request: Request) -> None:
         self._generators.pop(request.request_id, None)
@@ -93,5 +102,7 @@ class ModelRunner:
             generator = torch.Generator(device=logits.device)
             generator.manual_seed(params.seed if params.seed is not None else request.request_id)
             self._generators[request.request_id] = generator
-        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        logits = logits.float()
+        # Shifted so that the largest is 0: a tiny temperature gives -inf, never inf or NaN.
+        probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator))

@@ -10,8 +10,16 @@ Policies:
 - ``guaranteed_no_evict``: admission reserves capacity for the whole prompt and ``max_tokens``,
   so a running request never needs memory again.
 - ``max_utilization``: capacity grows step by step; when a running request cannot grow, the
-  most recently admitted request of the lowest priority is preempted (its cache suspended, its
-  pages left to be demoted), put back at the head of the queue, and resumed later.
+  most recently admitted request of the lowest priority is preempted and put back at the head
+  of the queue. With a tier below the primary, its cache is suspended (its pages may be
+  demoted, never dropped) and resumed later; with none, suspending would free nothing, so its
+  cache is closed (what it published stays in the tree) and the request is recomputed later
+  from its prompt and the tokens it generated.
+
+Nothing stalls: when no request runs and the head of the queue still cannot start, the caches
+of the other waiting requests are closed (they will be recomputed), which frees every page a
+cache holds; a request that cannot start even then can never run, and finishes with an error
+(``failed``) while the others go on.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ from dataclasses import dataclass
 from kvtier.cache import CacheState
 from kvtier.engine.params import SchedulerConfig
 from kvtier.engine.request import Request, RequestStatus
-from kvtier.errors import OutOfPagesError
 from kvtier.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
@@ -39,22 +46,41 @@ class ScheduledChunk:
     num_tokens: int
 
 
-# Called once a waiting request has a cache, before it is resumed: (request) -> None.
-AdmitHook = Callable[[Request], None]
+@dataclass(slots=True)
+class _Blocked:
+    """Why the request at the head of the queue cannot start this step."""
+
+    reason: str
+
+
+# A hook on a request's cache: (request) -> None.
+CacheHook = Callable[[Request], None]
 
 
 class Scheduler:
-    """Waiting and running queues over one cache manager."""
+    """Waiting and running queues over one cache manager.
+
+    Invariants: a RUNNING request is in ``running`` and its cache is ACTIVE; a WAITING request is
+    in ``waiting`` and has no cache (never admitted, or preempted for recompute) or a SUSPENDED
+    one; a FINISHED request is in neither queue and its cache is closed (or held open by a
+    connector's save until that ends).
+    """
 
     def __init__(self, config: SchedulerConfig, mgr: KVCacheManager) -> None:
         self.config = config
         self.mgr = mgr
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.failed: list[Request] = []  # finished with an error since the engine last took them
         self.num_preemptions = 0
-        # Hooks a connector driver sets: right after a cache is created, and after each resume.
-        self.on_cache_created: AdmitHook = _nothing
-        self.on_resumed: AdmitHook = _nothing
+        self.num_recomputes = 0  # preemptions (and unblockings) that closed the cache
+        # Suspending frees primary pages only if a tier below can take them.
+        self._swap_out = len(mgr.config.tiers) > 1
+        # Hooks a connector driver sets: right after a cache is created, after each resume, and
+        # before the scheduler closes the cache of a request that has not finished.
+        self.on_cache_created: CacheHook = _nothing
+        self.on_resumed: CacheHook = _nothing
+        self.on_cache_dropped: CacheHook = _nothing
         # Whether pages held outside the queues (e.g. by a connector's save in flight) will be freed.
         self.pages_pending_release: Callable[[], bool] = lambda: False
 
@@ -81,12 +107,17 @@ class Scheduler:
             batch.append(ScheduledChunk(request, request.next_position, n))
             budget -= n
         while self.waiting and len(batch) < self.config.max_batch_size and budget > 0:
-            chunk = self._admit(self.waiting[0], budget, batch)
-            if chunk is None:
-                break
-            self.waiting.popleft()
-            batch.append(chunk)
-            budget -= chunk.num_tokens
+            request = self.waiting[0]
+            chunk = self._admit(request, budget, batch)
+            if isinstance(chunk, ScheduledChunk):
+                self.waiting.popleft()
+                batch.append(chunk)
+                budget -= chunk.num_tokens
+                continue
+            if self.running or batch or self.pages_pending_release():
+                break  # memory comes back as running requests finish
+            if not self._recompute_waiting(but=request):
+                self._fail(request, f"it cannot run even alone: {chunk.reason}")
         return batch
 
     def finish(self, request: Request, reason: str, close_cache: bool = True) -> None:
@@ -100,39 +131,45 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
 
+    def take_failed(self) -> list[Request]:
+        """The requests that finished with an error since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
+
     def _chunk(self, request: Request, budget: int) -> int:
-        """Tokens of ``request`` to compute this step within ``budget`` (0: not this step)."""
+        """Tokens of ``request`` to compute this step within ``budget`` (0: not this step).
+
+        A recomputed request is chunked even without ``chunked_prefill``: its prompt fit in one
+        step, but the prompt with its output may not.
+        """
         want = len(request.tokens) - request.next_position
         if want <= budget:
             return want
-        return budget if self.config.chunked_prefill else 0
+        return budget if self.config.chunked_prefill or request.output else 0
 
-    def _admit(self, request: Request, budget: int, batch: list[ScheduledChunk]) -> ScheduledChunk | None:
+    def _admit(self, request: Request, budget: int, batch: list[ScheduledChunk]) -> ScheduledChunk | _Blocked:
         if request.cache is None:
-            request.cache = self.mgr.create_cache(request.prompt, scope=request.scope, priority=request.priority)
-            request.reused_by_tier = dict(request.cache.reused_by_tier)
+            # A recomputed request matches its own published blocks, output included.
+            request.cache = self.mgr.create_cache(request.tokens, scope=request.scope, priority=request.priority)
+            if not request.admitted:
+                request.reused_by_tier = dict(request.cache.reused_by_tier)
+            request.admitted = True
             self.on_cache_created(request)
         cache = request.cache
         if not cache.resume():
-            self._check_can_ever_run(request, batch, "its cached pages do not fit in the primary tier")
-            return None
+            return _Blocked("its cached pages do not fit in the primary tier")
         self.on_resumed(request)
         n = self._chunk(request, budget)
         if n == 0:
-            if not self.running and not batch:
-                raise ValueError(
-                    f"request {request.request_id}: a {len(request.tokens)}-token prompt exceeds max_num_tokens="
-                    f"{self.config.max_num_tokens} and chunked_prefill is off"
-                )
             cache.suspend()
-            return None
+            return _Blocked(f"its {len(request.tokens)} tokens exceed max_num_tokens and chunked_prefill is off")
         target = request.next_position + n
         if self.config.policy == "guaranteed_no_evict":
-            target = max(target, len(request.prompt) + request.params.max_tokens)
+            # The last sampled token is never computed: prompt + max_tokens - 1 tokens at most.
+            target = max(target, len(request.prompt) + request.params.max_tokens - 1)
         if not cache.resize(max(target, cache.capacity)):
             cache.suspend()
-            self._check_can_ever_run(request, batch, f"{target} tokens of pages are not available")
-            return None
+            return _Blocked(f"pages for {target} tokens are not available in the primary tier")
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return ScheduledChunk(request, request.next_position, n)
@@ -153,20 +190,42 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        assert request.cache is not None and request.cache.state is CacheState.ACTIVE
-        request.cache.suspend()
+        """Back to the head of the queue, its cache suspended (swap) or closed (recompute)."""
+        cache = request.cache
+        assert cache is not None and cache.state is CacheState.ACTIVE
+        if self._swap_out:
+            cache.suspend()
+        else:
+            self._drop_cache(request)
         request.status = RequestStatus.WAITING
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         log.debug("preempted request %d at %d tokens", request.request_id, request.num_computed)
 
-    def _check_can_ever_run(self, request: Request, batch: list[ScheduledChunk], why: str) -> None:
-        """With nothing running to free memory, a request that cannot start never will."""
-        if not self.running and not batch and not self.pages_pending_release():
-            raise OutOfPagesError(
-                f"request {request.request_id} cannot run even alone: {why}; give the primary tier more memory"
-            )
+    def _recompute_waiting(self, but: Request) -> bool:
+        """Close the caches of waiting requests other than ``but``; False if none had one."""
+        holders = [r for r in self.waiting if r is not but and r.cache is not None]
+        for request in holders:
+            self._drop_cache(request)
+        return bool(holders)
+
+    def _drop_cache(self, request: Request) -> None:
+        """Close the cache of an unfinished request: it will be recomputed from what was published."""
+        assert request.cache is not None
+        self.on_cache_dropped(request)
+        request.cache.close()
+        request.cache = None
+        request.loaded_until = 0
+        self.num_recomputes += 1
+
+    def _fail(self, request: Request, reason: str) -> None:
+        request.error = f"request {request.request_id} failed: {reason}"
+        log.warning("kvtier engine: %s", request.error)
+        if request.cache is not None:
+            self.on_cache_dropped(request)
+        self.finish(request, "error")
+        self.failed.append(request)
 
 
 def _nothing(request: Request) -> None:

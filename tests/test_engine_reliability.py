@@ -1,0 +1,355 @@
+"""The engine never stalls, never lets one bad request poison the others, and loses no save.
+
+- A memory-bound ``max_utilization`` run with only a primary tier finishes (recompute preemption),
+  token-identical to the dense oracle.
+- A request that can never be served is refused before anything is queued (``ValueError``
+  naming the field), in O(1) however large ``max_tokens`` is; one that fails while served
+  finishes with ``finish_reason="error"`` and frees its pages while the others go on.
+- ``generate`` returns once its saves are on the store; an engine never closed is closed at
+  interpreter exit, so a script that forgets ``close()`` loses neither its saves nor its disk tier.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.connector import FileSystemConnector, StoreConnector
+from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
+from kvtier.models import build_model
+from tests.test_connector import GatedStore
+from tests.test_engine import TPB, check_against_oracle, engine, page_bytes, prompts_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_model("tiny-llama", "cpu", torch.float64, seed=0)
+
+
+def lengths(seed: int, count: int, low: int, high: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high + 1, (count,), generator=g).tolist()
+
+
+# -- a stalled engine ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_max_utilization_with_only_a_primary_tier_recomputes_instead_of_stalling(llama, seed):
+    # 30 prompts of 20-100 tokens in a 64-page primary tier: preempted requests used to keep
+    # their pages (nothing below to demote them to) until nothing could run at all.
+    prompts = prompts_for(llama, lengths(seed, 30, 20, 100), seed=100 + seed)
+    eng = engine(llama, primary_blocks=64, policy="max_utilization")
+    outs = eng.generate(prompts, SamplingParams(max_tokens=8))
+    assert [o.finish_reason for o in outs] == ["length"] * 30
+    check_against_oracle(llama, prompts, outs, 8)
+    assert eng.scheduler.num_preemptions > 0 and eng.scheduler.num_recomputes == eng.scheduler.num_preemptions
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
+@pytest.mark.parametrize("name", ["tiny-swa", "tiny-hybrid"])
+def test_recompute_preemption_reuses_what_the_victim_published(name):
+    model = build_model(name, "cpu", torch.float64, seed=1)
+    prompts = prompts_for(model, lengths(7, 8, 20, 90), seed=8, shared=24)
+    eng = engine(model, primary_blocks=20, policy="max_utilization", max_num_tokens=96)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=12))
+    check_against_oracle(model, prompts, outs, 12)
+    assert eng.scheduler.num_recomputes > 0
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
+def test_swapped_out_requests_that_fill_every_tier_are_recomputed(llama):
+    # A host tier of 2 pages cannot take the suspended requests' pages: once nothing runs, the
+    # waiting requests' caches are closed, and they are recomputed.
+    prompts = prompts_for(llama, lengths(3, 10, 40, 100), seed=9)
+    eng = engine(llama, primary_blocks=16, host_blocks=2, policy="max_utilization")
+    outs = eng.generate(prompts, SamplingParams(max_tokens=24))
+    check_against_oracle(llama, prompts, outs, 24)
+    assert eng.scheduler.num_recomputes > 0 and eng.scheduler.num_preemptions > eng.scheduler.num_recomputes
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
+# -- bad requests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("seed", {"seed": "x"}),
+        ("seed", {"seed": -1}),
+        ("seed", {"seed": 1 << 64}),
+        ("seed", {"seed": True}),
+        ("seed", {"seed": 1.5}),
+        ("temperature", {"temperature": "hot"}),
+        ("temperature", {"temperature": math.nan}),
+        ("temperature", {"temperature": math.inf}),
+        ("temperature", {"temperature": -0.5}),
+        ("max_tokens", {"max_tokens": 2.0}),
+        ("max_tokens", {"max_tokens": True}),
+        ("stop_token_ids", {"stop_token_ids": ["a"]}),
+        ("stop_token_ids", {"stop_token_ids": [-1]}),
+        ("stop_token_ids", {"stop_token_ids": [1.5]}),
+        ("stop_token_ids", {"stop_token_ids": "12"}),
+        ("stop_token_ids", {"stop_token_ids": 7}),
+    ],
+)
+def test_sampling_params_of_the_wrong_type_or_range_are_refused(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_valid_sampling_params_are_kept():
+    import numpy as np
+
+    params = SamplingParams(max_tokens=3, temperature=1, seed=(1 << 64) - 1, stop_token_ids=[np.int64(5), 0])
+    assert params.stop_token_ids == (5, 0) and params.seed == (1 << 64) - 1
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        SchedulerConfig(chunked_prefill="yes")
+
+
+def bad_prompts(model) -> list[tuple[str, list, SamplingParams]]:
+    """(what the error names, prompt, params) for requests that can never be served by ``engine(model, 40)``."""
+    ok = SamplingParams(max_tokens=4)
+    return [
+        ("empty", [], ok),
+        ("vocabulary", [1, 2, model.vocab_size], ok),
+        ("vocabulary", [1, 2, 1 << 40], ok),
+        (r"0\.\.2\*\*64", [1, -2, 3], ok),
+        ("integer", [1, "2", 3], ok),
+        ("integer", [1, 2.5], ok),
+        ("max_tokens", [1, 2, 3], SamplingParams(max_tokens=10**12)),
+        ("max_tokens", list(range(200)) * 4, ok),  # 800 tokens: 50 pages, the primary tier has 40
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_generate_refuses_a_bad_request_before_queuing_anything(llama):
+    eng = engine(llama, primary_blocks=40)
+    good = prompts_for(llama, [30, 45], seed=11)
+    for what, prompt, params in bad_prompts(llama):
+        with pytest.raises((ValueError, TypeError), match=what) as info:
+            eng.generate([good[0], prompt], [SamplingParams(max_tokens=4), params])
+        assert "prompts[1]" in str(info.value)
+        assert not eng.has_unfinished_requests(), f"{what}: the good request stayed queued"
+        with pytest.raises((ValueError, TypeError), match=what):
+            eng.add_request(prompt, params)
+        assert not eng.has_unfinished_requests()
+    outs = eng.generate(good, SamplingParams(max_tokens=4))  # the engine is not poisoned
+    check_against_oracle(llama, good, outs, 4)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        eng.generate(good, [SamplingParams(), {"max_tokens": 3}])
+    with pytest.raises(TypeError, match="scope"):
+        eng.generate(good, scope="tenant-a")
+    with pytest.raises(ValueError, match="priority"):
+        eng.add_request(good[0], SamplingParams(), priority=101)
+    assert not eng.has_unfinished_requests()
+    eng.close()
+
+
+def test_a_prompt_longer_than_a_step_without_chunked_prefill_is_refused(llama):
+    eng = engine(llama, primary_blocks=40, max_num_tokens=64, chunked_prefill=False)
+    good, long = prompts_for(llama, [30, 65], seed=12)
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        eng.generate([good, long])
+    assert not eng.has_unfinished_requests()
+    check_against_oracle(llama, [good], eng.generate([good], SamplingParams(max_tokens=3)), 3)
+    eng.close()
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_the_largest_request_that_fits_runs_and_one_token_more_is_refused(llama, policy):
+    eng = engine(llama, primary_blocks=8, policy=policy)  # 8 pages of 16 tokens
+    prompt = prompts_for(llama, [100], seed=13)[0]
+    fits = SamplingParams(max_tokens=8 * TPB - len(prompt) + 1)  # prompt + max_tokens - 1 = 128 tokens
+    check_against_oracle(llama, [prompt], eng.generate([prompt], fits), fits.max_tokens)
+    with pytest.raises(ValueError, match="needs 9 pages"):
+        eng.generate([prompt], SamplingParams(max_tokens=fits.max_tokens + 1))
+    eng.close()
+
+
+def damaged_model(bad_token: int):
+    """tiny-llama whose embedding of ``bad_token`` is infinite: any sequence holding it gives NaN."""
+    model = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+    model.model.embed_tokens.weight.data[bad_token] = math.inf
+    return model
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_that_fails_while_served_finishes_with_an_error_and_the_others_go_on(temperature):
+    model = damaged_model(bad_token=7)
+    ok = prompts_for(model, [40, 70, 25], seed=14)
+    ok = [[t if t != 7 else 8 for t in p] for p in ok]
+    expected = [model.reference_generate(p, 6) for p in ok]
+    assert all(7 not in out for out in expected)
+    bad = ok[1][:30] + [7] + ok[1][30:]
+    eng = engine(model, primary_blocks=30)
+    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=temperature, seed=5)]
+    outs = eng.generate([ok[0], bad, ok[1], ok[2]], [params[0], params[1], params[0], params[0]])
+    assert [o.finish_reason for o in outs] == ["length", "error", "length", "length"]
+    assert "non-finite logits" in outs[1].error and outs[1].token_ids == [] and math.isnan(outs[1].ttft_s)
+    assert [outs[0].token_ids, outs[2].token_ids, outs[3].token_ids] == expected
+    assert outs[0].error is None
+    assert not eng.has_unfinished_requests()
+    # Its pages were freed: a request needing the whole primary tier still runs.
+    whole = prompts_for(model, [30 * TPB - 3], seed=15)[0]
+    whole = [t if t != 7 else 8 for t in whole]
+    assert eng.generate([whole], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
+def test_a_request_that_cannot_run_even_alone_fails_and_the_others_finish(llama):
+    # Pages locked by a cache the engine does not own leave too little room for the long request.
+    eng = engine(llama, primary_blocks=40)
+    outside = eng.cache_manager.create_cache(prompts_for(llama, [30 * TPB], seed=16)[0])
+    assert outside.resume() and outside.resize(30 * TPB)
+    short, long = prompts_for(llama, [20, 170], seed=17)
+    outs = eng.generate([long, short], SamplingParams(max_tokens=4))
+    assert [o.finish_reason for o in outs] == ["error", "length"]
+    assert "cannot run even alone" in outs[0].error
+    check_against_oracle(llama, [short], outs[1:], 4)
+    outside.close()
+    check_against_oracle(llama, [long], eng.generate([long], SamplingParams(max_tokens=4)), 4)
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
+def test_an_exception_inside_generate_leaves_nothing_queued(llama):
+    eng = engine(llama, primary_blocks=60, max_batch_size=1)
+    prompts = prompts_for(llama, [30, 40, 50], seed=18)
+
+    def explode(output):
+        raise RuntimeError("the caller's callback failed")
+
+    with pytest.raises(RuntimeError, match="callback"):
+        eng.generate(prompts, SamplingParams(max_tokens=3), on_finish=explode)
+    assert not eng.has_unfinished_requests()
+    check_against_oracle(llama, prompts, eng.generate(prompts, SamplingParams(max_tokens=3)), 3)
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
+def test_a_closed_engine_refuses_work(llama):
+    eng = engine(llama, primary_blocks=20)
+    eng.close()
+    eng.close()  # idempotent
+    with pytest.raises(kvtier.CacheStateError, match="closed"):
+        eng.generate(prompts_for(llama, [10]))
+
+
+# -- resize in O(1) -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-swa"])
+def test_resize_beyond_the_tiers_fails_at_once(name):
+    model = build_model(name, "cpu", torch.float64)
+    pb = page_bytes(model)
+    with kvtier.KVCacheManager(model.spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(20 * pb)])) as mgr:
+        cache = mgr.create_cache(list(range(1, 40)))
+        assert cache.resume() and cache.resize(40)
+        for capacity in (10**12, 10**15):
+            assert not cache.resize(capacity)
+            assert not cache.resize(capacity, history=40)
+        assert (cache.capacity, cache.history_length) == (40, 0)
+        assert cache.resize(10 * TPB)  # what fits still does
+        mgr.check_invariants()
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_max_tokens_is_refused_at_once(llama):
+    for policy in ("guaranteed_no_evict", "max_utilization"):
+        eng = engine(llama, primary_blocks=40, policy=policy)
+        with pytest.raises(ValueError, match="max_tokens=1000000000000"):
+            eng.generate(prompts_for(llama, [20]), SamplingParams(max_tokens=10**12))
+        assert not eng.has_unfinished_requests()
+        eng.close()
+
+
+# -- saves that outlive the script ----------------------------------------------------------------
+
+CHILD = """
+import sys, torch, kvtier
+from kvtier.connector import FileSystemConnector, StoreConnector
+from kvtier.engine import LLMEngine, SamplingParams
+from kvtier.models import build_model
+
+store, disk, how = sys.argv[1], sys.argv[2], sys.argv[3]
+model = build_model("tiny-llama", "cpu", torch.float64)
+page = {page_bytes}
+tiers = [kvtier.PrimaryTier(200 * page), kvtier.DiskTier(200 * page, disk)]
+config = kvtier.CacheConfig(16, tiers, snapshot_interval_blocks=2)
+engine = LLMEngine(model, config, connector=FileSystemConnector(store))
+prompts = {prompts}
+if how == "generate":
+    engine.generate(prompts, SamplingParams(max_tokens=3))
+else:  # the step API: saves are still running when the script ends
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=3))
+    finished = 0
+    while finished < len(prompts):
+        finished += len(engine.step())
+print("done without close()")
+"""
+
+
+def page_files(path: Path) -> int:
+    return len(list(path.rglob("*.page")))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["generate", "step"])
+def test_a_script_that_never_closes_its_engine_keeps_its_saves_and_its_disk_tier(llama, tmp_path, how):
+    prompts = prompts_for(llama, [100, 130, 70], seed=19)
+    expected_dir = tmp_path / "expected"
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(200 * page_bytes(llama))])
+    with LLMEngine(llama, config, connector=FileSystemConnector(expected_dir)) as closed:  # what a closed one saves
+        closed.generate(prompts, SamplingParams(max_tokens=3))
+    expected = page_files(expected_dir)
+    assert expected >= (100 + 130 + 70) // TPB
+
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(CHILD.format(page_bytes=page_bytes(llama), prompts=prompts)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    store, disk = tmp_path / "store", tmp_path / "disk"
+    child = subprocess.run(
+        [sys.executable, str(script), str(store), str(disk), how], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert page_files(store) == expected
+
+    # The disk tier was persisted at exit too: a new engine on it reloads the prompts.
+    with engine(llama, primary_blocks=200, disk_blocks=200, path=disk) as restarted:
+        outs = restarted.generate(prompts, SamplingParams(max_tokens=3))
+        check_against_oracle(llama, prompts, outs, 3)
+        for out, prompt in zip(outs, prompts, strict=True):
+            assert out.reused_tokens_by_tier["disk"] == len(prompt) // TPB * TPB
+
+
+def test_generate_returns_once_its_saves_are_written(llama, tmp_path):
+    store = GatedStore(tmp_path)  # its writes wait for the gate
+    eng = LLMEngine(
+        llama, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(200 * page_bytes(llama))]), connector=StoreConnector(store)
+    )
+    opener = threading.Timer(0.5, store.gate.set)
+    opener.start()
+    eng.generate(prompts_for(llama, [90, 120], seed=20), SamplingParams(max_tokens=2))
+    assert store.gate.is_set()
+    assert page_files(tmp_path) == 91 // TPB + 121 // TPB  # prompt + first token computed, in full blocks
+    assert not eng.connector.saving
+    opener.join()
+    eng.close()
