@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The environment of the vLLM connector's tests (tests/vllm): vLLM 0.33 in .venv-vllm without its
+# GPU dependencies, seeing the base environment's CPU torch and the kvtier package. vLLM is
+# installed with --no-deps, then the packages that its config, scheduler, connector and worker
+# modules import, with torch pinned to the base build so nothing pulls a CUDA one.
+# Idempotent: returns at once when the environment is complete.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv-vllm
+VLLM_VERSION=0.33.0
+DEPS=(psutil pyzmq cbor2 aiohttp openai-harmony openai pybase64 cachetools msgspec uvloop
+      xgrammar fastapi partial-json-parser llguidance einops)
+TORCH_VERSION=$(python3 -c 'import torch; print(torch.__version__)')
+
+complete() {
+    "$VENV/bin/python" - "$TORCH_VERSION" >/dev/null 2>&1 <<'PY'
+import sys
+import torch
+import vllm.config, vllm.v1.core.sched.scheduler, vllm.v1.worker.utils
+import vllm.distributed.kv_transfer.kv_connector.v1.base
+import kvtier.vllm
+assert torch.__version__ == sys.argv[1], torch.__version__
+assert vllm.__version__.startswith("0.33."), vllm.__version__
+PY
+}
+
+if [ -x "$VENV/bin/python" ] && complete; then
+    exit 0
+fi
+python3 -m venv --system-site-packages "$VENV"
+"$VENV/bin/pip" install --quiet --no-deps "vllm==$VLLM_VERSION"
+PIN=$(mktemp)
+trap 'rm -f "$PIN"' EXIT
+echo "torch==$TORCH_VERSION" >"$PIN"
+# pip lists vLLM's own pins (torch, transformers, xgrammar) as conflicts here: expected, unused on the CPU
+"$VENV/bin/pip" install --quiet -c "$PIN" "${DEPS[@]}"
+if ! complete; then
+    echo "the vLLM test environment is incomplete; the import that fails:" >&2
+    "$VENV/bin/python" -c "import vllm.v1.core.sched.scheduler, vllm.v1.worker.utils, kvtier.vllm" >&2
+    exit 1
+fi
