@@ -141,8 +141,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        host, disk = self.scheduler.hit_sources(request, num_external_tokens)
-        counts = {CacheHitSource.HOST: host, CacheHitSource.DISK: disk}
+        host, disk, store = self.scheduler.hit_sources(request, num_external_tokens)
+        counts = {CacheHitSource.HOST: host, CacheHitSource.DISK: disk, CacheHitSource.EXTERNAL_UNSPECIFIED: store}
         return {source: n for source, n in counts.items() if n}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:

@@ -43,7 +43,19 @@ class _Commit:
 class Lease:
     """One request's cache; see the module docstring for its states."""
 
-    __slots__ = ("_commits", "cache", "loads", "local_tokens", "planned", "saves", "saving", "state")
+    __slots__ = (
+        "_commits",
+        "cache",
+        "loads",
+        "local_tokens",
+        "planned",
+        "puts",
+        "saves",
+        "saving",
+        "state",
+        "store_blocks",
+        "store_tokens",
+    )
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
@@ -53,6 +65,9 @@ class Lease:
         self.saving = True
         self.loads: set[int] = set()
         self.saves: set[int] = set()
+        self.puts = 0  # writes to the store in flight, reading this lease's pages
+        self.store_blocks = 0  # blocks past the match that the store offered
+        self.store_tokens = 0  # tokens the store actually supplied
         self._commits: deque[_Commit] = deque()
 
     @property
@@ -67,7 +82,7 @@ class Lease:
     @property
     def busy(self) -> bool:
         """A job of this lease is in flight."""
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves or self.puts)
 
     def activate(self) -> bool:
         """OFFERED -> ACTIVE: lock the prefix's pages in the host tier (reading them from disk if needed).
@@ -95,6 +110,11 @@ class Lease:
             return False
         return True
 
+    def fill(self, tokens: list[int]) -> None:
+        """The pages of ``tokens`` (the next ones after ``committed``) were filled in place: commit them."""
+        self.cache.commit(tokens)
+        self.planned = self.committed
+
     def plan_save(self, job_id: int, tokens: list[int]) -> None:
         """A job fills the pages of ``tokens`` (the next ones after ``planned``)."""
         self.saves.add(job_id)
@@ -117,6 +137,11 @@ class Lease:
             self._commits.clear()
         while self._commits and self._commits[0].done:
             self.cache.commit(self._commits.popleft().tokens)
+        self._close_if_idle()
+
+    def put_done(self) -> None:
+        """A write of this lease's pages to the store finished."""
+        self.puts -= 1
         self._close_if_idle()
 
     def load_done(self, job_id: int) -> None:

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtier.config import CacheConfig, DiskTier, PrimaryTier, ReuseScope
+from kvtier.connector.keys import BlockKeyspace
 from kvtier.manager import KVCacheManager
 from kvtier.pages import BAD_PAGE_INDEX
 from kvtier.vllm import host_pool
@@ -38,6 +40,7 @@ from kvtier.vllm.kv_groups import ModelPlan
 from kvtier.vllm.lease import Lease, LeaseState
 from kvtier.vllm.meta import KVTierMetadata, KVTierWorkerMeta
 from kvtier.vllm.settings import ConnectorSettings
+from kvtier.vllm.store_tier import BlockChain, StoreTier, open_store
 from kvtier.vllm.transfer import Direction, GroupBlocks, TransferJob
 
 if TYPE_CHECKING:
@@ -70,6 +73,17 @@ class KVTierScheduler:
         self._job_ids = itertools.count()
         self.null_block_id = 0
         self.block_ids_of: Any = None  # vLLM's KVCacheManager.get_block_ids, bound by the connector
+        self._store: StoreTier | None = None
+        self._chains: dict[str, BlockChain] = {}
+        self._put_plans: dict[int, tuple[BlockChain, list[bytes], list[np.ndarray]]] = {}
+        self._puts: list[tuple[Future, Lease]] = []
+        if settings.store_url is not None:
+            if plan.has_sliding_window:
+                self.shutdown()
+                raise NotImplementedError("kvtier.vllm: store_url is served for full-attention models only")
+            keyspace = BlockKeyspace.for_model(plan.spec, plan.block_size)
+            pages = [g.host_page_bytes for g in plan.groups]
+            self._store = StoreTier(open_store(settings.store_url), keyspace, buffers, pages)
 
     # -- ask and alloc ---------------------------------------------------------------------------
 
@@ -82,10 +96,15 @@ class KVTierScheduler:
             lease = Lease(self.manager.create_cache(request.all_token_ids, scope_of(request)))
             self._leases[rid] = lease
             self._requests[rid] = request
+            if self._store is not None:
+                chain = self._chain(rid, request)
+                limit = (request.num_tokens - 1) // self._tpb  # a hit never covers the last token
+                keys = chain.upto(request.all_token_ids, self._tpb, limit)[lease.matched // self._tpb :]
+                lease.store_blocks = self._store.present(chain, keys)
         if lease.state is not LeaseState.OFFERED:
             return 0, False
         lease.local_tokens = num_computed_tokens
-        offer = lease.matched - num_computed_tokens
+        offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, block_ids: tuple[list[int], ...], num_external: int) -> None:
@@ -99,15 +118,33 @@ class KVTierScheduler:
             )
             self._leases.pop(rid)
             lease = None
+        elif lease.store_blocks and lease.committed == lease.matched:
+            self._fetch_from_store(rid, request, lease)
         if num_external > 0:
             self._add_load(rid, lease, block_ids, num_external)
 
-    def hit_sources(self, request: Request, num_external: int) -> tuple[int, int]:
-        """(host tokens, disk tokens) of an external hit of ``num_external`` tokens (disk counted first)."""
+    def _fetch_from_store(self, rid: str, request: Request, lease: Lease) -> None:
+        """Bring the blocks the store offered into new host pages and commit what arrived whole."""
+        assert self._store is not None
+        first = lease.committed // self._tpb
+        end = first + lease.store_blocks
+        if not lease.grow(end * self._tpb):
+            return
+        slots = [lease.host_slots(plan.group_id, first, end) for plan in self.plan.groups]
+        chain = self._chain(rid, request)
+        got = self._store.fetch(chain, chain.keys[first:end], slots)
+        if got:
+            lease.fill(list(request.all_token_ids[first * self._tpb : (first + got) * self._tpb]))
+            lease.store_tokens = got * self._tpb
+
+    def hit_sources(self, request: Request, num_external: int) -> tuple[int, int, int]:
+        """(host, disk, store) tokens of an external hit (the store's, then the disk's counted first)."""
         lease = self._leases.get(request.request_id)
-        on_disk = 0 if lease is None else lease.cache.reused_by_tier.get("disk", 0)
-        disk = min(num_external, on_disk)
-        return num_external - disk, disk
+        if lease is None:
+            return num_external, 0, 0
+        store = min(num_external, lease.store_tokens)
+        disk = min(num_external - store, lease.cache.reused_by_tier.get("disk", 0))
+        return num_external - store - disk, disk, store
 
     def _add_load(self, rid: str, lease: Lease | None, block_ids: tuple[list[int], ...], num_external: int) -> None:
         tpb = self._tpb
@@ -142,6 +179,7 @@ class KVTierScheduler:
     # -- every step ----------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
+        self._reap_puts()
         flush: set[int] = set()
         for rid in scheduler_output.preempted_req_ids or ():
             lease = self._leases.pop(rid, None)
@@ -182,6 +220,11 @@ class KVTierScheduler:
         job = TransferJob(next(self._job_ids), rid, Direction.SAVE)
         job.groups = [self._rows(lease, plan, block_ids, first, stop) for plan in self.plan.groups]
         lease.plan_save(job.job_id, list(request.all_token_ids[start : stop * tpb]))
+        if self._store is not None:
+            chain = self._chain(rid, request)
+            keys = chain.upto(request.all_token_ids, tpb, stop)[first:stop]
+            slots = [lease.host_slots(plan.group_id, first, stop) for plan in self.plan.groups]
+            self._put_plans[job.job_id] = (chain, keys, slots)
         self._jobs[job.job_id] = (lease, Direction.SAVE)
         self._step_jobs.append(job)
 
@@ -211,13 +254,41 @@ class KVTierScheduler:
                 continue
             if direction is Direction.LOAD:
                 lease.load_done(job_id)
+                continue
+            put = self._put_plans.pop(job_id, None)
+            if ok and put is not None and self._store is not None:  # the pages are whole: write them through
+                self._puts.append((self._store.put(*put), lease))
+                lease.puts += 1
+            lease.save_done(job_id, ok)
+        self._reap_puts()
+
+    def wait_for_store_writes(self) -> None:
+        """Block until every store write in flight is done, and let its lease go of the pages."""
+        for future, _ in self._puts:
+            future.exception()  # waits; a failed write is a later miss, the store has logged it
+        self._reap_puts()
+
+    def _reap_puts(self) -> None:
+        """Let leases go of pages whose store writes finished."""
+        running = []
+        for future, lease in self._puts:
+            if future.done():
+                lease.put_done()
             else:
-                lease.save_done(job_id, ok)
+                running.append((future, lease))
+        self._puts = running
+
+    def _chain(self, rid: str, request: Request) -> BlockChain:
+        chain = self._chains.get(rid)
+        if chain is None:
+            chain = self._chains[rid] = BlockChain(scope_of(request))
+        return chain
 
     def request_finished(self, request: Request) -> bool:
         """True when vLLM must keep the request's blocks until the worker reports its saves done."""
         rid = request.request_id
         self._requests.pop(rid, None)
+        self._chains.pop(rid, None)
         lease = self._leases.pop(rid, None)
         if lease is None:
             return False
@@ -229,6 +300,9 @@ class KVTierScheduler:
 
     def shutdown(self) -> None:
         """Close every lease and the manager (published pages still in host memory go to disk)."""
+        if self._store is not None:
+            self._store.close()  # waits for the writes in flight
+            self._store = None
         leases = {id(lease): lease for lease in self._leases.values()}
         leases.update({id(lease): lease for lease, _ in self._jobs.values() if lease is not None})
         for lease in leases.values():

@@ -343,6 +343,7 @@ class Engine:
         pool = s.kv_cache_manager.block_pool
         assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
         k = self.kv_scheduler
+        k.wait_for_store_writes()
         assert not k._leases and not k._jobs and not k._requests
         assert not k.manager._caches, "a kvtier cache is still open"
         w = self.worker.worker

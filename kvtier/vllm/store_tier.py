@@ -1,0 +1,133 @@
+"""kvtier pages in a shared block store below the disk tier (``store_url``). Imports no vLLM.
+
+A block's pages are kept under ``BlockKeyspace`` keys (model identity, block size, tensor-parallel
+shard, reuse scope, the block's chained key, layer group), so engines on other processes or
+machines that run the same model find them, and nobody else does. The store frames and
+checksums every value (``kvtier.connector.store``): a missing, damaged or foreign value is a
+miss, and a store that is down, slow or full answers misses within its timeout, never raises.
+
+- ``present``: how many consecutive blocks the store holds whole, one batched existence check.
+- ``fetch``: the verified payloads of blocks into host pages; the run stops at the first miss.
+- ``put``: pages written on a background thread, skipping keys the store has; the caller keeps
+  the pages unchanged (locked) until the returned future is done.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+
+from kvtier.cache import as_token_array
+from kvtier.config import ReuseScope
+from kvtier.connector.fs_store import FileSystemStore
+from kvtier.connector.keys import BlockKeyspace
+from kvtier.connector.redis_store import RedisStore
+from kvtier.connector.store import BlockStore
+from kvtier.tree import block_key, encode_tokens, scope_key
+
+REDIS_SCHEMES = ("redis", "rediss", "redis-cluster", "redis-sentinel")
+
+
+def open_store(url: str) -> BlockStore:
+    """The store a ``store_url`` names: a Redis/Valkey URL, or ``file:///path`` (a shared directory)."""
+    scheme = urlparse(url).scheme
+    if scheme in REDIS_SCHEMES:
+        return RedisStore(url)
+    if scheme == "file":
+        path = urlparse(url).path
+        if not path:
+            raise ValueError(f"kvtier.vllm: store_url {url!r} names no directory (file:///path)")
+        return FileSystemStore(os.fspath(path))
+    raise ValueError(f"kvtier.vllm: store_url must start with one of {[*REDIS_SCHEMES, 'file']}://, got {url!r}")
+
+
+class BlockChain:
+    """The chained keys of one request's blocks, extended as the request grows (its tokens never change)."""
+
+    __slots__ = ("keys", "scope")
+
+    def __init__(self, scope: ReuseScope) -> None:
+        self.scope = scope
+        self.keys: list[bytes] = []
+
+    def upto(self, tokens: Sequence[int], tokens_per_block: int, count: int) -> list[bytes]:
+        """The keys of the first ``count`` full blocks of ``tokens``."""
+        parent = self.keys[-1] if self.keys else scope_key(self.scope)
+        for b in range(len(self.keys), count):
+            block = tokens[b * tokens_per_block : (b + 1) * tokens_per_block]
+            parent = block_key(parent, encode_tokens(as_token_array(list(block))))
+            self.keys.append(parent)
+        return self.keys[:count]
+
+
+class StoreTier:
+    """One engine's pages in a block store; see the module docstring."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        keyspace: BlockKeyspace,
+        host_buffers: Sequence[torch.Tensor],
+        page_bytes: Sequence[int],
+    ) -> None:
+        self.store = store
+        self.keyspace = keyspace
+        self._hosts = [buffer.numpy() for buffer in host_buffers]
+        self._page_bytes = list(page_bytes)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store")
+
+    def keys(self, chain: BlockChain, blocks: Sequence[bytes]) -> list[str]:
+        """Per block, per group, the store key (block-major)."""
+        groups = range(len(self._page_bytes))
+        return [self.keyspace.key(chain.scope, key, g) for key in blocks for g in groups]
+
+    def present(self, chain: BlockChain, blocks: Sequence[bytes]) -> int:
+        """How many of ``blocks``, from the first, the store holds for every group."""
+        if not blocks:
+            return 0
+        found = self.store.contains_many(self.keys(chain, blocks))
+        per_block = np.array(found, dtype=bool).reshape(len(blocks), -1).all(axis=1)
+        return len(blocks) if per_block.all() else int(np.argmin(per_block))
+
+    def fetch(self, chain: BlockChain, blocks: Sequence[bytes], slots: Sequence[np.ndarray]) -> int:
+        """Write the stored pages of ``blocks`` into host ``slots[g][i]``; how many arrived whole, from the first."""
+        if not blocks:
+            return 0
+        groups = len(self._page_bytes)
+        sizes = [self._page_bytes[g] for _ in blocks for g in range(groups)]
+        payloads = self.store.get_many(self.keys(chain, blocks), sizes)
+        for i in range(len(blocks)):
+            row = payloads[i * groups : (i + 1) * groups]
+            if any(p is None for p in row):
+                return i
+            for g, payload in enumerate(row):
+                page, slot = self._page_bytes[g], int(slots[g][i])
+                self._hosts[g][slot * page : (slot + 1) * page] = np.frombuffer(payload, dtype=np.uint8)
+        return len(blocks)
+
+    def put(self, chain: BlockChain, blocks: Sequence[bytes], slots: Sequence[np.ndarray]) -> Future:
+        """Write host pages ``slots[g][i]`` under ``blocks``' keys, in the background (keys present are skipped)."""
+        keys = self.keys(chain, blocks)
+        groups = len(self._page_bytes)
+        pages = [(g, int(slots[g][i])) for i in range(len(blocks)) for g in range(groups)]
+        return self._writer.submit(self._write, keys, pages)
+
+    def _write(self, keys: list[str], pages: list[tuple[int, int]]) -> None:
+        have = self.store.contains_many(keys)
+        items = []
+        for key, (g, slot), present in zip(keys, pages, have, strict=True):
+            if not present:
+                page = self._page_bytes[g]
+                items.append((key, self._hosts[g][slot * page : (slot + 1) * page]))
+        if items:
+            self.store.put_many(items)
+
+    def close(self) -> None:
+        """Finish the writes in flight, then close the store."""
+        self._writer.shutdown(wait=True)
+        self.store.close()
