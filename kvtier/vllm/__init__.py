@@ -11,7 +11,8 @@ Modules: ``connector`` (the vLLM class), ``scheduler`` and ``lease`` (the index:
 jobs), ``worker`` (runs jobs on vLLM's caches), ``kv_groups`` (vLLM's KV cache groups as a kvtier
 model), ``meta`` (what the halves exchange), ``settings`` (extra config, model identity), and the
 parts that import no vLLM: ``transfer`` (the data path: which block goes to which page, the
-copies) and ``host_pool`` (the host pages both halves share).
+copies), ``host_pool`` (the host pages both halves share), ``store_tier`` (the shared store below the
+disk tier) and ``paged_views`` (vLLM's cache layouts, for tests and ``kvtier bench vllm``).
 
 Importing this package imports vLLM (0.33). Where vLLM is not installed the package still
 imports, so that ``kvtier.vllm.transfer`` runs on its own, and ``KVTierConnector`` raises an

@@ -6,7 +6,8 @@ States, in order:
     ACTIVE    resumed: every page locked in the host tier. Loads read its pages; saves give it
               new pages (``grow``) that a worker job fills.
     CLOSING   vLLM let go of the request (finished, aborted, preempted); closed once no job of
-              it is in flight, so no page is unlocked (demotable, reusable) under a copy
+              it (nor a store write of its pages) is in flight, so no page is unlocked
+              (demotable, reusable) under a copy
     CLOSED
 
 Invariants: ``committed <= planned``; a page is committed (published in the tree, so other

@@ -17,6 +17,10 @@ model's identity. Each request gets a ``Lease`` (``kvtier.vllm.lease``):
 - **finish** (``request_finished``): with saves in flight vLLM keeps the blocks until the worker
   reports them done; the lease closes when its last job completes.
 
+With a store (``store_url``) the ask also counts the blocks past the tree that the store holds,
+alloc fetches them into host pages (verified; the run stops at the first miss, the rest is
+recomputed), and every completed save is written through to it in the background.
+
 Preempted requests flush their in-flight saves before the next forward (their blocks are freed
 at once), and so does every save of a model with sliding-window layers (vLLM frees blocks that
 leave the window).
@@ -33,6 +37,7 @@ import numpy as np
 
 from kvtier.config import CacheConfig, DiskTier, PrimaryTier, ReuseScope
 from kvtier.connector.keys import BlockKeyspace
+from kvtier.errors import InvariantError
 from kvtier.manager import KVCacheManager
 from kvtier.pages import BAD_PAGE_INDEX
 from kvtier.vllm import host_pool
@@ -41,13 +46,15 @@ from kvtier.vllm.lease import Lease, LeaseState
 from kvtier.vllm.meta import KVTierMetadata, KVTierWorkerMeta
 from kvtier.vllm.settings import ConnectorSettings
 from kvtier.vllm.store_tier import BlockChain, StoreTier, open_store
-from kvtier.vllm.transfer import Direction, GroupBlocks, TransferJob
+from kvtier.vllm.transfer import Direction, GroupBlocks, GroupPlan, TransferJob
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+BlockIds = tuple[list[int], ...]  # vLLM block ids per KV cache group, positional per block
 
 
 class KVTierScheduler:
@@ -62,6 +69,9 @@ class KVTierScheduler:
         self.manager = KVCacheManager(plan.spec, config)
         self._engine_id = engine_id
         layout = self.manager.layout()
+        for group, plan_group in zip(layout.groups, plan.groups, strict=True):
+            if group.regions[0].size != plan_group.host_page_bytes:
+                raise InvariantError(f"kvtier's page of group {group.group_id} is not one block of each of its layers")
         buffers = tuple(g.regions[0].buffer for g in layout.groups)
         host_pool.publish(engine_id, host_pool.HostPool(buffers, tuple(g.host_page_bytes for g in plan.groups)))  # type: ignore[arg-type]
         self._tpb = plan.block_size
@@ -107,7 +117,7 @@ class KVTierScheduler:
         offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, block_ids: tuple[list[int], ...], num_external: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: BlockIds, num_external: int) -> None:
         rid = request.request_id
         lease = self._leases.get(rid)
         if lease is None or lease.state is not LeaseState.OFFERED:
@@ -146,7 +156,7 @@ class KVTierScheduler:
         disk = min(num_external - store, lease.cache.reused_by_tier.get("disk", 0))
         return num_external - store - disk, disk, store
 
-    def _add_load(self, rid: str, lease: Lease | None, block_ids: tuple[list[int], ...], num_external: int) -> None:
+    def _add_load(self, rid: str, lease: Lease | None, block_ids: BlockIds, num_external: int) -> None:
         tpb = self._tpb
         start = 0 if lease is None else lease.local_tokens
         first, end = start // tpb, -(-(start + num_external) // tpb)
@@ -166,7 +176,7 @@ class KVTierScheduler:
         self._jobs[job.job_id] = (lease, Direction.LOAD)
         self._step_jobs.append(job)
 
-    def _intact_end(self, lease: Lease, plan, block_ids, first: int, end: int) -> int:
+    def _intact_end(self, lease: Lease, plan: GroupPlan, block_ids: BlockIds, first: int, end: int) -> int:
         """The first block in ``[first, end)`` that vLLM wants and this group cannot supply (or ``end``)."""
         slots = _padded(lease.host_slots(plan.group_id, first, end), end - first)
         wanted = self._device_blocks(plan, block_ids, first, end) != self.null_block_id
@@ -228,14 +238,14 @@ class KVTierScheduler:
         self._jobs[job.job_id] = (lease, Direction.SAVE)
         self._step_jobs.append(job)
 
-    def _rows(self, lease: Lease, plan, block_ids, first: int, end: int) -> GroupBlocks:
+    def _rows(self, lease: Lease, plan: GroupPlan, block_ids: BlockIds, first: int, end: int) -> GroupBlocks:
         """The blocks of ``[first, end)`` that move for one group: a host page and a live vLLM block per column."""
         slots = _padded(lease.host_slots(plan.group_id, first, end), end - first)
         device = self._device_blocks(plan, block_ids, first, end)
         keep = (slots != BAD_PAGE_INDEX) & (device != self.null_block_id).all(axis=1)
         return GroupBlocks(plan.group_id, slots[keep], device[keep])
 
-    def _device_blocks(self, plan, block_ids, first: int, end: int) -> np.ndarray:
+    def _device_blocks(self, plan: GroupPlan, block_ids: BlockIds, first: int, end: int) -> np.ndarray:
         """(end - first, columns) vLLM block ids of the plan's columns (null past a table's end)."""
         out = np.full((end - first, len(plan.columns)), self.null_block_id, dtype=np.int64)
         for c, vllm_group in enumerate(plan.columns):
