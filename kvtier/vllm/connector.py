@@ -8,6 +8,7 @@ waits in ``WAITING_FOR_REMOTE_KVS`` until its blocks are in), so ``wait_for_laye
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,8 @@ from kvtier.vllm.meta import KVTierMetadata, KVTierWorkerMeta
 from kvtier.vllm.scheduler import KVTierScheduler
 from kvtier.vllm.settings import ConnectorSettings, model_identity
 from kvtier.vllm.worker import KVTierWorker
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +57,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.warning(
+                    "kvtier.vllm: with kv_load_failure_policy=%r vLLM fails a request whose pages turn out damaged "
+                    "(disk or store); set kv_load_failure_policy='recompute' to recompute them instead",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
             self._scheduler = KVTierScheduler(plan, _per_dp_rank(settings, vllm_config), engine_id)
         else:
             self._worker = KVTierWorker(plan, engine_id, kv_cache_config.num_blocks)
