@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.copy import PageCopier
 from kvtier.vllm.paged_views import paged_layer_views
 from kvtier.vllm.transfer import (
     BlockTransfer,
@@ -153,3 +154,33 @@ def test_save_then_load_on_the_gpu_through_pinned_host_pages(layout):
         transfer.submit([job(2, Direction.LOAD, [7], [19])])
         transfer.synchronize()
         assert [block_bytes(v, 19) for v in views.values()] == saved
+
+
+class CountingCopier(PageCopier):
+    """A real CPU copier that also counts the pages of each call it makes."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.calls: list[int] = []
+
+    def copy(self, src, dst, pairs, page_bytes, stream=None):
+        self.calls.append(len(pairs))
+        return super().copy(src, dst, pairs, page_bytes, stream)
+
+
+def test_large_calls_go_to_the_bulk_copier_and_stay_exact(monkeypatch):
+    import kvtier.vllm.transfer as transfer_module
+
+    monkeypatch.setattr(transfer_module, "BULK_COPIES", 3 * LAYERS)
+    views, _ = caches("LBNHC")
+    plan = one_group(list(views))
+    allocation, routes = route_groups([plan], views, BLOCKS)
+    host = torch.zeros(SLOTS * plan.host_page_bytes, dtype=torch.uint8)
+    small, bulk = CountingCopier(), CountingCopier()
+    transfer = BlockTransfer(allocation, routes, [host], small, bulk)
+    transfer.submit([job(1, Direction.SAVE, [0, 1], [3, 4])])  # 2 blocks x 4 layers: below the bound
+    transfer.submit([job(2, Direction.SAVE, [2, 3, 4], [5, 6, 7])])  # 3 x 4: at the bound
+    assert small.calls == [2 * LAYERS] and bulk.calls == [3 * LAYERS]
+    pages = host.view(SLOTS, LAYERS, PAGE).numpy()
+    for slot, block in ((0, 3), (1, 4), (2, 5), (3, 6), (4, 7)):
+        assert [pages[slot, k].tobytes() for k in range(LAYERS)] == [block_bytes(v, block) for v in views.values()]

@@ -76,7 +76,7 @@ class _Bench:
         from kvtier.copy import CopyPolicy, PageCopier
         from kvtier.storage.pinned import allocate_host_buffer
         from kvtier.vllm.paged_views import paged_layer_views
-        from kvtier.vllm.transfer import BlockTransfer, GroupPlan, route_groups
+        from kvtier.vllm.transfer import KERNEL_ONLY, BlockTransfer, GroupPlan, route_groups
 
         self.torch, self.np = torch, np
         self.iters = args.iters
@@ -107,6 +107,8 @@ class _Bench:
             name: BlockTransfer(allocation, [self.route], [self.host.tensor], PageCopier(device, policy=policy))
             for name, policy in policies.items()
         }
+        # "auto" is what the connector's worker runs: large calls go to the kernel (transfer.BULK_COPIES)
+        self.transfers["auto"].bulk_copier = PageCopier(device, policy=KERNEL_ONLY)
         self.rng = np.random.default_rng(0)
         self.shape = {
             "layers": layers,
@@ -121,7 +123,7 @@ class _Bench:
         torch.cuda.synchronize()
 
     def measure(self, path: str, direction: str, n: int) -> dict[str, Any]:
-        from kvtier.vllm.transfer import Direction, GroupBlocks, TransferJob
+        from kvtier.vllm.transfer import BULK_COPIES, Direction, GroupBlocks, TransferJob
 
         torch, np = self.torch, self.np
         transfer = self.transfers[path]
@@ -154,7 +156,10 @@ class _Bench:
         ms = statistics.median(gpu_ms)
         moved = n * self.layers * self.page
         gbps = moved / (ms / 1e3) / 1e9
-        chosen = transfer.copier.policy.choose(self.page, coherent_link=transfer.copier.link.coherent)
+        copier = transfer.copier
+        if transfer.bulk_copier is not None and n * self.layers >= BULK_COPIES:
+            copier = transfer.bulk_copier
+        chosen = copier.policy.choose(self.page, coherent_link=copier.link.coherent)
         return {
             "path": path,
             "chosen": chosen,

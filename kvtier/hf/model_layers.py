@@ -6,7 +6,7 @@ The layer kinds come from the cache classes transformers builds for the model
     DynamicLayer               full attention           -> kvtier.AttentionLayer
     DynamicSlidingWindowLayer  sliding window W          -> kvtier.AttentionLayer(window=W)
     LinearAttentionLayer       conv + recurrent states   -> kvtier.RecurrentLayer (states packed)
-    DummyLayer                 holds nothing             -> no kvtier layer
+    DummyLayer                 holds nothing             -> no kvtier layer (transformers >= 5.23)
 
 Any other class (an indexed, quantized, static or custom layer) raises ``NotImplementedError``
 naming it, as do encoder-decoder models and models without an attention layer. Shapes and dtypes
@@ -22,13 +22,8 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import (
-    DummyLayer,
-    DynamicCache,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    LinearAttentionLayer,
-)
+from transformers import cache_utils
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from kvtier.spec import AttentionLayer, ModelSpec, RecurrentLayer
 from kvtier.weights import weights_fingerprint
@@ -93,8 +88,9 @@ _KINDS = {
     DynamicLayer: LayerKind.FULL,
     DynamicSlidingWindowLayer: LayerKind.SLIDING,
     LinearAttentionLayer: LayerKind.LINEAR,
-    DummyLayer: LayerKind.EMPTY,
 }
+if hasattr(cache_utils, "DummyLayer"):  # added in transformers 5.23 for layers that cache nothing
+    _KINDS[cache_utils.DummyLayer] = LayerKind.EMPTY
 
 
 def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLayers:

@@ -26,7 +26,7 @@ from kvtier.copy import CopyPolicy, PageCopier
 from kvtier.vllm import host_pool
 from kvtier.vllm.kv_groups import ModelPlan
 from kvtier.vllm.meta import KVTierMetadata, KVTierWorkerMeta
-from kvtier.vllm.transfer import BlockTransfer, Direction, GroupRoute, TransferJob, route_groups
+from kvtier.vllm.transfer import KERNEL_ONLY, BlockTransfer, Direction, GroupRoute, TransferJob, route_groups
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,12 @@ class KVTierWorker:
             )
         device = self._allocation.device
         self._registration = host_pool.register_for_device(pool, device)
-        policy = None
+        policy, bulk = None, None
         if device.type == "cuda" and self._registration is None:
             policy = CopyPolicy(copy_engine_min_bytes=0)  # the copy kernel cannot reach pageable memory
-        self._transfer = BlockTransfer(self._allocation, self._routes, pool.buffers, PageCopier(device, policy=policy))
+        elif device.type == "cuda":
+            bulk = PageCopier(device, policy=KERNEL_ONLY)  # large calls: the kernel's host cost is flat
+        self._transfer = BlockTransfer(
+            self._allocation, self._routes, pool.buffers, PageCopier(device, policy=policy), bulk
+        )
         return self._transfer
