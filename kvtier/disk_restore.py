@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.pages import Page
-from kvtier.reuse import GroupRule
+from kvtier.block_keys import block_key
+from kvtier.errors import InvariantError
+from kvtier.lifecycle import GroupRule
+from kvtier.pages import Node, Page
 from kvtier.spec import GroupKind
 from kvtier.stats import Counters
-from kvtier.storage.disk_index import NodeRow, PageRow
+from kvtier.storage.disk_index import DiskIndex, NodeRow, PageRow
 from kvtier.tiers import Tier
-from kvtier.tree import Node, RadixTree, block_key
+from kvtier.tree import RadixTree
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +33,7 @@ def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], count
 
     ``counters.disk_resets`` counts a directory whose index could not be read (it starts empty).
     """
-    index = tier.disk_index
-    assert index is not None
+    index = _index_of(tier)
     counters.disk_resets += index.resets
     tree.scope_tag = index.scope_tag
     nodes: dict[bytes, Node] = {}
@@ -138,12 +139,18 @@ def _restore_page(
 
 def _prune(tree: RadixTree, tier: Tier) -> None:
     """Remove restored blocks left holding nothing (no page below them), and their rows."""
-    assert tier.disk_index is not None
+    index = _index_of(tier)
     for node in sorted(tree.nodes(dormant=True), key=lambda n: -n.block):
         tree.prune(node)
         if node.parent is None:
-            tier.disk_index.delete_node(node.key)
+            index.delete_node(node.key)
             tier.written.pop(node.key, None)
     for tag, root in list(tree.dormant.items()):
         if not root.children:
             del tree.dormant[tag]
+
+
+def _index_of(tier: Tier) -> DiskIndex:
+    if tier.disk_index is None:
+        raise InvariantError(f"the {tier.name} tier is not a disk tier")
+    return tier.disk_index

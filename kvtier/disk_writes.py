@@ -10,26 +10,40 @@ disk yet (``Tier.add_copy``): a hot prefix that is never demoted is on disk with
 so a process killed at any point leaves chains that restore whole. Ancestors on disk or copied
 are refreshed in the disk's LRU order with every descendant written, so a chain's upper blocks
 outlive its lower ones there.
+
+The bytes are written by a ``DiskWriter`` handed over at construction (the mover, which knows
+where the bytes of a page are and when they have landed).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier.pages import Page
+from kvtier.plan import MovePlan
+from kvtier.residency import Residency
 from kvtier.tiers import Tier
 
-if TYPE_CHECKING:
-    from kvtier.residency import MovePlan, Residency
+
+class DiskWriter(Protocol):
+    """Writes the bytes of pages to disk slots now."""
+
+    def write_pages(self, pages: list[Page], disk_slots: list[int]) -> list[int | None]:
+        """Write pages (all of one tier and one layer group) to these disk slots, in order.
+
+        Returns a checksum per page, None where the write failed (that slot holds nothing valid).
+        """
+        ...
 
 
-class DiskWrites:
-    """The disk tier's writer for one ``Residency`` (which owns the plans, counters and eviction)."""
+class DiskWritePlanner:
+    """Decides what is written to the disk tier and lands it there; ``writer`` writes the bytes."""
 
-    def __init__(self, residency: Residency, disk: Tier) -> None:
+    def __init__(self, residency: Residency, disk: Tier, writer: DiskWriter) -> None:
         self.residency = residency
         self.disk = disk
+        self.writer = writer
 
     def demote(self, victims: list[Page], plan: MovePlan) -> None:
         """Write victims (one tier, one group) to disk, then copies of their ancestors not there yet.
@@ -55,7 +69,7 @@ class DiskWrites:
             pending.append(page)
             slots.append(slot)
         if pending:
-            checksums = self.residency.write_to_disk(pending, slots)
+            checksums = self.writer.write_pages(pending, slots)
             for page, slot, checksum in zip(pending, slots, checksums, strict=True):
                 if checksum is None:
                     allocator.free(slot)
@@ -93,7 +107,7 @@ class DiskWrites:
         group = victims[0].group
         moving = {id(p) for p in plan.landed}
         wanted = self._uncopied_ancestors(victims, moving)
-        if not wanted or not self.residency.make_room(disk.index, group, len(wanted), plan):
+        if not wanted or not self.residency.drop_for_room(disk.index, group, len(wanted)):
             wanted = self._uncopied_ancestors(victims, moving)[: disk.storage.slots[group].num_free]
         by_tier: dict[int, list[Page]] = defaultdict(list)
         for page in wanted:
@@ -102,7 +116,7 @@ class DiskWrites:
         priority = max(p.priority for p in victims)
         for pages in by_tier.values():
             slots = [allocator.allocate() for _ in pages]
-            for page, slot, checksum in zip(pages, slots, self.residency.write_to_disk(pages, slots), strict=True):
+            for page, slot, checksum in zip(pages, slots, self.writer.write_pages(pages, slots), strict=True):
                 if checksum is None:
                     allocator.free(slot)
                 else:

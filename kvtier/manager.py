@@ -1,32 +1,30 @@
-"""``KVCacheManager``: wires spec, tiers, tree, residency and copier, and creates caches."""
+"""``KVCacheManager``: the public front of one model's KV cache: caches, views, layout, stats.
+
+The manager checks what it is given, builds the ``PagePool`` the caches stand on, creates the
+caches, and answers for the pool: views into its primary tier, its layout, its stats, its
+invariant check, and closing it (persisting to a disk tier).
+"""
 
 from __future__ import annotations
 
 import atexit
 import logging
 import os
-import threading
 import weakref
 
 import torch
 
-from kvtier.cache import KVCache, as_token_array
+from kvtier.cache import KVCache
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, PrimaryTier, ReuseScope
-from kvtier.disk_restore import restore_disk_tier
-from kvtier.errors import CacheStateError, InvariantError, OutOfPagesError
+from kvtier.errors import CacheStateError
 from kvtier.eviction import check_priority
 from kvtier.exclusive import exclusive
-from kvtier.invariants import check_manager
-from kvtier.knobs import debug_enabled
 from kvtier.layout import GroupLayout, KvCacheLayout, Region, page_geometries, part_views
-from kvtier.mover import Mover
-from kvtier.pages import Page
-from kvtier.residency import PRIMARY, MovePlan, Residency
-from kvtier.reuse import GroupRule, ReuseMatch, find_reuse, snapshot_at
-from kvtier.spec import GroupKind, ModelSpec
-from kvtier.stats import CacheStats, Counters, TierStats
-from kvtier.tier_factory import build_tiers
-from kvtier.tree import RadixTree, encode_tokens
+from kvtier.pool import PagePool
+from kvtier.residency import PRIMARY
+from kvtier.spec import ModelSpec
+from kvtier.stats import CacheStats
+from kvtier.tokens import as_token_array
 
 log = logging.getLogger(__name__)
 
@@ -55,37 +53,14 @@ class KVCacheManager:
         self.tokens_per_block = config.tokens_per_block
         self.layer_groups = list(spec.groups)
         self._geometries = page_geometries(spec, self.tokens_per_block)
-        self._rules = [GroupRule.of(g, self.tokens_per_block) for g in self.layer_groups]
-        self._attention_rules = [r for r in self._rules if r.kind is not GroupKind.RECURRENT]
-        self._window_rules = [r for r in self._rules if r.kind is GroupKind.SLIDING_WINDOW]
-        self._recurrent_group = next((r.group_id for r in self._rules if r.kind is GroupKind.RECURRENT), None)
-        self._attention_only = self._recurrent_group is None and not self._window_rules  # a commit's fast path
-        self._snapshot_tokens = config.snapshot_interval_blocks * self.tokens_per_block
         if spec.model_id is None and any(isinstance(t, DiskTier) for t in config.tiers):
             log.warning(
                 "kvtier: a DiskTier with ModelSpec.model_id=None: its pages would be served to any model of the "
                 "same shape after a restart; set model_id to the checkpoint's name or kvtier.weights_fingerprint(model)"
             )
-        try:
-            self._tiers = build_tiers(spec, config, self._geometries)
-        except (MemoryError, RuntimeError) as exc:
-            if not _is_allocation_failure(exc):
-                raise
-            raise OutOfPagesError(
-                f"cannot allocate the tiers' memory ({exc or 'out of memory'}): free memory or configure smaller quotas"
-            ) from exc
-        self._tier_names = tuple(t.name for t in self._tiers)
-        self._counters = Counters()
-        self._tree = RadixTree(len(self.layer_groups), self.tokens_per_block, spec.fingerprint().encode())
-        self._residency = Residency(self._tiers, self._tree, self._counters)
-        self._mover = Mover(self._tiers, self._residency, self._counters, self.device)
-        for tier in self._tiers:
-            if tier.is_disk:
-                restore_disk_tier(tier, self._tree, self._rules, self._counters)
-        self._caches: set[KVCache] = set()
+        self._pool = PagePool(spec, config, self._geometries)
+        self._guard = self._pool.guard  # claimed by calls that change the pool (kvtier.exclusive)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
-        self._debug = debug_enabled()
-        self._guard = threading.RLock()  # claimed by calls that change shared state (kvtier.exclusive)
         self._closed = False
         _OPEN_MANAGERS.add(self)
 
@@ -103,28 +78,13 @@ class KVCacheManager:
         check_priority(priority)
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
-        cache = KVCache(self, tokens, scope, priority)
-        self._counters.lookup_tokens += len(tokens)
-        match = self._match(tokens, scope)
-        if match is not None:
-            cache._adopt(match, tokens)
-            for tier, n in cache.reused_by_tier.items():
-                self._counters.hit_tokens[tier] += n
-        self._caches.add(cache)
-        self._debug_check()
+        cache = KVCache(self._pool, tokens, scope, priority)
+        counters = self._pool.counters
+        counters.lookup_tokens += len(tokens)
+        for tier, n in cache.reused_by_tier.items():
+            counters.hit_tokens[tier] += n
+        self._pool.debug_check()
         return cache
-
-    def _match(self, tokens, scope: ReuseScope, whole: bool = False) -> ReuseMatch | None:
-        """The reusable prefix of ``tokens``: up to ``len - 1`` tokens, or all of them if ``whole``."""
-        num_tokens = len(tokens) + 1 if whole else len(tokens)
-        if not self.config.enable_reuse or num_tokens < 2:
-            return None
-        root = self._tree.find_root(scope)
-        if root is None:
-            return None
-        return find_reuse(
-            self._tree, root, encode_tokens(tokens), num_tokens, self._rules, self.config.enable_partial_reuse
-        )
 
     @exclusive
     def prefetch(self, tokens, scope: ReuseScope = DEFAULT_SCOPE, stream=None) -> int:
@@ -137,48 +97,12 @@ class KVCacheManager:
         token_array = as_token_array(tokens)
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
-        match = self._match(token_array, scope)
+        match = self._pool.match(token_array, scope)
         if match is None:
             return 0
-        pages = self._match_pages(match)
-        res = self._residency
-        for page in pages:
-            res.lock(page)  # pinned: making room for one page of the prefix never evicts another
-        plan = MovePlan()
-        moved = 0
-        for page in pages:
-            if page.tier == PRIMARY:
-                continue
-            if not res.make_room(PRIMARY, page.group, 1, plan):
-                break
-            res.move(page, PRIMARY, plan)
-            self._counters.promotions += 1
-            moved += 1
-        self._mover.run(plan, stream)
-        for page in reversed(pages):
-            res.unlock(page)
-        self._debug_check()
+        moved = self._pool.prefetch(match, stream)
+        self._pool.debug_check()
         return moved
-
-    def _match_pages(self, match: ReuseMatch) -> list[Page]:
-        """Every page a cache created for ``match`` would use (deduplicated, in block order)."""
-        pages: dict[int, Page] = {}
-        tpb = self.tokens_per_block
-        for rule in self._rules:
-            g = rule.group_id
-            if rule.kind is GroupKind.RECURRENT:
-                page = snapshot_at(match, tpb)
-                pages[id(page)] = page
-                continue
-            live_from = rule.first_live_block(match.tokens, tpb)
-            for b, node in enumerate(match.full_nodes):
-                page = node.pages[g]
-                if page is not None and (b < rule.sink_blocks or b >= live_from):
-                    pages[id(page)] = page
-            if match.partial is not None and match.partial.pages[g] is not None:
-                page = match.partial.pages[g]
-                pages[id(page)] = page
-        return list(pages.values())
 
     # -- views -----------------------------------------------------------------------------------
 
@@ -193,14 +117,14 @@ class KVCacheManager:
         views = self._views.get(layer_id)
         if views is None:
             group = self.spec.group_of(layer_id)
-            buffer = self._tiers[PRIMARY].storage.buffers[group.group_id]
+            buffer = self._pool.tiers[PRIMARY].storage.buffers[group.group_id]
             views = self._views[layer_id] = part_views(self._geometries[group.group_id], buffer, layer_id)
         return views
 
     def layout(self) -> KvCacheLayout:
         """Where each group's pages live in the primary tier (one whole-slot region per group)."""
         self._check_open()
-        storage = self._tiers[PRIMARY].storage
+        storage = self._pool.tiers[PRIMARY].storage
         groups = []
         for geometry in self._geometries:
             g = geometry.group_id
@@ -215,45 +139,20 @@ class KVCacheManager:
     def page_bytes(self, group_id: int) -> int:
         """Bytes of one page of a layer group."""
         self._check_open()
-        return self._geometries[self._rule(group_id).group_id].page_bytes
+        return self._geometries[self._pool.rule(group_id).group_id].page_bytes
 
     # -- stats and checks ------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:
         """The tiers' occupancy and the counters since construction (any thread may read them)."""
         self._check_open()
-        c = self._counters
-        tiers = {}
-        for tier in self._tiers:
-            storage = tier.storage
-            total = sum(s.num_slots for s in storage.slots)
-            used = sum(s.num_used for s in storage.slots)
-            bytes_total = sum(s.num_slots * p for s, p in zip(storage.slots, storage.page_bytes, strict=True))
-            bytes_used = sum(s.num_used * p for s, p in zip(storage.slots, storage.page_bytes, strict=True))
-            tiers[tier.name] = TierStats(total, used, bytes_total, bytes_used)
-        return CacheStats(
-            tiers=tiers,
-            hit_tokens={name: c.hit_tokens[name] for name in self._tier_names},
-            lookup_tokens=c.lookup_tokens,
-            evictions=c.evictions,
-            demotions=c.demotions,
-            promotions=c.promotions,
-            drops=c.drops,
-            checksum_failures=c.checksum_failures,
-            disk_resets=c.disk_resets,
-            bytes_copied=dict(c.bytes_copied),
-        )
+        return self._pool.stats()
 
     @exclusive
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` unless every internal invariant holds (slow: walks everything)."""
         self._check_open()
-        try:
-            check_manager(self)
-        except AssertionError as exc:
-            if isinstance(exc, InvariantError):
-                raise
-            raise InvariantError(str(exc)) from exc
+        self._pool.check()
 
     @exclusive
     def close(self, persist: bool = True) -> None:
@@ -264,35 +163,18 @@ class KVCacheManager:
         """
         if self._closed:
             return
-        for cache in list(self._caches):
+        for cache in list(self._pool.holders):
             cache.close()
         if persist:
-            plan = MovePlan()
-            self._residency.persist(plan)
-            self._mover.run(plan)
+            self._pool.persist()
         self._closed = True
-        self._mover.synchronize()
-        self._mover.close()
-        for tier in self._tiers:
-            tier.storage.close()
-            if tier.disk_index is not None:
-                tier.disk_index.close()
+        self._pool.close()
         self._views.clear()
         _OPEN_MANAGERS.discard(self)
 
     def _check_open(self) -> None:
         if self._closed:
             raise CacheStateError("the KVCacheManager is closed")
-
-    def _debug_check(self) -> None:
-        """With ``KVTIER_DEBUG=1``, check every invariant (called after residency changes)."""
-        if self._debug:
-            self.check_invariants()
-
-    def _rule(self, group_id: int) -> GroupRule:
-        if isinstance(group_id, bool) or not isinstance(group_id, int) or not 0 <= group_id < len(self._rules):
-            raise ValueError(f"unknown layer group id {group_id!r}: the model has groups 0..{len(self._rules) - 1}")
-        return self._rules[group_id]
 
     def __enter__(self) -> KVCacheManager:
         self._check_open()
@@ -330,14 +212,6 @@ def _check_quotas_fit(config: CacheConfig) -> None:
                 f"{type(tier).__name__}({tier.bytes}) cannot be allocated: it is more than all of {where} "
                 f"({have / 2**30:.1f} GiB); configure a smaller quota"
             )
-
-
-def _is_allocation_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` says memory could not be had (torch's CPU allocator raises a plain RuntimeError)."""
-    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return "can't allocate memory" in text or "out of memory" in text
 
 
 def _host_memory_bytes() -> int | None:

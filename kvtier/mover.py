@@ -1,6 +1,6 @@
-"""Runs a ``MovePlan``: one copier call per (source tier, destination tier, layer group).
+"""Copies a ``MovePlan``'s data: one copier call per (source tier, destination tier, layer group).
 
-Order (see ``kvtier.residency``): demotions deepest edge first, then copies into warmer tiers.
+Order (see ``kvtier.planner``): demotions deepest edge first, then copies into warmer tiers.
 On CUDA, copies are enqueued on the given stream after a wait for the previous plan's copies
 if those ran on another stream; an event recorded after them lets CPU work on host memory
 (disk I/O, staging) wait until the device is done with it.
@@ -8,6 +8,9 @@ if those ran on another stream; an event recorded after them lets CPU work on ho
 Disk pages travel through host memory: read straight into a CPU destination buffer, or into a
 pinned staging buffer and copied from there to the GPU. Every page read from disk is checked
 against its checksum; a mismatch is reported in ``plan.damaged``.
+
+The mover is also the planner's ``DiskWriter`` (``write_pages``): it knows where a page's bytes
+are and waits for them to land before writing them to disk.
 """
 
 from __future__ import annotations
@@ -17,30 +20,28 @@ import torch
 
 from kvtier.copy import PageCopier
 from kvtier.pages import Page
-from kvtier.residency import MovePlan, Residency
+from kvtier.plan import MovePlan
 from kvtier.stats import Counters
 from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
 from kvtier.tiers import Tier
 
 
 class Mover:
-    """Executes plans for one manager."""
+    """Copies the data of plans between the tiers of one pool."""
 
-    def __init__(self, tiers: list[Tier], residency: Residency, counters: Counters, device: torch.device) -> None:
+    def __init__(self, tiers: list[Tier], counters: Counters, device: torch.device) -> None:
         self.tiers = tiers
-        self.residency = residency
         self.counters = counters
         self.device = device
         self.copier = PageCopier(device)
         self._last_event: torch.cuda.Event | None = None
         self._last_stream: torch.cuda.Stream | None = None
         self._staging: HostBuffer | None = None
-        residency.write_to_disk = self.write_to_disk
 
     def run(self, plan: MovePlan, stream: torch.cuda.Stream | None = None) -> int:
-        """Copy the data of ``plan``, then let the residency finish its bookkeeping.
+        """Copy the data of ``plan``, demotions deepest edge first, then copies into warmer tiers.
 
-        Returns how many pages failed their checksum on the way (they are marked damaged).
+        Returns how many pages failed their checksum on the way (listed in ``plan.damaged``).
         """
         damaged = 0
         if plan.edges:
@@ -55,10 +56,6 @@ class Mover:
                     self._copy_edge(edge, pairs, stream)
             self._record(stream)
             damaged = len(plan.damaged)
-        self.residency.finish(plan)
-        for tier in self.tiers:
-            if tier.disk_index is not None:
-                tier.disk_index.flush()
         return damaged
 
     def synchronize(self) -> None:
@@ -66,7 +63,7 @@ class Mover:
         if self._last_event is not None:
             self._last_event.synchronize()
 
-    def write_to_disk(self, pages: list[Page], disk_slots: list[int]) -> list[int | None]:
+    def write_pages(self, pages: list[Page], disk_slots: list[int]) -> list[int | None]:
         """Write pages (one tier, one group) to disk slots now; a checksum per page, None if it failed."""
         src = self.tiers[pages[0].tier]
         group = pages[0].group

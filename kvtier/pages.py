@@ -1,4 +1,7 @@
-"""The page record: where one page of one layer group lives and who holds it.
+"""The two records of the pool: a ``Page`` (where one page lives, who holds it) and a tree ``Node``.
+
+They point at each other: a node of the reuse tree (``kvtier.reuse.tree``) holds, per layer
+group, the page published for its block, and a published page points back at its node.
 
 A page's state is computed from its holders, never stored:
 
@@ -15,16 +18,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-if TYPE_CHECKING:
-    from kvtier.tree import Node
+from kvtier.config import ReuseScope
+from kvtier.spec import GroupId
 
 BAD_PAGE_INDEX: Final = -1
 """``page_indices`` entry for a block with no page (e.g. a stale sliding-window block)."""
 
 
 class PageState(str, enum.Enum):
+    """A page's state, computed from its holders (``Page.state``)."""
+
     LOCKED = "locked"
     HELD = "held"
     DROPPABLE = "droppable"
@@ -43,7 +48,7 @@ class Page:
     cache holding it starts over from its longest intact prefix on its next resume.
     """
 
-    group: int
+    group: GroupId
     tier: int
     slot: int
     priority: int
@@ -56,8 +61,40 @@ class Page:
 
     @property
     def state(self) -> PageState:
+        """LOCKED, HELD, DROPPABLE or FREE, from ``locks``, ``refs`` and ``node``."""
         if self.locks:
             return PageState.LOCKED
         if self.refs:
             return PageState.HELD
         return PageState.DROPPABLE if self.node is not None else PageState.FREE
+
+
+class Node:
+    """One published block of the reuse tree, or a scope's root (``block == -1``).
+
+    ``pages[g]`` is the page published for the block in layer group ``g`` (or None);
+    ``snapshots[k]`` a recurrent state snapshot taken after the block's first ``k`` tokens.
+    ``users`` counts the caches whose deepest block this node is (their ancestors all have a child).
+    A node with no page, no snapshot, no child and no user is pruned.
+    """
+
+    __slots__ = ("block", "children", "key", "pages", "parent", "scope", "snapshots", "tokens", "users")
+
+    def __init__(
+        self, parent: Node | None, tokens: bytes, key: bytes, num_groups: int, scope: ReuseScope | None
+    ) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.key = key
+        self.scope = scope
+        self.block = -1 if parent is None else parent.block + 1
+        self.children: dict[bytes, Node] = {}
+        self.pages: list[Page | None] = [None] * num_groups
+        self.snapshots: dict[int, Page] = {}
+        self.users = 0
+
+    def is_empty(self) -> bool:
+        return not self.children and not self.snapshots and self.users == 0 and all(p is None for p in self.pages)
+
+    def __repr__(self) -> str:
+        return f"Node(block={self.block}, key={self.key.hex()[:12]})"

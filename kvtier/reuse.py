@@ -16,31 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.pages import Page
-from kvtier.spec import GroupKind, LayerGroup
-from kvtier.tree import TOKEN_BYTES, Node, RadixTree
-
-
-@dataclass(frozen=True, slots=True)
-class GroupRule:
-    """What a layer group needs at a reuse point."""
-
-    group_id: int
-    kind: GroupKind
-    window: int | None
-    sink_blocks: int
-
-    @classmethod
-    def of(cls, group: LayerGroup, tokens_per_block: int) -> GroupRule:
-        sink_blocks = -(-group.sink_tokens // tokens_per_block)
-        return cls(group.group_id, group.kind, group.window, sink_blocks)
-
-    def first_live_block(self, history: int, tokens_per_block: int) -> int:
-        """End of the stale range ``[sink_blocks, end)`` at this history (sink_blocks if none)."""
-        if self.kind is not GroupKind.SLIDING_WINDOW:
-            return self.sink_blocks
-        assert self.window is not None
-        return max(self.sink_blocks, (history + 1 - self.window) // tokens_per_block)
+from kvtier.errors import InvariantError
+from kvtier.lifecycle import GroupRule
+from kvtier.pages import Node, Page
+from kvtier.spec import GroupKind
+from kvtier.tree import TOKEN_BYTES, RadixTree
 
 
 @dataclass(slots=True)
@@ -50,6 +30,39 @@ class ReuseMatch:
     tokens: int  # p, the reused prefix length
     full_nodes: list[Node]  # nodes of the p // tpb full blocks
     partial: Node | None  # the node whose block is partly reused when p % tpb != 0
+
+    def blocks(self, rule: GroupRule) -> list[Page | None]:
+        """An attention group's pages of the full blocks, positional: None where stale at ``p``."""
+        g = rule.group_id
+        if rule.window is None:
+            return [node.pages[g] for node in self.full_nodes]
+        p = self.tokens
+        return [node.pages[g] if rule.is_live(b, p) else None for b, node in enumerate(self.full_nodes)]
+
+    def copy_source(self, rule: GroupRule) -> Page | None:
+        """What a cache copies into a private page on first resume: the partly reused block's page
+        (attention groups), the snapshot at ``p`` (recurrent groups), or None."""
+        if rule.kind is GroupKind.RECURRENT:
+            return snapshot_at(self, rule.tokens_per_block)
+        if self.partial is None:
+            return None
+        page = self.partial.pages[rule.group_id]
+        if page is None:
+            raise InvariantError(f"{self.partial} was matched without a page of group {rule.group_id}")
+        return page
+
+    def pages(self, rules: list[GroupRule]) -> list[Page]:
+        """Every page a cache created for this match would use (deduplicated, group by group in block order)."""
+        found: dict[int, Page] = {}
+        for rule in rules:
+            if rule.kind is not GroupKind.RECURRENT:
+                for page in self.blocks(rule):
+                    if page is not None:
+                        found[id(page)] = page
+            source = self.copy_source(rule)
+            if source is not None:
+                found[id(source)] = source
+        return list(found.values())
 
 
 def find_reuse(
@@ -121,7 +134,7 @@ def _hit(
         for b in range(min(rule.sink_blocks, full_blocks)):
             if path[b].pages[gid] is None:
                 return False
-        for b in range(rule.first_live_block(p, tpb), full_blocks):
+        for b in range(rule.first_live_block(p), full_blocks):
             if path[b].pages[gid] is None:
                 return False
     for _ in recurrent:

@@ -46,10 +46,11 @@ def build_tiers(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageG
                 )
             elif isinstance(tier_config, HostTier):
                 storage = MemoryStorage(page_bytes, slots[index], lambda n, p: allocate_host_buffer(n, p, device))
-            else:
-                assert disk is not None
+            elif disk is not None:  # the configuration keeps a DiskTier last
                 tiers.append(disk)
                 continue
+            else:
+                raise ValueError(f"{type(tier_config).__name__} can only be the last tier")
             tiers.append(Tier(tier_config.name, index, storage, is_last=index == last))
     except BaseException:
         if disk is not None:

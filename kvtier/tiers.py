@@ -16,10 +16,10 @@ when its original is demoted here, and goes when its original leaves the tree.
 
 from __future__ import annotations
 
+from kvtier.errors import InvariantError
 from kvtier.eviction import EvictionIndex
-from kvtier.pages import Page
+from kvtier.pages import Node, Page
 from kvtier.storage.disk_index import DiskIndex, NodeRow, PageRow
-from kvtier.tree import Node
 
 SWEEP_MIN = 4096  # index rows of blocks that left the tree are removed in sweeps, when this many are known
 
@@ -92,8 +92,7 @@ class Tier:
 
     def _write_chain(self, node: Node) -> None:
         """Rows for ``node`` and each ancestor that has none yet, so the page row's chain restores."""
-        index = self.disk_index
-        assert index is not None
+        index = self._index()
         while node.parent is not None and self.written.get(node.key) is not node:
             parent = node.parent
             if parent.parent is None:
@@ -110,12 +109,17 @@ class Tier:
 
     def _sweep(self) -> None:
         """Remove the rows of blocks pruned from the tree (no page, no descendant: nothing depends on them)."""
-        assert self.disk_index is not None
+        index = self._index()
         for key, node in list(self.written.items()):
             if node.parent is None:
-                self.disk_index.delete_node(key)
+                index.delete_node(key)
                 del self.written[key]
         self._sweep_at = max(SWEEP_MIN, 2 * len(self.written))
+
+    def _index(self) -> DiskIndex:
+        if self.disk_index is None:
+            raise InvariantError(f"the {self.name} tier has no disk index")
+        return self.disk_index
 
     def forget(self, page: Page) -> None:
         """On the disk tier, drop the index row of a page (before it leaves the tier or the tree)."""

@@ -3,12 +3,11 @@
 A node is one full block of ``tokens_per_block`` tokens under its parent (the root is the empty
 prefix of a scope). Children are found by the block's exact token bytes, so matching a prompt
 needs no cryptographic hash; every node also carries its chained block key
-``blake2b(tokens, key=parent.key)``, which names the block outside the process (disk index,
-connectors). Keys are stable across machines: tokens are encoded as little-endian 64-bit integers.
+(``kvtier.block_keys``), which names the block outside the process (disk index, connectors).
 
-A node holds, per layer group, the page published for its block (or None), and recurrent
-state snapshots keyed by the offset inside the block after which they were taken. A node with
-no page, no snapshot, no child and no cache using it is pruned.
+A node (``kvtier.pages.Node``) holds, per layer group, the page published for its block (or
+None), and recurrent state snapshots keyed by the offset inside the block after which they were
+taken. A node with no page, no snapshot, no child and no cache using it is pruned.
 
 Blocks restored from a disk tier whose scope is not known yet (the index stores a scope only as
 a keyed hash, its *tag*) wait under a *dormant* root per tag, outside ``roots``: nothing matches
@@ -19,64 +18,13 @@ does not stays unreachable, and its pages age out like any other droppable page.
 
 from __future__ import annotations
 
-import hashlib
-import sys
-from array import array
 from collections.abc import Callable
 
+from kvtier.block_keys import block_key, scope_key
 from kvtier.config import ReuseScope
-from kvtier.pages import Page
-
-TOKEN_BYTES = 8
-_LITTLE_ENDIAN = sys.byteorder == "little"
-
-
-def encode_tokens(tokens: array) -> bytes:
-    """Little-endian 64-bit bytes of an ``array('Q')``."""
-    if _LITTLE_ENDIAN:
-        return tokens.tobytes()
-    swapped = array("Q", tokens)  # pragma: no cover - big-endian hosts only
-    swapped.byteswap()  # pragma: no cover
-    return swapped.tobytes()  # pragma: no cover
-
-
-def scope_key(scope: ReuseScope, namespace: bytes = b"") -> bytes:
-    """The key of a scope's root: every block key of the scope chains from it.
-
-    ``namespace`` names the model (its ``ModelSpec.fingerprint()``, weights included), so the
-    same tokens under two models never share a key.
-    """
-    return hashlib.blake2b(namespace + b"|" + scope.encode(), digest_size=16, person=b"kvtier-root-v2").digest()
-
-
-def block_key(parent_key: bytes, block_tokens: bytes) -> bytes:
-    """The chained key of a block: its tokens hashed under its parent's key."""
-    return hashlib.blake2b(block_tokens, digest_size=16, key=parent_key).digest()
-
-
-class Node:
-    """One published block, or a scope's root (``block == -1``)."""
-
-    __slots__ = ("block", "children", "key", "pages", "parent", "scope", "snapshots", "tokens", "users")
-
-    def __init__(
-        self, parent: Node | None, tokens: bytes, key: bytes, num_groups: int, scope: ReuseScope | None
-    ) -> None:
-        self.parent = parent
-        self.tokens = tokens
-        self.key = key
-        self.scope = scope
-        self.block = -1 if parent is None else parent.block + 1
-        self.children: dict[bytes, Node] = {}
-        self.pages: list[Page | None] = [None] * num_groups
-        self.snapshots: dict[int, Page] = {}
-        self.users = 0  # caches whose deepest block is this node (their ancestors all have a child)
-
-    def is_empty(self) -> bool:
-        return not self.children and not self.snapshots and self.users == 0 and all(p is None for p in self.pages)
-
-    def __repr__(self) -> str:
-        return f"Node(block={self.block}, key={self.key.hex()[:12]})"
+from kvtier.errors import InvariantError
+from kvtier.pages import Node
+from kvtier.tokens import TOKEN_BYTES
 
 
 class RadixTree:
@@ -121,7 +69,8 @@ class RadixTree:
         return node
 
     def _tag(self, scope: ReuseScope) -> bytes:
-        assert self.scope_tag is not None, "dormant roots come with their tag function"
+        if self.scope_tag is None:
+            raise InvariantError("dormant roots come with their tag function")
         return self.scope_tag(scope.encode())
 
     def _claim(self, root: Node) -> None:

@@ -41,11 +41,11 @@ class PageOracle:
         self.geometries = page_geometries(mgr.spec, self.tpb)
 
     def _put(self, group: int, at: int, data: np.ndarray) -> None:
-        buffer = self.mgr._tiers[0].storage.buffers[group]
+        buffer = self.mgr._pool.tiers[0].storage.buffers[group]
         buffer[at : at + data.size].copy_(torch.from_numpy(data))
 
     def _get(self, group: int, at: int, n: int) -> np.ndarray:
-        return self.mgr._tiers[0].storage.buffers[group][at : at + n].cpu().numpy()
+        return self.mgr._pool.tiers[0].storage.buffers[group][at : at + n].cpu().numpy()
 
     def _places(self, cache: kvtier.KVCache, tokens: list[int], start: int, end: int):
         """(group, byte offset, expected bytes, what) of every row ``start..end-1`` with a page, and of

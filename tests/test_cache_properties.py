@@ -169,7 +169,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 1 << 16), offset=st.integers(0, 1 << 20))
     def corrupt_disk(self, pick, offset):
         """Flip a byte of a page on disk: whoever reads it must see a miss, never wrong bytes."""
-        disk = next((t for t in self.mgr._tiers if t.is_disk), None)
+        disk = next((t for t in self.mgr._pool.tiers if t.is_disk), None)
         if disk is None:
             return
         used = [(g, s) for g, owners in enumerate(disk.owners) for s, p in enumerate(owners) if p is not None]

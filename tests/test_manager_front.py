@@ -397,7 +397,7 @@ def test_the_invariant_check_holds_under_python_optimize():
         assert 1 == 2, "never seen under -O"
         cache.resume(); cache.resize(19); cache.commit(list(range(1, 20)))
         mgr.check_invariants()
-        cache._blocks[0][0].refs += 1  # a broken invariant, as a bug would leave it
+        cache._table.blocks[0][0].refs += 1  # a broken invariant, as a bug would leave it
         try:
             mgr.check_invariants()
         except kvtier.InvariantError as exc:

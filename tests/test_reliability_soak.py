@@ -110,10 +110,10 @@ def verify_restored(mgr: kvtier.KVCacheManager) -> int:
     """
     restored = mgr.stats().tiers["disk"].pages_used
     for scope in SCOPES:
-        mgr._tree.root(scope)
-    assert not mgr._tree.dormant, "every restored scope is claimed by its first use"
+        mgr._pool.tree.root(scope)
+    assert not mgr._pool.tree.dormant, "every restored scope is claimed by its first use"
     oracle = PageOracle(mgr)
-    leaves = [n for n in mgr._tree.nodes() if not n.children]
+    leaves = [n for n in mgr._pool.tree.nodes() if not n.children]
     for leaf in leaves:
         path, node = [], leaf
         while node.parent is not None:

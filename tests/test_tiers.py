@@ -89,13 +89,13 @@ def test_resume_moves_pages_in_one_copier_call_per_tier_and_group(tmp_path):
     oracle = PageOracle(mgr)
     kept = [prefill(mgr, oracle, convo(i), keep=True) for i in range(3)]
     calls = []
-    real_copy = mgr._mover.copier.copy
+    real_copy = mgr._pool.mover.copier.copy
 
     def counting_copy(src, dst, pairs, page_bytes, stream=None):
         calls.append(len(pairs))
         return real_copy(src, dst, pairs, page_bytes, stream)
 
-    mgr._mover.copier.copy = counting_copy
+    mgr._pool.mover.copier.copy = counting_copy
     assert kept[0].resume()  # its pages were demoted to host by the two later requests
     oracle.check(kept[0], convo(0))
     # demotions of others' pages (one call per group) and promotions (one call per group)

@@ -8,9 +8,12 @@ from array import array
 import pytest
 
 from kvtier import DEFAULT_SCOPE, AttentionLayer, ModelSpec, RecurrentLayer, ReuseScope
+from kvtier.block_keys import block_key, scope_key
+from kvtier.lifecycle import GroupRule
 from kvtier.pages import Page
-from kvtier.reuse import GroupRule, find_reuse, snapshot_at
-from kvtier.tree import TOKEN_BYTES, RadixTree, block_key, encode_tokens, scope_key
+from kvtier.reuse import find_reuse, snapshot_at
+from kvtier.tokens import TOKEN_BYTES, encode_tokens
+from kvtier.tree import RadixTree
 
 TPB = 4
 
@@ -355,8 +358,8 @@ def test_group_rule_first_live_block(window, sink_tokens, history, first_live):
     spec = ModelSpec([AttentionLayer(1, 4, window=window, sink_tokens=sink_tokens), AttentionLayer(1, 4)])
     swa, full = (GroupRule.of(g, TPB) for g in spec.groups)
     assert swa.sink_blocks == -(-sink_tokens // TPB)
-    assert swa.first_live_block(history, TPB) == first_live
-    assert full.first_live_block(history, TPB) == 0  # full attention: nothing is ever stale
+    assert swa.first_live_block(history) == first_live
+    assert full.first_live_block(history) == 0  # full attention: nothing is ever stale
 
 
 def test_sliding_window_point_counts_the_token_after_it():

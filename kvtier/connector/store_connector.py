@@ -6,7 +6,8 @@
   offered. Fetching before the offer means a load can never fail afterwards: a store that dies
   between ask and load costs nothing but the offer.
 - Deliver: ``update_state_after_alloc`` maps the staged blocks to their pages; ``start_load_kv``
-  copies them in (one ``PageCopier`` call per layer group, on the engine's stream).
+  copies them in (one ``PageCopier`` call per layer group, on the engine's stream) through a
+  host staging buffer that the connector keeps across steps (grown when a step needs more).
 - Save: ``request_finished`` lists the request's full blocks that the save policy wants
   (``SavePolicy``: default all) and the store lacks, and returns True; a background thread
   copies those pages out and writes them; ``get_finished`` reports the request once they are
@@ -30,8 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier.cache import as_token_array
-from kvtier.config import ReuseScope
+from kvtier.block_keys import block_chain
 from kvtier.connector.base import ConnectorRequest, KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
@@ -41,10 +41,10 @@ from kvtier.connector.stats import ConnectorCounters, ConnectorStats
 from kvtier.connector.store import BlockStore
 from kvtier.copy import PageCopier
 from kvtier.layout import GroupLayout, KvCacheLayout
+from kvtier.lifecycle import GroupRule
 from kvtier.pages import BAD_PAGE_INDEX
 from kvtier.spec import GroupKind
-from kvtier.storage.pinned import allocate_host_buffer
-from kvtier.tree import TOKEN_BYTES, block_key, encode_tokens, scope_key
+from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._layout: KvCacheLayout | None = None
         self._keyspace: BlockKeyspace | None = None
         self._copier: PageCopier | None = None
+        self._staging: HostBuffer | None = None  # host bytes of the loads in flight, reused across steps
         self._servable = True
         self._sightings = PrefixSightings(self.save_policy.max_tracked)
         self._counters = ConnectorCounters()
@@ -129,7 +130,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         if full <= first:
             return 0, False
         chain = block_chain(request.prompt_token_ids, request.scope, tpb, full)
-        groups = [g for g in layout.groups if g.kind is not GroupKind.RECURRENT]
+        groups = [GroupRule.of(g, tpb) for g in layout.groups if g.kind is not GroupKind.RECURRENT]
         wanted = [(b, g.group_id) for b in range(first, full) for g in groups]
         with self._counters.stall():
             found = self.store.contains_many([keyspace.key(request.scope, chain[b], g) for b, g in wanted])
@@ -137,7 +138,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._counters.add(missed_pages=found.count(False))
         end = _best_end(present, groups, first, full, tpb, num_computed_tokens)
         while end > num_computed_tokens:
-            needed = _needed(groups, first, end // tpb, end, tpb)
+            needed = _needed(groups, first, end)
             keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
             sizes = [self._page_bytes(g) for _, g in needed]
             with self._counters.stall():
@@ -184,20 +185,31 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         by_group: dict[int, list[_Load]] = {}
         for load in loads:
             by_group.setdefault(load.group, []).append(load)
+        copier = self._ready_copier()
         for group, items in by_group.items():
             region = self._group(group).regions[0]
             buffer = region.as_tensor().reshape(-1)
-            staging = allocate_host_buffer(len(items) * region.size, region.size, buffer.device)
-            host = staging.tensor.numpy()
+            staging = self._staging_bytes(len(items) * region.size, buffer.device)
+            host = staging.numpy()
             for i, item in enumerate(items):
                 host[i * region.size : (i + 1) * region.size] = np.frombuffer(item.payload, dtype=np.uint8)
             pairs = np.array([[i, item.slot] for i, item in enumerate(items)], dtype=np.int64)
-            assert self._copier is not None
-            self._copier.copy(staging.tensor, buffer, pairs, region.size, stream)
+            copier.copy(staging, buffer, pairs, region.size, stream)
             self._counters.add(loaded_pages=len(items), loaded_bytes=len(items) * region.size)
             if buffer.device.type == "cuda":
-                torch.cuda.current_stream(buffer.device).synchronize()  # the staging buffer goes next
-            staging.release()
+                torch.cuda.current_stream(buffer.device).synchronize()  # the staging buffer is written next
+
+    def _staging_bytes(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """``nbytes`` of the kept staging buffer (registered with CUDA as one range for a GPU cache, so
+        any group's pages fit it), grown by doubling. Every copy from it has finished by then
+        (``start_load_kv`` waits after each)."""
+        if self._staging is None or self._staging.num_bytes < nbytes:
+            size = max(nbytes, 2 * self._staging.num_bytes if self._staging is not None else 0)
+            if self._staging is not None:
+                self._staging.release()
+                self._staging = None
+            self._staging = allocate_host_buffer(size, size, device)
+        return self._staging.tensor[:nbytes]
 
     def wait_for_layer_load(self, layer_id: int, stream: object) -> None:
         """Loads are whole pages, all enqueued on the engine's stream by ``start_load_kv``."""
@@ -272,6 +284,9 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
     def close(self) -> None:
         self._save_pool.shutdown(wait=True)
         self.store.close()
+        if self._staging is not None:
+            self._staging.release()
+            self._staging = None
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -279,6 +294,11 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         if self._layout is None or self._keyspace is None:
             raise RuntimeError("register_kv_cache_layout must be called before the connector is used")
         return self._layout, self._keyspace
+
+    def _ready_copier(self) -> PageCopier:
+        if self._copier is None:
+            raise RuntimeError("register_kv_cache_layout must be called before the connector is used")
+        return self._copier
 
     def _group(self, group_id: int) -> GroupLayout:
         return next(g for g in self._ready()[0].groups if g.group_id == group_id)
@@ -323,36 +343,24 @@ class RedisConnector(StoreConnector):
         super().__init__(store, tp_rank, tp_world_size, save_policy=save_policy)
 
 
-def block_chain(tokens: Sequence[int], scope: ReuseScope, tokens_per_block: int, count: int) -> list[bytes]:
-    """The chained keys of the first ``count`` full blocks of ``tokens`` (as the reuse tree names them)."""
-    data = encode_tokens(as_token_array(tokens[: count * tokens_per_block]))
-    step = tokens_per_block * TOKEN_BYTES
-    keys, parent = [], scope_key(scope)
-    for b in range(count):
-        parent = block_key(parent, data[b * step : (b + 1) * step])
-        keys.append(parent)
-    return keys
-
-
-def _needed(groups: list[GroupLayout], first: int, blocks: int, end: int, tpb: int) -> list[tuple[int, int]]:
-    """(block, group) pages an offer ending at ``end`` must load: every attention block, and for a
-    sliding-window group only the sink blocks and those still inside the window at ``end``."""
+def _needed(rules: list[GroupRule], first: int, end: int) -> list[tuple[int, int]]:
+    """(block, group) pages from block ``first`` that an offer ending at ``end`` (block-aligned) must
+    load: every block of a full-attention group, the live ones of a sliding-window group."""
     out = []
-    for g in groups:
-        sink_blocks = -(-g.sink_tokens // tpb)
-        live_from = 0 if g.window is None else max(sink_blocks, (end + 1 - g.window) // tpb)
-        out.extend((b, g.group_id) for b in range(first, blocks) if b >= live_from or b < sink_blocks)
+    for rule in rules:
+        blocks = end // rule.tokens_per_block
+        out.extend((b, rule.group_id) for b in range(first, blocks) if rule.is_live(b, end))
     return sorted(out)
 
 
 def _best_end(
-    present: dict[tuple[int, int], bool], groups: list[GroupLayout], first: int, limit: int, tpb: int, computed: int
+    present: dict[tuple[int, int], bool], rules: list[GroupRule], first: int, limit: int, tpb: int, computed: int
 ) -> int:
     """The largest block-aligned end in ``(computed, limit * tpb]`` whose needed pages are all present."""
     for blocks in range(limit, first, -1):
         end = blocks * tpb
         if end <= computed:
             break
-        if all(present.get(bg, False) for bg in _needed(groups, first, blocks, end, tpb)):
+        if all(present.get(bg, False) for bg in _needed(rules, first, end)):
             return end
     return computed

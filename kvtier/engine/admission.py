@@ -16,11 +16,10 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.cache import as_token_array
 from kvtier.engine.params import SamplingParams, SchedulerConfig
+from kvtier.lifecycle import GroupRule
 from kvtier.manager import KVCacheManager
-from kvtier.reuse import GroupRule
-from kvtier.spec import GroupKind
+from kvtier.tokens import as_token_array
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +83,6 @@ class RequestLimits:
         is). Guaranteed admission reserves them all when the history is at most ``num_prompt - 1``
         (the longest reuse); otherwise the last decode step computes one token after all others.
         """
-        if rule.kind is GroupKind.RECURRENT:
-            return 1  # the live state; snapshots are skipped when there is no room
         end = num_prompt + max_tokens - 1
         history = num_prompt - 1 if self.guaranteed else end - 1
-        tpb = self.tokens_per_block
-        blocks = -(-end // tpb)
-        sink = min(rule.sink_blocks, blocks)
-        return sink + max(0, blocks - max(rule.sink_blocks, rule.first_live_block(history, tpb)))
+        return rule.pages_needed(end, history)  # a recurrent group: its live state (snapshots are skipped)

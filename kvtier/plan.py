@@ -1,0 +1,35 @@
+"""``MovePlan``: the copies an operation still has to perform after it planned its moves.
+
+Planning (``kvtier.planner``) changes the bookkeeping at once (slots are reassigned, pages
+dropped) and records here what the data still has to do; the pool applies the plan: the mover
+copies the data (``kvtier.mover``), then the planner finishes the bookkeeping (``finish``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from kvtier.pages import Page
+
+
+@dataclass(slots=True)
+class MovePlan:
+    """Copies keyed by (src tier, dst tier, group); each edge a flat ``[src_slot, dst_slot, ...]`` list.
+
+    ``landed``: pages the plan moves (indexed for eviction again once their data is there);
+    ``deferred_frees``: (tier, group, slot) read by the plan, freed after it ran;
+    ``kept_on_disk``: pages promoted from disk whose bytes stay there as a copy (page, disk slot);
+    ``damaged``: pages whose bytes failed their checksum on the way (filled by the mover).
+    """
+
+    edges: defaultdict[tuple[int, int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
+    landed: list[Page] = field(default_factory=list)
+    deferred_frees: list[tuple[int, int, int]] = field(default_factory=list)
+    kept_on_disk: list[tuple[Page, int]] = field(default_factory=list)
+    damaged: list[Page] = field(default_factory=list)
+
+    def add(self, src_tier: int, dst_tier: int, group: int, src_slot: int, dst_slot: int) -> None:
+        edge = self.edges[(src_tier, dst_tier, group)]
+        edge.append(src_slot)
+        edge.append(dst_slot)

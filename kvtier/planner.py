@@ -1,0 +1,157 @@
+"""What to move: making room in a tier (the demotion cascade), promotion, and a plan's bookkeeping.
+
+Operations first *plan*: the bookkeeping moves at once (slots are reassigned, pages dropped) and
+the copies still to do are recorded in a ``MovePlan``; the pool then has the mover copy the data
+in an order that never overwrites a slot before its old contents have been read, and ``finish``
+completes the bookkeeping:
+
+    1. demotions, deepest edge first (host->disk before primary->host);
+    2. promotions and private copies into warmer tiers;
+    3. slots read by step 2 are freed, moved pages become evictable again.
+
+A page the plan is moving is not in any eviction index until its data has landed, so a plan
+never picks it as a victim, and a page pinned by the operation (``locks``) is never a victim.
+
+Writes to the disk tier happen while planning (``kvtier.disk_writes``). A published page
+promoted from disk leaves its bytes there as a copy (``Tier.add_copy``). A read-only disk tier
+is never a destination.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+
+from kvtier.disk_writes import DiskWritePlanner
+from kvtier.errors import InvariantError
+from kvtier.pages import Page
+from kvtier.plan import MovePlan
+from kvtier.residency import PRIMARY, Residency
+from kvtier.stats import Counters
+from kvtier.tiers import Tier
+
+
+class MovePlanner:
+    """Plans moves between the tiers; ``disk_writes`` lands demotions on the disk tier (None: no disk)."""
+
+    def __init__(
+        self, tiers: list[Tier], residency: Residency, counters: Counters, disk_writes: DiskWritePlanner | None
+    ) -> None:
+        self.tiers = tiers
+        self.residency = residency
+        self.counters = counters
+        self.disk_writes = disk_writes
+
+    def make_room(self, tier_index: int, group: int, count: int, plan: MovePlan) -> bool:
+        """Free slots in a tier until ``count`` are free, demoting or dropping victims.
+
+        Victims go lowest priority first, then least recently used, all demoted together to the
+        next tier that can make room for them (normally the next one). From the last tier, or
+        when nothing below can take them, only pages held by the tree alone are dropped. Returns
+        False when the room cannot be had; evictions already done stay valid (they lose nothing
+        a cache holds).
+        """
+        tier = self.tiers[tier_index]
+        if tier.is_last:
+            return self.residency.drop_for_room(tier_index, group, count)
+        slots = tier.storage.slots[group]
+        index = tier.evictable[group]
+        short = count - slots.num_free
+        if short <= 0:
+            return True
+        if short > len(index):
+            return False
+        victims = list(islice(index, short))
+        for dst_index in range(tier_index + 1, len(self.tiers)):
+            # The next tier first; a colder one when the next is full of pinned pages (a swap).
+            if self.tiers[dst_index].writable and self.make_room(dst_index, group, short, plan):
+                self._demote(victims, dst_index, plan)
+                break
+        if slots.num_free < count:
+            self.residency.drop_some(tier_index, group, count - slots.num_free)
+        return slots.num_free >= count
+
+    def _demote(self, victims: list[Page], dst_index: int, plan: MovePlan) -> None:
+        """Move victims one tier down; the next tier has a free slot for each."""
+        dst = self.tiers[dst_index]
+        if not dst.is_disk:
+            for page in victims:
+                self.counters.evictions += 1
+                self.counters.demotions += 1
+                self.move(page, dst_index, plan)
+            return
+        if self.disk_writes is None or dst is not self.disk_writes.disk:
+            raise InvariantError(f"demotion to {dst.name}, which has no disk writes")
+        self.disk_writes.demote(victims, plan)
+
+    def move(self, page: Page, dst_index: int, plan: MovePlan) -> None:
+        """Plan moving ``page`` to a tier that has a free slot for it.
+
+        Demotions free the source slot at once (a deeper edge runs first, so its contents are
+        read before anything lands there); promotions free it only after the plan ran, except a
+        published page's disk slot, which then holds its copy (its chain's rows stay restorable,
+        and demoting it again needs no write).
+        """
+        src = self.tiers[page.tier]
+        src_index, src_slot = page.tier, page.slot
+        demotion = dst_index > src_index
+        src.vacate(page, free_slot=demotion)
+        if not self.tiers[dst_index].place(page):
+            raise InvariantError(f"{page} moved to {self.tiers[dst_index].name}, which had no free slot")
+        plan.add(src_index, dst_index, page.group, src_slot, page.slot)
+        plan.landed.append(page)
+        if not demotion and src.is_disk and page.node is not None:
+            plan.kept_on_disk.append((page, src_slot))  # its bytes stay there, as a copy
+        elif not demotion:
+            plan.deferred_frees.append((src_index, page.group, src_slot))
+
+    def promote(self, pages: list[Page], plan: MovePlan, need: dict[int, int]) -> bool:
+        """Plan moving every page of ``pages`` into the primary tier, with room for ``need[g]`` pages.
+
+        ``need`` counts the pages outside the primary tier plus any new pages to allocate. The
+        pages must be pinned (locked) by the caller so that making room cannot evict them.
+        Returns False, with nothing promoted, when the primary tier cannot hold them all.
+        """
+        for group, count in need.items():
+            if not self.make_room(PRIMARY, group, count, plan):
+                return False
+        for page in pages:
+            if page.tier != PRIMARY:
+                self.counters.promotions += 1
+                self.move(page, PRIMARY, plan)
+        return True
+
+    def persist(self, plan: MovePlan) -> int:
+        """Write published pages held in memory tiers to the disk tier, parents first (at close).
+
+        So that a manager started later on the same path finds the hot prefixes too, with
+        unbroken chains. Returns the number of pages it tried to write.
+        """
+        return 0 if self.disk_writes is None else self.disk_writes.persist(plan)
+
+    def finish(self, plan: MovePlan) -> None:
+        """After the plan's copies ran: free the slots they read, index the pages they moved, commit
+        the disk index."""
+        residency = self.residency
+        for tier_index, group, slot in plan.deferred_frees:
+            self.tiers[tier_index].storage.slots[group].free(slot)
+        for page in plan.landed:
+            if page.refs or page.node is not None:
+                self.tiers[page.tier].reindex(page)
+        for page in plan.damaged:
+            residency.mark_damaged(page)
+        if plan.kept_on_disk:
+            if self.disk_writes is None:
+                raise InvariantError("a page was promoted from disk without a disk tier")
+            disk = self.disk_writes.disk
+            for page, slot in plan.kept_on_disk:
+                if page.damaged or page.node is None:
+                    disk.storage.slots[page.group].free(slot)
+                else:
+                    disk.add_copy(page, slot, page.checksum)
+        plan.kept_on_disk.clear()
+        plan.deferred_frees.clear()
+        plan.landed.clear()
+        plan.edges.clear()
+        plan.damaged.clear()
+        if self.disk_writes is not None:
+            self.disk_writes.disk.disk_index.flush()

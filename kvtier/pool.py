@@ -1,0 +1,265 @@
+"""``PagePool``: the pages under every cache of one manager, and the one place plans are applied.
+
+The pool owns the tiers, the reuse tree, the residency record (who holds which page), the
+planner (what to move), the mover (the copies), the layer groups' rules and the counters.
+Caches (``kvtier.cache``) and the manager (``kvtier.manager``) both stand on it. Every
+operation that moves pages fills a ``MovePlan`` through the planner and hands it to ``apply``:
+the mover copies the data, ordered before later work on the caller's stream, then the planner
+finishes the bookkeeping.
+
+``guard`` is the lock that ``kvtier.exclusive`` claims (one thread at a time changes the pool);
+``holders`` are the open caches, which the invariant check counts.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.config import CacheConfig, ReuseScope
+from kvtier.disk_restore import restore_disk_tier
+from kvtier.disk_writes import DiskWritePlanner
+from kvtier.errors import InvariantError, OutOfPagesError
+from kvtier.invariants import PageHolder, check_pages
+from kvtier.knobs import debug_enabled
+from kvtier.layout import PageGeometry
+from kvtier.lifecycle import GroupRule
+from kvtier.mover import Mover
+from kvtier.pages import Node, Page
+from kvtier.plan import MovePlan
+from kvtier.planner import MovePlanner
+from kvtier.residency import PRIMARY, Residency
+from kvtier.reuse import ReuseMatch, find_reuse
+from kvtier.spec import GroupId, GroupKind, ModelSpec
+from kvtier.stats import CacheStats, Counters, TierStats
+from kvtier.tier_factory import build_tiers
+from kvtier.tokens import encode_tokens
+from kvtier.tree import RadixTree
+
+
+class PagePool:
+    """Pages for every layer group of one model over its tiers, with the tree of reusable blocks."""
+
+    def __init__(self, spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageGeometry]) -> None:
+        tpb = config.tokens_per_block
+        self.config = config
+        self.tokens_per_block = tpb
+        self.rules = [GroupRule.of(g, tpb) for g in spec.groups]
+        self.attention_rules = [r for r in self.rules if r.kind is not GroupKind.RECURRENT]
+        self.window_rules = [r for r in self.rules if r.kind is GroupKind.SLIDING_WINDOW]
+        self.recurrent_group = next((r.group_id for r in self.rules if r.kind is GroupKind.RECURRENT), None)
+        self.attention_only = self.recurrent_group is None and not self.window_rules  # a commit's fast path
+        self.snapshot_tokens = config.snapshot_interval_blocks * tpb
+        try:
+            self.tiers = build_tiers(spec, config, geometries)
+        except (MemoryError, RuntimeError) as exc:
+            if not _is_allocation_failure(exc):
+                raise
+            raise OutOfPagesError(
+                f"cannot allocate the tiers' memory ({exc or 'out of memory'}): free memory or configure smaller quotas"
+            ) from exc
+        self.tier_names = tuple(t.name for t in self.tiers)
+        self.counters = Counters()
+        self.tree = RadixTree(len(self.rules), tpb, spec.fingerprint().encode())
+        self.residency = Residency(self.tiers, self.tree, self.counters)
+        self.mover = Mover(self.tiers, self.counters, torch.device(config.device))
+        disk = next((t for t in self.tiers if t.is_disk), None)
+        disk_writes = None if disk is None else DiskWritePlanner(self.residency, disk, writer=self.mover)
+        self.planner = MovePlanner(self.tiers, self.residency, self.counters, disk_writes)
+        if disk is not None:
+            restore_disk_tier(disk, self.tree, self.rules, self.counters)
+        self.holders: set[PageHolder] = set()
+        self.guard = threading.RLock()
+        self.debug = debug_enabled()
+
+    # -- rules and reuse ---------------------------------------------------------------------------
+
+    def rule(self, group_id: int) -> GroupRule:
+        """The rule of a layer group; ``ValueError`` for an unknown group id."""
+        if isinstance(group_id, bool) or not isinstance(group_id, int) or not 0 <= group_id < len(self.rules):
+            raise ValueError(f"unknown layer group id {group_id!r}: the model has groups 0..{len(self.rules) - 1}")
+        return self.rules[group_id]
+
+    def root(self, scope: ReuseScope) -> Node | None:
+        """The tree root a cache of ``scope`` publishes under (None with reuse off)."""
+        return self.tree.root(scope) if self.config.enable_reuse else None
+
+    def match(self, tokens: array, scope: ReuseScope, whole: bool = False) -> ReuseMatch | None:
+        """The reusable prefix of ``tokens``: up to ``len - 1`` tokens, or all of them if ``whole``."""
+        num_tokens = len(tokens) + 1 if whole else len(tokens)
+        if not self.config.enable_reuse or num_tokens < 2:
+            return None
+        root = self.tree.find_root(scope)
+        if root is None:
+            return None
+        return find_reuse(
+            self.tree, root, encode_tokens(tokens), num_tokens, self.rules, self.config.enable_partial_reuse
+        )
+
+    # -- moving pages ------------------------------------------------------------------------------
+
+    def apply(self, plan: MovePlan, stream: torch.cuda.Stream | None = None) -> int:
+        """Run the plan's copies (ordered before later work on ``stream``), then finish its bookkeeping.
+
+        Returns how many pages failed their checksum on the way (they are marked damaged).
+        """
+        damaged = self.mover.run(plan, stream)
+        self.planner.finish(plan)
+        return damaged
+
+    def primary_slots(self, group: int) -> int:
+        """Slots of a layer group in the primary tier: more pages than this can never be locked at once."""
+        return self.tiers[PRIMARY].storage.slots[group].num_slots
+
+    def reserve(self, need: dict[int, int]) -> bool:
+        """Make room in the primary tier for ``need[g]`` new pages of each group (evictions run now)."""
+        plan = MovePlan()
+        ok = all(self.planner.make_room(PRIMARY, g, n, plan) for g, n in need.items())
+        self.apply(plan)
+        return ok
+
+    def new_page(self, group: GroupId, priority: int, locked: bool) -> Page:
+        """A page in a free primary slot, held by one cache; the room was made before (``reserve``)."""
+        page = self.residency.new_page(group, priority, locked)
+        if page is None:
+            raise InvariantError(f"no free primary slot in group {group} after room was made for it")
+        return page
+
+    def lock_in_primary(
+        self, pages: list[Page], copies: list[Page], fresh: list[GroupId], priority: int, stream=None
+    ) -> tuple[list[Page], bool] | None:
+        """Lock ``pages`` into the primary tier with a private copy of each of ``copies`` and a new
+        page per group of ``fresh``, all in one plan.
+
+        ``copies`` are pages the caller holds; on success it holds the private copies instead.
+        Returns the new locked pages (the copies in order, then the fresh ones) and whether a page
+        involved is damaged (failed its checksum, now or before); None when the primary tier
+        cannot hold them all, with nothing locked and the caller's holds unchanged.
+        """
+        res = self.residency
+        need, damaged = res.lock_all(pages)
+        _, damaged_copy = res.lock_all(copies)
+        for page in copies:
+            need[page.group] = need.get(page.group, 0) + 1
+        for group in fresh:
+            need[group] = need.get(group, 0) + 1
+        plan = MovePlan()
+        ok = self.planner.promote(pages, plan, need)
+        new: list[Page] = []
+        if ok:
+            for source in copies:
+                page = self.new_page(source.group, priority, locked=True)
+                plan.add(source.tier, PRIMARY, source.group, source.slot, page.slot)
+                new.append(page)
+            new.extend(self.new_page(group, priority, locked=True) for group in fresh)
+        damaged = self.apply(plan, stream) > 0 or damaged or damaged_copy
+        if not ok:
+            for page in pages:
+                res.unlock(page)
+            for page in copies:
+                res.unlock(page)
+            return None
+        damaged = damaged and any(page.damaged for page in copies + pages + new)
+        for page in copies:
+            res.release(page, locked=True)
+        return new, damaged
+
+    def copy_page(self, source: Page, priority: int) -> Page | None:
+        """A new primary page holding a copy of ``source`` (a primary page), held unlocked by the
+        caller; None when no room can be made for it."""
+        group = source.group
+        plan = MovePlan()
+        if not self.planner.make_room(PRIMARY, group, 1, plan):
+            self.apply(plan)
+            return None
+        page = self.new_page(group, priority, locked=False)
+        plan.add(PRIMARY, PRIMARY, group, source.slot, page.slot)
+        self.apply(plan)
+        return page
+
+    def prefetch(self, match: ReuseMatch, stream=None) -> int:
+        """Promote the pages of ``match`` toward the primary tier as room allows; returns how many moved.
+
+        They are pinned meanwhile (making room for one never evicts another) and stay evictable,
+        as recently used.
+        """
+        pages = match.pages(self.rules)
+        res = self.residency
+        for page in pages:
+            res.lock(page)
+        plan = MovePlan()
+        moved = 0
+        for page in pages:
+            if page.tier == PRIMARY:
+                continue
+            if not self.planner.make_room(PRIMARY, page.group, 1, plan):
+                break
+            self.planner.move(page, PRIMARY, plan)
+            self.counters.promotions += 1
+            moved += 1
+        self.apply(plan, stream)
+        for page in reversed(pages):
+            res.unlock(page)
+        return moved
+
+    def persist(self) -> None:
+        """Write published pages still in memory to the disk tier's free slots, parents first (at close),
+        so that a pool started later on the same path finds them."""
+        plan = MovePlan()
+        self.planner.persist(plan)
+        self.apply(plan)
+
+    def close(self) -> None:
+        """Release the tiers' memory and files (every holder has let go)."""
+        self.mover.synchronize()
+        self.mover.close()
+        for tier in self.tiers:
+            tier.storage.close()
+            if tier.disk_index is not None:
+                tier.disk_index.close()
+
+    # -- stats and checks --------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        """The tiers' occupancy and the counters since construction."""
+        c = self.counters
+        tiers = {}
+        for tier in self.tiers:
+            storage = tier.storage
+            total = sum(s.num_slots for s in storage.slots)
+            used = sum(s.num_used for s in storage.slots)
+            bytes_total = sum(s.num_slots * p for s, p in zip(storage.slots, storage.page_bytes, strict=True))
+            bytes_used = sum(s.num_used * p for s, p in zip(storage.slots, storage.page_bytes, strict=True))
+            tiers[tier.name] = TierStats(total, used, bytes_total, bytes_used)
+        return CacheStats(
+            tiers=tiers,
+            hit_tokens={name: c.hit_tokens[name] for name in self.tier_names},
+            lookup_tokens=c.lookup_tokens,
+            evictions=c.evictions,
+            demotions=c.demotions,
+            promotions=c.promotions,
+            drops=c.drops,
+            checksum_failures=c.checksum_failures,
+            disk_resets=c.disk_resets,
+            bytes_copied=dict(c.bytes_copied),
+        )
+
+    def check(self) -> None:
+        """Raise ``InvariantError`` unless every invariant of the pool and its holders holds (slow)."""
+        check_pages(self.tiers, self.tree, self.holders)
+
+    def debug_check(self) -> None:
+        """With ``KVTIER_DEBUG=1``, ``check`` (called after operations that change residency)."""
+        if self.debug:
+            self.check()
+
+
+def _is_allocation_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says memory could not be had (torch's CPU allocator raises a plain RuntimeError)."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return "can't allocate memory" in text or "out of memory" in text

@@ -1,0 +1,51 @@
+"""Token arrays: the one form tokens take inside kvtier, and their bytes.
+
+Tokens are unsigned 64-bit integers held in an ``array('Q')``; their bytes (``encode_tokens``)
+are little-endian on every machine, so the block keys derived from them (``kvtier.block_keys``)
+name the same block everywhere.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+
+import numpy as np
+
+TOKEN_BYTES = 8
+MAX_TOKEN = (1 << 64) - 1
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def as_token_array(tokens) -> array:
+    """Tokens as ``array('Q')`` (unsigned 64-bit); ``TypeError`` for non-integers, ``ValueError`` for negatives.
+
+    Accepts a sequence of ints, an ``array``, a numpy integer array or a CPU torch tensor.
+    """
+    if isinstance(tokens, str | bytes):
+        raise TypeError("tokens must be a sequence of integer token ids, not a string")
+    if hasattr(tokens, "numpy") and hasattr(tokens, "dtype"):  # a torch tensor
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu" or tokens.ndim != 1:
+            raise TypeError(f"tokens must be a 1-D integer array, got {tokens.dtype} with shape {tokens.shape}")
+        if tokens.size and tokens.min() < 0:
+            raise ValueError("token ids must be >= 0")
+        out = array("Q")
+        out.frombytes(tokens.astype("<u8", copy=False).tobytes())
+        return out
+    try:
+        return array("Q", tokens)
+    except OverflowError:
+        raise ValueError("token ids must be in 0..2**64-1") from None
+    except TypeError as exc:
+        raise TypeError(f"tokens must be integer ids ({exc})") from None
+
+
+def encode_tokens(tokens: array) -> bytes:
+    """Little-endian 64-bit bytes of an ``array('Q')``."""
+    if _LITTLE_ENDIAN:
+        return tokens.tobytes()
+    swapped = array("Q", tokens)  # pragma: no cover - big-endian hosts only
+    swapped.byteswap()  # pragma: no cover
+    return swapped.tobytes()  # pragma: no cover
