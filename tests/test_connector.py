@@ -108,6 +108,21 @@ def test_clamp_hands_back_exactly_the_tail(llama, tmp_path):
     assert out.token_ids == llama.reference_generate(prompt, 3)
 
 
+def test_loads_reuse_one_staging_buffer_across_steps(llama, tmp_path):
+    prompts = prompts_for(llama, [100, 80, 60], seed=11)
+    seed_store(llama, tmp_path, prompts)
+    conn = FileSystemConnector(tmp_path)
+    buffers = []
+    with engine(llama, 200, conn) as eng:
+        for prompt in prompts:  # one load per generate call: a step each, largest first
+            out = eng.generate([prompt], SamplingParams(max_tokens=3))[0]
+            assert out.reused_tokens_by_tier["connector"] == min(len(prompt) // TPB * TPB, len(prompt) - 1)
+            assert out.token_ids == llama.reference_generate(prompt, 3)
+            buffers.append(conn._staging)
+    assert buffers[0] is not None and all(b is buffers[0] for b in buffers)
+    assert conn._staging is None  # released when the connector closed
+
+
 def test_offer_dropped_before_delivery_is_handed_back(llama, tmp_path):
     prompts = prompts_for(llama, [30, 100], seed=4)
     seed_store(llama, tmp_path, [prompts[1]])

@@ -1,8 +1,9 @@
 """The engine side of the connector protocol: ask, reserve, deliver, save, hand back.
 
-Per request, one ``Offer`` records the absolute token range ``[start, end)`` the connector
-promised for the current allocation (a memoised absolute end, never a delta), and how far the
-protocol got with it:
+The driver is the scheduler's ``CacheHooks``: the scheduler tells it when a cache is created,
+resumed or dropped. Per request, one ``Offer`` (``Request.offer``) records the absolute token
+range ``[start, end)`` the connector promised for the current allocation (a memoised absolute
+end, never a delta), and how far the protocol got with it:
 
     ask      when the request's cache is created (it holds the local prefix, ``start``):
              get_num_new_matched_tokens once; the end is clamped below the prompt length and
@@ -24,52 +25,32 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.cache import KVCache
 from kvtier.connector.base import ConnectorRequest, SchedulerOutput
-from kvtier.engine.request import Request
-
-if TYPE_CHECKING:
-    from kvtier.cache import KVCache
-    from kvtier.engine.llm_engine import LLMEngine
-    from kvtier.engine.scheduler import ScheduledChunk
+from kvtier.engine.request import Offer, Request
+from kvtier.engine.scheduler import ScheduledChunk
+from kvtier.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class Offer:
-    """What the connector promised a request: tokens ``[start, end)``."""
-
-    start: int
-    end: int
-    asynchronous: bool
-    reserved: bool = False
-    delivered: bool = False
-
-
 class ConnectorDriver:
-    """Runs one connector (an object implementing both halves) for one engine."""
+    """Runs one connector (an object implementing both halves) over one engine's cache manager."""
 
-    def __init__(self, connector, engine: LLMEngine) -> None:
+    def __init__(self, connector, mgr: KVCacheManager) -> None:
         self.connector = connector
-        self.engine = engine
-        self.mgr = engine.cache_manager
+        self.mgr = mgr
         self.saving: dict[int, KVCache] = {}
-        connector.register_kv_cache_layout(self.mgr.layout())
-        engine.scheduler.on_cache_created = self.ask
-        engine.scheduler.on_resumed = self.reserve
-        engine.scheduler.on_cache_dropped = self.abort
-        engine.scheduler.pages_pending_release = lambda: bool(self.saving)
+        connector.register_kv_cache_layout(mgr.layout())
 
-    # -- the three phases ------------------------------------------------------------------------
+    # -- the three phases (the first two and the hand-back are the scheduler's CacheHooks) -------------
 
-    def ask(self, request: Request) -> None:
-        """Phase 1, once per allocation: what can the connector add after the local prefix?"""
-        assert request.cache is not None and request.connector is None
+    def cache_created(self, request: Request) -> None:
+        """Phase 1, ask, once per allocation: what can the connector add after the local prefix?"""
+        assert request.cache is not None and request.offer is None
         local = request.cache.num_committed_tokens
         view = self._view(request, with_blocks=False)
         tokens, asynchronous = self.connector.get_num_new_matched_tokens(view, local)
@@ -79,12 +60,12 @@ class ConnectorDriver:
             self.connector.cancel_load(view, max(local, limit), end)
             end = limit
         if end > local:
-            request.connector = Offer(local, end, bool(asynchronous))
+            request.offer = Offer(local, end, bool(asynchronous))
 
-    def reserve(self, request: Request) -> None:
-        """Phase 2, after resume: back the offer with pages, history moved to its end in the same call."""
-        offer = request.connector
-        if not isinstance(offer, Offer):
+    def cache_resumed(self, request: Request) -> None:
+        """Phase 2, reserve, after resume: back the offer with pages, history moved to its end in the same call."""
+        offer = request.offer
+        if offer is None:
             return
         cache = request.cache
         assert cache is not None
@@ -97,19 +78,23 @@ class ConnectorDriver:
             return
         # It could not be had, or the cache started over below the offer: hand it back.
         self.connector.cancel_load(self._view(request, with_blocks=False), offer.start, offer.end)
-        request.connector = None
+        request.offer = None
         request.loaded_until = 0
+
+    def pages_pending_release(self) -> bool:
+        """Whether saves in flight hold pages that they will release."""
+        return bool(self.saving)
 
     def before_forward(self, batch: list[ScheduledChunk]) -> None:
         """Phase 3 for the batch that runs: deliver, load, and commit what was loaded."""
-        delivered = []
+        delivered: list[tuple[Request, Offer]] = []
         for chunk in batch:
-            offer = chunk.request.connector
-            if isinstance(offer, Offer) and offer.reserved and not offer.delivered:
+            offer = chunk.request.offer
+            if offer is not None and offer.reserved and not offer.delivered:
                 offer.delivered = True
                 view = self._view(chunk.request)
                 self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
-                delivered.append(chunk.request)
+                delivered.append((chunk.request, offer))
         output = SchedulerOutput(
             [self._view(c.request) for c in batch], {c.request.request_id: c.num_tokens for c in batch}, []
         )
@@ -118,14 +103,13 @@ class ConnectorDriver:
         self.connector.start_load_kv(stream)
         for layer_id in range(len(self.mgr.spec.layers)):
             self.connector.wait_for_layer_load(layer_id, stream)
-        waiting = {r.request_id for r in delivered if r.connector.asynchronous}
+        waiting = {request.request_id for request, offer in delivered if offer.asynchronous}
         while waiting:
             _, loaded = self.connector.get_finished([], sorted(waiting))
             waiting -= set(loaded)
             if waiting:
                 time.sleep(0.001)
-        for request in delivered:
-            offer = request.connector
+        for request, offer in delivered:
             assert request.cache is not None and request.cache.num_committed_tokens == offer.start
             request.cache.commit(request.tokens[offer.start : offer.end])
             request.reused_by_tier["connector"] = request.reused_by_tier.get("connector", 0) + offer.end - offer.start
@@ -149,12 +133,12 @@ class ConnectorDriver:
             return True
         return False
 
-    def abort(self, request: Request) -> None:
+    def cache_dropped(self, request: Request) -> None:
         """The request's cache is closed before it finished: hand an undelivered offer back."""
-        offer = request.connector
-        if isinstance(offer, Offer) and not offer.delivered:
+        offer = request.offer
+        if offer is not None and not offer.delivered:
             self.connector.cancel_load(self._view(request, with_blocks=False), offer.start, offer.end)
-        request.connector = None
+        request.offer = None
         request.loaded_until = 0
 
     def poll(self) -> None:

@@ -20,23 +20,31 @@ import concurrent.futures.thread  # noqa: F401  (its exit hook is registered fir
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvtier.engine.llm_engine import LLMEngine
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
 SAVE_TIMEOUT_S = 30.0
 
-_OPEN: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+
+class Closable(Protocol):
+    """What the exit hooks need of an engine (``LLMEngine``)."""
+
+    driver_thread: int  # the thread that last drove it
+
+    def close_within(self, save_timeout_s: float | None) -> bool:
+        """Close, waiting at most this long for saves; False if some were still running."""
+        ...
 
 
-def track(engine: LLMEngine) -> None:
+_OPEN: weakref.WeakSet[Closable] = weakref.WeakSet()
+
+
+def track(engine: Closable) -> None:
     _OPEN.add(engine)
 
 
-def untrack(engine: LLMEngine) -> None:
+def untrack(engine: Closable) -> None:
     _OPEN.discard(engine)
 
 

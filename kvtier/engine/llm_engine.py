@@ -14,6 +14,7 @@ import torch
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
 from kvtier.engine import exit_close
 from kvtier.engine.admission import RequestLimits
+from kvtier.engine.connector_driver import ConnectorDriver
 from kvtier.engine.params import SamplingParams, SchedulerConfig
 from kvtier.engine.request import Request, RequestOutput, RequestStatus
 from kvtier.engine.runner import ModelRunner
@@ -62,14 +63,10 @@ class LLMEngine:
         if spec.model_id is None:  # name the weights, so pages never outlive a change of checkpoint
             spec = dataclasses.replace(spec, model_id=f"weights:{weights_fingerprint(model)}")
         self.cache_manager = KVCacheManager(spec, cache_config)
-        self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache_manager)
+        self.connector = None if connector is None else ConnectorDriver(connector, self.cache_manager)
+        self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache_manager, hooks=self.connector)
         self.runner = ModelRunner(model, self.cache_manager)
         self.limits = RequestLimits.of(model.vocab_size, self.cache_manager, self.scheduler.config)
-        self.connector = None
-        if connector is not None:
-            from kvtier.engine.connector_driver import ConnectorDriver
-
-            self.connector = ConnectorDriver(connector, self)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
         self._closed = False
@@ -177,7 +174,7 @@ class LLMEngine:
         if request is None:
             return
         if self.connector is not None:
-            self.connector.abort(request)
+            self.connector.cache_dropped(request)
         self.scheduler.finish(request, "abort")
         self.runner.forget(request)
         self._requests.pop(request_id, None)
@@ -237,7 +234,7 @@ class LLMEngine:
         """Finish a request with an error (pages freed, nothing saved) and give its output."""
         if request.status is not RequestStatus.FINISHED:
             if self.connector is not None:
-                self.connector.abort(request)
+                self.connector.cache_dropped(request)
             self.scheduler.finish(request, "error")
         request.error = error
         request.finish_time = time.perf_counter()

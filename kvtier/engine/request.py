@@ -1,4 +1,4 @@
-"""A request inside the engine, and the ``RequestOutput`` it turns into."""
+"""A request inside the engine, the connector's offer for it, and the ``RequestOutput`` it turns into."""
 
 from __future__ import annotations
 
@@ -10,6 +10,22 @@ from dataclasses import dataclass, field
 from kvtier.cache import KVCache
 from kvtier.config import ReuseScope
 from kvtier.engine.params import SamplingParams
+
+
+@dataclass(slots=True)
+class Offer:
+    """What the connector promised a request for its current allocation: tokens ``[start, end)``.
+
+    ``reserved``: the cache has capacity and history up to ``end`` for it; ``delivered``: the
+    connector was told the pages (``update_state_after_alloc``) and the load ran
+    (kvtier.engine.connector_driver).
+    """
+
+    start: int
+    end: int
+    asynchronous: bool
+    reserved: bool = False
+    delivered: bool = False
 
 
 class RequestStatus(enum.Enum):
@@ -44,7 +60,7 @@ class Request:
     reused_by_tier: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
     error: str | None = None  # why it finished with finish_reason "error"
-    connector: object | None = None  # the connector offer of this allocation (kvtier.engine.connector_driver)
+    offer: Offer | None = None  # the connector's offer for this allocation
     loaded_until: int = 0  # end of a reserved connector offer: tokens below it are loaded, not computed
 
     def __post_init__(self) -> None:

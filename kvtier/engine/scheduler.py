@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvtier.cache import CacheState
 from kvtier.engine.params import SchedulerConfig
@@ -53,8 +53,40 @@ class _Blocked:
     reason: str
 
 
-# A hook on a request's cache: (request) -> None.
-CacheHook = Callable[[Request], None]
+class CacheHooks(Protocol):
+    """What the scheduler tells about requests' caches, and asks, as it goes (a connector driver)."""
+
+    def cache_created(self, request: Request) -> None:
+        """Right after ``request.cache`` was created (it holds the local prefix)."""
+        ...
+
+    def cache_resumed(self, request: Request) -> None:
+        """After each successful resume of ``request.cache``."""
+        ...
+
+    def cache_dropped(self, request: Request) -> None:
+        """Before the scheduler closes the cache of a request that has not finished."""
+        ...
+
+    def pages_pending_release(self) -> bool:
+        """Whether pages held outside the queues (a save in flight) will be freed."""
+        ...
+
+
+class NoHooks:
+    """The hooks of an engine without a connector: nothing to tell, nothing pending."""
+
+    def cache_created(self, request: Request) -> None:
+        return None
+
+    def cache_resumed(self, request: Request) -> None:
+        return None
+
+    def cache_dropped(self, request: Request) -> None:
+        return None
+
+    def pages_pending_release(self) -> bool:
+        return False
 
 
 class Scheduler:
@@ -66,9 +98,10 @@ class Scheduler:
     connector's save until that ends).
     """
 
-    def __init__(self, config: SchedulerConfig, mgr: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, mgr: KVCacheManager, hooks: CacheHooks | None = None) -> None:
         self.config = config
         self.mgr = mgr
+        self.hooks: CacheHooks = hooks if hooks is not None else NoHooks()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.failed: list[Request] = []  # finished with an error since the engine last took them
@@ -76,13 +109,6 @@ class Scheduler:
         self.num_recomputes = 0  # preemptions (and unblockings) that closed the cache
         # Suspending frees primary pages only if a tier below can take them.
         self._swap_out = len(mgr.config.tiers) > 1
-        # Hooks a connector driver sets: right after a cache is created, after each resume, and
-        # before the scheduler closes the cache of a request that has not finished.
-        self.on_cache_created: CacheHook = _nothing
-        self.on_resumed: CacheHook = _nothing
-        self.on_cache_dropped: CacheHook = _nothing
-        # Whether pages held outside the queues (e.g. by a connector's save in flight) will be freed.
-        self.pages_pending_release: Callable[[], bool] = lambda: False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -114,7 +140,7 @@ class Scheduler:
                 batch.append(chunk)
                 budget -= chunk.num_tokens
                 continue
-            if self.running or batch or self.pages_pending_release():
+            if self.running or batch or self.hooks.pages_pending_release():
                 break  # memory comes back as running requests finish
             if not self._recompute_waiting(but=request):
                 self._fail(request, f"it cannot run even alone: {chunk.reason}")
@@ -154,11 +180,11 @@ class Scheduler:
             if not request.admitted:
                 request.reused_by_tier = dict(request.cache.reused_by_tier)
             request.admitted = True
-            self.on_cache_created(request)
+            self.hooks.cache_created(request)
         cache = request.cache
         if not cache.resume():
             return _Blocked("its cached pages do not fit in the primary tier")
-        self.on_resumed(request)
+        self.hooks.cache_resumed(request)
         n = self._chunk(request, budget)
         if n == 0:
             cache.suspend()
@@ -213,7 +239,7 @@ class Scheduler:
     def _drop_cache(self, request: Request) -> None:
         """Close the cache of an unfinished request: it will be recomputed from what was published."""
         assert request.cache is not None
-        self.on_cache_dropped(request)
+        self.hooks.cache_dropped(request)
         request.cache.close()
         request.cache = None
         request.loaded_until = 0
@@ -223,10 +249,6 @@ class Scheduler:
         request.error = f"request {request.request_id} failed: {reason}"
         log.warning("kvtier engine: %s", request.error)
         if request.cache is not None:
-            self.on_cache_dropped(request)
+            self.hooks.cache_dropped(request)
         self.finish(request, "error")
         self.failed.append(request)
-
-
-def _nothing(request: Request) -> None:
-    return None
