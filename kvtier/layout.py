@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.spec import AttentionLayer, GroupId, GroupKind, LayerGroup, LayerId, ModelSpec, RecurrentLayer
+from kvtier.spec import AttentionLayer, GroupId, GroupKind, LayerGroup, LayerId, ModelSpec
 
 PART_ALIGN = 64
 
@@ -52,13 +52,12 @@ def page_geometries(spec: ModelSpec, tokens_per_block: int) -> tuple[PageGeometr
         offset = 0
         for lid in group.layer_ids:
             layer = spec.layers[lid]
-            if isinstance(layer, RecurrentLayer):
-                chunks = [("state", layer.state_bytes, (layer.state_bytes,), torch.uint8)]
-            else:
-                assert isinstance(layer, AttentionLayer)
+            if isinstance(layer, AttentionLayer):
                 shape = (tokens_per_block, layer.num_kv_heads, layer.head_dim)
                 nbytes = tokens_per_block * layer.num_kv_heads * layer.head_dim * itemsize
                 chunks = [(role, nbytes, shape, spec.dtype) for role in layer.roles]
+            else:
+                chunks = [("state", layer.state_bytes, (layer.state_bytes,), torch.uint8)]
             for role, nbytes, shape, dtype in chunks:
                 parts.append(PagePart(lid, role, offset, nbytes, shape, dtype))
                 offset += _align(nbytes)

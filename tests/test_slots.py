@@ -112,12 +112,12 @@ def test_reserve_nothing():
 def test_check_detects_a_broken_stack_or_map():
     dup = SlotAllocator(3)
     dup._free.append(dup._free[-1])
-    with pytest.raises(AssertionError, match="on the free stack twice"):
+    with pytest.raises(kvtier.InvariantError, match="on the free stack twice"):
         dup.check()
 
     used_on_stack = SlotAllocator(3)
     used_on_stack._is_free[0] = 0
-    with pytest.raises(AssertionError, match="free map and free stack disagree"):
+    with pytest.raises(kvtier.InvariantError, match="free map and free stack disagree"):
         used_on_stack.check()
 
     swapped = SlotAllocator(3)

@@ -32,6 +32,7 @@ from kvtier.cache import KVCache
 from kvtier.connector.base import ConnectorRequest, SchedulerOutput
 from kvtier.engine.request import Offer, Request
 from kvtier.engine.scheduler import ScheduledChunk
+from kvtier.errors import InvariantError
 from kvtier.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,9 @@ class ConnectorDriver:
 
     def cache_created(self, request: Request) -> None:
         """Phase 1, ask, once per allocation: what can the connector add after the local prefix?"""
-        assert request.cache is not None and request.offer is None
-        local = request.cache.num_committed_tokens
+        if request.offer is not None:
+            raise InvariantError(f"request {request.request_id} was asked twice for one allocation")
+        local = request.held_cache().num_committed_tokens
         view = self._view(request, with_blocks=False)
         tokens, asynchronous = self.connector.get_num_new_matched_tokens(view, local)
         end = local + max(0, int(tokens))
@@ -67,8 +69,7 @@ class ConnectorDriver:
         offer = request.offer
         if offer is None:
             return
-        cache = request.cache
-        assert cache is not None
+        cache = request.held_cache()
         intact = cache.num_committed_tokens == offer.start
         if offer.reserved and intact and cache.history_length >= offer.end:
             return  # still backed (resumed again after a deferral or a preemption)
@@ -110,8 +111,10 @@ class ConnectorDriver:
             if waiting:
                 time.sleep(0.001)
         for request, offer in delivered:
-            assert request.cache is not None and request.cache.num_committed_tokens == offer.start
-            request.cache.commit(request.tokens[offer.start : offer.end])
+            cache = request.held_cache()
+            if cache.num_committed_tokens != offer.start:
+                raise InvariantError(f"request {request.request_id} committed past its offer before the load")
+            cache.commit(request.tokens[offer.start : offer.end])
             request.reused_by_tier["connector"] = request.reused_by_tier.get("connector", 0) + offer.end - offer.start
             request.loaded_until = 0
 
@@ -128,8 +131,7 @@ class ConnectorDriver:
         """Tell the connector; True if its save runs on and the cache must stay open until it ends."""
         view = self._view(request)
         if self.connector.request_finished(view, view.block_ids_by_layer_group):
-            assert request.cache is not None
-            self.saving[request.request_id] = request.cache
+            self.saving[request.request_id] = request.held_cache()
             return True
         return False
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kvtier.cache import KVCache
 from kvtier.config import ReuseScope
 from kvtier.engine.params import SamplingParams
+from kvtier.errors import InvariantError
 
 
 @dataclass(slots=True)
@@ -80,8 +81,15 @@ class Request:
         """Where this step's compute starts: after the cached tokens and any reserved connector load."""
         return max(self.num_computed, self.loaded_until)
 
+    def held_cache(self) -> KVCache:
+        """The request's cache; ``InvariantError`` if it has none (a RUNNING request always has one)."""
+        if self.cache is None:
+            raise InvariantError(f"request {self.request_id} ({self.status.value}) has no cache")
+        return self.cache
+
     def to_output(self) -> RequestOutput:
-        assert self.finish_time is not None
+        if self.finish_time is None:
+            raise InvariantError(f"request {self.request_id} has not finished")
         first = self.first_token_time
         return RequestOutput(
             request_id=self.request_id,

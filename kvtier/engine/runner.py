@@ -53,8 +53,7 @@ class ModelRunner:
             finite = torch.isfinite(logits).all(dim=-1).tolist() if any(ends) else []
             for row, piece in enumerate(wave):
                 request = piece.chunk.request
-                assert request.cache is not None
-                request.cache.commit(request.tokens[piece.start : piece.end])
+                request.held_cache().commit(request.tokens[piece.start : piece.end])
                 request.computed_prompt_tokens += max(0, min(piece.end, len(request.prompt)) - piece.start)
                 if not ends[row]:
                     continue
@@ -85,8 +84,7 @@ class ModelRunner:
 
     def _sequence(self, piece: _Piece) -> PagedSequence:
         request = piece.chunk.request
-        cache = request.cache
-        assert cache is not None
+        cache = request.held_cache()
         # Host tensors: the model plans and checks the batch on the host and ships it to the
         # device without a synchronisation, so promoted pages can still be landing meanwhile.
         ids = torch.tensor(request.tokens[piece.start : piece.end], dtype=torch.int64)

@@ -32,6 +32,7 @@ from typing import Protocol
 from kvtier.cache import CacheState
 from kvtier.engine.params import SchedulerConfig
 from kvtier.engine.request import Request, RequestStatus
+from kvtier.errors import InvariantError
 from kvtier.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
@@ -202,11 +203,10 @@ class Scheduler:
 
     def _grow(self, request: Request, end: int, batch: list[ScheduledChunk]) -> bool:
         """Capacity for ``end`` tokens; under max_utilization, preempt others until it fits."""
-        cache = request.cache
-        assert cache is not None
+        cache = request.held_cache()
         while not cache.resize(max(end, cache.capacity)):
             if self.config.policy != "max_utilization":
-                raise AssertionError("guaranteed_no_evict reserved every page at admission")
+                raise InvariantError("guaranteed_no_evict reserved every page at admission")
             scheduled = {id(c.request) for c in batch}
             victims = [r for r in self.running if id(r) not in scheduled]
             victim = min(reversed(victims), key=lambda r: r.priority)  # lowest priority, latest admitted
@@ -217,8 +217,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Back to the head of the queue, its cache suspended (swap) or closed (recompute)."""
-        cache = request.cache
-        assert cache is not None and cache.state is CacheState.ACTIVE
+        cache = request.held_cache()
+        if cache.state is not CacheState.ACTIVE:
+            raise InvariantError(f"request {request.request_id} preempted with a {cache.state.value} cache")
         if self._swap_out:
             cache.suspend()
         else:
@@ -238,9 +239,9 @@ class Scheduler:
 
     def _drop_cache(self, request: Request) -> None:
         """Close the cache of an unfinished request: it will be recomputed from what was published."""
-        assert request.cache is not None
+        cache = request.held_cache()
         self.hooks.cache_dropped(request)
-        request.cache.close()
+        cache.close()
         request.cache = None
         request.loaded_until = 0
         self.num_recomputes += 1

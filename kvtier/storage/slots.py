@@ -57,7 +57,10 @@ class SlotAllocator:
         return bool(self._is_free[slot])
 
     def check(self) -> None:
-        """Raise AssertionError unless the free stack and the free map agree."""
-        assert len(set(self._free)) == len(self._free), "a slot is on the free stack twice"
-        assert sum(self._is_free) == len(self._free), "free map and free stack disagree"
-        assert all(self._is_free[s] for s in self._free), "a slot on the free stack is marked used"
+        """Raise ``InvariantError`` unless the free stack and the free map agree."""
+        if len(set(self._free)) != len(self._free):
+            raise InvariantError("a slot is on the free stack twice")
+        if sum(self._is_free) != len(self._free):
+            raise InvariantError("free map and free stack disagree")
+        if not all(self._is_free[s] for s in self._free):
+            raise InvariantError("a slot on the free stack is marked used")
