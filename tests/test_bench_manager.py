@@ -1,0 +1,78 @@
+"""``kvtier bench manager`` on a tiny workload: kvtier's figures, the vLLM line, argument checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.cli.bench_manager import TPB, KvtierCachedPrompt, KvtierDecode
+
+TINY = ["bench", "manager", "--steps", "20", "--prompt-tokens", "160", "--repeats", "3"]
+
+
+def _run(capsys, tmp_path, *extra: str) -> tuple[dict, str]:
+    path = tmp_path / "mgr.json"
+    assert main([*TINY, *extra, "--json", str(path)]) == 0
+    return json.loads(path.read_text()), capsys.readouterr().out
+
+
+def test_kvtier_figures_and_round_trips_without_the_comparison(capsys, tmp_path):
+    results, out = _run(capsys, tmp_path, "--no-vllm")
+    decode, cached = results["decode_us_per_request_step"], results["cached_prompt_ms"]
+    assert 0 < decode["median"] <= decode["max"]
+    assert cached["median"] >= cached["create_median"] > 0 and cached["resume_median"] > 0
+    assert set(results["round_trip_us_per_page"]) == {"host", "host+disk"}
+    assert all(v > 0 for v in results["round_trip_us_per_page"].values())
+    assert results["vllm"] == {"missing": "vLLM not measured (--no-vllm)"}
+    assert "ratios_vllm_over_kvtier" not in results
+    assert "decode step, us per request (256 requests)" in out
+    assert "vLLM not measured (--no-vllm): kvtier's figures only" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_without_vllm_the_bench_says_it_was_not_found(capsys, tmp_path):
+    results, out = _run(capsys, tmp_path, "--no-tiers")
+    assert results["vllm"]["missing"].startswith("vLLM was not found")
+    assert "vLLM was not found" in out
+    assert "round_trip_us_per_page" not in results
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--steps", "0", "must be >= 1"), ("--repeats", "-1", "must be >= 1"), ("--prompt-tokens", "31", "must be >= 32")],
+)
+def test_bad_sizes_are_refused_before_anything_runs(capsys, flag, value, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "manager", flag, value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_decode_workload_commits_every_token_across_block_boundaries():
+    decode = KvtierDecode(requests=3, context=2 * TPB + 5, steps=TPB)
+    try:
+        for _ in range(TPB):
+            assert decode.step() > 0
+        decode.check()
+        for cache in decode.caches:
+            assert cache.num_committed_tokens == cache.capacity == 3 * TPB + 5
+        decode.caches[0].resize(decode.caches[0].capacity + 1)  # a token given but never committed
+        with pytest.raises(RuntimeError, match="did not commit"):
+            decode.check()
+    finally:
+        decode.close()
+
+
+def test_the_cached_prompt_is_reused_up_to_its_last_token_and_a_miss_is_refused():
+    cached = KvtierCachedPrompt(5 * TPB)
+    try:
+        times = cached.once()
+        assert times["total"] >= times["create"] > 0 and times["resume"] > 0
+        cached.prompt = [t + 1_000_000 for t in cached.prompt]  # a prompt nothing cached
+        with pytest.raises(RuntimeError, match="reused 0 tokens"):
+            cached.once()
+    finally:
+        cached.close()
