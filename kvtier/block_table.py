@@ -16,9 +16,9 @@ import numpy as np
 from kvtier.errors import InvariantError
 from kvtier.lifecycle import GroupRule
 from kvtier.pages import BAD_PAGE_INDEX, Page
-from kvtier.residency import PRIMARY, Residency
-from kvtier.reuse import ReuseMatch
+from kvtier.reuse.matching import ReuseMatch
 from kvtier.spec import GroupKind
+from kvtier.tiering.residency import PRIMARY, Residency
 
 
 class BlockTable:

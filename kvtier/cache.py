@@ -28,8 +28,8 @@ from kvtier.invariants import Holdings
 from kvtier.pages import Page
 from kvtier.pool import PagePool
 from kvtier.published_chain import PublishedChain
-from kvtier.reuse import ReuseMatch
-from kvtier.tokens import MAX_TOKEN, as_token_array
+from kvtier.reuse.matching import ReuseMatch
+from kvtier.reuse.tokens import MAX_TOKEN, as_token_array
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,9 @@ from typing import Protocol
 
 from kvtier.errors import InvariantError
 from kvtier.pages import Node, Page
-from kvtier.tiers import Tier
-from kvtier.tree import RadixTree, block_key
+from kvtier.reuse.block_keys import block_key
+from kvtier.reuse.tree import RadixTree
+from kvtier.tiering.tier import Tier
 
 
 @dataclass(slots=True)

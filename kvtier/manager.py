@@ -17,14 +17,14 @@ import torch
 from kvtier.cache import KVCache
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, PrimaryTier, ReuseScope
 from kvtier.errors import CacheStateError
-from kvtier.eviction import check_priority
 from kvtier.exclusive import exclusive
 from kvtier.layout import GroupLayout, KvCacheLayout, Region, page_geometries, part_views
 from kvtier.pool import PagePool
-from kvtier.residency import PRIMARY
+from kvtier.reuse.tokens import as_token_array
 from kvtier.spec import ModelSpec
 from kvtier.stats import CacheStats
-from kvtier.tokens import as_token_array
+from kvtier.tiering.eviction import check_priority
+from kvtier.tiering.residency import PRIMARY
 
 log = logging.getLogger(__name__)
 

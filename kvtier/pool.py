@@ -20,24 +20,24 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.config import CacheConfig, ReuseScope
-from kvtier.disk_restore import restore_disk_tier
-from kvtier.disk_writes import DiskWritePlanner
 from kvtier.errors import InvariantError, OutOfPagesError
 from kvtier.invariants import PageHolder, check_pages
 from kvtier.knobs import debug_enabled
 from kvtier.layout import PageGeometry
 from kvtier.lifecycle import GroupRule
-from kvtier.mover import Mover
 from kvtier.pages import Node, Page
-from kvtier.plan import MovePlan
-from kvtier.planner import MovePlanner
-from kvtier.residency import PRIMARY, Residency
-from kvtier.reuse import ReuseMatch, find_reuse
+from kvtier.reuse.matching import ReuseMatch, find_reuse
+from kvtier.reuse.tokens import encode_tokens
+from kvtier.reuse.tree import RadixTree
 from kvtier.spec import GroupId, GroupKind, ModelSpec
 from kvtier.stats import CacheStats, Counters, TierStats
-from kvtier.tier_factory import build_tiers
-from kvtier.tokens import encode_tokens
-from kvtier.tree import RadixTree
+from kvtier.tiering.build import build_tiers
+from kvtier.tiering.disk_restore import restore_disk_tier
+from kvtier.tiering.disk_writes import DiskWritePlanner
+from kvtier.tiering.mover import Mover
+from kvtier.tiering.plan import MovePlan
+from kvtier.tiering.planner import MovePlanner
+from kvtier.tiering.residency import PRIMARY, Residency
 
 
 class PagePool:

@@ -17,7 +17,7 @@ from kvtier.block_table import BlockTable
 from kvtier.errors import InvariantError
 from kvtier.pages import Node, Page
 from kvtier.pool import PagePool
-from kvtier.tokens import encode_tokens
+from kvtier.reuse.tokens import encode_tokens
 
 
 class PublishedChain:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvtier.storage.disk import page_checksum
+from kvtier.storage.page_files import page_checksum
 
 directory, gib = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 2.0
 page = int(float(sys.argv[3]) * (1 << 20)) if len(sys.argv) > 3 else 4 << 20

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import kvtier
-from kvtier.block_keys import block_key, scope_key
 from kvtier.connector import BlockKeyspace, BlockStore, FileSystemStore, decode_page, encode_page
 from kvtier.connector.block_codec import HEADER_BYTES
-from kvtier.tokens import encode_tokens
+from kvtier.reuse.block_keys import block_key, scope_key
+from kvtier.reuse.tokens import encode_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 FINGERPRINT = "0123456789abcdef0123456789abcdef"

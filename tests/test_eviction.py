@@ -1,4 +1,4 @@
-"""kvtier/eviction.py: eviction order (lowest priority, then least recently added) and priority checks."""
+"""kvtier/tiering/eviction.py: eviction order (lowest priority, then least recently added) and priority checks."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.eviction import MAX_PRIORITY, MIN_PRIORITY, EvictionIndex, check_priority
 from kvtier.pages import Page
+from kvtier.tiering.eviction import MAX_PRIORITY, MIN_PRIORITY, EvictionIndex, check_priority
 
 
 def page(priority: int, slot: int = 0) -> Page:

@@ -15,8 +15,8 @@ from prometheus_client import generate_latest
 
 import kvtier
 from kvtier.connector import ConnectorStats, RedisConnector, SavePolicy
-from kvtier.connector.metrics import ConnectorCollector
 from kvtier.connector.save_policy import PrefixSightings
+from kvtier.connector.store_metrics import ConnectorCollector
 from kvtier.engine import SamplingParams
 from kvtier.metrics import registry_for
 from kvtier.models import build_model

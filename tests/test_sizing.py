@@ -1,4 +1,4 @@
-"""kvtier/sizing.py: a tier's byte quota split across layer groups."""
+"""kvtier/tiering/sizing.py: a tier's byte quota split across layer groups."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import kvtier
 from kvtier import AttentionLayer, ModelSpec, RecurrentLayer
 from kvtier.layout import page_geometries
-from kvtier.sizing import slots_per_group
+from kvtier.tiering.sizing import slots_per_group
 
 TPB = 4
 

@@ -1,4 +1,4 @@
-"""kvtier/tree.py (block keys, the radix tree) and kvtier/reuse.py (hit rules) on hand-built trees."""
+"""kvtier/reuse/tree.py (block keys, the radix tree) and kvtier/reuse/matching.py (hit rules) on hand-built trees."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from array import array
 import pytest
 
 from kvtier import DEFAULT_SCOPE, AttentionLayer, ModelSpec, RecurrentLayer, ReuseScope
-from kvtier.block_keys import block_key, scope_key
 from kvtier.lifecycle import GroupRule
 from kvtier.pages import Page
-from kvtier.reuse import find_reuse, snapshot_at
-from kvtier.tokens import TOKEN_BYTES, encode_tokens
-from kvtier.tree import RadixTree
+from kvtier.reuse.block_keys import block_key, scope_key
+from kvtier.reuse.matching import find_reuse, snapshot_at
+from kvtier.reuse.tokens import TOKEN_BYTES, encode_tokens
+from kvtier.reuse.tree import RadixTree
 
 TPB = 4
 

@@ -66,7 +66,7 @@ def _raw(name: str) -> str:
 
 
 def _batch_abi(index: int) -> str:
-    from kvtier.copy.driver import BatchCopier
+    from kvtier.copy.copy_engine import BatchCopier
 
     try:
         abi = BatchCopier(index).abi

@@ -16,7 +16,7 @@ The storage layer behind the shipped connectors:
 - ``RedisStore(url)``: one server, a Redis Cluster or a Sentinel-watched primary (Valkey alike);
   one round trip per batch (per node), optional TTL, back-off while a server is down.
 - ``SavePolicy``: which finished blocks a connector saves; ``ConnectorStats``: what it did
-  (``kvtier.connector.metrics`` exports them to Prometheus).
+  (``kvtier.connector.store_metrics`` exports them to Prometheus).
   ``redis`` is imported only when a ``RedisStore`` is made.
 """
 
@@ -31,9 +31,9 @@ from kvtier.connector.fs_store import FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RedisStore
 from kvtier.connector.save_policy import SavePolicy
-from kvtier.connector.stats import ConnectorStats
 from kvtier.connector.store import BlockStore
 from kvtier.connector.store_connector import FileSystemConnector, RedisConnector, StoreConnector
+from kvtier.connector.store_stats import ConnectorStats
 
 __all__ = [
     "BlockKeyspace",

@@ -8,7 +8,7 @@ A key is ``<prefix>/<scope>/<block>/g<group>`` with the prefix
   two ranks never share a key;
 - ``<scope>`` is 32 hex digits of blake2b over ``ReuseScope.encode()``: two tenants never share
   a key (and a tenant's keys share a prefix);
-- ``<block>`` is the 16-byte chained block key (``kvtier.tree.block_key``) in hex, which names
+- ``<block>`` is the 16-byte chained block key (``kvtier.reuse.block_keys.block_key``) in hex, which names
   the block's whole token prefix;
 - ``<group>`` is the layer group id.
 
@@ -75,7 +75,9 @@ class BlockKeyspace:
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a ReuseScope, got {scope!r}")
         if not isinstance(block_key, bytes | bytearray) or len(block_key) != BLOCK_KEY_BYTES:
-            raise ValueError(f"block_key must be {BLOCK_KEY_BYTES} bytes (kvtier.tree.block_key), got {block_key!r}")
+            raise ValueError(
+                f"block_key must be {BLOCK_KEY_BYTES} bytes (kvtier.reuse.block_keys.block_key), got {block_key!r}"
+            )
         if isinstance(group_id, bool) or not isinstance(group_id, int) or group_id < 0:
             raise ValueError(f"group_id must be an int >= 0, got {group_id!r}")
         return f"{self.prefix}/{scope_tag(scope)}/{bytes(block_key).hex()}/g{group_id}"

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.eviction import MAX_PRIORITY, MIN_PRIORITY
+from kvtier.tiering.eviction import MAX_PRIORITY, MIN_PRIORITY
 
 DEFAULT_MAX_TRACKED = 1 << 18
 

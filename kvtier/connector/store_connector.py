@@ -13,7 +13,7 @@
   copies those pages out and writes them; ``get_finished`` reports the request once they are
   written, and only then does the engine release its pages.
 - ``stats()``: what the connector did with its store (``ConnectorStats``); exported to
-  Prometheus by ``kvtier.connector.metrics``.
+  Prometheus by ``kvtier.connector.store_metrics``.
 
 Models with a recurrent layer group are not served (their reuse needs a state snapshot at the
 offer's end, which the pages a request holds at the end do not give): such connectors offer
@@ -31,18 +31,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier.block_keys import block_chain
 from kvtier.connector.base import ConnectorRequest, KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RETRY_AFTER_S, SOCKET_TIMEOUT_S, RedisStore
 from kvtier.connector.save_policy import PrefixSightings, SavePolicy
-from kvtier.connector.stats import ConnectorCounters, ConnectorStats
 from kvtier.connector.store import BlockStore
+from kvtier.connector.store_stats import ConnectorCounters, ConnectorStats
 from kvtier.copy import PageCopier
 from kvtier.layout import GroupLayout, KvCacheLayout
 from kvtier.lifecycle import GroupRule
 from kvtier.pages import BAD_PAGE_INDEX
+from kvtier.reuse.block_keys import block_chain
 from kvtier.spec import GroupKind
 from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
 

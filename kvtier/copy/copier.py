@@ -1,10 +1,10 @@
 """``PageCopier``: moves a batch of pages between two tier buffers, on the path the policy picks.
 
-One copier per device. A call checks everything first (``kvtier.copy.request``), then:
+One copier per device. A call checks everything first (``kvtier.copy.copy_request``), then:
 
 - both buffers in host memory -> the CPU path, synchronously on the calling thread;
 - otherwise ``policy.choose(page_bytes, coherent_link=...)`` -> the copy engines (one batched
-  driver call, ``kvtier.copy.driver``) or the Triton kernel (one launch, ``kvtier.copy.kernel``),
+  driver call, ``kvtier.copy.copy_engine``) or the Triton kernel (one launch, ``kvtier.copy.kernel``),
   enqueued on the caller's stream after the work already there.
 
 Triton and cuda-bindings are imported on the first call that needs them.
@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.copy.copy_engine import LEGACY_STREAM_HANDLES
+from kvtier.copy.copy_request import CopyRequest, check_request
 from kvtier.copy.cpu import copy_pages_cpu
-from kvtier.copy.driver import LEGACY_STREAM_HANDLES
 from kvtier.copy.link import LinkInfo, detect_link
 from kvtier.copy.policy import CopyPath, CopyPolicy
-from kvtier.copy.request import CopyRequest, check_request
 
 if TYPE_CHECKING:
-    from kvtier.copy.driver import BatchCopier
+    from kvtier.copy.copy_engine import BatchCopier
 
 StreamArg = torch.cuda.Stream | int | None
 
@@ -88,7 +88,7 @@ class PageCopier:
 
     def _copy_with_engines(self, request: CopyRequest, stream: int, src_host: bool, dst_host: bool) -> None:
         if self._batch is None:
-            from kvtier.copy.driver import BatchCopier
+            from kvtier.copy.copy_engine import BatchCopier
 
             self._batch = BatchCopier(self.device.index)
         offsets = request.pairs * request.page_bytes

@@ -14,7 +14,7 @@ from typing import Final
 
 import numpy as np
 
-from kvtier.copy.request import CopyRequest
+from kvtier.copy.copy_request import CopyRequest
 
 LOOP_MIN_PAGE_BYTES: Final = 8 * 1024
 

@@ -7,7 +7,7 @@ prefill, or a prompt + ``max_tokens`` whose pages could never be in the primary 
 in O(1) (so ``max_tokens=10**12`` is refused at once): what the request needs at the point
 where it needs the least, given the scheduling policy. A request that passes may still fail
 later, e.g. when its model gives non-finite logits; it then finishes with ``finish_reason``
-"error" (kvtier.engine.scheduler, kvtier.engine.runner).
+"error" (kvtier.engine.batch_scheduler, kvtier.engine.runner).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kvtier.engine.params import SamplingParams, SchedulerConfig
 from kvtier.lifecycle import GroupRule
 from kvtier.manager import KVCacheManager
-from kvtier.tokens import as_token_array
+from kvtier.reuse.tokens import as_token_array
 
 
 @dataclass(frozen=True, slots=True)

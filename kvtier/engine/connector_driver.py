@@ -30,8 +30,8 @@ import torch
 
 from kvtier.cache import KVCache
 from kvtier.connector.base import ConnectorRequest, SchedulerOutput
+from kvtier.engine.batch_scheduler import ScheduledChunk
 from kvtier.engine.request import Offer, Request
-from kvtier.engine.scheduler import ScheduledChunk
 from kvtier.errors import InvariantError
 from kvtier.manager import KVCacheManager
 

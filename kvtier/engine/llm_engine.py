@@ -14,15 +14,15 @@ import torch
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
 from kvtier.engine import exit_close
 from kvtier.engine.admission import RequestLimits
+from kvtier.engine.batch_scheduler import Scheduler
 from kvtier.engine.connector_driver import ConnectorDriver
 from kvtier.engine.params import SamplingParams, SchedulerConfig
 from kvtier.engine.request import Request, RequestOutput, RequestStatus
 from kvtier.engine.runner import ModelRunner
-from kvtier.engine.scheduler import Scheduler
 from kvtier.errors import CacheStateError
-from kvtier.eviction import check_priority
 from kvtier.manager import KVCacheManager
 from kvtier.models import DecoderModel
+from kvtier.tiering.eviction import check_priority
 from kvtier.weights import weights_fingerprint
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.engine.batch_scheduler import ScheduledChunk
 from kvtier.engine.params import SamplingParams
 from kvtier.engine.request import Request
-from kvtier.engine.scheduler import ScheduledChunk
 from kvtier.manager import KVCacheManager
 from kvtier.models import DecoderModel, PagedSequence
 

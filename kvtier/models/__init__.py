@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from kvtier.models.architecture import NAMED_CONFIGS, LayerKind, ModelConfig, named_config
 from kvtier.models.batch import PagedSequence
-from kvtier.models.config import NAMED_CONFIGS, LayerKind, ModelConfig, named_config
 from kvtier.models.llama import DecoderModel
 from kvtier.models.loader import config_from_hf, config_to_hf, load_model
 from kvtier.models.random_init import random_model

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvtier.models.architecture import LayerKind, ModelConfig
 from kvtier.models.batch import PagedBatch
-from kvtier.models.config import LayerKind, ModelConfig
 from kvtier.models.paged_attention import attend, dense_mask, gather_keys, write_kv
 from kvtier.models.rope import Rotation
 

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtier.models.architecture import LayerKind, ModelConfig
 from kvtier.models.attention import Attention
 from kvtier.models.batch import KvViews, PagedBatch, PagedSequence
-from kvtier.models.config import LayerKind, ModelConfig
 from kvtier.models.recurrent import GatedRecurrence
 from kvtier.models.rope import Rope, Rotation
 from kvtier.spec import ModelSpec

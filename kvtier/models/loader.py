@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvtier.models.config import LayerKind, ModelConfig
+from kvtier.models.architecture import LayerKind, ModelConfig
 from kvtier.models.llama import DecoderModel
 from kvtier.models.rope import RopeScaling
 

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from kvtier.models.config import ModelConfig
+from kvtier.models.architecture import ModelConfig
 from kvtier.models.llama import DecoderModel
 
 DEVICE_INIT_MIN_PARAMS = 1 << 28

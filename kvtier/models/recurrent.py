@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtier.models.architecture import ModelConfig
 from kvtier.models.batch import PagedBatch
-from kvtier.models.config import ModelConfig
 from kvtier.models.rope import Rotation
 
 

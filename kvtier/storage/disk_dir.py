@@ -5,7 +5,7 @@ What lives in ``<DiskTier.path>/kvtier-<layout fingerprint>/`` (directories 0700
     lock            locked (``flock``) while a manager holds the directory; names the holder
     secret          random bytes: the key of the index's scope tags (``kvtier.storage.disk_index``)
     index.sqlite    the index, with SQLite's ``-wal`` and ``-shm`` files
-    group<g>.pages  one page file per layer group (``kvtier.storage.disk``)
+    group<g>.pages  one page file per layer group (``kvtier.storage.page_files``)
 
 A directory is in one of three modes, decided once when it is opened:
 

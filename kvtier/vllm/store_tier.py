@@ -22,13 +22,13 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from kvtier.block_keys import block_key, scope_key
 from kvtier.config import ReuseScope
 from kvtier.connector.fs_store import FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RedisStore
 from kvtier.connector.store import BlockStore
-from kvtier.tokens import as_token_array, encode_tokens
+from kvtier.reuse.block_keys import block_key, scope_key
+from kvtier.reuse.tokens import as_token_array, encode_tokens
 
 REDIS_SCHEMES = ("redis", "rediss", "redis-cluster", "redis-sentinel")
 

@@ -3,7 +3,7 @@
 A node is one full block of ``tokens_per_block`` tokens under its parent (the root is the empty
 prefix of a scope). Children are found by the block's exact token bytes, so matching a prompt
 needs no cryptographic hash; every node also carries its chained block key
-(``kvtier.block_keys``), which names the block outside the process (disk index, connectors).
+(``kvtier.reuse.block_keys``), which names the block outside the process (disk index, connectors).
 
 A node (``kvtier.pages.Node``) holds, per layer group, the page published for its block (or
 None), and recurrent state snapshots keyed by the offset inside the block after which they were
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtier.block_keys import block_key, scope_key
 from kvtier.config import ReuseScope
 from kvtier.errors import InvariantError
 from kvtier.pages import Node
-from kvtier.tokens import TOKEN_BYTES
+from kvtier.reuse.block_keys import block_key, scope_key
+from kvtier.reuse.tokens import TOKEN_BYTES
 
 
 class RadixTree:

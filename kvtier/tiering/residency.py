@@ -4,7 +4,7 @@ A page's state follows from its holders (``Page.state``): LOCKED while an ACTIVE
 operation's pin) locks it, HELD while only suspended caches hold it, DROPPABLE while only the
 tree publishes it, FREE with no holder at all, when its slot goes back to its tier at once.
 ``Residency`` changes holders and keeps each tier's eviction index in step with the state
-(``Tier.may_evict``). What moves where is the planner's (``kvtier.planner``).
+(``Tier.may_evict``). What moves where is the planner's (``kvtier.tiering.planner``).
 
 A page pinned by an operation that loses its last holder meanwhile (unpublished while a prefetch
 pins it) is freed by the last ``unlock``, never under the pin.
@@ -16,10 +16,10 @@ from itertools import islice
 
 from kvtier.errors import InvariantError
 from kvtier.pages import Page, PageState
+from kvtier.reuse.tree import RadixTree
 from kvtier.spec import GroupId
 from kvtier.stats import Counters
-from kvtier.tiers import Tier
-from kvtier.tree import RadixTree
+from kvtier.tiering.tier import Tier
 
 PRIMARY = 0
 

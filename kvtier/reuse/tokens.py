@@ -1,7 +1,7 @@
 """Token arrays: the one form tokens take inside kvtier, and their bytes.
 
 Tokens are unsigned 64-bit integers held in an ``array('Q')``; their bytes (``encode_tokens``)
-are little-endian on every machine, so the block keys derived from them (``kvtier.block_keys``)
+are little-endian on every machine, so the block keys derived from them (``kvtier.reuse.block_keys``)
 name the same block everywhere.
 """
 

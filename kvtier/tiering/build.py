@@ -16,14 +16,14 @@ import torch
 
 from kvtier.config import CacheConfig, DiskTier, HostTier, PrimaryTier
 from kvtier.layout import PageGeometry
-from kvtier.sizing import slots_per_group
 from kvtier.spec import ModelSpec
-from kvtier.storage.disk import DiskStorage
 from kvtier.storage.disk_dir import DiskDirectory
 from kvtier.storage.disk_index import DiskIndex
 from kvtier.storage.memory import MemoryStorage
+from kvtier.storage.page_files import DiskStorage
 from kvtier.storage.pinned import allocate_host_buffer
-from kvtier.tiers import Tier
+from kvtier.tiering.sizing import slots_per_group
+from kvtier.tiering.tier import Tier
 
 
 def build_tiers(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageGeometry]) -> list[Tier]:

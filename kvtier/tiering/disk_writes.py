@@ -21,9 +21,9 @@ from collections import defaultdict
 from typing import Protocol
 
 from kvtier.pages import Page
-from kvtier.plan import MovePlan
-from kvtier.residency import Residency
-from kvtier.tiers import Tier
+from kvtier.tiering.plan import MovePlan
+from kvtier.tiering.residency import Residency
+from kvtier.tiering.tier import Tier
 
 
 class DiskWriter(Protocol):

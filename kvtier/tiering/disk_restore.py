@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.block_keys import block_key
 from kvtier.errors import InvariantError
 from kvtier.lifecycle import GroupRule
 from kvtier.pages import Node, Page
+from kvtier.reuse.block_keys import block_key
+from kvtier.reuse.tree import RadixTree
 from kvtier.spec import GroupKind
 from kvtier.stats import Counters
 from kvtier.storage.disk_index import DiskIndex, NodeRow, PageRow
-from kvtier.tiers import Tier
-from kvtier.tree import RadixTree
+from kvtier.tiering.tier import Tier
 
 log = logging.getLogger(__name__)
 

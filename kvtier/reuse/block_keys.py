@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Sequence
 
 from kvtier.config import ReuseScope
-from kvtier.tokens import TOKEN_BYTES, as_token_array, encode_tokens
+from kvtier.reuse.tokens import TOKEN_BYTES, as_token_array, encode_tokens
 
 
 def scope_key(scope: ReuseScope, namespace: bytes = b"") -> bytes:

@@ -12,7 +12,7 @@ completes the bookkeeping:
 A page the plan is moving is not in any eviction index until its data has landed, so a plan
 never picks it as a victim, and a page pinned by the operation (``locks``) is never a victim.
 
-Writes to the disk tier happen while planning (``kvtier.disk_writes``). A published page
+Writes to the disk tier happen while planning (``kvtier.tiering.disk_writes``). A published page
 promoted from disk leaves its bytes there as a copy (``Tier.add_copy``). A read-only disk tier
 is never a destination.
 """
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from itertools import islice
 
-from kvtier.disk_writes import DiskWritePlanner
 from kvtier.errors import InvariantError
 from kvtier.pages import Page
-from kvtier.plan import MovePlan
-from kvtier.residency import PRIMARY, Residency
 from kvtier.stats import Counters
-from kvtier.tiers import Tier
+from kvtier.tiering.disk_writes import DiskWritePlanner
+from kvtier.tiering.plan import MovePlan
+from kvtier.tiering.residency import PRIMARY, Residency
+from kvtier.tiering.tier import Tier
 
 
 class MovePlanner:

@@ -1,8 +1,8 @@
 """``MovePlan``: the copies an operation still has to perform after it planned its moves.
 
-Planning (``kvtier.planner``) changes the bookkeeping at once (slots are reassigned, pages
+Planning (``kvtier.tiering.planner``) changes the bookkeeping at once (slots are reassigned, pages
 dropped) and records here what the data still has to do; the pool applies the plan: the mover
-copies the data (``kvtier.mover``), then the planner finishes the bookkeeping (``finish``).
+copies the data (``kvtier.tiering.mover``), then the planner finishes the bookkeeping (``finish``).
 """
 
 from __future__ import annotations

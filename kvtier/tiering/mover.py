@@ -1,6 +1,6 @@
 """Copies a ``MovePlan``'s data: one copier call per (source tier, destination tier, layer group).
 
-Order (see ``kvtier.planner``): demotions deepest edge first, then copies into warmer tiers.
+Order (see ``kvtier.tiering.planner``): demotions deepest edge first, then copies into warmer tiers.
 On CUDA, copies are enqueued on the given stream after a wait for the previous plan's copies
 if those ran on another stream; an event recorded after them lets CPU work on host memory
 (disk I/O, staging) wait until the device is done with it.
@@ -20,10 +20,10 @@ import torch
 
 from kvtier.copy import PageCopier
 from kvtier.pages import Page
-from kvtier.plan import MovePlan
 from kvtier.stats import Counters
 from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
-from kvtier.tiers import Tier
+from kvtier.tiering.plan import MovePlan
+from kvtier.tiering.tier import Tier
 
 
 class Mover:

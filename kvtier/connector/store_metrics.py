@@ -15,7 +15,7 @@ from typing import Protocol
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.connector.stats import ConnectorStats
+from kvtier.connector.store_stats import ConnectorStats
 
 _METRICS = (
     ("saved_pages", "kvtier_connector_saved_pages", "Pages the connector's store took"),

@@ -17,9 +17,9 @@ when its original is demoted here, and goes when its original leaves the tree.
 from __future__ import annotations
 
 from kvtier.errors import InvariantError
-from kvtier.eviction import EvictionIndex
 from kvtier.pages import Node, Page
 from kvtier.storage.disk_index import DiskIndex, NodeRow, PageRow
+from kvtier.tiering.eviction import EvictionIndex
 
 SWEEP_MIN = 4096  # index rows of blocks that left the tree are removed in sweeps, when this many are known
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from kvtier.errors import InvariantError
 from kvtier.lifecycle import GroupRule
 from kvtier.pages import Node, Page
+from kvtier.reuse.tokens import TOKEN_BYTES
+from kvtier.reuse.tree import RadixTree
 from kvtier.spec import GroupKind
-from kvtier.tree import TOKEN_BYTES, RadixTree
 
 
 @dataclass(slots=True)

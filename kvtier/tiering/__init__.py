@@ -1,0 +1,16 @@
+"""Tiering: where each page lives, who holds it, and moving pages between the tiers.
+
+Modules, bottom up:
+
+    eviction      per tier and layer group: lowest priority, then least recently used, O(1)
+    tier          a tier at run time: its storage, slot owners, eviction index, disk rows, copies
+    sizing        a tier's byte quota split across layer groups
+    build         the run-time tiers from the configured ones (the disk tier opened first)
+    disk_restore  the reuse tree rebuilt from a disk tier's index on start (every row checked)
+    plan          ``MovePlan``: the copies an operation still has to perform
+    residency     who holds which page: holds, locks, publication, freeing and dropping
+    disk_writes   what goes to the disk tier (demotions, ancestors' copies, persist), through a
+                  ``DiskWriter`` handed in
+    planner       what to move: making room (the demotion cascade), promotion, a plan's bookkeeping
+    mover         copies a plan's data, one copier call per edge; the pool's ``DiskWriter``
+"""
