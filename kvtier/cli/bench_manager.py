@@ -196,7 +196,7 @@ def bench_decode(steps: int, vllm_side: ModuleType | None = None) -> dict[str, d
     """
     sides = {"kvtier": KvtierDecode(DECODE_REQUESTS, DECODE_CONTEXT, steps)}
     if vllm_side is not None:
-        sides["vllm"] = vllm_side.VllmDecode(DECODE_REQUESTS, DECODE_CONTEXT, steps, TPB)
+        sides["vllm"] = vllm_side.VllmDecode(DECODE_REQUESTS, DECODE_CONTEXT, steps, TPB, SAMPLED_TOKEN)
     per_step: dict[str, list[float]] = {name: [] for name in sides}
     try:
         with _frozen_heap():

@@ -32,8 +32,6 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 
-from kvtier.cli.bench_manager import SAMPLED_TOKEN
-
 VERSION: str = vllm.__version__
 HASH_ALGO: str = CacheConfig().prefix_caching_hash_algo
 _request_ids = itertools.count()
@@ -77,8 +75,9 @@ class VllmDecode:
     for every full block of its tokens, and slots for its computed tokens.
     """
 
-    def __init__(self, requests: int, context: int, steps: int, tpb: int) -> None:
+    def __init__(self, requests: int, context: int, steps: int, tpb: int, sampled_token: int = 7) -> None:
         self.tpb = tpb
+        self.sampled_token = sampled_token  # appended by every decode step (the kvtier side passes its own)
         blocks = (context + steps) // tpb + 2
         self.manager = _manager(requests * blocks + 64, context + steps + 2 * tpb, tpb)
         hasher = _block_hasher(tpb)
@@ -91,18 +90,19 @@ class VllmDecode:
                 raise RuntimeError("vLLM could not allocate a decode request's prompt")
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = context
-            request.append_output_token_ids(SAMPLED_TOKEN)
+            request.append_output_token_ids(self.sampled_token)
             self.requests.append(request)
 
     def step(self) -> float:
         """One decode step over every request; returns its seconds."""
         manager = self.manager
+        token = self.sampled_token
         t0 = time.perf_counter()
         for request in self.requests:
             if manager.allocate_slots(request, 1) is None:
                 raise RuntimeError("vLLM ran out of blocks in the decode benchmark")
             request.num_computed_tokens += 1
-            request.append_output_token_ids(SAMPLED_TOKEN)
+            request.append_output_token_ids(token)
         return time.perf_counter() - t0
 
     def check(self) -> None:

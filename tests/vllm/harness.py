@@ -345,7 +345,7 @@ class Engine:
         k = self.kv_scheduler
         k.wait_for_store_writes()
         assert not k._leases and not k._jobs and not k._requests
-        assert not k.manager._caches, "a kvtier cache is still open"
+        assert not k.manager._pool.holders, "a kvtier cache is still open"
         w = self.worker.worker
         assert not w._jobs and not w._saves_of and not w._delayed
 
