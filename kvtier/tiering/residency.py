@@ -69,10 +69,11 @@ class Residency:
         if locked:
             page.locks -= 1
         page.refs -= 1
-        state = page.state
-        if state is PageState.FREE:
+        if page.locks:  # still LOCKED (another active cache, or a pin)
+            return
+        if page.refs == 0 and page.node is None:  # FREE (Page.state, inlined: this runs per page at close)
             self.tiers[page.tier].vacate(page)
-        elif state is not PageState.LOCKED:
+        else:
             self.tiers[page.tier].reindex(page)
 
     def lock(self, page: Page) -> None:
