@@ -40,7 +40,7 @@ from kvtier.storage.log_limit import RateLimitedWarning
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "index.sqlite"
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"  # 3: page checksums are XXH3-64 (schema 2 stored blake2b-64: reported, started empty)
 _SIDE_FILES = ("-wal", "-shm")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);

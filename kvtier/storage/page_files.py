@@ -3,8 +3,8 @@
 Slot ``i`` of group ``g`` is bytes ``[i * page_bytes[g], (i + 1) * page_bytes[g])`` of
 ``group<g>.pages`` in the tier's directory (``kvtier.storage.disk_dir``). Files are created 0600,
 sized at start (sparse), read and written with positional I/O (``os.pwrite`` / ``os.preadv``)
-from a small thread pool, and every page carries a checksum (8-byte blake2b) that is verified on
-every read. A failed or short write or read, or a checksum mismatch, is reported per page and
+from a small thread pool, and every page carries a checksum (XXH3-64) that is verified on every
+read. A failed or short write or read, or a checksum mismatch, is reported per page and
 never raises: the caller treats the page as missing. Failures are logged as rate-limited
 warnings (a full disk fails every write; it logs one line, then a summary a minute).
 
@@ -15,7 +15,6 @@ is collected (a manager dropped without ``close``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import weakref
@@ -23,6 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import xxhash
 
 from kvtier.storage.disk_dir import DiskDirectory, open_private
 from kvtier.storage.log_limit import RateLimitedWarning
@@ -35,11 +35,14 @@ IO_THREADS = min(8, max(2, os.cpu_count() or 2))
 
 
 def page_checksum(data: np.ndarray) -> int:
-    """The checksum stored with a page: 64 bits of blake2b over its bytes, as a signed int (SQLite's INTEGER).
+    """The checksum stored with a page: XXH3-64 (seed 0) of its bytes, as a signed int (SQLite's INTEGER).
 
-    hashlib releases the GIL while hashing, so the I/O threads checksum in parallel.
+    It detects damage, not tampering (the files are private to their user). xxhash releases the
+    GIL while hashing, so the I/O threads checksum in parallel. Changing the function changes
+    what the index's checksums mean: bump ``disk_index.SCHEMA_VERSION`` with it.
     """
-    return int.from_bytes(hashlib.blake2b(memoryview(data), digest_size=8).digest(), "little", signed=True)
+    value = xxhash.xxh3_64_intdigest(memoryview(data))
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 class DiskStorage:
