@@ -41,3 +41,23 @@ def test_bf16_multi_turn_agrees_with_dense():
             dense = model.reference_generate(prompt, 16)
             common = next((i for i, (a, b) in enumerate(zip(out.token_ids, dense, strict=True)) if a != b), 16)
             assert common >= 4, f"bf16 outputs diverge after {common} tokens"
+
+
+def test_connector_loads_on_gpu_reuse_one_pinned_staging_buffer(tmp_path):
+    from kvtier.connector import FileSystemConnector
+
+    model = build_model("tiny-llama", "cuda", torch.float64, seed=0)
+    config = kvtier.CacheConfig(16, [kvtier.PrimaryTier(page_bytes(model) * 64)], device="cuda")
+    prompts = prompts_for(model, [100, 80, 60], seed=12)
+    with LLMEngine(model, config, connector=FileSystemConnector(tmp_path)) as seed:
+        seed.generate(prompts, SamplingParams(max_tokens=2))
+    conn = FileSystemConnector(tmp_path)
+    buffers = []
+    with LLMEngine(model, config, connector=conn) as eng:
+        for prompt in prompts:  # one load a step, the largest first
+            out = eng.generate([prompt], SamplingParams(max_tokens=3))[0]
+            assert out.reused_tokens_by_tier["connector"] == min(len(prompt) // 16 * 16, len(prompt) - 1)
+            assert out.token_ids == model.reference_generate(prompt, 3)
+            assert conn._staging is not None and conn._staging.pinned  # registered with CUDA
+            buffers.append(conn._staging)
+    assert all(b is buffers[0] for b in buffers)
