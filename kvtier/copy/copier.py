@@ -1,6 +1,8 @@
 """``PageCopier``: moves a batch of pages between two tier buffers, on the path the policy picks.
 
-One copier per device. A call checks everything first (``kvtier.copy.copy_request``), then:
+One copier per device. A call checks everything first (``kvtier.copy.copy_request``), merges
+runs of consecutive slots into single copies (``kvtier.copy.runs``; cut where a host buffer's
+registrations meet), then:
 
 - both buffers in host memory -> the CPU path, synchronously on the calling thread;
 - otherwise ``policy.choose(page_bytes, coherent_link=...)`` -> the copy engines (one batched
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvtier.copy.copy_engine import LEGACY_STREAM_HANDLES
@@ -21,6 +24,8 @@ from kvtier.copy.copy_request import CopyRequest, check_request
 from kvtier.copy.cpu import copy_pages_cpu
 from kvtier.copy.link import LinkInfo, detect_link
 from kvtier.copy.policy import CopyPath, CopyPolicy
+from kvtier.copy.runs import build_runs
+from kvtier.storage.pinned import registration_grid
 
 if TYPE_CHECKING:
     from kvtier.copy.copy_engine import BatchCopier
@@ -77,32 +82,40 @@ class PageCopier:
         src_host = self._is_host("src", request.src)
         dst_host = self._is_host("dst", request.dst)
         if src_host and dst_host:
-            copy_pages_cpu(request)
+            copy_pages_cpu(request, build_runs(request.pairs, request.page_bytes))
             return "cpu"
+        runs = build_runs(
+            request.pairs,
+            request.page_bytes,
+            registration_grid(request.src) if src_host else None,
+            registration_grid(request.dst) if dst_host else None,
+        )
         path = self.policy.choose(request.page_bytes, coherent_link=self.link.coherent)
         if path == "kernel":
-            self._copy_with_kernel(request, self._torch_stream(stream))
+            self._copy_with_kernel(request, runs, self._torch_stream(stream))
         else:
-            self._copy_with_engines(request, self._stream_handle(stream), src_host, dst_host)
+            self._copy_with_engines(request, runs, self._stream_handle(stream), src_host, dst_host)
         return path
 
-    def _copy_with_engines(self, request: CopyRequest, stream: int, src_host: bool, dst_host: bool) -> None:
+    def _copy_with_engines(
+        self, request: CopyRequest, runs: np.ndarray, stream: int, src_host: bool, dst_host: bool
+    ) -> None:
         if self._batch is None:
             from kvtier.copy.copy_engine import BatchCopier
 
             self._batch = BatchCopier(self.device.index)
-        offsets = request.pairs * request.page_bytes
+        in_bytes = runs * request.page_bytes
         self._batch.copy(
-            offsets[:, 1] + request.dst.data_ptr(),
-            offsets[:, 0] + request.src.data_ptr(),
-            request.page_bytes,
+            in_bytes[:, 1] + request.dst.data_ptr(),
+            in_bytes[:, 0] + request.src.data_ptr(),
+            request.page_bytes if runs.shape[0] == request.pairs.shape[0] else in_bytes[:, 2],
             stream,
             src_host=src_host,
             dst_host=dst_host,
         )
 
-    def _copy_with_kernel(self, request: CopyRequest, stream: torch.cuda.Stream) -> None:
-        from kvtier.copy.kernel import check_kernel_args, launch_copy_kernel
+    def _copy_with_kernel(self, request: CopyRequest, runs: np.ndarray, stream: torch.cuda.Stream) -> None:
+        from kvtier.copy.kernel import PROGRAMS_PER_SM, check_kernel_args, launch_copy_kernel, plan_work
 
         check_kernel_args(request.src, request.dst, request.page_bytes)
         for name, buffer in (("src", request.src), ("dst", request.dst)):
@@ -111,9 +124,10 @@ class PageCopier:
                     f"{name} is pageable host memory, which the copy kernel cannot reach; "
                     "allocate it with kvtier.storage.pinned.allocate_host_buffer"
                 )
+        work = plan_work(runs, request.page_bytes, PROGRAMS_PER_SM * self._sm_count)
         with torch.cuda.stream(stream):  # also makes the stream's device (this copier's) current
-            table = torch.from_numpy(request.pairs).to(self.device, non_blocking=True)
-            launch_copy_kernel(request.src, request.dst, table, request.page_bytes, self._sm_count)
+            table = torch.from_numpy(work).to(self.device, non_blocking=True)
+            launch_copy_kernel(request.src, request.dst, table)
 
     def _is_host(self, name: str, buffer: torch.Tensor) -> bool:
         if buffer.device.type == "cpu":

@@ -112,19 +112,28 @@ class BatchCopier:
         self._side: tuple[int, int, int] | None = None  # (stream, event before, event after)
 
     def copy(
-        self, dst_addrs: np.ndarray, src_addrs: np.ndarray, nbytes: int, stream: int, *, src_host: bool, dst_host: bool
+        self,
+        dst_addrs: np.ndarray,
+        src_addrs: np.ndarray,
+        nbytes: int | np.ndarray,
+        stream: int,
+        *,
+        src_host: bool,
+        dst_host: bool,
     ) -> None:
-        """Enqueue ``nbytes`` from each ``src_addrs[i]`` to ``dst_addrs[i]`` on ``stream`` (a raw handle).
+        """Enqueue ``nbytes`` (or ``nbytes[i]``) from each ``src_addrs[i]`` to ``dst_addrs[i]`` on ``stream``.
 
-        ``dst_addrs`` and ``src_addrs`` are equal-length int64/uint64 arrays of addresses (UVA);
-        the copies of one call must not overlap. They run after the work queued on ``stream``.
+        ``dst_addrs`` and ``src_addrs`` are equal-length int64/uint64 arrays of addresses (UVA),
+        ``nbytes`` one size for all or such an array of sizes; ``stream`` is a raw handle. The
+        copies of one call must not overlap, and none may span two host registrations. They run
+        after the work queued on ``stream``.
         """
         count = dst_addrs.shape[0]
         if count == 0:
             return
-        dst = _as_addresses(dst_addrs)
-        src = _as_addresses(src_addrs)
-        sizes = np.full(count, nbytes, dtype=np.uint64)
+        dst = _as_uint64(dst_addrs)
+        src = _as_uint64(src_addrs)
+        sizes = np.full(count, nbytes, dtype=np.uint64) if isinstance(nbytes, int) else _as_uint64(nbytes)
         attrs = self._attr_ptrs[(src_host, dst_host)]
         pushed = self._enter_context()
         try:
@@ -218,11 +227,11 @@ def _check(returned: tuple[Any, ...], call: str) -> Any:
     return returned[1] if len(returned) > 1 else None
 
 
-def _as_addresses(addrs: np.ndarray) -> np.ndarray:
-    """``addrs`` as a contiguous uint64 array, without a copy when it is int64 or uint64 already."""
-    if addrs.dtype == np.int64 and addrs.flags.c_contiguous:
-        return addrs.view(np.uint64)
-    return np.ascontiguousarray(addrs, dtype=np.uint64)
+def _as_uint64(values: np.ndarray) -> np.ndarray:
+    """``values`` (addresses or sizes) as a contiguous uint64 array, without a copy when int64 already."""
+    if values.dtype == np.int64 and values.flags.c_contiguous:
+        return values.view(np.uint64)
+    return np.ascontiguousarray(values, dtype=np.uint64)
 
 
 def _check_raw(result: int, call: str) -> None:

@@ -5,7 +5,8 @@ docs/copy.md): below ``LOOP_MIN_PAGE_BYTES`` one vectorised gather/scatter throu
 indexing (one pass into a temporary and one out, but no per-page cost); from it on one slice
 assignment (a memcpy) per page, which reads and writes each byte once and beat the vectorised
 form by 1.3-4x for 16 KiB to 4 MiB pages. torch's ``index_select``/``index_copy_`` were slower
-than both at every size.
+than both at every size. The loop goes over runs of consecutive slots (``kvtier.copy.runs``): one
+slice assignment a run, taken whenever a call's runs average ``LOOP_MIN_PAGE_BYTES`` or more.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ from kvtier.copy.copy_request import CopyRequest
 LOOP_MIN_PAGE_BYTES: Final = 8 * 1024
 
 
-def copy_pages_cpu(request: CopyRequest) -> None:
-    """Copy every (src_slot, dst_slot) page of ``request``; both buffers are in host memory."""
+def copy_pages_cpu(request: CopyRequest, runs: np.ndarray) -> None:
+    """Copy every (src_slot, dst_slot) page of ``request``; both buffers are in host memory.
+
+    ``runs`` are the request's pairs as runs ``(src_slot, dst_slot, pages)`` (``build_runs``).
+    """
     page = request.page_bytes
     src = request.src.numpy()
     dst = request.dst.numpy()
-    if page < LOOP_MIN_PAGE_BYTES:
+    if page * request.pairs.shape[0] < LOOP_MIN_PAGE_BYTES * runs.shape[0]:
         src_pages = src[: src.size // page * page].reshape(-1, page)
         dst_pages = dst[: dst.size // page * page].reshape(-1, page)
         dst_pages[request.pairs[:, 1]] = src_pages[request.pairs[:, 0]]
         return
-    for src_slot, dst_slot in (request.pairs * np.int64(page)).tolist():
-        dst[dst_slot : dst_slot + page] = src[src_slot : src_slot + page]
+    for src_byte, dst_byte, nbytes in (runs * np.int64(page)).tolist():
+        dst[dst_byte : dst_byte + nbytes] = src[src_byte : src_byte + nbytes]

@@ -1,9 +1,10 @@
 """The kernel path: one Triton launch gathers/scatters every page of a call.
 
-Each page is split over ``programs_per_page`` programs so that the whole call has about
-``PROGRAMS_PER_SM`` programs per multiprocessor, never one program per large page: a single
-program keeps only a few KiB in flight, which caps one page at 10-24 GB/s on a 55 GB/s link
-(PERF.md). A program copies its share of a page in steps of ``ROWS`` rows of 16 bytes (16 KiB),
+A call's runs of consecutive slots (``kvtier.copy.runs``) are cut into work items of rows so
+that the whole call has about ``PROGRAMS_PER_SM`` programs per multiprocessor, one item each,
+never one program per large page: a single program keeps only a few KiB in flight, which caps
+one page at 10-24 GB/s on a 55 GB/s link (PERF.md). A program copies its item in steps of
+``ROWS`` rows of 16 bytes (16 KiB),
 each thread moving whole 16-byte vectors (``ld.global.v4.b32``/``st.global.v4.b32`` on sm_90).
 On the H200 every setting tried (1-8 programs per SM, steps of 256-1024 rows, 4 or 8 warps)
 moved the PERF.md shapes at 48-52 GB/s idle; 2 programs per SM of 1024 rows held up best under a
@@ -19,9 +20,9 @@ This module imports Triton; ``kvtier.copy`` imports it only when a call takes th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -32,29 +33,26 @@ NUM_WARPS: Final = 4
 PROGRAMS_PER_SM: Final = 2
 
 
-@dataclass(frozen=True, slots=True)
-class KernelSplit:
-    """How a call's pages are cut: ``programs_per_page`` programs of ``rows_per_program`` rows."""
+def plan_work(runs: np.ndarray, page_bytes: int, target_programs: int, rows: int = ROWS) -> np.ndarray:
+    """The (k, 3) int64 work items ``(src_row, dst_row, num_rows)`` of a call, one program each.
 
-    programs_per_page: int
-    rows_per_program: int
-
-    def grid(self, num_pages: int) -> int:
-        return num_pages * self.programs_per_page
-
-
-def plan_split(num_pages: int, page_bytes: int, target_programs: int, rows: int = ROWS) -> KernelSplit:
-    """Split pages so the call has about ``target_programs`` programs, none with less than one step.
-
-    ``page_bytes`` is a multiple of 16. Every program gets at least one row and the last one of a
-    page the remainder; no program is empty.
+    ``runs`` are ``(src_slot, dst_slot, pages)`` (``kvtier.copy.runs``); a row is 16 bytes, so slot
+    ``s`` starts at row ``s * page_bytes // 16``. Each run is cut into items of at most ``per``
+    rows, ``per`` chosen so the call has about ``target_programs`` items, and never below one step
+    of ``rows`` rows (or a whole page, when smaller). Invariants: the items of a run tile it
+    exactly, in order; none is empty; built with numpy, no Python object per item.
     """
     page_rows = page_bytes // ALIGN
-    wanted = -(-max(target_programs, 1) // num_pages)
-    most = -(-page_rows // rows)  # one step of ``rows`` rows per program at least
-    programs = max(1, min(wanted, most))
-    rows_per_program = -(-page_rows // programs)
-    return KernelSplit(programs_per_page=-(-page_rows // rows_per_program), rows_per_program=rows_per_program)
+    run_rows = runs[:, 2] * page_rows
+    per = max(min(rows, page_rows), -(-int(run_rows.sum()) // max(target_programs, 1)))
+    pieces = -(-run_rows // per)
+    run_of = np.repeat(np.arange(runs.shape[0]), pieces)
+    first_row = (np.arange(run_of.shape[0]) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * per
+    work = np.empty((run_of.shape[0], 3), dtype=np.int64)
+    work[:, 0] = runs[run_of, 0] * page_rows + first_row
+    work[:, 1] = runs[run_of, 1] * page_rows + first_row
+    work[:, 2] = np.minimum(per, run_rows[run_of] - first_row)
+    return work
 
 
 def check_kernel_args(src: torch.Tensor, dst: torch.Tensor, page_bytes: int) -> None:
@@ -69,24 +67,21 @@ def check_kernel_args(src: torch.Tensor, dst: torch.Tensor, page_bytes: int) -> 
             raise ValueError(f"the copy kernel needs {name} to start on a {ALIGN}-byte boundary")
 
 
-@triton.jit(do_not_specialize=["page_rows", "rows_per_program", "programs_per_page"])
-def _copy_pages(src, dst, pairs, page_rows, rows_per_program, programs_per_page, ROWS: tl.constexpr):
-    # Program ``pid`` copies rows [part * rows_per_program, ...) of page ``pid // programs_per_page``.
+@triton.jit
+def _copy_rows(src, dst, work, ROWS: tl.constexpr):
+    # Program ``pid`` copies rows [src_row, src_row + num_rows) of src to rows from dst_row of dst.
     pid = tl.program_id(0).to(tl.int64)
-    page = pid // programs_per_page
-    part = pid - page * programs_per_page
-    src_slot = tl.load(pairs + 2 * page).to(tl.int64)
-    dst_slot = tl.load(pairs + 2 * page + 1).to(tl.int64)
-    row_begin = part * rows_per_program
-    row_end = tl.minimum(row_begin + rows_per_program, page_rows)
+    src_row = tl.load(work + 3 * pid).to(tl.int64)
+    dst_row = tl.load(work + 3 * pid + 1).to(tl.int64)
+    num_rows = tl.load(work + 3 * pid + 2).to(tl.int64)
     # A row is 16 bytes = 4 int32 lanes; tiles of rows x lanes make the 16-byte vector accesses.
-    src_words = src.to(tl.pointer_type(tl.int32), bitcast=True) + src_slot * page_rows * 4
-    dst_words = dst.to(tl.pointer_type(tl.int32), bitcast=True) + dst_slot * page_rows * 4
+    src_words = src.to(tl.pointer_type(tl.int32), bitcast=True) + src_row * 4
+    dst_words = dst.to(tl.pointer_type(tl.int32), bitcast=True) + dst_row * 4
     row = tl.arange(0, ROWS)[:, None]
     lane = tl.arange(0, 4)[None, :]
-    for first in range(row_begin, row_end, ROWS):
+    for first in range(0, num_rows, ROWS):
         index = first + row
-        inside = index < row_end
+        inside = index < num_rows
         words = index * 4 + lane
         tl.store(dst_words + words, tl.load(src_words + words, mask=inside), mask=inside)
 
@@ -94,31 +89,16 @@ def _copy_pages(src, dst, pairs, page_rows, rows_per_program, programs_per_page,
 def launch_copy_kernel(
     src: torch.Tensor,
     dst: torch.Tensor,
-    pairs: torch.Tensor,
-    page_bytes: int,
-    sm_count: int,
+    work: torch.Tensor,
     *,
-    programs_per_sm: int = PROGRAMS_PER_SM,
-    rows: int = ROWS,
     num_warps: int = NUM_WARPS,
-) -> KernelSplit:
-    """Enqueue one launch copying page ``pairs[i, 0]`` of ``src`` to page ``pairs[i, 1]`` of ``dst``.
+    rows: int = ROWS,
+) -> None:
+    """Enqueue one launch that carries out every work item of ``plan_work`` (one program each).
 
-    ``pairs`` is a contiguous (n, 2) int64 tensor that the kernel can read (on the GPU, or on the
-    CPU under the interpreter), already checked against both buffers; ``check_kernel_args`` has
-    passed. The call gets about ``programs_per_sm * sm_count`` programs. The launch goes to the
-    current torch stream of the current device.
+    ``work`` is a contiguous (k, 3) int64 tensor that the kernel can read (on the GPU, or on the
+    CPU under the interpreter), built from runs already checked against both buffers;
+    ``check_kernel_args`` has passed. The launch goes to the current torch stream of the
+    current device.
     """
-    num_pages = pairs.shape[0]
-    split = plan_split(num_pages, page_bytes, programs_per_sm * sm_count, rows)
-    _copy_pages[(split.grid(num_pages),)](
-        src,
-        dst,
-        pairs,
-        page_bytes // ALIGN,
-        split.rows_per_program,
-        split.programs_per_page,
-        ROWS=rows,
-        num_warps=num_warps,
-    )
-    return split
+    _copy_rows[(work.shape[0],)](src, dst, work, ROWS=rows, num_warps=num_warps)

@@ -12,6 +12,8 @@ page): one page never spans two registrations, so the copy engines still copy pa
 the kernel reaches every chunk at its host address. A value that is not a positive integer that
 fits 64 bits logs a WARNING and is ignored (one registration). One ``cudaMemcpy`` may not span two
 registrations: a torch copy of a whole chunked buffer fails, copy page by page or chunk by chunk.
+``registration_grid`` tells a copier where a buffer's registrations begin and end, so that it
+merges consecutive pages only within one registration.
 
 For a CPU device the buffer is plain memory. Costs measured on the H200 machine are in
 docs/copy.md.
@@ -26,6 +28,7 @@ import math
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -40,6 +43,8 @@ HOST_REGISTER_CHUNK_BYTES_ENV: Final = "KVTIER_HOST_REGISTER_CHUNK_BYTES"
 _CUDA_HOST_REGISTER_PORTABLE: Final = 1
 _CUDA_HOST_REGISTER_MAPPED: Final = 2
 _TOUCH_THREADS: Final = 16
+# base address -> (bytes, chunk bytes) of every live buffer registered in more than one chunk
+_CHUNKED: dict[int, tuple[int, int]] = {}
 
 
 def parse_chunk_bytes(raw: str | None) -> int | None:
@@ -73,6 +78,33 @@ def plan_chunks(num_bytes: int, page_bytes: int, chunk_bytes: int | None) -> lis
     return [(offset, min(step, num_bytes - offset)) for offset in range(0, num_bytes, step)]
 
 
+@dataclass(frozen=True, slots=True)
+class RegistrationGrid:
+    """Where the registrations of a chunked buffer fall, seen from a tensor inside it.
+
+    Registration k covers bytes ``[k * chunk_bytes, (k + 1) * chunk_bytes)`` counted from the
+    buffer's base; ``offset`` is where the tensor starts, counted from the same base.
+    """
+
+    offset: int
+    chunk_bytes: int
+
+    def chunk_of(self, slots: np.ndarray, page_bytes: int, *, last: bool = False) -> np.ndarray:
+        """The registration holding the first byte (``last``: the last byte) of each slot of the tensor."""
+        return (self.offset + slots * page_bytes + (page_bytes - 1 if last else 0)) // self.chunk_bytes
+
+
+def registration_grid(tensor: torch.Tensor) -> RegistrationGrid | None:
+    """The grid of the chunked buffer that ``tensor`` starts in; None for memory registered in one piece."""
+    if not _CHUNKED:
+        return None
+    address = tensor.data_ptr()
+    for base, (num_bytes, chunk_bytes) in list(_CHUNKED.items()):
+        if base <= address < base + num_bytes:
+            return RegistrationGrid(address - base, chunk_bytes)
+    return None
+
+
 class HostBuffer:
     """A host tier's buffer: ``tensor`` is a flat ``torch.uint8`` tensor of ``num_bytes``.
 
@@ -100,6 +132,7 @@ class HostBuffer:
     def release(self) -> None:
         """Unregister every chunk (idempotent). The tensor stays readable as plain memory."""
         chunks, self.chunks = self.chunks, ()
+        _CHUNKED.pop(self._base, None)
         if chunks:
             cudart = torch.cuda.cudart()
             for offset, _ in chunks:
@@ -146,6 +179,7 @@ def allocate_host_buffer(
         buffer.chunks += ((offset, size),)
     if len(chunks) > 1:
         _check_mapped_at_host_address(buffer)
+        _CHUNKED[buffer.tensor.data_ptr()] = (num_bytes, chunks[0][1])
     return buffer
 
 

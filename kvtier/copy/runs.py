@@ -1,0 +1,40 @@
+"""Runs of consecutive slots: a call's pairs merged into fewer, larger copies.
+
+A promoted prefix's slots are usually consecutive on both sides, so pairs ``(s, d), (s+1, d+1),
+...`` become one run ``(s, d, pages)``: one copy-engine descriptor, one kernel work range, one
+memcpy. A run never spans two host registrations (``KVTIER_HOST_REGISTER_CHUNK_BYTES``): one
+driver copy may not, so a run is cut where either side's registration grid has a boundary.
+Everything is computed with numpy over the whole call, never a Python object per page.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.storage.pinned import RegistrationGrid
+
+
+def build_runs(
+    pairs: np.ndarray,
+    page_bytes: int,
+    src_grid: RegistrationGrid | None = None,
+    dst_grid: RegistrationGrid | None = None,
+) -> np.ndarray:
+    """The (m, 3) int64 array of runs ``(src_slot, dst_slot, pages)`` covering ``pairs`` in order.
+
+    ``pairs`` is a checked (n, 2) int64 array (n >= 1). Row i + 1 joins row i's run when both its
+    slots follow row i's by one and, on each side that has a grid, the two pages lie in the same
+    registration. Invariants: the runs' pages sum to n, and expanding the runs gives ``pairs``
+    back row for row; no run spans a registration boundary of either side.
+    """
+    src, dst = pairs[:, 0], pairs[:, 1]
+    joins = (src[1:] == src[:-1] + 1) & (dst[1:] == dst[:-1] + 1)
+    for grid, slots in ((src_grid, src), (dst_grid, dst)):
+        if grid is not None:
+            joins &= grid.chunk_of(slots[:-1], page_bytes) == grid.chunk_of(slots[1:], page_bytes, last=True)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    runs = np.empty((starts.shape[0], 3), dtype=np.int64)
+    runs[:, 0] = src[starts]
+    runs[:, 1] = dst[starts]
+    runs[:, 2] = np.diff(starts, append=pairs.shape[0])
+    return runs
