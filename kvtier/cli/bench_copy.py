@@ -6,7 +6,8 @@ Measures, in one process:
   automatic choice, idle and with bf16 matmuls running on another stream;
 - a page-size sweep at a fixed call size (the crossover that sets KVTIER_COPY_ENGINE_MIN_BYTES);
 - both directions at once (64 x 4 MiB each way on two streams);
-- the host cost of submitting a call, per path and page count.
+- the host cost of submitting a call, per path and page count, with scattered slots and with
+  consecutive ones (one run: one copy on either path).
 
 GPU times come from CUDA events around each call, after warm-up; a sleep kernel ahead of each
 call, longer than its host submit time, keeps that time out of them (it is measured apart).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import statistics
@@ -33,6 +35,7 @@ SWEEP_PAGES = (16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 512 * KiB, 1 
 SWEEP_CALL_BYTES = 64 * MiB
 # (pages, page bytes) of the host submit-cost measurement; 4 KiB pages are the kernel's to carry
 SUBMIT_SHAPES = ((1, 64 * KiB), (140, 64 * KiB), (140, 884_736), (512, 64 * KiB), (4096, 64 * KiB), (4096, 4 * KiB))
+SUBMIT_SLOTS = ("scattered", "consecutive")  # random slots; one run of consecutive slots on both sides
 BUFFER_BYTES = 1 * GiB
 GATE_CYCLES = 400_000  # about 0.2 ms at 2 GHz: covers a launch or a batch submit of a few pages
 GATE_CYCLES_PER_PAGE = 2_000  # about 1 us per page: covers the driver's ~0.5 us per page
@@ -207,8 +210,8 @@ class _CopyBench:
         rows = []
         for path in ("copy_engine", "kernel"):
             for stream_name, stream in (("stream", self.stream), ("legacy", 0)):
-                for n, page in SUBMIT_SHAPES:
-                    pairs = self._pair_sets(n, page, self.host.tensor.numel() // page, self.dev.numel() // page, 1)[0]
+                for (n, page), slots in itertools.product(SUBMIT_SHAPES, SUBMIT_SLOTS):
+                    pairs = self._submit_pairs(n, page, slots)
                     copier = self.copiers[path]
                     samples = []
                     for _ in range(40):
@@ -223,6 +226,7 @@ class _CopyBench:
                             "section": "submit",
                             "path": path,
                             "stream": stream_name,
+                            "slots": slots,
                             "pages": n,
                             "page_bytes": page,
                             "host_us": round(us, 1),
@@ -230,6 +234,13 @@ class _CopyBench:
                         }
                     )
         return rows
+
+    def _submit_pairs(self, n: int, page: int, slots: str) -> Any:
+        """Pairs host -> device: random distinct slots, or one run of consecutive slots on both sides."""
+        if slots == "scattered":
+            return self._pair_sets(n, page, self.host.tensor.numel() // page, self.dev.numel() // page, 1)[0]
+        first = self.np.arange(n, dtype=self.np.int64)
+        return self.np.stack([first + 3, first + 5], axis=1)
 
     def run_all(self, with_load: bool) -> dict[str, Any]:
         report: dict[str, Any] = {"env": self.environment()}
@@ -325,7 +336,8 @@ def _summary(rows: list[dict[str, Any]], threshold: int | None) -> dict[str, Any
         "link_targets_met_idle": all(e["of_link"] >= e["link_target"] for e in auto_vs_best if e["load"] == "idle"),
         "both_directions_gbps": {r["path"]: r["gbps"] for r in both},
         "submit_met": {
-            f"{r['path']}/{r['stream']}/{r['pages']}x{r['page_bytes']}": r["host_us"] <= r["target_us"] for r in submit
+            f"{r['path']}/{r['stream']}/{r['slots']}/{r['pages']}x{r['page_bytes']}": r["host_us"] <= r["target_us"]
+            for r in submit
         },
     }
 
@@ -354,18 +366,17 @@ def _print_tables(report: dict[str, Any]) -> None:
         sweep.add_row(f"{page:,}", *cells)
     console.print(sweep)
     submit = Table(title="host submit cost (us) on an idle queue, target 20 + 0.1 per page in brackets")
-    for column in ("path", "stream", *(f"{n} x {page:,}" for n, page in SUBMIT_SHAPES)):
+    for column in ("path", "stream", "slots", *(f"{n} x {page:,}" for n, page in SUBMIT_SHAPES)):
         submit.add_column(column, justify="right")
-    for path in ("copy_engine", "kernel"):
-        for stream in ("stream", "legacy"):
-            got = {
-                (r["pages"], r["page_bytes"]): r
-                for r in rows
-                if r["section"] == "submit" and (r["path"], r["stream"]) == (path, stream)
-            }
-            submit.add_row(
-                path, stream, *(f"{got[shape]['host_us']} ({got[shape]['target_us']})" for shape in SUBMIT_SHAPES)
-            )
+    for path, stream, slots in itertools.product(("copy_engine", "kernel"), ("stream", "legacy"), SUBMIT_SLOTS):
+        got = {
+            (r["pages"], r["page_bytes"]): r
+            for r in rows
+            if r["section"] == "submit" and (r["path"], r["stream"], r["slots"]) == (path, stream, slots)
+        }
+        submit.add_row(
+            path, stream, slots, *(f"{got[shape]['host_us']} ({got[shape]['target_us']})" for shape in SUBMIT_SHAPES)
+        )
     console.print(submit)
     shapes = Table(title=f"PERF.md shapes (GB/s); auto: copy engines from {summary['copy_engine_min_bytes']} B")
     for column in ("shape", "dir", "load", "copy_engine", "kernel", "auto", "auto/best", "auto/link"):
