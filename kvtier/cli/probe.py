@@ -1,4 +1,5 @@
-"""``kvtier probe``: the device, its host link, the copy path chosen per page size, the knob values."""
+"""``kvtier probe``: the device, its host link, the copy path chosen per page size, the knob values;
+with ``--disk PATH``, the read ceiling of that disk and the page checksum's speed (``kvtier.cli.disk_probe``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ PROBE_PAGE_SIZES = (16, 4096, 65_536, 262_144, 884_736, 4_194_304, 15_261_696, 2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="'cpu', 'cuda' or 'cuda:N' (default: cuda if available)")
+    parser.add_argument(
+        "--disk", default=None, metavar="PATH", help="also measure the read ceiling of the disk under this directory"
+    )
+    parser.add_argument("--disk-mib", type=int, default=512, help="size of the temporary file of --disk (256-4096)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +59,14 @@ def run(args: argparse.Namespace) -> int:
     for page in PROBE_PAGE_SIZES:
         path = "cpu" if device.type == "cpu" else policy.choose(page, coherent_link=link.coherent)
         rows.append((f"path {page:,} B", path))
+    if args.disk is not None:
+        from kvtier.cli.disk_probe import probe_disk
+
+        try:
+            rows += probe_disk(args.disk, args.disk_mib)
+        except (ValueError, OSError) as exc:
+            print(f"disk probe: {exc}")
+            return 2
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -1,0 +1,28 @@
+"""``kvtier probe --disk``: a bounded read test of the disk under a directory, its file always removed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.cli.disk_probe import probe_disk
+
+
+def test_the_disk_probe_reports_reads_and_checksums_and_leaves_nothing(tmp_path):
+    rows = dict(probe_disk(str(tmp_path), 256))
+    for threads in ("1 thread", "4 threads", "8 threads"):
+        assert rows[f"disk read, {threads}"].endswith("GB/s (cold)")
+        assert float(rows[f"page checksum, {threads}"].split()[0]) > 0
+    assert "256 MiB" in rows["disk write"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("mib", [0, 255, 4097])
+def test_the_disk_probe_refuses_sizes_out_of_bounds(tmp_path, mib):
+    with pytest.raises(ValueError, match="--disk-mib"):
+        probe_disk(str(tmp_path), mib)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_disk_probe_refuses_a_path_that_is_not_a_directory(tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        probe_disk(str(tmp_path / "missing"), 256)
