@@ -33,6 +33,20 @@ def test_lowest_priority_first_then_least_recently_added():
     assert all(p in index for p in (a, b, c, d, e))
 
 
+def test_redundant_pages_go_before_every_priority():
+    index = EvictionIndex()
+    low, copy, high, other_copy = page(0, 1), page(100, 2), page(100, 3), page(50, 4)
+    index.add(low)
+    index.add(copy, redundant=True)
+    index.add(high)
+    index.add(other_copy, redundant=True)
+    assert list(index) == [copy, other_copy, low, high] and len(index) == 4
+    index.add(copy)  # no longer redundant (e.g. it took over its original's place): back to its priority
+    assert list(index) == [other_copy, low, high, copy] and len(index) == 4
+    index.discard(other_copy)
+    assert other_copy not in index and index.first() is low and len(index) == 3
+
+
 def test_pages_are_distinct_records_even_when_equal_fields():
     index = EvictionIndex()
     twins = [page(20, 7), page(20, 7)]

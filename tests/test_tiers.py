@@ -84,6 +84,26 @@ def test_cascade_demotes_to_host_then_disk_and_promotes_back(tmp_path):
     mgr.close()
 
 
+def test_every_conversation_comes_back_whole_when_the_tiers_hold_them_all(tmp_path):
+    """30 pages in 48 slots: disk copies of pages that are also in memory must give way before any
+    page whose only bytes are on disk is dropped (a copy is evicted first)."""
+    mgr = manager(tmp_path, primary=8, host=8, disk=32)
+    oracle = PageOracle(mgr)
+    for i in range(5):
+        prefill(mgr, oracle, convo(i))
+    for _ in range(2):
+        for i in range(5):
+            tokens = convo(i) + [1, 2]
+            cache = mgr.create_cache(tokens)
+            assert cache.num_reused_tokens == 24, i
+            assert cache.resume()
+            oracle.check(cache, tokens)
+            cache.close()
+    assert mgr.stats().drops == 0
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_resume_moves_pages_in_one_copier_call_per_tier_and_group(tmp_path):
     mgr = manager(tmp_path, kind="hybrid", primary=16, host=40, disk=0)
     oracle = PageOracle(mgr)

@@ -125,9 +125,9 @@ class DiskWritePlanner:
     def _uncopied_ancestors(self, victims: list[Page], moving: set[int]) -> list[Page]:
         """Ancestor pages of the victims (their group) with nothing on disk, parents first.
 
-        Ancestors already on disk, or copied, become the most recently used there, and a copy
-        takes the priority of the blocks below it if higher: a chain's upper blocks outlive its
-        lower ones on disk. The walk covers the whole chain (each block once per call).
+        Ancestors already on disk, or copied, become the most recently used there (a spare copy
+        is spare no more), and a copy takes the priority of the blocks below it if higher: a
+        chain's upper blocks outlive its lower ones on disk. The walk covers the whole chain (each block once per call).
         """
         disk = self.disk
         group = victims[0].group
@@ -148,6 +148,7 @@ class DiskWritePlanner:
                         present.priority = victim.priority
                         disk.record(present)
                     if present is not None:
+                        disk.spare_copies.discard(present)  # a chain below needs it now
                         disk.reindex(present)
                 node = node.parent
             out.extend(reversed(chain))

@@ -1,9 +1,12 @@
-"""Which pages of one tier and layer group to evict first: lowest priority, then least recently used.
+"""Which pages of one tier and layer group to evict first: redundant copies, then lowest
+priority, then least recently used.
 
 The index holds exactly the pages that may leave the tier now (the residency layer decides
 which: unlocked pages, and on the last tier only droppable ones). Updates are O(1): one ordered
 dict per priority level, in the order pages became evictable, so the first entry of the lowest
-non-empty level is the victim.
+non-empty level is the victim. A *redundant* page (a disk copy of a page whose original is in
+a memory tier) goes before every level: evicting it loses no bytes, evicting anything else on
+the last tier drops data.
 """
 
 from __future__ import annotations
@@ -31,30 +34,29 @@ class EvictionIndex:
     __slots__ = ("_levels", "_size")
 
     def __init__(self) -> None:
-        self._levels: list[dict[Page, None]] = [{} for _ in range(MAX_PRIORITY + 1)]
+        # level 0: redundant pages; level p + 1: pages of priority p
+        self._levels: list[dict[Page, None]] = [{} for _ in range(MAX_PRIORITY + 2)]
         self._size = 0
 
     def __len__(self) -> int:
         return self._size
 
     def __contains__(self, page: Page) -> bool:
-        return page in self._levels[page.priority]
+        return page in self._levels[page.priority + 1] or page in self._levels[0]
 
-    def add(self, page: Page) -> None:
-        """Make ``page`` the most recently used of its priority level (idempotent)."""
-        level = self._levels[page.priority]
-        if page in level:
-            del level[page]
-        else:
-            self._size += 1
-        level[page] = None
+    def add(self, page: Page, redundant: bool = False) -> None:
+        """Make ``page`` the most recently used of its level (idempotent); ``redundant`` pages go first."""
+        self.discard(page)
+        self._levels[0 if redundant else page.priority + 1][page] = None
+        self._size += 1
 
     def discard(self, page: Page) -> None:
         """Remove ``page`` if present."""
-        level = self._levels[page.priority]
-        if page in level:
-            del level[page]
-            self._size -= 1
+        for level in (self._levels[page.priority + 1], self._levels[0]):
+            if page in level:
+                del level[page]
+                self._size -= 1
+                return
 
     def __iter__(self) -> Iterator[Page]:
         """Pages in eviction order. Do not change the index while iterating."""

@@ -147,7 +147,7 @@ class MovePlanner:
                 if page.damaged or page.node is None:
                     disk.storage.slots[page.group].free(slot)
                 else:
-                    disk.add_copy(page, slot, page.checksum)
+                    disk.add_copy(page, slot, page.checksum, spare=True)
         plan.kept_on_disk.clear()
         plan.deferred_frees.clear()
         plan.landed.clear()

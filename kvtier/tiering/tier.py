@@ -37,6 +37,7 @@ class Tier:
         "name",
         "originals",
         "owners",
+        "spare_copies",
         "storage",
         "writable",
         "written",
@@ -53,6 +54,7 @@ class Tier:
         self.evictable = [EvictionIndex() for _ in storage.slots]
         self.copies: dict[Page, Page] = {}
         self.originals: dict[Page, Page] = {}
+        self.spare_copies: set[Page] = set()  # copies no restore needs: the first to go when room is wanted
         self.written: dict[bytes, Node] = {}  # blocks with an index row: key -> the node it was written for
         self._sweep_at = SWEEP_MIN
 
@@ -128,8 +130,14 @@ class Tier:
 
     # -- copies (disk tier) ----------------------------------------------------------------------
 
-    def add_copy(self, original: Page, slot: int, checksum: int, priority: int | None = None) -> None:
-        """Own a copy of ``original`` (published in a memory tier) written to ``slot``, and index it."""
+    def add_copy(
+        self, original: Page, slot: int, checksum: int, priority: int | None = None, spare: bool = False
+    ) -> None:
+        """Own a copy of ``original`` (published in a memory tier) written to ``slot``, and index it.
+
+        A ``spare`` copy (bytes a promotion left behind, so a later demotion needs no write) is
+        evicted before any other page here; a copy of an ancestor, which keeps the chains below
+        it restorable after a crash, is evicted by its priority like any page."""
         copy = Page(
             original.group,
             self.index,
@@ -142,6 +150,8 @@ class Tier:
         self.owners[copy.group][slot] = copy
         self.copies[original] = copy
         self.originals[copy] = original
+        if spare:
+            self.spare_copies.add(copy)
         self.record(copy)
         self.reindex(copy)
 
@@ -151,6 +161,7 @@ class Tier:
         if copy is None:
             return None
         del self.originals[copy]
+        self.spare_copies.discard(copy)
         self.evictable[copy.group].discard(copy)
         self.owners[copy.group][copy.slot] = None  # the slot stays allocated: ``original`` lands in it
         copy.node = None
@@ -159,6 +170,7 @@ class Tier:
     def remove_copy(self, copy: Page) -> None:
         """Free a copy and its index row (its original left the tree, or the slot is wanted)."""
         del self.copies[self.originals.pop(copy)]
+        self.spare_copies.discard(copy)
         self.vacate(copy)
         copy.node = None
 
@@ -171,6 +183,6 @@ class Tier:
     def reindex(self, page: Page) -> None:
         """Put ``page`` in or out of the eviction index; re-adding makes it the most recently used."""
         if self.may_evict(page):
-            self.evictable[page.group].add(page)
+            self.evictable[page.group].add(page, redundant=page in self.spare_copies)
         else:
             self.evictable[page.group].discard(page)
