@@ -45,13 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvtier.cli.link_ceiling import link_ceiling_gbps
     from kvtier.models import build_model
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, device, dtype, seed=0)
     bench = _Bench(model, args)
-    ceiling = bench.link_ceiling()
+    ceiling = link_ceiling_gbps(bench.device)
     rows = []
     for length in (int(x) for x in args.prefixes.split(",")):
         rows.extend(bench.prefix(length, ceiling))
@@ -76,29 +77,6 @@ class _Bench:
     def sync(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
-
-    def link_ceiling(self) -> float:
-        """Host-to-device GB/s of one large pinned copy (0 on a CPU device)."""
-        torch = self.torch
-        if self.device.type != "cuda":
-            return 0.0
-        from kvtier.storage.pinned import allocate_host_buffer
-
-        n = 1 << 30
-        host = allocate_host_buffer(n, n, self.device)
-        host.tensor.fill_(7)
-        dst = torch.empty(n, dtype=torch.uint8, device=self.device)
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(host.tensor, non_blocking=True)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        host.release()
-        del dst
-        return n / statistics.median(times[1:]) / 1e9
 
     def tokens(self, n: int) -> list[int]:
         return self.torch.randint(0, self.model.vocab_size, (n,), generator=self.gen).tolist()

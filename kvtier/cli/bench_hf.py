@@ -71,8 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvtier.cli.link_ceiling import link_ceiling_gbps
+
     bench = _Bench(args)
-    ceiling = bench.link_ceiling()
+    ceiling = link_ceiling_gbps(bench.device)
     rows = []
     for length in (int(x) for x in args.histories.split(",")):
         rows.extend(bench.history(length, ceiling))
@@ -132,29 +134,6 @@ class _Bench:
 
     def tokens(self, n: int) -> list[int]:
         return self.torch.randint(1, self.vocab, (n,), generator=self.gen).tolist()
-
-    def link_ceiling(self) -> float:
-        """Host-to-device GB/s of one large pinned copy (0 on a CPU device)."""
-        torch = self.torch
-        if self.device.type != "cuda":
-            return 0.0
-        from kvtier.storage.pinned import allocate_host_buffer
-
-        n = 1 << 30
-        host = allocate_host_buffer(n, n, self.device)
-        host.tensor.fill_(7)
-        dst = torch.empty(n, dtype=torch.uint8, device=self.device)
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(host.tensor, non_blocking=True)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        host.release()
-        del dst
-        return n / statistics.median(times[1:]) / 1e9
 
     def _ttft(self, generate, prompt: list[int], **kwargs) -> tuple[float, object]:
         """(seconds to the first generated token, generate's output with logits)."""

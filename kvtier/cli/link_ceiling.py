@@ -1,0 +1,30 @@
+"""The host-to-device link ceiling that the TTFT benches compare reload times against."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def link_ceiling_gbps(device: torch.device) -> float:
+    """Host-to-device GB/s of one 1 GiB pinned copy, median of 4 after a warm-up (0 on a CPU device)."""
+    if device.type != "cuda":
+        return 0.0
+    from kvtier.storage.pinned import allocate_host_buffer
+
+    n = 1 << 30
+    host = allocate_host_buffer(n, n, device)
+    host.tensor.fill_(7)
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(host.tensor, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    host.release()
+    del dst
+    return n / statistics.median(times[1:]) / 1e9
