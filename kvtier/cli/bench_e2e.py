@@ -21,9 +21,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
+
+from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvtier.cli.link_ceiling import link_ceiling_gbps
     from kvtier.models import build_model
 
     device = torch.device(args.device)
@@ -144,7 +144,7 @@ class _Bench:
             ttfts, tiers, dropped = [], [], []
             for suffix in fresh["disk"]:
                 self._push_out(eng)
-                dropped.append(_drop_page_cache())
+                dropped.append(drop_page_cache())
                 out = eng.generate([prefix + suffix], SamplingParams(max_tokens=1))[0]
                 ttfts.append(out.ttft_s)
                 tiers.append(out.reused_tokens_by_tier)
@@ -251,17 +251,6 @@ class _Bench:
         if prefix_bytes is not None:
             row["prefix_bytes"] = prefix_bytes
         return row
-
-
-def _drop_page_cache() -> bool:
-    """Ask the OS to drop its page cache (root only); True if it worked."""
-    try:
-        subprocess.run(["sync"], check=False)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _print_table(rows: list[dict], ceiling: float) -> None:

@@ -29,9 +29,10 @@ import copy
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
+
+from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
 
 LLAMA_8B = dict(
     vocab_size=128256,
@@ -70,8 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from kvtier.cli.link_ceiling import link_ceiling_gbps
 
     bench = _Bench(args)
     ceiling = link_ceiling_gbps(bench.device)
@@ -221,7 +220,7 @@ class _Bench:
         filler.close()
         self.sync()
         if pc is self.disk_pc:
-            _drop_page_cache()
+            drop_page_cache()
 
     def _build(self, pc, prompt: list[int], push: bool) -> tuple[dict, dict]:
         """The stages of ``pc.generate`` before the model runs, each timed with device syncs; and the
@@ -264,17 +263,6 @@ class _Bench:
 
 
 _CASES = ("recompute", "resident", "gpu", "host", "disk")
-
-
-def _drop_page_cache() -> bool:
-    """Ask the OS to drop its page cache (root only); True if it worked."""
-    try:
-        subprocess.run(["sync"], check=False)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _print_table(rows: list[dict], ceiling: float) -> None:

@@ -1,16 +1,21 @@
-"""The host-to-device link ceiling that the TTFT benches compare reload times against."""
+"""What the TTFT benches (e2e, hf) measure or reset on the machine: the link ceiling, the page cache."""
 
 from __future__ import annotations
 
 import statistics
+import subprocess
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def link_ceiling_gbps(device: torch.device) -> float:
     """Host-to-device GB/s of one 1 GiB pinned copy, median of 4 after a warm-up (0 on a CPU device)."""
     if device.type != "cuda":
         return 0.0
+    import torch
+
     from kvtier.storage.pinned import allocate_host_buffer
 
     n = 1 << 30
@@ -28,3 +33,14 @@ def link_ceiling_gbps(device: torch.device) -> float:
     host.release()
     del dst
     return n / statistics.median(times[1:]) / 1e9
+
+
+def drop_page_cache() -> bool:
+    """Ask the OS to drop its page cache (root only), so a disk read is cold; True if it worked."""
+    try:
+        subprocess.run(["sync"], check=False)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
