@@ -45,6 +45,14 @@ def plan_work(runs: np.ndarray, page_bytes: int, target_programs: int, rows: int
     page_rows = page_bytes // ALIGN
     run_rows = runs[:, 2] * page_rows
     per = max(min(rows, page_rows), -(-int(run_rows.sum()) // max(target_programs, 1)))
+    if (runs[:, 2] == runs[0, 2]).all():  # runs of one length (e.g. single pages): one cut for all
+        length = int(run_rows[0])
+        first = np.arange(-(-length // per), dtype=np.int64) * per
+        items = np.empty((runs.shape[0], first.shape[0], 3), dtype=np.int64)
+        items[:, :, 0] = (runs[:, 0] * page_rows)[:, None] + first
+        items[:, :, 1] = (runs[:, 1] * page_rows)[:, None] + first
+        items[:, :, 2] = np.minimum(per, length - first)
+        return items.reshape(-1, 3)
     pieces = -(-run_rows // per)
     run_of = np.repeat(np.arange(runs.shape[0]), pieces)
     first_row = (np.arange(run_of.shape[0]) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * per

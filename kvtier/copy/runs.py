@@ -27,14 +27,23 @@ def build_runs(
     registration. Invariants: the runs' pages sum to n, and expanding the runs gives ``pairs``
     back row for row; no run spans a registration boundary of either side.
     """
+    n = pairs.shape[0]
+    if n == 1:  # the common small call: no numpy pass needed
+        return np.array([[pairs[0, 0], pairs[0, 1], 1]], dtype=np.int64)
     src, dst = pairs[:, 0], pairs[:, 1]
     joins = (src[1:] == src[:-1] + 1) & (dst[1:] == dst[:-1] + 1)
     for grid, slots in ((src_grid, src), (dst_grid, dst)):
         if grid is not None:
             joins &= grid.chunk_of(slots[:-1], page_bytes) == grid.chunk_of(slots[1:], page_bytes, last=True)
+    runs = np.empty((n, 3), dtype=np.int64)
+    if not joins.any():  # scattered slots: one run a pair
+        runs[:, :2] = pairs
+        runs[:, 2] = 1
+        return runs
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    runs = np.empty((starts.shape[0], 3), dtype=np.int64)
+    runs = runs[: starts.shape[0]]
     runs[:, 0] = src[starts]
     runs[:, 1] = dst[starts]
-    runs[:, 2] = np.diff(starts, append=pairs.shape[0])
+    runs[:-1, 2] = starts[1:] - starts[:-1]
+    runs[-1, 2] = n - starts[-1]
     return runs
