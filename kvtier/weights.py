@@ -9,8 +9,9 @@ invertible modulo 2**64), and unrelated changes collide with probability about 2
 Device-independent: the same weights give the same digest on the CPU and
 on a GPU. It is a content fingerprint, not a defence against a crafted collision.
 
-Cost: one multiply-add per 4 bytes. On an H200 an 8B model (16 GB) takes a few tens of
-milliseconds; on a CPU core at about 1 GB/s (a tiny test model: milliseconds).
+Cost: one multiply-add per 4 bytes. Measured: 16 GiB of bf16 weights (an 8B model) in 0.39 s
+on an H200; 512 MiB in 0.33 s on that machine's CPU (about 1.6 GB/s), about 1 GB/s on one core
+of a small development machine (a tiny test model: milliseconds).
 """
 
 from __future__ import annotations
