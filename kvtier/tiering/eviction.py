@@ -46,17 +46,25 @@ class EvictionIndex:
 
     def add(self, page: Page, redundant: bool = False) -> None:
         """Make ``page`` the most recently used of its level (idempotent); ``redundant`` pages go first."""
-        self.discard(page)
-        self._levels[0 if redundant else page.priority + 1][page] = None
-        self._size += 1
+        own, spare = self._levels[page.priority + 1], self._levels[0]
+        target, other = (spare, own) if redundant else (own, spare)
+        if page in target:
+            del target[page]
+        elif other and page in other:  # the redundant level is empty on most tiers: one lookup
+            del other[page]
+        else:
+            self._size += 1
+        target[page] = None
 
     def discard(self, page: Page) -> None:
         """Remove ``page`` if present."""
-        for level in (self._levels[page.priority + 1], self._levels[0]):
-            if page in level:
-                del level[page]
-                self._size -= 1
-                return
+        own, spare = self._levels[page.priority + 1], self._levels[0]
+        if page in own:
+            del own[page]
+            self._size -= 1
+        elif spare and page in spare:
+            del spare[page]
+            self._size -= 1
 
     def __iter__(self) -> Iterator[Page]:
         """Pages in eviction order. Do not change the index while iterating."""
