@@ -16,6 +16,8 @@ import json
 import statistics
 import tempfile
 
+from kvtier.cli.run_summary import common_prefix_share, percentile
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small-llama", help="a kvtier.models name or a HF-style directory")
@@ -76,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
             records[label] = run_workload(engine, workload, label, lambda task=task: progress.advance(task))
             stats[label] = engine.cache_manager.stats()
             engine.close()
-    same, agreement = _compare(records["baseline"].answers(), records["kvtier"].answers())
+    base_answers, kv_answers = records["baseline"].answers(), records["kvtier"].answers()
+    same, agreement = base_answers == kv_answers, common_prefix_share(base_answers, kv_answers)
     exact = args.dtype == "float64"
     summary = _summary(records, stats, workload)
     summary["identical_tokens"] = same
@@ -90,20 +93,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if same or not exact else 1
 
 
-def _compare(a: list[list[int]], b: list[list[int]]) -> tuple[bool, float]:
-    """Whether every answer is identical, and the mean share of each answer's common prefix."""
-    shares = []
-    for x, y in zip(a, b, strict=True):
-        common = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
-        shares.append(common / max(len(x), 1))
-    return a == b, statistics.fmean(shares)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _summary(records: dict, stats: dict, workload) -> dict:
     out: dict = {"workload": workload.__class__.__name__, "runs": {}}
     for label, record in records.items():
@@ -112,8 +101,8 @@ def _summary(records: dict, stats: dict, workload) -> dict:
         prompt = sum(t.output.num_prompt_tokens for t in record.turns)
         st = stats[label]
         out["runs"][label] = {
-            "ttft_p50_ms": _percentile(ttfts, 0.5),
-            "ttft_p90_ms": _percentile(ttfts, 0.9),
+            "ttft_p50_ms": percentile(ttfts, 0.5),
+            "ttft_p90_ms": percentile(ttfts, 0.9),
             "prompt_tokens": prompt,
             "computed_prompt_tokens": computed,
             "reused_prompt_tokens": prompt - computed,

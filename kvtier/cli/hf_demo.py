@@ -17,6 +17,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from kvtier.cli.run_summary import common_prefix_share, percentile
+
 # A small Llama: 4 layers, 4 KV heads of 16 dims (4 KiB of float64 KV per token: a conversation of
 # the default workload grows to 3.5 MiB, so with the demo's default tiers pages reach the disk).
 HF_LLAMA = dict(
@@ -112,7 +114,7 @@ def run_hf(args: argparse.Namespace) -> int:
             stats = pc.manager.stats()
     summary = _summary(baseline, cached, stats, workload.turns)
     summary["identical_tokens"] = baseline.answers == cached.answers
-    summary["common_prefix_share"] = _common_share(baseline.answers, cached.answers)
+    summary["common_prefix_share"] = common_prefix_share(baseline.answers, cached.answers)
     exact = args.dtype == "float64"
     _print(console, summary, exact)
     _plot(baseline, cached, workload.turns, args.plot)
@@ -123,18 +125,13 @@ def run_hf(args: argparse.Namespace) -> int:
     return 0 if summary["identical_tokens"] or not exact else 1
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _summary(baseline: HfRun, cached: HfRun, stats, turns: int) -> dict:
     out: dict = {"model": "transformers LlamaForCausalLM " + json.dumps(HF_LLAMA), "runs": {}}
     for run in (baseline, cached):
         ttfts = [t * 1e3 for _, t in run.ttft_s]
         out["runs"][run.label] = {
-            "ttft_p50_ms": _percentile(ttfts, 0.5),
-            "ttft_p90_ms": _percentile(ttfts, 0.9),
+            "ttft_p50_ms": percentile(ttfts, 0.5),
+            "ttft_p90_ms": percentile(ttfts, 0.9),
             "prompt_tokens": run.prompt_tokens,
             "reused_prompt_tokens": run.reused_tokens,
             "ttft_ms_by_turn": [statistics.fmean(t * 1e3 for n, t in run.ttft_s if n == turn) for turn in range(turns)],
@@ -146,14 +143,6 @@ def _summary(baseline: HfRun, cached: HfRun, stats, turns: int) -> dict:
         promotions=stats.promotions,
     )
     return out
-
-
-def _common_share(a: list[list[int]], b: list[list[int]]) -> float:
-    shares = []
-    for x, y in zip(a, b, strict=True):
-        common = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
-        shares.append(common / max(len(x), 1))
-    return statistics.fmean(shares)
 
 
 def _print(console, summary: dict, exact: bool) -> None:
