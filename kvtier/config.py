@@ -10,26 +10,51 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class PrimaryTier:
-    """Pages that compute reads: GPU memory for ``device="cuda"``, plain memory for "cpu"."""
+    """Pages that compute reads: GPU memory for ``device="cuda"``, plain memory for "cpu".
+
+    ``free_reserve``: the share of each layer group's slots (0 to 0.5) that background work
+    (``KVCacheManager.maintain``) keeps free by demoting the coldest pages, so that a returning
+    request rarely waits for eviction. 0 (the default) keeps none.
+    """
 
     bytes: int
+    free_reserve: float = 0.0
 
     name = "primary"
 
     def __post_init__(self) -> None:
         _check_quota(self)
+        r = self.free_reserve
+        if isinstance(r, bool) or not isinstance(r, int | float):
+            raise TypeError(f"PrimaryTier.free_reserve must be a number, got {r!r}")
+        if not 0.0 <= r <= 0.5:
+            raise ValueError(f"PrimaryTier.free_reserve must be in 0..0.5, got {r}")
 
 
 @dataclass(frozen=True, slots=True)
 class HostTier:
-    """Host memory below the primary tier; pinned (page-locked) when the device is CUDA."""
+    """Host memory below the primary tier; pinned (page-locked) when the device is CUDA.
+
+    ``write_through``: copy published primary pages to host memory in the background
+    (``KVCacheManager.maintain``), once no running request uses them, so that evicting them
+    later frees their slots without a copy. None (the default) turns it on for CUDA devices.
+    Only pages of priority >= ``write_through_min_priority`` are copied. Copies only take free
+    host slots or other copies' slots, never push a page out.
+    """
 
     bytes: int
+    write_through: bool | None = None
+    write_through_min_priority: int = 0
 
     name = "host"
 
     def __post_init__(self) -> None:
         _check_quota(self)
+        if self.write_through is not None and not isinstance(self.write_through, bool):
+            raise TypeError(f"HostTier.write_through must be True, False or None, got {self.write_through!r}")
+        p = self.write_through_min_priority
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 100:
+            raise ValueError(f"HostTier.write_through_min_priority must be an int in 0..100, got {p!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +176,16 @@ class CacheConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         object.__setattr__(self, "tiers", tiers)
         object.__setattr__(self, "device", device)
+
+
+def write_through_enabled(config: CacheConfig) -> bool:
+    """Whether the host tier (if any) keeps write-through copies of primary pages."""
+    host = next((t for t in config.tiers if isinstance(t, HostTier)), None)
+    if host is None:
+        return False
+    if host.write_through is None:
+        return torch.device(config.device).type == "cuda"
+    return host.write_through
 
 
 def _check_quota(tier: TierConfig) -> None:

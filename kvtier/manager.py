@@ -104,6 +104,18 @@ class KVCacheManager:
         self._pool.debug_check()
         return moved
 
+    @exclusive
+    def maintain(self) -> int:
+        """Background work, to call between steps: keep the primary tier's free reserve
+        (``PrimaryTier.free_reserve``) and copy published pages to host memory (``HostTier.write_through``).
+
+        Copies are queued on a low-priority stream and this returns at once; a new batch starts only
+        when the previous one has finished. Later copies and allocations are ordered after it.
+        Returns the number of pages planned (0 with neither feature on).
+        """
+        self._check_open()
+        return self._pool.maintain()
+
     # -- views -----------------------------------------------------------------------------------
 
     def kv_views(self, layer_id: int) -> dict[str, torch.Tensor]:

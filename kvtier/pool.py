@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.config import CacheConfig, ReuseScope
+from kvtier.config import CacheConfig, HostTier, ReuseScope
 from kvtier.errors import InvariantError, OutOfPagesError
 from kvtier.invariants import PageHolder, check_pages
 from kvtier.knobs import debug_enabled
@@ -31,6 +31,7 @@ from kvtier.reuse.tokens import encode_tokens
 from kvtier.reuse.tree import RadixTree
 from kvtier.spec import GroupId, GroupKind, ModelSpec
 from kvtier.stats import CacheStats, Counters, TierStats
+from kvtier.tiering.background import BackgroundWork
 from kvtier.tiering.build import build_tiers
 from kvtier.tiering.disk_restore import restore_disk_tier
 from kvtier.tiering.disk_writes import DiskWritePlanner
@@ -69,6 +70,14 @@ class PagePool:
         disk = next((t for t in self.tiers if t.is_disk), None)
         disk_writes = None if disk is None else DiskWritePlanner(self.residency, disk, writer=self.mover)
         self.planner = MovePlanner(self.tiers, self.residency, self.counters, disk_writes)
+        host_config = next((t for t in config.tiers if isinstance(t, HostTier)), None)
+        self.background = BackgroundWork(
+            self.tiers,
+            self.planner,
+            next((t for t in self.tiers if t.keeps_copies and not t.is_disk), None),
+            config.tiers[PRIMARY].free_reserve,
+            0 if host_config is None else host_config.write_through_min_priority,
+        )
         if disk is not None:
             restore_disk_tier(disk, self.tree, self.rules, self.counters)
         self.holders: set[PageHolder] = set()
@@ -204,6 +213,19 @@ class PagePool:
         for page in reversed(pages):
             res.unlock(page)
         return moved
+
+    def maintain(self) -> int:
+        """Background work between steps: the free reserve and write-through copies, one batch, on
+        the mover's background stream, unless the previous batch is still running. Returns the
+        pages planned."""
+        background = self.background
+        if not background.enabled or self.mover.background_busy():
+            return 0
+        plan = MovePlan()
+        planned = background.plan(plan)
+        self.mover.run(plan, background=True)
+        self.planner.finish(plan)
+        return planned
 
     def persist(self) -> None:
         """Write published pages still in memory to the disk tier's free slots, parents first (at close),

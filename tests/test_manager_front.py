@@ -67,6 +67,7 @@ def test_every_manager_method_after_close_raises_cache_state_error():
     calls = {
         "create_cache": lambda: mgr.create_cache(tokens),
         "prefetch": lambda: mgr.prefetch(tokens),
+        "maintain": mgr.maintain,
         "kv_views": lambda: mgr.kv_views(0),
         "layout": mgr.layout,
         "stats": mgr.stats,

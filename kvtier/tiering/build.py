@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.config import CacheConfig, DiskTier, HostTier, PrimaryTier
+from kvtier.config import CacheConfig, DiskTier, HostTier, PrimaryTier, write_through_enabled
 from kvtier.layout import PageGeometry
 from kvtier.spec import ModelSpec
 from kvtier.storage.disk_dir import DiskDirectory
@@ -51,7 +51,8 @@ def build_tiers(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageG
                 continue
             else:
                 raise ValueError(f"{type(tier_config).__name__} can only be the last tier")
-            tiers.append(Tier(tier_config.name, index, storage, is_last=index == last))
+            keeps = isinstance(tier_config, HostTier) and write_through_enabled(config)
+            tiers.append(Tier(tier_config.name, index, storage, is_last=index == last, keeps_copies=keeps))
     except BaseException:
         if disk is not None:
             disk.storage.close()

@@ -3,11 +3,17 @@
 Order (see ``kvtier.tiering.planner``): demotions deepest edge first, then copies into warmer tiers.
 On CUDA, copies are enqueued on the given stream after a wait for the previous plan's copies
 if those ran on another stream; an event recorded after them lets CPU work on host memory
-(disk I/O, staging) wait until the device is done with it.
+(disk I/O, staging) wait until the device is done with it. Background plans (write-through, the
+free reserve) run on a low-priority stream of their own, in the same chain of events.
+
+When a plan demotes primary pages to host memory and promotes others into their slots (a full
+GPU), both directions of the link run at once: the demotion in parts on a second stream, each
+part's promotions starting as soon as it has vacated their slots (``_duplex``).
 
 Disk pages travel through host memory: read straight into a CPU destination buffer, or into a
-pinned staging buffer and copied from there to the GPU. Every page read from disk is checked
-against its checksum; a mismatch is reported in ``plan.damaged``.
+pinned staging buffer and copied from there to the GPU part by part, each part's copy running
+while the next part is read. Every page read from disk is checked against its checksum; a
+mismatch is reported in ``plan.damaged``.
 
 The mover is also the planner's ``DiskWriter`` (``write_pages``): it knows where a page's bytes
 are and waits for them to land before writing them to disk.
@@ -25,6 +31,9 @@ from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.tier import Tier
 
+DUPLEX_CHUNKS = 16  # a demotion racing a promotion is cut into this many parts
+DISK_CHUNK_BYTES = 64 << 20  # disk reads go to the GPU in parts of this size, each copied as the next is read
+
 
 class Mover:
     """Copies the data of plans between the tiers of one pool."""
@@ -36,27 +45,94 @@ class Mover:
         self.copier = PageCopier(device)
         self._last_event: torch.cuda.Event | None = None
         self._last_stream: torch.cuda.Stream | None = None
+        self._background: torch.cuda.Stream | None = None
+        self._background_event: torch.cuda.Event | None = None
+        self._background_pending = False
+        self._down: torch.cuda.Stream | None = None
         self._staging: HostBuffer | None = None
 
-    def run(self, plan: MovePlan, stream: torch.cuda.Stream | None = None) -> int:
+    def run(self, plan: MovePlan, stream: torch.cuda.Stream | None = None, background: bool = False) -> int:
         """Copy the data of ``plan``, demotions deepest edge first, then copies into warmer tiers.
 
-        Returns how many pages failed their checksum on the way (listed in ``plan.damaged``).
+        ``background``: on the mover's low-priority stream, after the work queued on the current
+        stream; the next plan run on any other stream waits for it, even a plan without copies
+        (its slots may be ones the background copies still read). Returns how many pages failed
+        their checksum on the way (listed in ``plan.damaged``).
         """
         damaged = 0
-        if plan.edges:
-            stream = self._stream(stream)
-            demotions = sorted((e for e in plan.edges if e[1] > e[0]), key=lambda e: -e[0])
-            others = [e for e in plan.edges if e[1] <= e[0]]
-            for edge in demotions + others:
-                pairs = np.asarray(plan.edges[edge], dtype=np.int64).reshape(-1, 2)
-                if self.tiers[edge[0]].is_disk:
-                    self._read_edge(edge, pairs, stream, plan.damaged)
-                else:
-                    self._copy_edge(edge, pairs, stream)
+        if plan.edges or self._background_pending:
+            stream = self._stream(stream, background)
+            if plan.edges:
+                self._run_edges(plan, stream)
             self._record(stream)
+            self._background_pending = background and stream is not None
+            if self._background_pending:
+                self._background_event = self._last_event
             damaged = len(plan.damaged)
         return damaged
+
+    def background_busy(self) -> bool:
+        """Whether copies of the last background plan may still be running."""
+        event = self._background_event
+        if event is not None and event.query():
+            self._background_event = event = None
+        return event is not None
+
+    def _run_edges(self, plan: MovePlan, stream) -> None:
+        """Every edge of ``plan``: demotions deepest first, racing promotions both ways at once, the rest."""
+        edges = plan.edges
+        duplex = set()
+        if stream is not None:
+            duplex = {e for e in edges if e[0] == 0 and (e[1], 0, e[2]) in edges and not self.tiers[e[1]].is_disk}
+        demotions = sorted((e for e in edges if e[1] > e[0] and e not in duplex), key=lambda e: -e[0])
+        others = [e for e in edges if e[1] <= e[0] and (e[1], e[0], e[2]) not in duplex]
+        for edge in demotions:
+            self._edge(edge, _pairs(edges[edge]), stream, plan.damaged)
+        for down in sorted(duplex):
+            up = (down[1], 0, down[2])
+            self._duplex(down, _pairs(edges[down]), _pairs(edges[up]), stream)
+        for edge in others:
+            self._edge(edge, _pairs(edges[edge]), stream, plan.damaged)
+
+    def _edge(self, edge: tuple[int, int, int], pairs: np.ndarray, stream, damaged: list[Page]) -> None:
+        if self.tiers[edge[0]].is_disk:
+            self._read_edge(edge, pairs, stream, damaged)
+        else:
+            self._copy_edge(edge, pairs, stream)
+
+    def _duplex(self, down: tuple[int, int, int], down_pairs: np.ndarray, up_pairs: np.ndarray, stream) -> None:
+        """Demote and promote one group at once, both directions of the link busy.
+
+        The demotion runs in parts on a second stream; each promoted page whose primary slot a
+        part vacates is copied, on ``stream``, as soon as that part has been read out; pages
+        bound for slots that were free go first. ``stream`` has waited for every part at the end.
+        """
+        _, host_index, group = down
+        down_stream = self._down_stream()
+        down_stream.wait_stream(stream)  # the victims' bytes are written by work queued there
+        n = len(down_pairs)
+        parts = min(DUPLEX_CHUNKS, n)
+        size = -(-n // parts)
+        part_of = np.full(self.tiers[0].storage.slots[group].num_slots, -1, dtype=np.int64)
+        part_of[down_pairs[:, 0]] = np.arange(n, dtype=np.int64) // size
+        up_part = part_of[up_pairs[:, 1]]
+        up = (host_index, 0, group)
+        ready = up_pairs[up_part < 0]
+        if len(ready):
+            self._copy_edge(up, ready, stream)
+        for k in range(-(-n // size)):
+            self._copy_edge(down, down_pairs[k * size : (k + 1) * size], down_stream)
+            vacated = torch.cuda.Event()
+            vacated.record(down_stream)
+            stream.wait_event(vacated)
+            part = up_pairs[up_part == k]
+            if len(part):
+                self._copy_edge(up, part, stream)
+
+    def _down_stream(self) -> torch.cuda.Stream:
+        if self._down is None:
+            self._down = torch.cuda.Stream(device=self.device)
+        return self._down
 
     def synchronize(self) -> None:
         """Wait until every copy issued so far has finished (before the CPU touches host memory)."""
@@ -88,10 +164,16 @@ class Mover:
         self.counters.add_copy(src.name if buffer.device.type == "cpu" else "host", disk.name, "file", written)
         return checksums
 
-    def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
+    def _stream(self, stream: torch.cuda.Stream | None, background: bool = False) -> torch.cuda.Stream | None:
+        """The stream a plan's copies go on, ordered after the previous plan's copies."""
         if self.device.type != "cuda":
             return None
-        if stream is None:
+        if background:
+            if self._background is None:
+                self._background = torch.cuda.Stream(device=self.device, priority=0)  # the lowest priority
+            self._background.wait_stream(torch.cuda.current_stream(self.device))
+            stream = self._background
+        elif stream is None:
             stream = torch.cuda.current_stream(self.device)
         if self._last_event is not None and self._last_stream != stream:
             stream.wait_event(self._last_event)
@@ -131,11 +213,16 @@ class Mover:
             staging = self._staging_bytes(len(pairs) * page_bytes)
             host = staging.numpy()
             views = [host[i * page_bytes : (i + 1) * page_bytes] for i in range(len(pairs))]
-            ok = disk.storage.read(group, pairs[:, 0].tolist(), views, checksums)
-            self.counters.add_copy(disk.name, "host", "file", len(pairs) * page_bytes)
             staged = np.stack([np.arange(len(pairs)), pairs[:, 1]], axis=1)
-            path = self.copier.copy(staging, buffer, staged, page_bytes, stream)
-            self.counters.add_copy("host", dst.name, path, len(pairs) * page_bytes)
+            ok = []
+            step = max(1, DISK_CHUNK_BYTES // page_bytes)
+            for start in range(0, len(pairs), step):  # each part goes up while the next is read
+                end = start + step
+                slots = pairs[start:end, 0].tolist()
+                ok += disk.storage.read(group, slots, views[start:end], checksums[start:end])
+                path = self.copier.copy(staging, buffer, staged[start:end], page_bytes, stream)
+                self.counters.add_copy("host", dst.name, path, len(slots) * page_bytes)
+            self.counters.add_copy(disk.name, "host", "file", len(pairs) * page_bytes)
         for d, fine, source in zip(pairs[:, 1].tolist(), ok, sources, strict=True):
             if not fine:
                 damaged.append(source)
@@ -164,3 +251,8 @@ class Mover:
                 torch.cuda.synchronize(self.device)
             self._staging.release()
             self._staging = None
+
+
+def _pairs(flat: list[int]) -> np.ndarray:
+    """An edge's flat ``[src, dst, ...]`` list as an (n, 2) int64 array."""
+    return np.asarray(flat, dtype=np.int64).reshape(-1, 2)

@@ -19,14 +19,14 @@ class MovePlan:
 
     ``landed``: pages the plan moves (indexed for eviction again once their data is there);
     ``deferred_frees``: (tier, group, slot) read by the plan, freed after it ran;
-    ``kept_on_disk``: pages promoted from disk whose bytes stay there as a copy (page, disk slot);
+    ``kept_copies``: promoted pages whose bytes stay behind as a copy (page, source tier, slot);
     ``damaged``: pages whose bytes failed their checksum on the way (filled by the mover).
     """
 
     edges: defaultdict[tuple[int, int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
     landed: list[Page] = field(default_factory=list)
     deferred_frees: list[tuple[int, int, int]] = field(default_factory=list)
-    kept_on_disk: list[tuple[Page, int]] = field(default_factory=list)
+    kept_copies: list[tuple[Page, int, int]] = field(default_factory=list)
     damaged: list[Page] = field(default_factory=list)
 
     def add(self, src_tier: int, dst_tier: int, group: int, src_slot: int, dst_slot: int) -> None:

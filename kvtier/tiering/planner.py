@@ -13,8 +13,8 @@ A page the plan is moving is not in any eviction index until its data has landed
 never picks it as a victim, and a page pinned by the operation (``locks``) is never a victim.
 
 Writes to the disk tier happen while planning (``kvtier.tiering.disk_writes``). A published page
-promoted from disk leaves its bytes there as a copy (``Tier.add_copy``). A read-only disk tier
-is never a destination.
+promoted from disk (or, with write-through, from host memory) leaves its bytes there as a copy
+(``Tier.add_copy``). A read-only disk tier is never a destination.
 """
 
 from __future__ import annotations
@@ -44,11 +44,12 @@ class MovePlanner:
     def make_room(self, tier_index: int, group: int, count: int, plan: MovePlan) -> bool:
         """Free slots in a tier until ``count`` are free, demoting or dropping victims.
 
-        Victims go lowest priority first, then least recently used, all demoted together to the
-        next tier that can make room for them (normally the next one). From the last tier, or
-        when nothing below can take them, only pages held by the tree alone are dropped. Returns
-        False when the room cannot be had; evictions already done stay valid (they lose nothing
-        a cache holds).
+        Victims go spare copies first, then lowest priority, then least recently used. Copies
+        are freed; the other victims are demoted together to the next tier that can make room
+        for them (normally the next one), where a victim with a copy takes the copy's slot. From
+        the last tier, or when nothing below can take them, only pages held by the tree alone are
+        dropped. Returns False when the room cannot be had; evictions already done stay valid
+        (they lose nothing a cache holds).
         """
         tier = self.tiers[tier_index]
         if tier.is_last:
@@ -61,11 +62,26 @@ class MovePlanner:
         if short > len(index):
             return False
         victims = list(islice(index, short))
-        for dst_index in range(tier_index + 1, len(self.tiers)):
-            # The next tier first; a colder one when the next is full of pinned pages (a swap).
-            if self.tiers[dst_index].writable and self.make_room(dst_index, group, short, plan):
-                self._demote(victims, dst_index, plan)
-                break
+        if tier.originals:
+            originals = tier.originals
+            kept = [p for p in victims if p not in originals]
+            for copy in victims:
+                if copy in originals:
+                    tier.remove_copy(copy)  # its bytes are elsewhere too: nothing is lost
+            victims = kept
+        if victims:
+            for dst_index in range(tier_index + 1, len(self.tiers)):
+                # The next tier first; a colder one when the next is full of pinned pages (a swap).
+                dst = self.tiers[dst_index]
+                if not dst.writable:
+                    continue
+                if dst.copies and not dst.is_disk:
+                    victims = self._take_copies(victims, dst)
+                    if not victims:
+                        break
+                if self.make_room(dst_index, group, len(victims), plan):
+                    self._demote(victims, dst_index, plan)
+                    break
         if slots.num_free < count:
             self.residency.drop_some(tier_index, group, count - slots.num_free)
         return slots.num_free >= count
@@ -83,13 +99,32 @@ class MovePlanner:
             raise InvariantError(f"demotion to {dst.name}, which has no disk writes")
         self.disk_writes.demote(victims, plan)
 
+    def _take_copies(self, victims: list[Page], dst: Tier) -> list[Page]:
+        """Demote the victims that have a copy in memory tier ``dst`` into their copy's slot (the
+        bytes are there, or on their way on the background stream, which later copies wait for):
+        nothing is copied. Returns the other victims."""
+        rest = []
+        for page in victims:
+            copied = dst.take_copy(page)
+            if copied is None:
+                rest.append(page)
+                continue
+            self.counters.evictions += 1
+            self.counters.demotions += 1
+            self.tiers[page.tier].vacate(page)
+            page.tier, page.slot = dst.index, copied[0]
+            dst.owners[page.group][copied[0]] = page
+            dst.reindex(page)
+        return rest
+
     def move(self, page: Page, dst_index: int, plan: MovePlan) -> None:
         """Plan moving ``page`` to a tier that has a free slot for it.
 
         Demotions free the source slot at once (a deeper edge runs first, so its contents are
-        read before anything lands there); promotions free it only after the plan ran, except a
-        published page's disk slot, which then holds its copy (its chain's rows stay restorable,
-        and demoting it again needs no write).
+        read before anything lands there); promotions free it only after the plan ran, except
+        where the source tier keeps copies (the disk; the host with write-through) and the page
+        is published: the slot then holds its copy (a disk chain's rows stay restorable, and
+        demoting the page again moves no byte).
         """
         src = self.tiers[page.tier]
         src_index, src_slot = page.tier, page.slot
@@ -99,8 +134,8 @@ class MovePlanner:
             raise InvariantError(f"{page} moved to {self.tiers[dst_index].name}, which had no free slot")
         plan.add(src_index, dst_index, page.group, src_slot, page.slot)
         plan.landed.append(page)
-        if not demotion and src.is_disk and page.node is not None:
-            plan.kept_on_disk.append((page, src_slot))  # its bytes stay there, as a copy
+        if not demotion and src.keeps_copies and page.node is not None:
+            plan.kept_copies.append((page, src_index, src_slot))  # its bytes stay there, as a copy
         elif not demotion:
             plan.deferred_frees.append((src_index, page.group, src_slot))
 
@@ -139,16 +174,13 @@ class MovePlanner:
                 self.tiers[page.tier].reindex(page)
         for page in plan.damaged:
             residency.mark_damaged(page)
-        if plan.kept_on_disk:
-            if self.disk_writes is None:
-                raise InvariantError("a page was promoted from disk without a disk tier")
-            disk = self.disk_writes.disk
-            for page, slot in plan.kept_on_disk:
-                if page.damaged or page.node is None:
-                    disk.storage.slots[page.group].free(slot)
-                else:
-                    disk.add_copy(page, slot, page.checksum, spare=True)
-        plan.kept_on_disk.clear()
+        for page, tier_index, slot in plan.kept_copies:
+            keeper = self.tiers[tier_index]
+            if page.damaged or page.node is None or page in keeper.copies:
+                keeper.storage.slots[page.group].free(slot)
+            else:
+                keeper.add_copy(page, slot, page.checksum, spare=True)
+        plan.kept_copies.clear()
         plan.deferred_frees.clear()
         plan.landed.clear()
         plan.edges.clear()

@@ -32,7 +32,7 @@ class Residency:
         self.tree = tree
         self.counters = counters
         self._last = len(tiers) - 1
-        self._disk = next((t for t in tiers if t.is_disk), None)
+        self._copy_tiers = [t for t in tiers if t.keeps_copies]
 
     # -- caches' holds and locks -------------------------------------------------------------------
 
@@ -115,8 +115,10 @@ class Residency:
             raise InvariantError(f"{page} is not published")
         tier = self.tiers[page.tier]
         tier.forget(page)
-        if self._disk is not None and page in self._disk.copies:
-            self._disk.remove_copy(self._disk.copies[page])
+        for keeper in self._copy_tiers:
+            copy = keeper.copies.get(page)
+            if copy is not None:
+                keeper.remove_copy(copy)
         if page.snapshot_offset:
             del node.snapshots[page.snapshot_offset]
         else:
@@ -151,13 +153,13 @@ class Residency:
 
     def drop_some(self, tier_index: int, group: int, count: int) -> None:
         """Drop ``count`` pages only the tree holds from a tier, in eviction order, or none if there are fewer."""
-        index = self.tiers[tier_index].evictable[group]
-        victims = list(islice((p for p in index if p.refs == 0), count))
+        tier = self.tiers[tier_index]
+        victims = list(islice((p for p in tier.evictable[group] if p.refs == 0), count))
         if len(victims) < count:
             return
         for page in victims:
-            if self._disk is not None and page in self._disk.originals:
-                self._disk.remove_copy(page)  # a copy: its original stays where it is
+            if page in tier.originals:
+                tier.remove_copy(page)  # a copy: its original stays where it is
                 continue
             self.counters.evictions += 1
             self.drop(page)

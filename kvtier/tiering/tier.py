@@ -12,9 +12,18 @@ of blocks on disk, e.g. a hot system prompt that is never demoted), written so t
 finds the whole chain. A copy is a page of this tier owned by no cache and published nowhere
 (``copies[original]`` / ``originals[copy]``); it is evictable like a dropped page, is taken over
 when its original is demoted here, and goes when its original leaves the tree.
+
+The host tier keeps copies too when write-through is on (``keeps_copies``): bytes of published
+primary pages written in the background, and bytes a promotion to the primary tier left behind.
+A page with a copy here is demoted by taking the copy's slot, without moving a byte.
+
+``watch`` (the primary tier, write-through on): published pages that became evictable here, in
+that order, oldest first; the write-through copies them below. Bounded: the oldest fall off.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 from kvtier.errors import InvariantError
 from kvtier.pages import Node, Page
@@ -34,22 +43,36 @@ class Tier:
         "evictable",
         "index",
         "is_last",
+        "keeps_copies",
         "name",
         "originals",
         "owners",
         "spare_copies",
         "storage",
+        "watch",
+        "watch_limit",
         "writable",
         "written",
     )
 
-    def __init__(self, name: str, index: int, storage, is_last: bool, disk_index: DiskIndex | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        storage,
+        is_last: bool,
+        disk_index: DiskIndex | None = None,
+        keeps_copies: bool | None = None,
+    ) -> None:
         self.name = name
         self.index = index
         self.storage = storage
         self.is_last = is_last
         self.disk_index = disk_index
         self.writable = disk_index is None or storage.writable  # a read-only disk tier serves, takes nothing
+        self.keeps_copies = disk_index is not None if keeps_copies is None else keeps_copies
+        self.watch: OrderedDict[Page, None] | None = None
+        self.watch_limit = 0
         self.owners: list[list[Page | None]] = [[None] * s.num_slots for s in storage.slots]
         self.evictable = [EvictionIndex() for _ in storage.slots]
         self.copies: dict[Page, Page] = {}
@@ -184,5 +207,10 @@ class Tier:
         """Put ``page`` in or out of the eviction index; re-adding makes it the most recently used."""
         if self.may_evict(page):
             self.evictable[page.group].add(page, redundant=page in self.spare_copies)
+            watch = self.watch
+            if watch is not None and page.node is not None:
+                watch[page] = None
+                if len(watch) > self.watch_limit:
+                    watch.popitem(last=False)
         else:
             self.evictable[page.group].discard(page)

@@ -1,0 +1,119 @@
+"""Work done between requests (``PagePool.maintain``): write-through copies and the free reserve.
+
+*Write-through*: published primary pages that became evictable (``Tier.watch``, oldest first)
+are copied to free host slots, or to slots of other copies, never pushing a page out. The copy
+is owned by the host tier (``Tier.add_copy``, spare: the first to go when room is wanted there),
+so evicting the original later takes the copy's slot and moves no byte.
+
+*Free reserve*: each layer group keeps ``PrimaryTier.free_reserve`` of its slots free by
+demoting its coldest pages (those with a copy below move no byte).
+
+Both are planned into one ``MovePlan`` that the pool runs on the mover's background stream; a
+new batch is planned only when the previous one has finished (the link is left to requests in
+between). Published pages never change, so a copy taken while its original is in use is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+from kvtier.pages import Page
+from kvtier.tiering.plan import MovePlan
+from kvtier.tiering.planner import MovePlanner
+from kvtier.tiering.residency import PRIMARY
+from kvtier.tiering.tier import Tier
+
+BATCH_BYTES = 256 << 20  # write-through bytes per batch: a few ms of the link
+WATCH_PAGES = 1 << 16  # pages remembered for write-through; older ones fall off (they stay uncopied)
+
+
+class BackgroundWork:
+    """Plans write-through copies to ``host`` (None: off) and the primary tier's free reserve."""
+
+    def __init__(
+        self,
+        tiers: list[Tier],
+        planner: MovePlanner,
+        host: Tier | None,
+        reserve_share: float,
+        min_priority: int,
+        batch_bytes: int = BATCH_BYTES,
+    ) -> None:
+        self.primary = tiers[PRIMARY]
+        self.planner = planner
+        self.host = host
+        self.min_priority = min_priority
+        self.batch_bytes = batch_bytes
+        self.reserve = [math.ceil(reserve_share * s.num_slots) for s in self.primary.storage.slots]
+        if host is not None:
+            self.primary.watch = OrderedDict()
+            self.primary.watch_limit = WATCH_PAGES
+
+    @property
+    def enabled(self) -> bool:
+        return self.host is not None or any(self.reserve)
+
+    def plan(self, plan: MovePlan) -> int:
+        """Plan one batch: the reserve first, then write-through copies. Returns pages planned."""
+        return self.keep_reserve(plan) + self.write_through(plan)
+
+    def keep_reserve(self, plan: MovePlan) -> int:
+        """Demote the coldest primary pages of each group until its reserve is free (as far as possible)."""
+        moved = 0
+        for group, want in enumerate(self.reserve):
+            free = self.primary.storage.slots[group].num_free
+            if want and free < want:
+                self.planner.make_room(PRIMARY, group, want, plan)
+                moved += self.primary.storage.slots[group].num_free - free
+        return moved
+
+    def write_through(self, plan: MovePlan) -> int:
+        """Plan copies of watched pages into host slots, up to ``batch_bytes``; returns how many."""
+        host = self.host
+        watch = self.primary.watch
+        if host is None or not watch:
+            return 0
+        page_bytes = self.primary.storage.page_bytes
+        budget = self.batch_bytes
+        full: set[int] = set()
+        planned_copies: set[Page] = set()
+        planned = 0
+        for _ in range(len(watch)):
+            if budget <= 0 or len(full) == len(page_bytes):
+                break
+            page = watch.popitem(last=False)[0]
+            group = page.group
+            if (
+                page.tier != PRIMARY
+                or page.node is None
+                or page.damaged
+                or page.priority < self.min_priority
+                or page in host.copies
+                or group in full
+            ):
+                continue
+            slot = self._host_slot(group, planned_copies)
+            if slot is None:
+                full.add(group)
+                watch[page] = None  # kept for a later batch, when host memory has room again
+                continue
+            plan.add(PRIMARY, host.index, group, page.slot, slot)
+            host.add_copy(page, slot, 0, spare=True)
+            planned_copies.add(host.copies[page])
+            budget -= page_bytes[group]
+            planned += 1
+        return planned
+
+    def _host_slot(self, group: int, planned: set[Page]) -> int | None:
+        """A free host slot of ``group``, or the slot of its least recently used spare copy (not
+        one of the ``planned`` copies: their slots are this batch's destinations)."""
+        host = self.host
+        slots = host.storage.slots[group]
+        slot = slots.allocate()
+        if slot is None:
+            first = host.evictable[group].first()
+            if first is not None and first in host.spare_copies and first not in planned:
+                host.remove_copy(first)
+                slot = slots.allocate()
+        return slot

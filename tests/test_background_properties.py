@@ -1,0 +1,74 @@
+"""The cache state machine with background work on: write-through copies in host memory, a free
+reserve in the primary tier, and ``maintain`` called at any point between operations.
+
+Every rule of ``CacheMachine`` runs as before (pages checked byte for byte against the oracle on
+every resume, invariants after every step), with the host tier keeping copies of published
+pages, so demotions that take a copy's slot, copies left behind by promotions, copies evicted to
+make room, and duplex plans are all exercised on every tier configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import initialize, rule
+
+import kvtier
+from tests.kvdata import small_spec
+from tests.test_cache_properties import SETTINGS, TPB, CacheMachine, PageOracle, tier_configs
+
+FEWER = settings(SETTINGS, max_examples=15)  # the plain machines cover the rest of the space
+
+
+class BackgroundMachine(CacheMachine):
+    reserve = 0.2
+
+    @initialize()
+    def setup(self) -> None:
+        self.tmp = tempfile.TemporaryDirectory()
+        spec = small_spec(self.kind)
+        tiers = tier_configs(self.kind, self.pages, spec, self.tmp.name)
+        tiers = [
+            dataclasses.replace(t, free_reserve=self.reserve)
+            if isinstance(t, kvtier.PrimaryTier)
+            else dataclasses.replace(t, write_through=True)
+            if isinstance(t, kvtier.HostTier)
+            else t
+            for t in tiers
+        ]
+        config = kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers, snapshot_interval_blocks=2, device=self.device)
+        self.mgr = kvtier.KVCacheManager(spec, config)
+        self.oracle = PageOracle(self.mgr)
+        self.live = []
+
+    @rule()
+    def maintain(self):
+        self.mgr.maintain()
+
+
+def machine(kind: str, pages: dict[str, int], reserve: float) -> type[BackgroundMachine]:
+    name = f"{kind}_{'_'.join(pages)}_background"
+    return type(name, (BackgroundMachine,), {"kind": kind, "pages": pages, "reserve": reserve})
+
+
+@pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])
+def test_host_with_write_through(kind):
+    m = machine(kind, {"primary": 10, "host": 12}, reserve=0.2)
+    m.TestCase.settings = FEWER
+    m.TestCase().runTest()
+
+
+@pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])
+def test_three_tiers_with_write_through(kind):
+    m = machine(kind, {"primary": 8, "host": 6, "disk": 20}, reserve=0.0)
+    m.TestCase.settings = FEWER
+    m.TestCase().runTest()
+
+
+def test_reserve_without_host():
+    m = machine("llama", {"primary": 10, "disk": 20}, reserve=0.3)
+    m.TestCase.settings = FEWER
+    m.TestCase().runTest()

@@ -1,0 +1,149 @@
+"""Write-through copies in host memory and the primary tier's free reserve (``maintain``).
+
+A published page copied to host memory is later demoted by taking its copy's slot: no byte
+moves on the critical path, and the page comes back byte for byte. A page promoted from host
+memory leaves its bytes there as a copy, so pushing it out again moves nothing either.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import kvtier
+from tests.kvdata import PageOracle, small_spec
+
+TPB = 4
+
+
+def manager(primary_pages: int, host_pages: int, *, write_through=True, reserve=0.0, min_priority=0):
+    spec = small_spec("llama")
+    probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
+    page = probe.page_bytes(0)
+    probe.close()
+    tiers = [
+        kvtier.PrimaryTier(primary_pages * page, free_reserve=reserve),
+        kvtier.HostTier(host_pages * page, write_through=write_through, write_through_min_priority=min_priority),
+    ]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+    return mgr, PageOracle(mgr), page
+
+
+def serve(mgr, oracle, prompt, priority=35):
+    """Create, resume, check what was reused, write and commit the rest, close."""
+    cache = mgr.create_cache(prompt, priority=priority)
+    assert cache.resume()
+    oracle.check(cache, prompt)
+    start = cache.num_committed_tokens
+    assert cache.resize(len(prompt))
+    oracle.write(cache, prompt, start, len(prompt))
+    cache.commit(prompt[start:])
+    cache.close()
+    return cache.num_reused_tokens
+
+
+def copied(mgr, edge: str) -> int:
+    return sum(n for key, n in mgr.stats().bytes_copied.items() if key.startswith(edge))
+
+
+def fill_primary(mgr, oracle, blocks: int, base: int) -> None:
+    """Another request's published blocks push out what the primary tier held."""
+    serve(mgr, oracle, [base + i for i in range(blocks * TPB + 1)])
+
+
+def test_write_through_demotes_without_copying():
+    mgr, oracle, page = manager(primary_pages=6, host_pages=16)
+    prompt = [100 + i for i in range(4 * TPB + 1)]
+    serve(mgr, oracle, prompt)
+    assert copied(mgr, "primary->host") == 0
+    assert mgr.maintain() == 4  # the prompt's 4 full blocks
+    assert copied(mgr, "primary->host") == 4 * page
+    assert mgr.maintain() == 0  # nothing new
+    demotions = mgr.stats().demotions
+    fill_primary(mgr, oracle, 5, 5000)
+    assert mgr.stats().demotions - demotions >= 4
+    assert copied(mgr, "primary->host") == 4 * page  # the demotions took the copies' slots
+    assert serve(mgr, oracle, prompt + [7]) == 4 * TPB  # back from host, byte for byte
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_promoted_page_keeps_its_host_copy():
+    mgr, oracle, page = manager(primary_pages=6, host_pages=16, write_through=True)
+    prompt = [200 + i for i in range(4 * TPB + 1)]
+    serve(mgr, oracle, prompt)
+    mgr.maintain()
+    fill_primary(mgr, oracle, 5, 6000)
+    mgr.maintain()
+    before = copied(mgr, "primary->host")
+    serve(mgr, oracle, prompt + [9])  # promoted from host: the host slots keep the bytes
+    fill_primary(mgr, oracle, 5, 7000)
+    mgr.maintain()
+    assert serve(mgr, oracle, prompt + [8]) == 4 * TPB
+    stats = mgr.stats()
+    # the prompt's pages went down twice more without a copy; only the fillers were written through
+    assert copied(mgr, "primary->host") - before <= 2 * 5 * page + page
+    assert stats.hit_tokens["host"] >= 8 * TPB
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_without_write_through_demotions_copy():
+    mgr, oracle, page = manager(primary_pages=6, host_pages=16, write_through=False)
+    prompt = [300 + i for i in range(4 * TPB + 1)]
+    serve(mgr, oracle, prompt)
+    assert mgr.maintain() == 0
+    fill_primary(mgr, oracle, 5, 5000)
+    assert copied(mgr, "primary->host") >= 4 * page
+    assert serve(mgr, oracle, prompt + [7]) == 4 * TPB
+    mgr.close()
+
+
+def test_write_through_never_pushes_pages_out_of_host():
+    mgr, oracle, page = manager(primary_pages=6, host_pages=4)
+    a = [400 + i for i in range(4 * TPB + 1)]
+    serve(mgr, oracle, a)
+    fill_primary(mgr, oracle, 5, 5000)  # a's 4 blocks go to host, which is then full
+    host = mgr.stats().tiers["host"]
+    assert host.pages_used == host.pages_total == 4
+    assert mgr.maintain() == 0  # the fillers find no free host slot and push nothing out
+    assert serve(mgr, oracle, a + [1]) == 4 * TPB
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_min_priority_selects_pages():
+    mgr, oracle, page = manager(primary_pages=8, host_pages=16, min_priority=50)
+    serve(mgr, oracle, [500 + i for i in range(2 * TPB + 1)], priority=35)
+    serve(mgr, oracle, [600 + i for i in range(3 * TPB + 1)], priority=80)
+    assert mgr.maintain() == 3
+    mgr.close()
+
+
+def test_free_reserve_keeps_slots_free():
+    mgr, oracle, page = manager(primary_pages=8, host_pages=16, write_through=False, reserve=0.25)
+    fill_primary(mgr, oracle, 7, 9000)
+    assert mgr.stats().tiers["primary"].pages_used == 7
+    mgr.maintain()
+    assert mgr.stats().tiers["primary"].pages_used == 6  # ceil(0.25 * 8) slots kept free
+    assert mgr.stats().tiers["host"].pages_used == 1
+    assert serve(mgr, oracle, [9000 + i for i in range(7 * TPB + 1)] + [3]) == 7 * TPB
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_bad_settings_are_typed_errors():
+    with pytest.raises(ValueError, match="free_reserve"):
+        kvtier.PrimaryTier(1 << 20, free_reserve=0.9)
+    with pytest.raises(TypeError, match="free_reserve"):
+        kvtier.PrimaryTier(1 << 20, free_reserve="a")
+    with pytest.raises(TypeError, match="write_through"):
+        kvtier.HostTier(1 << 20, write_through="yes")
+    with pytest.raises(ValueError, match="write_through_min_priority"):
+        kvtier.HostTier(1 << 20, write_through_min_priority=101)
+
+
+def test_maintain_after_close_raises():
+    mgr, _, _ = manager(primary_pages=4, host_pages=4)
+    mgr.close()
+    with pytest.raises(kvtier.CacheStateError):
+        mgr.maintain()
