@@ -99,7 +99,7 @@ def test_without_write_through_demotions_copy():
 
 
 def test_write_through_never_pushes_pages_out_of_host():
-    mgr, oracle, page = manager(primary_pages=6, host_pages=4)
+    mgr, oracle, _ = manager(primary_pages=6, host_pages=4)
     a = [400 + i for i in range(4 * TPB + 1)]
     serve(mgr, oracle, a)
     fill_primary(mgr, oracle, 5, 5000)  # a's 4 blocks go to host, which is then full
@@ -112,7 +112,7 @@ def test_write_through_never_pushes_pages_out_of_host():
 
 
 def test_min_priority_selects_pages():
-    mgr, oracle, page = manager(primary_pages=8, host_pages=16, min_priority=50)
+    mgr, oracle, _ = manager(primary_pages=8, host_pages=16, min_priority=50)
     serve(mgr, oracle, [500 + i for i in range(2 * TPB + 1)], priority=35)
     serve(mgr, oracle, [600 + i for i in range(3 * TPB + 1)], priority=80)
     assert mgr.maintain() == 3
@@ -120,7 +120,7 @@ def test_min_priority_selects_pages():
 
 
 def test_free_reserve_keeps_slots_free():
-    mgr, oracle, page = manager(primary_pages=8, host_pages=16, write_through=False, reserve=0.25)
+    mgr, oracle, _ = manager(primary_pages=8, host_pages=16, write_through=False, reserve=0.25)
     fill_primary(mgr, oracle, 7, 9000)
     assert mgr.stats().tiers["primary"].pages_used == 7
     mgr.maintain()
