@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 import torch
+
+SMALL_CALL: Final = 16  # up to this many pairs are checked in plain Python
 
 
 @dataclass(slots=True)
@@ -80,19 +83,31 @@ def check_request(src: object, dst: object, pairs: object, page_bytes: object) -
     if src_slots == 0 or dst_slots == 0:
         smaller = "src" if src_slots == 0 else "dst"
         raise ValueError(f"page_bytes={page} is larger than the {smaller} buffer; pass the tier's page size")
-    if table.min() < 0:
+    low, src_top, dst_top, repeated = _scan_small(table) if n <= SMALL_CALL else _scan(table)
+    if low < 0:
         raise ValueError("pairs hold a negative slot; slots are indices >= 0")
-    top = table.max(axis=0)
-    if top[0] >= src_slots:
-        raise ValueError(f"source slot {int(top[0])} is out of range: src holds {src_slots} slots of {page} bytes")
-    if top[1] >= dst_slots:
-        raise ValueError(f"destination slot {int(top[1])} is out of range: dst holds {dst_slots} slots of {page} bytes")
-    if n > 1:
-        ordered = np.sort(table[:, 1])
-        if (ordered[1:] == ordered[:-1]).any():
-            raise ValueError("pairs name a destination slot twice; each destination slot may be written once per call")
+    if src_top >= src_slots:
+        raise ValueError(f"source slot {src_top} is out of range: src holds {src_slots} slots of {page} bytes")
+    if dst_top >= dst_slots:
+        raise ValueError(f"destination slot {dst_top} is out of range: dst holds {dst_slots} slots of {page} bytes")
+    if repeated:
+        raise ValueError("pairs name a destination slot twice; each destination slot may be written once per call")
     _check_overlap(src_t, dst_t, table, page)
     return CopyRequest(src=src_t, dst=dst_t, pairs=table, page_bytes=page)
+
+
+def _scan_small(table: np.ndarray) -> tuple[int, int, int, bool]:
+    """``_scan`` in plain Python: cheaper than numpy's per-call overhead for a few pairs."""
+    src = table[:, 0].tolist()
+    dst = table[:, 1].tolist()
+    return min(min(src), min(dst)), max(src), max(dst), len(set(dst)) < len(dst)
+
+
+def _scan(table: np.ndarray) -> tuple[int, int, int, bool]:
+    """(lowest slot, highest source slot, highest destination slot, a destination slot repeated)."""
+    top = table.max(axis=0)
+    ordered = np.sort(table[:, 1])
+    return int(table.min()), int(top[0]), int(top[1]), bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _check_overlap(src: torch.Tensor, dst: torch.Tensor, pairs: np.ndarray, page: int) -> None:

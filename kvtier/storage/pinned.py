@@ -45,6 +45,7 @@ _CUDA_HOST_REGISTER_MAPPED: Final = 2
 _TOUCH_THREADS: Final = 16
 # base address -> (bytes, chunk bytes) of every live buffer registered in more than one chunk
 _CHUNKED: dict[int, tuple[int, int]] = {}
+_EPOCH = [0]  # counts registrations and releases of host buffers made here
 
 
 def parse_chunk_bytes(raw: str | None) -> int | None:
@@ -94,6 +95,15 @@ class RegistrationGrid:
         return (self.offset + slots * page_bytes + (page_bytes - 1 if last else 0)) // self.chunk_bytes
 
 
+def registration_epoch() -> int:
+    """A number that changes whenever a buffer of this module is registered or released.
+
+    What was learnt about a host tensor's registration (pinned or not, its grid) holds while this
+    number stays the same, for registrations made through this module.
+    """
+    return _EPOCH[0]
+
+
 def registration_grid(tensor: torch.Tensor) -> RegistrationGrid | None:
     """The grid of the chunked buffer that ``tensor`` starts in; None for memory registered in one piece."""
     if not _CHUNKED:
@@ -133,6 +143,7 @@ class HostBuffer:
         """Unregister every chunk (idempotent). The tensor stays readable as plain memory."""
         chunks, self.chunks = self.chunks, ()
         _CHUNKED.pop(self._base, None)
+        _EPOCH[0] += 1
         if chunks:
             cudart = torch.cuda.cudart()
             for offset, _ in chunks:
@@ -180,6 +191,7 @@ def allocate_host_buffer(
     if len(chunks) > 1:
         _check_mapped_at_host_address(buffer)
         _CHUNKED[buffer.tensor.data_ptr()] = (num_bytes, chunks[0][1])
+    _EPOCH[0] += 1
     return buffer
 
 
