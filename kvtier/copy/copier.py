@@ -14,21 +14,24 @@ Triton and cuda-bindings are imported on the first call that needs them.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from kvtier.copy.buffer_facts import BufferFacts, BufferFactsCache
 from kvtier.copy.copy_engine import LEGACY_STREAM_HANDLES
 from kvtier.copy.copy_request import CopyRequest, check_request
 from kvtier.copy.cpu import copy_pages_cpu
 from kvtier.copy.link import LinkInfo, detect_link
 from kvtier.copy.policy import CopyPath, CopyPolicy
 from kvtier.copy.runs import build_runs
-from kvtier.storage.pinned import registration_grid
 
 if TYPE_CHECKING:
     from kvtier.copy.copy_engine import BatchCopier
+    from kvtier.copy.kernel import FastLaunch
 
 StreamArg = torch.cuda.Stream | int | None
 
@@ -61,6 +64,8 @@ class PageCopier:
             link = detect_link(dev.index) if dev.type == "cuda" else LinkInfo.cpu()
         self.link = link
         self._batch: BatchCopier | None = None
+        self._kernel: _KernelPath | None = None
+        self._facts = BufferFactsCache(dev)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
 
@@ -79,68 +84,50 @@ class PageCopier:
         request = check_request(src, dst, pairs, page_bytes)
         if request is None:
             return "none"
-        src_host = self._is_host("src", request.src)
-        dst_host = self._is_host("dst", request.dst)
-        if src_host and dst_host:
+        src_facts = self._facts.of("src", request.src)
+        dst_facts = self._facts.of("dst", request.dst)
+        if src_facts.host and dst_facts.host:
             copy_pages_cpu(request, build_runs(request.pairs, request.page_bytes))
             return "cpu"
-        runs = build_runs(
-            request.pairs,
-            request.page_bytes,
-            registration_grid(request.src) if src_host else None,
-            registration_grid(request.dst) if dst_host else None,
-        )
+        runs = build_runs(request.pairs, request.page_bytes, src_facts.grid, dst_facts.grid)
         path = self.policy.choose(request.page_bytes, coherent_link=self.link.coherent)
         if path == "kernel":
-            self._copy_with_kernel(request, runs, self._torch_stream(stream))
+            self._copy_with_kernel(request, runs, stream, src_facts, dst_facts)
         else:
-            self._copy_with_engines(request, runs, self._stream_handle(stream), src_host, dst_host)
+            self._copy_with_engines(request, runs, self._stream_handle(stream), src_facts, dst_facts)
         return path
 
     def _copy_with_engines(
-        self, request: CopyRequest, runs: np.ndarray, stream: int, src_host: bool, dst_host: bool
+        self, request: CopyRequest, runs: np.ndarray, stream: int, src: BufferFacts, dst: BufferFacts
     ) -> None:
         if self._batch is None:
             from kvtier.copy.copy_engine import BatchCopier
 
             self._batch = BatchCopier(self.device.index)
-        in_bytes = runs * request.page_bytes
-        self._batch.copy(
-            in_bytes[:, 1] + request.dst.data_ptr(),
-            in_bytes[:, 0] + request.src.data_ptr(),
-            request.page_bytes if runs.shape[0] == request.pairs.shape[0] else in_bytes[:, 2],
-            stream,
-            src_host=src_host,
-            dst_host=dst_host,
+        self._batch.copy_runs(
+            runs, request.page_bytes, src.address, dst.address, stream, src_host=src.host, dst_host=dst.host
         )
 
-    def _copy_with_kernel(self, request: CopyRequest, runs: np.ndarray, stream: torch.cuda.Stream) -> None:
-        from kvtier.copy.kernel import PROGRAMS_PER_SM, check_kernel_args, launch_copy_kernel, plan_work
+    def _copy_with_kernel(
+        self, request: CopyRequest, runs: np.ndarray, stream: StreamArg, src: BufferFacts, dst: BufferFacts
+    ) -> None:
+        from kvtier.copy.kernel import check_kernel_args
 
         check_kernel_args(request.src, request.dst, request.page_bytes)
-        for name, buffer in (("src", request.src), ("dst", request.dst)):
-            if buffer.device.type == "cpu" and not buffer.is_pinned():
+        for name, facts in (("src", src), ("dst", dst)):
+            if facts.host and not facts.pinned:
                 raise ValueError(
                     f"{name} is pageable host memory, which the copy kernel cannot reach; "
                     "allocate it with kvtier.storage.pinned.allocate_host_buffer"
                 )
-        work = plan_work(runs, request.page_bytes, PROGRAMS_PER_SM * self._sm_count)
-        with torch.cuda.stream(stream):  # also makes the stream's device (this copier's) current
-            table = torch.from_numpy(work).to(self.device, non_blocking=True)
-            launch_copy_kernel(request.src, request.dst, table)
-
-    def _is_host(self, name: str, buffer: torch.Tensor) -> bool:
-        if buffer.device.type == "cpu":
-            return True
-        if buffer.device == self.device:
-            return False
-        raise ValueError(
-            f"{name} is on {buffer.device} but this copier serves {self.device}; use the copier of that device"
-        )
+        if self._kernel is None:
+            self._kernel = _KernelPath(self.device.index, self._sm_count)
+        handle = self._stream_handle(stream)
+        self._kernel.copy(request, runs, handle, lambda: self._torch_stream(stream))
 
     def _stream_handle(self, stream: StreamArg) -> int:
         if stream is None:
-            return torch.cuda.current_stream(self.device).cuda_stream
+            return _current_raw_stream(self.device.index)
         if isinstance(stream, torch.cuda.Stream):
             self._check_stream_device(stream)
             return stream.cuda_stream
@@ -164,8 +151,64 @@ class PageCopier:
         return wrapped
 
     def _check_stream_device(self, stream: torch.cuda.Stream) -> None:
-        if stream.device != self.device:
+        if stream.device_index != self.device.index:
             raise ValueError(f"stream is on {stream.device} but this copier serves {self.device}")
+
+
+class _KernelPath:
+    """The kernel path's state on one device: its driver calls, its table ring, its fast launch.
+
+    Invariant: a call's work items go into a ring slot (``kvtier.copy.table_ring``) that no
+    unfinished launch reads; the launch and the slot's event go to the same stream, under one lock.
+    The first launch goes through Triton's normal launch (it compiles the kernel) inside torch's
+    stream context; later ones through ``FastLaunch`` where this Triton allows it.
+    """
+
+    def __init__(self, device_index: int, sm_count: int) -> None:
+        from kvtier.copy.driver_api import DriverApi
+        from kvtier.copy.kernel import PROGRAMS_PER_SM
+        from kvtier.copy.table_ring import TableRing
+
+        self._api = DriverApi(device_index)
+        self._ring = TableRing(self._api)
+        self._target = PROGRAMS_PER_SM * sm_count
+        self._fast: FastLaunch | None = None
+        self._lock = threading.Lock()
+
+    def copy(
+        self, request: CopyRequest, runs: np.ndarray, stream: int, torch_stream: Callable[[], torch.cuda.Stream]
+    ) -> None:
+        """Enqueue the copy of ``runs`` on raw ``stream`` (``torch_stream`` gives it as a torch stream)."""
+        with self._lock:
+            if self._fast is not None:
+                pushed = self._api.enter_context()
+                try:
+                    if self._launch(request, runs, stream, self._fast):
+                        return
+                finally:
+                    if pushed:
+                        self._api.leave_context()
+            with torch.cuda.stream(torch_stream()):  # also makes this device current
+                self._launch(request, runs, stream, None)
+
+    def _launch(self, request: CopyRequest, runs: np.ndarray, stream: int, fast: FastLaunch | None) -> bool:
+        """One launch through ``fast`` (False if it declined, nothing enqueued) or Triton's normal one."""
+        from kvtier.copy.kernel import FastLaunch, launch_copy_kernel, max_work_items, plan_work
+
+        index, array, table = self._ring.take(max_work_items(runs.shape[0], self._target))
+        programs = plan_work(runs, request.page_bytes, self._target, out=array).shape[0]
+        if fast is not None:
+            if not fast(request.src, request.dst, table, programs, stream):
+                return False
+        else:
+            self._fast = FastLaunch.capture(launch_copy_kernel(request.src, request.dst, table, programs))
+        self._ring.launched(index, stream)
+        return True
+
+
+def _current_raw_stream(device_index: int) -> int:
+    """The raw handle of torch's current stream on the device, without making a stream object."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def _raw_handle(stream: object) -> int:

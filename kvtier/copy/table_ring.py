@@ -1,0 +1,59 @@
+"""Pinned host tables of kernel work items that the launched kernels read in place.
+
+The kernel path needs each call's work items where the GPU can read them. An upload from
+pageable memory made every call wait for a staging copy; a table in pinned (mapped) host memory
+needs no upload at all: each program reads its own 24-byte item over the link once, then copies
+its rows. The price is that a table must outlive the kernel that reads it, which the ring keeps:
+its slots are taken round-robin, an event is recorded on the launch's stream after each launch,
+and a slot is written again only after that event has completed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvtier.copy.driver_api import DriverApi
+
+SLOTS = 8
+_FIRST_ROWS = 1024
+
+
+class TableRing:
+    """``SLOTS`` pinned (rows, 3) int64 tables, each with the event of the last launch that read it.
+
+    Invariants: ``take`` hands out a slot only once the last launch that read it has completed
+    (its event), so no table is overwritten while a launched kernel may still read it; a slot
+    grows (to at least twice its size) when a call needs more rows and never shrinks. Callers
+    serialise ``take`` and ``launched`` (the copier holds a lock) and call them with the device's
+    context current.
+    """
+
+    def __init__(self, api: DriverApi) -> None:
+        self._api = api
+        self._tables: list[torch.Tensor | None] = [None] * SLOTS
+        self._arrays: list[np.ndarray | None] = [None] * SLOTS
+        self._events: list[int | None] = [None] * SLOTS
+        self._next = 0
+
+    def take(self, rows: int) -> tuple[int, np.ndarray, torch.Tensor]:
+        """The next slot: its index, a numpy view of at least ``rows`` rows to fill, and its tensor."""
+        index = self._next
+        self._next = (index + 1) % SLOTS
+        event = self._events[index]
+        if event is not None:
+            self._api.synchronize(event)
+        array = self._arrays[index]
+        if array is None or array.shape[0] < rows:
+            size = max(rows, _FIRST_ROWS, 0 if array is None else 2 * array.shape[0])
+            table = torch.empty((size, 3), dtype=torch.int64, pin_memory=True)
+            self._tables[index] = table
+            self._arrays[index] = array = table.numpy()
+        return index, array, self._tables[index]  # type: ignore[return-value]
+
+    def launched(self, index: int, stream: int) -> None:
+        """Mark slot ``index`` as read by the work just enqueued on raw ``stream``."""
+        event = self._events[index]
+        if event is None:
+            event = self._events[index] = self._api.create_event()
+        self._api.record(event, stream)

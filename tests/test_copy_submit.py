@@ -1,0 +1,84 @@
+"""The copier's cheap submit path on CPU: small-call planning and checks, cached buffer facts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier.copy.kernel as kernel
+from kvtier.copy.buffer_facts import BufferFactsCache
+from kvtier.copy.copy_request import SMALL_CALL, check_request
+from kvtier.storage import pinned
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_small_plans_match_the_numpy_plan(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        m = int(rng.integers(1, kernel.SMALL_PLAN_ITEMS + 1))
+        page = int(rng.choice([16, 48, 4096, 65_536, 884_736]))
+        runs = np.stack([rng.integers(0, 1000, m), rng.integers(0, 1000, m), rng.integers(1, 4, m)], 1)
+        target = int(rng.choice([1, 8, 64, 264]))
+        out = np.full((kernel.max_work_items(m, target), 3), -1, dtype=np.int64)
+        small = kernel.plan_work(runs.astype(np.int64), page, target, out=out).copy()
+        monkeypatch.setattr(kernel, "SMALL_PLAN_ITEMS", 0)
+        large = kernel.plan_work(runs.astype(np.int64), page, target)
+        monkeypatch.undo()
+        assert np.array_equal(small, large)
+
+
+@pytest.mark.parametrize("n", [1, SMALL_CALL, SMALL_CALL + 1, 100])
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [((-1, 0), "negative"), ((64, 0), "source slot 64"), ((0, 64), "destination slot 64"), (None, "twice")],
+)
+def test_small_and_large_calls_give_the_same_errors(n: int, bad: tuple[int, int] | None, match: str) -> None:
+    buffer = torch.zeros(64 * 16, dtype=torch.uint8)
+    other = torch.zeros(64 * 16, dtype=torch.uint8)
+    pairs = np.stack([np.arange(n) % 64, np.arange(n) % 64], 1)
+    if bad is None:
+        if n == 1:
+            pytest.skip("one pair cannot repeat a destination")
+        pairs[-1, 1] = pairs[0, 1]
+    else:
+        pairs[-1] = bad
+    with pytest.raises(ValueError, match=match):
+        check_request(buffer, other, pairs, 16)
+
+
+def test_buffer_facts_are_cached_until_a_registration_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = BufferFactsCache(torch.device("cpu"))
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    first = cache.of("src", buffer)
+    assert first.host and not first.pinned and first.address == buffer.data_ptr()
+    assert cache.of("src", buffer) is first
+    monkeypatch.setattr(pinned, "_EPOCH", [pinned.registration_epoch() + 1])
+    assert cache.of("src", buffer) is not first
+    view = buffer[16:]
+    assert cache.of("src", view).address == buffer.data_ptr() + 16
+
+
+def test_buffer_facts_leave_with_their_tensor() -> None:
+    cache = BufferFactsCache(torch.device("cpu"))
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    cache.of("src", buffer)
+    del buffer
+    assert not cache._facts
+
+
+def test_buffer_on_another_device_is_an_error() -> None:
+    cache = BufferFactsCache(torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="copier serves"):
+        cache.of("dst", torch.zeros(16, dtype=torch.uint8, device="meta"))
+
+
+def test_launch_hooks_count_only_when_they_would_run() -> None:
+    class Chain:
+        def __init__(self, calls: list[object]) -> None:
+            self.calls = calls
+
+    assert not kernel._hook_active(None)
+    assert not kernel._hook_active(Chain([]))
+    assert kernel._hook_active(Chain([print]))
+    assert kernel._hook_active(print)
