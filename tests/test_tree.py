@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import random
 from array import array
 
 import pytest
 
 from kvtier import DEFAULT_SCOPE, AttentionLayer, ModelSpec, RecurrentLayer, ReuseScope
+from kvtier.errors import InvariantError
 from kvtier.lifecycle import GroupRule
 from kvtier.pages import Page
 from kvtier.reuse.block_keys import block_key, scope_key
 from kvtier.reuse.matching import find_reuse, snapshot_at
 from kvtier.reuse.tokens import TOKEN_BYTES, encode_tokens
-from kvtier.reuse.tree import RadixTree
+from kvtier.reuse.tree import JUMP_BLOCKS, RadixTree
 
 TPB = 4
 
@@ -148,6 +150,71 @@ def test_walk_stops_at_the_first_mismatch():
     later = [*TOKENS]
     later[5] = 0
     assert tree.walk(root, enc(later), 16) == nodes[:1]
+
+
+def walk_block_by_block(tree: RadixTree, root, data: bytes, limit: int):
+    """What ``walk`` must return: one dict lookup per block, no runs."""
+    path, node, bb = [], root, TPB * TOKEN_BYTES
+    for off in range(0, limit // TPB * bb, bb):
+        node = node.children.get(data[off : off + bb])
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
+def test_walk_takes_remembered_runs_only_where_the_bytes_match():
+    tree = RadixTree(1, TPB)
+    root = tree.root(DEFAULT_SCOPE)
+    num_blocks = 3 * JUMP_BLOCKS + 2  # three runs and two blocks
+    long = list(range(1000, 1000 + num_blocks * TPB))
+    nodes = chain(tree, root, long)
+    for _ in range(2):  # the first walk remembers the runs, the second takes them
+        assert tree.walk(root, enc(long), len(long)) == nodes
+        tree.check_runs()
+    j = JUMP_BLOCKS
+    for changed_block in (0, 5, j - 1, j, j + 1, 2 * j - 1, 2 * j + 3, num_blocks - 1):
+        changed = [*long]
+        changed[changed_block * TPB + 1] = 7
+        assert tree.walk(root, enc(changed), len(changed)) == nodes[:changed_block]
+        assert tree.walk(root, enc(long), len(long)) == nodes
+    assert tree.walk(root, enc(long), (j + 4) * TPB + 3) == nodes[: j + 4]
+    assert tree.walk(root, enc(long[: (2 * j + 1) * TPB]), len(long)) == nodes[: 2 * j + 1]  # the input ends first
+    tree.check_runs()
+
+
+def test_walk_agrees_with_block_by_block_after_branching_and_pruning():
+    rng = random.Random(5)
+    tree = RadixTree(1, TPB)
+    root = tree.root(DEFAULT_SCOPE)
+    base = list(range(1, (4 * JUMP_BLOCKS + 6) * TPB + 1))
+    prompts = []
+    for _ in range(60):
+        prompt = [*base]
+        cut = rng.randrange(len(base))
+        prompt[cut:] = [rng.randrange(3) for _ in range(len(base) - cut)]
+        prompts.append(prompt)
+        nodes = chain(tree, root, prompt)
+        tree.walk(root, enc(prompt), len(prompt))  # remembers the runs along it
+        if nodes and rng.random() < 0.5:
+            tree.prune(nodes[-1])  # drops the branch back to where it meets a kept one
+        for other in rng.sample(prompts, min(4, len(prompts))):
+            limit = rng.randrange(len(other) + 1)
+            assert tree.walk(root, enc(other), limit) == walk_block_by_block(tree, root, enc(other), limit)
+        tree.check_runs()
+
+
+def test_check_runs_finds_a_run_through_a_detached_node():
+    tree = RadixTree(1, TPB)
+    root = tree.root(DEFAULT_SCOPE)
+    long = list(range(1000, 1000 + JUMP_BLOCKS * TPB))
+    nodes = chain(tree, root, long)
+    tree.walk(root, enc(long), len(long))
+    tree.check_runs()
+    del nodes[-2].children[nodes[-1].tokens]  # detached behind prune's back
+    nodes[-1].parent = None
+    with pytest.raises(InvariantError, match="not in the tree"):
+        tree.check_runs()
 
 
 def test_partial_children_rank_by_common_tokens():

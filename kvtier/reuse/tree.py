@@ -9,6 +9,15 @@ A node (``kvtier.pages.Node``) holds, per layer group, the page published for it
 None), and recurrent state snapshots keyed by the offset inside the block after which they were
 taken. A node with no page, no snapshot, no child and no cache using it is pruned.
 
+Walking a long prompt compares whole runs of ``JUMP_BLOCKS`` blocks at once where it can: an
+*anchor* (a root, or a node whose depth is a multiple of ``JUMP_BLOCKS``) remembers the run of
+``JUMP_BLOCKS`` nodes below it that a walk last followed, with their tokens' bytes. A later walk
+through the anchor takes the whole run with one comparison of bytes when the prompt has the same
+bytes there, and goes block by block otherwise (remembering the run it found instead). Invariant
+(``check_runs``): a remembered run is a chain of attached nodes under its anchor; ``prune``
+forgets the run through every node it detaches. So a run is exactly what the block-by-block walk
+would find for its bytes.
+
 Blocks restored from a disk tier whose scope is not known yet (the index stores a scope only as
 a keyed hash, its *tag*) wait under a *dormant* root per tag, outside ``roots``: nothing matches
 them. The first use of a scope whose tag has a dormant root claims it: each top block whose key
@@ -26,6 +35,8 @@ from kvtier.pages import Node
 from kvtier.reuse.block_keys import block_key, scope_key
 from kvtier.reuse.tokens import TOKEN_BYTES
 
+JUMP_BLOCKS = 32  # blocks in a run that a walk compares at once (512 tokens at 16 tokens per block)
+
 
 class RadixTree:
     """Blocks published for reuse, per scope."""
@@ -38,6 +49,7 @@ class RadixTree:
         self.roots: dict[ReuseScope, Node] = {}
         self.dormant: dict[bytes, Node] = {}  # tag -> root of restored blocks whose scope was not used yet
         self.scope_tag: Callable[[bytes], bytes] | None = None  # an encoded scope's tag (set with ``dormant``)
+        self._jumps: dict[Node, tuple[bytes, tuple[Node, ...]]] = {}  # anchor -> (run's bytes, run's nodes)
 
     def root(self, scope: ReuseScope) -> Node:
         """The root of ``scope`` (created on first use, claiming the scope's restored blocks)."""
@@ -100,19 +112,43 @@ class RadixTree:
         return node
 
     def walk(self, root: Node, token_bytes: bytes, limit: int) -> list[Node]:
-        """Nodes of the longest chain of full blocks matching ``token_bytes[: limit tokens]``."""
-        path = []
-        node = root
+        """Nodes of the longest chain of full blocks under ``root`` matching ``token_bytes[: limit tokens]``.
+
+        Whole runs of ``JUMP_BLOCKS`` blocks are compared at once where their anchor remembers a
+        run with the same bytes (see the module's docstring); the rest block by block.
+        """
+        path: list[Node] = []
         bb = self.block_bytes
         end = (limit // self.tokens_per_block) * bb
+        span = JUMP_BLOCKS * bb
+        jumps = self._jumps
+        node = root
+        off = 0
+        while off + span <= end:
+            jump = jumps.get(node)
+            if jump is not None and token_bytes.startswith(jump[0], off):
+                path.extend(jump[1])
+            elif self._step(node, token_bytes, off, off + span, path):
+                jumps[node] = (token_bytes[off : off + span], tuple(path[-JUMP_BLOCKS:]))
+            else:
+                return path
+            node = path[-1]
+            off += span
+        self._step(node, token_bytes, off, end, path)
+        return path
+
+    def _step(self, node: Node, token_bytes: bytes, off: int, end: int, path: list[Node]) -> bool:
+        """Append to ``path`` the nodes below ``node`` matching ``token_bytes[off:end]`` block by block;
+        whether every block there matched."""
+        bb = self.block_bytes
         children = node.children
-        for off in range(0, end, bb):
-            node = children.get(token_bytes[off : off + bb])
+        for o in range(off, end, bb):
+            node = children.get(token_bytes[o : o + bb])
             if node is None:
-                break
+                return False
             path.append(node)
             children = node.children
-        return path
+        return True
 
     def partial_children(self, parent: Node, tail: bytes) -> list[tuple[int, Node]]:
         """Children of ``parent`` whose block starts with some of ``tail``: (matched tokens, node), best first."""
@@ -130,7 +166,28 @@ class RadixTree:
             parent = node.parent
             del parent.children[node.tokens]
             node.parent = None
+            self._forget_run(parent)
             node = parent
+
+    def _forget_run(self, parent: Node) -> None:
+        """Forget the run through a child of ``parent`` that was just detached (kept by the anchor at
+        or above ``parent``, at most ``JUMP_BLOCKS - 1`` levels up)."""
+        anchor = parent
+        while (anchor.block + 1) % JUMP_BLOCKS and anchor.parent is not None:
+            anchor = anchor.parent
+        self._jumps.pop(anchor, None)
+
+    def check_runs(self) -> None:
+        """``InvariantError`` unless every remembered run is ``JUMP_BLOCKS`` attached nodes chained
+        from its anchor whose tokens are the run's bytes (slow, for tests)."""
+        for anchor, (data, run) in self._jumps.items():
+            parent = anchor
+            for node in run:
+                if node.parent is not parent or parent.children.get(node.tokens) is not node:
+                    raise InvariantError(f"the run below {anchor} holds {node}, which is not in the tree there")
+                parent = node
+            if len(run) != JUMP_BLOCKS or data != b"".join(node.tokens for node in run):
+                raise InvariantError(f"the run below {anchor} does not match its bytes")
 
     def nodes(self, dormant: bool = False) -> list[Node]:
         """Every node except the roots, and with ``dormant`` those waiting for their scope (not for hot paths)."""
