@@ -14,7 +14,7 @@ produces the first output. A ``p`` inside a block (a partial hit) reuses the fir
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.errors import InvariantError
 from kvtier.lifecycle import GroupRule
@@ -26,16 +26,24 @@ from kvtier.spec import GroupKind
 
 @dataclass(slots=True)
 class ReuseMatch:
-    """A reuse point and the tree entries that back it."""
+    """A reuse point and the tree entries that back it.
+
+    ``path_pages[g]``, where present, lists full-attention group ``g``'s pages of the walked path
+    (at least as long as ``full_nodes``; None where a node has no page), as matching found them.
+    """
 
     tokens: int  # p, the reused prefix length
     full_nodes: list[Node]  # nodes of the p // tpb full blocks
     partial: Node | None  # the node whose block is partly reused when p % tpb != 0
+    path_pages: dict[int, list[Page | None]] = field(default_factory=dict)
 
     def blocks(self, rule: GroupRule) -> list[Page | None]:
         """An attention group's pages of the full blocks, positional: None where stale at ``p``."""
         g = rule.group_id
         if rule.window is None:
+            known = self.path_pages.get(g)
+            if known is not None:
+                return known[: len(self.full_nodes)]
             return [node.pages[g] for node in self.full_nodes]
         p = self.tokens
         return [node.pages[g] if rule.is_live(b, p) else None for b, node in enumerate(self.full_nodes)]
@@ -82,14 +90,9 @@ def find_reuse(
     path = tree.walk(root, token_bytes, limit)
     attention = [r for r in rules if r.kind is not GroupKind.RECURRENT]
     recurrent = [r for r in rules if r.kind is GroupKind.RECURRENT]
-    full = [r.group_id for r in attention if r.kind is GroupKind.ATTENTION]
     # Full-attention groups need every block: no reuse point past their first missing page.
-    max_blocks = len(path)
-    for gid in full:
-        for b in range(max_blocks):
-            if path[b].pages[gid] is None:
-                max_blocks = b
-                break
+    path_pages = {r.group_id: [node.pages[r.group_id] for node in path] for r in rules if r.kind is GroupKind.ATTENTION}
+    max_blocks = min((_first_missing(pages) for pages in path_pages.values()), default=len(path))
 
     candidates: list[tuple[int, Node | None]] = []
     if partial_reuse:
@@ -112,14 +115,22 @@ def find_reuse(
     for p, partial in candidates:
         while boundary > 0 and boundary * tpb > p:
             if _hit(boundary * tpb, None, path, attention, recurrent, tpb):
-                return ReuseMatch(boundary * tpb, path[:boundary], None)
+                return ReuseMatch(boundary * tpb, path[:boundary], None, path_pages)
             boundary -= 1
         if _hit(p, partial, path, attention, recurrent, tpb):
-            return ReuseMatch(p, path[: p // tpb], partial)
+            return ReuseMatch(p, path[: p // tpb], partial, path_pages)
     for b in range(boundary, 0, -1):
         if _hit(b * tpb, None, path, attention, recurrent, tpb):
-            return ReuseMatch(b * tpb, path[:b], None)
+            return ReuseMatch(b * tpb, path[:b], None, path_pages)
     return None
+
+
+def _first_missing(pages: list[Page | None]) -> int:
+    """The index of the first None in ``pages``, or ``len(pages)``."""
+    try:
+        return pages.index(None)
+    except ValueError:
+        return len(pages)
 
 
 def _hit(
