@@ -38,7 +38,9 @@ class BlockTable:
 
     def live_pages(self) -> list[Page]:
         """Every page compute uses: the blocks' pages and the state page."""
-        pages = [p for blocks in self.blocks for p in blocks if p is not None]
+        pages: list[Page] = []
+        for blocks in self.blocks:
+            pages.extend(filter(None, blocks))  # drops the None entries (a Page is always true)
         if self.state_page is not None:
             pages.append(self.state_page)
         return pages
