@@ -150,13 +150,14 @@ class PagePool:
         """
         res = self.residency
         need, damaged = res.lock_all(pages)
+        cold = pages if need else []  # only pages outside the primary tier move
         _, damaged_copy = res.lock_all(copies)
         for page in copies:
             need[page.group] = need.get(page.group, 0) + 1
         for group in fresh:
             need[group] = need.get(group, 0) + 1
         plan = MovePlan()
-        ok = self.planner.promote(pages, plan, need)
+        ok = self.planner.promote(cold, plan, need)
         new: list[Page] = []
         if ok:
             for source in copies:

@@ -84,12 +84,12 @@ class Residency:
 
     def lock_all(self, pages: list[Page]) -> tuple[dict[int, int], bool]:
         """``lock`` every page; returns (pages outside the primary tier per group, any damaged)."""
-        tiers = self.tiers
+        tiers, last = self.tiers, self._last
         cold: dict[int, int] = {}
         damaged = False
         for page in pages:
             page.locks += 1
-            if page.locks == 1:
+            if page.locks == 1 and not (page.refs and page.tier == last):  # else in no eviction index
                 tiers[page.tier].evictable[page.group].discard(page)
             if page.tier != PRIMARY:
                 cold[page.group] = cold.get(page.group, 0) + 1
