@@ -116,6 +116,18 @@ class KVCacheManager:
         self._check_open()
         return self._pool.maintain()
 
+    @exclusive
+    def set_prefill_rate(self, tokens_per_second: float) -> None:
+        """Tell the manager how fast the engine computes prompt tokens (measured, tokens/s).
+
+        From then on, ``create_cache`` reuses a cached block only where loading it from its tier
+        (at the bandwidth measured on this manager's own copies) is estimated faster than
+        recomputing it; the tokens left to recompute are counted in ``stats().recomputed_tokens``
+        and the decision is logged at DEBUG. ``ValueError`` for a rate that is not finite and > 0.
+        """
+        self._check_open()
+        self._pool.set_prefill_rate(tokens_per_second)
+
     # -- views -----------------------------------------------------------------------------------
 
     def kv_views(self, layer_id: int) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ finishes the bookkeeping.
 
 from __future__ import annotations
 
+import logging
 import threading
 from array import array
 from collections.abc import Sequence
@@ -35,10 +36,13 @@ from kvtier.tiering.background import BackgroundWork
 from kvtier.tiering.build import build_tiers
 from kvtier.tiering.disk_restore import restore_disk_tier
 from kvtier.tiering.disk_writes import DiskWritePlanner
+from kvtier.tiering.load_cost import LoadCost
 from kvtier.tiering.mover import Mover
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.planner import MovePlanner
 from kvtier.tiering.residency import PRIMARY, Residency
+
+log = logging.getLogger(__name__)
 
 
 class PagePool:
@@ -66,7 +70,8 @@ class PagePool:
         self.counters = Counters()
         self.tree = RadixTree(len(self.rules), tpb, spec.fingerprint().encode())
         self.residency = Residency(self.tiers, self.tree, self.counters)
-        self.mover = Mover(self.tiers, self.counters, torch.device(config.device))
+        self.load_cost = LoadCost(len(self.tiers))
+        self.mover = Mover(self.tiers, self.counters, torch.device(config.device), self.load_cost)
         disk = next((t for t in self.tiers if t.is_disk), None)
         disk_writes = None if disk is None else DiskWritePlanner(self.residency, disk, writer=self.mover)
         self.planner = MovePlanner(self.tiers, self.residency, self.counters, disk_writes)
@@ -104,9 +109,44 @@ class PagePool:
         root = self.tree.find_root(scope)
         if root is None:
             return None
-        return find_reuse(
-            self.tree, root, encode_tokens(tokens), num_tokens, self.rules, self.config.enable_partial_reuse
+        token_bytes = encode_tokens(tokens)
+        partial = self.config.enable_partial_reuse
+        match = find_reuse(self.tree, root, token_bytes, num_tokens, self.rules, partial)
+        if match is None or self.load_cost.prefill_rate is None:
+            return match
+        self.mover.measure()
+        cut = self.load_cost.best_cut(self._block_seconds(match), len(tokens), self.tokens_per_block)
+        if cut == len(match.full_nodes):
+            return match
+        skipped = match.tokens - cut * self.tokens_per_block
+        self.counters.recomputed_tokens += skipped
+        log.debug(
+            "recomputing %d cached tokens of %d: loading beyond block %d is slower (prefill %.0f tokens/s, "
+            "tier bandwidths %s bytes/s)",
+            skipped,
+            match.tokens,
+            cut,
+            self.load_cost.prefill_rate,
+            self.load_cost.bandwidth,
         )
+        if cut == 0:
+            return None
+        return find_reuse(self.tree, root, token_bytes, cut * self.tokens_per_block + 1, self.rules, partial)
+
+    def _block_seconds(self, match: ReuseMatch) -> list[float]:
+        """Estimated seconds to bring each full block of ``match`` into the primary tier."""
+        page_bytes = self.tiers[PRIMARY].storage.page_bytes
+        cost = self.load_cost
+        seconds = []
+        for node in match.full_nodes:
+            pages = [(p.tier, page_bytes[p.group]) for p in node.pages if p is not None and p.tier != PRIMARY]
+            seconds.append(cost.block_seconds(pages) if pages else 0.0)
+        return seconds
+
+    def set_prefill_rate(self, tokens_per_second: float) -> None:
+        """The engine's measured prefill rate: from now on, cached blocks that would load slower than
+        they recompute are recomputed (``kvtier.tiering.load_cost``)."""
+        self.load_cost.set_prefill_rate(tokens_per_second)
 
     # -- moving pages ------------------------------------------------------------------------------
 
@@ -268,6 +308,7 @@ class PagePool:
             checksum_failures=c.checksum_failures,
             disk_resets=c.disk_resets,
             bytes_copied=dict(c.bytes_copied),
+            recomputed_tokens=c.recomputed_tokens,
         )
 
     def check(self) -> None:

@@ -22,6 +22,8 @@ class CacheStats:
 
     ``disk_resets`` counts disk tier directories whose index or files could not be read when the
     manager started: each was reported (an ERROR log line) and started empty.
+    ``recomputed_tokens`` counts cached tokens left to be recomputed because loading them from
+    their tier was estimated slower than recomputing them (``set_prefill_rate``).
     """
 
     tiers: dict[str, TierStats]
@@ -34,6 +36,7 @@ class CacheStats:
     checksum_failures: int
     bytes_copied: dict[str, int]
     disk_resets: int = 0
+    recomputed_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -58,6 +61,7 @@ class Counters:
     drops: int = 0
     checksum_failures: int = 0
     disk_resets: int = 0
+    recomputed_tokens: int = 0
     bytes_copied: Counter[str] = field(default_factory=Counter)
 
     def add_copy(self, src: str, dst: str, path: str, nbytes: int) -> None:

@@ -17,6 +17,7 @@ from kvtier.engine.admission import RequestLimits
 from kvtier.engine.batch_scheduler import Scheduler
 from kvtier.engine.connector_driver import ConnectorDriver
 from kvtier.engine.params import SamplingParams, SchedulerConfig
+from kvtier.engine.prefill_meter import PrefillMeter
 from kvtier.engine.request import Request, RequestOutput, RequestStatus
 from kvtier.engine.runner import ModelRunner
 from kvtier.errors import CacheStateError
@@ -66,6 +67,7 @@ class LLMEngine:
         self.connector = None if connector is None else ConnectorDriver(connector, self.cache_manager)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache_manager, hooks=self.connector)
         self.runner = ModelRunner(model, self.cache_manager)
+        self.prefill = PrefillMeter()
         self.limits = RequestLimits.of(model.vocab_size, self.cache_manager, self.scheduler.config)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
@@ -137,15 +139,21 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         finished = [self._finish_failed(request, request.error) for request in self.scheduler.take_failed()]
         if not batch:
+            self.cache_manager.maintain()
             if not finished and self.connector is not None and self.connector.saving:
                 time.sleep(0.001)  # waiting for a save to release its pages
             return finished
         if self.connector is not None:
             self.connector.before_forward(batch)
+        began = time.perf_counter()
         sampled, errors = self.runner.run(batch)
         if self.connector is not None:
             self.connector.after_forward(batch)
         now = time.perf_counter()
+        rate = self.prefill.observe(sum(c.num_tokens for c in batch if c.num_tokens > 1), now - began)
+        if rate is not None:
+            self.cache_manager.set_prefill_rate(rate)
+        self.cache_manager.maintain()
         for chunk in batch:
             request = chunk.request
             error = errors.get(request.request_id)

@@ -21,6 +21,8 @@ are and waits for them to land before writing them to disk.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -28,6 +30,7 @@ from kvtier.copy import PageCopier
 from kvtier.pages import Page
 from kvtier.stats import Counters
 from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
+from kvtier.tiering.load_cost import LoadCost
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.tier import Tier
 
@@ -38,10 +41,12 @@ DISK_CHUNK_BYTES = 64 << 20  # disk reads go to the GPU in parts of this size, e
 class Mover:
     """Copies the data of plans between the tiers of one pool."""
 
-    def __init__(self, tiers: list[Tier], counters: Counters, device: torch.device) -> None:
+    def __init__(self, tiers: list[Tier], counters: Counters, device: torch.device, load_cost: LoadCost) -> None:
         self.tiers = tiers
         self.counters = counters
         self.device = device
+        self.load_cost = load_cost
+        self._timed: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []  # (tier, bytes, start, end)
         self.copier = PageCopier(device)
         self._last_event: torch.cuda.Event | None = None
         self._last_stream: torch.cuda.Stream | None = None
@@ -189,8 +194,26 @@ class Mover:
         src_index, dst_index, group = edge
         src, dst = self.tiers[src_index], self.tiers[dst_index]
         page_bytes = src.storage.page_bytes[group]
+        nbytes = len(pairs) * page_bytes
+        timed = dst_index == 0 and src_index != 0
+        if timed and stream is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        began = time.perf_counter()
         path = self.copier.copy(src.storage.buffers[group], dst.storage.buffers[group], pairs, page_bytes, stream)
-        self.counters.add_copy(src.name, dst.name, path, len(pairs) * page_bytes)
+        if timed and stream is not None:
+            end.record(stream)
+            self._timed.append((src_index, nbytes, start, end))
+        elif timed:
+            self.load_cost.observe(src_index, nbytes, time.perf_counter() - began)
+        self.counters.add_copy(src.name, dst.name, path, nbytes)
+
+    def measure(self) -> None:
+        """Hand the bandwidth of timed copies into the primary tier that have finished to the load cost."""
+        while self._timed and self._timed[0][3].query():
+            tier, nbytes, start, end = self._timed.pop(0)
+            self.load_cost.observe(tier, nbytes, start.elapsed_time(end) / 1e3)
+        del self._timed[:-64]  # copies never measured (nobody asked) are not kept forever
 
     def _read_edge(self, edge: tuple[int, int, int], pairs: np.ndarray, stream, damaged: list[Page]) -> None:
         """Disk -> memory: read and verify each page, through pinned staging when the target is a GPU."""
@@ -203,6 +226,7 @@ class Mover:
         checksums = [p.checksum for p in sources]
         if buffer.device.type == "cpu":
             self.synchronize()
+            began = time.perf_counter()
             host = buffer.numpy()
             views = [host[d * page_bytes : (d + 1) * page_bytes] for d in pairs[:, 1].tolist()]
             ok = disk.storage.read(group, pairs[:, 0].tolist(), views, checksums)
@@ -211,6 +235,7 @@ class Mover:
             if stream is not None:
                 stream.synchronize()  # the staging buffer may still feed an earlier copy
             staging = self._staging_bytes(len(pairs) * page_bytes)
+            began = time.perf_counter()
             host = staging.numpy()
             views = [host[i * page_bytes : (i + 1) * page_bytes] for i in range(len(pairs))]
             staged = np.stack([np.arange(len(pairs)), pairs[:, 1]], axis=1)
@@ -223,6 +248,8 @@ class Mover:
                 path = self.copier.copy(staging, buffer, staged[start:end], page_bytes, stream)
                 self.counters.add_copy("host", dst.name, path, len(slots) * page_bytes)
             self.counters.add_copy(disk.name, "host", "file", len(pairs) * page_bytes)
+        if dst_index == 0:  # reads and checks dominate; the last part's copy up is not waited for
+            self.load_cost.observe(src_index, len(pairs) * page_bytes, time.perf_counter() - began)
         for d, fine, source in zip(pairs[:, 1].tolist(), ok, sources, strict=True):
             if not fine:
                 damaged.append(source)
