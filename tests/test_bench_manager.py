@@ -24,6 +24,7 @@ def test_kvtier_figures_and_round_trips_without_the_comparison(capsys, tmp_path)
     decode, cached = results["decode_us_per_request_step"], results["cached_prompt_ms"]
     assert 0 < decode["median"] <= decode["max"]
     assert cached["median"] >= cached["create_median"] > 0 and cached["resume_median"] > 0
+    assert cached["resize_median"] > 0
     assert set(results["round_trip_us_per_page"]) == {"host", "host+disk"}
     assert all(v > 0 for v in results["round_trip_us_per_page"].values())
     assert results["vllm"] == {"missing": "vLLM not measured (--no-vllm)"}
@@ -70,7 +71,7 @@ def test_the_cached_prompt_is_reused_up_to_its_last_token_and_a_miss_is_refused(
     cached = KvtierCachedPrompt(5 * TPB)
     try:
         times = cached.once()
-        assert times["total"] >= times["create"] > 0 and times["resume"] > 0
+        assert times["total"] >= times["create"] > 0 and times["resume"] > 0 and times["resize"] > 0
         cached.prompt = [t + 1_000_000 for t in cached.prompt]  # a prompt nothing cached
         with pytest.raises(RuntimeError, match="reused 0 tokens"):
             cached.once()

@@ -3,8 +3,9 @@
 1. Decode step: ``resize`` by one token and ``commit`` of it, for every one of 256 running
    requests, 16 tokens per block; reported per request per step (crossing block boundaries,
    so allocation and publishing are included in the average).
-2. A cached 32K-token prompt: ``create_cache`` (encode + match) and ``resume`` of a prompt
-   whose 2,048 blocks are all cached in the primary tier.
+2. A cached 32K-token prompt: ``create_cache`` (encode + match), ``resume`` and the first
+   ``resize`` (to the prompt's length: the slot of its last token, which is always computed) of
+   a prompt whose 2,048 blocks are all cached in the primary tier.
 3. Unless ``--no-tiers``, a demotion/promotion round trip per page on the CPU: pages of
    suspended caches demoted to host (and disk), then promoted back by ``resume``.
 
@@ -149,7 +150,8 @@ class KvtierDecode:
 
 
 class KvtierCachedPrompt:
-    """A ``prompt_tokens``-token prompt committed once and closed; ``once()`` creates and resumes it again."""
+    """A ``prompt_tokens``-token prompt committed once and closed; ``once()`` admits it again: create,
+    resume, and resize to the prompt (vLLM's ``allocate_slots`` gives the same tokens their slots)."""
 
     def __init__(self, prompt_tokens: int) -> None:
         self.manager, _ = _manager(2 * (prompt_tokens // TPB) + 64)
@@ -161,16 +163,19 @@ class KvtierCachedPrompt:
         first.close()
 
     def once(self) -> dict[str, float]:
-        """Seconds of ``create_cache`` (hash + match + hold), of ``resume``, and their total."""
+        """Seconds of ``create_cache`` (hash + match + hold), of ``resume``, of the first ``resize``,
+        and their total."""
         t0 = time.perf_counter()
         cache = self.manager.create_cache(self.prompt)
         t1 = time.perf_counter()
         resumed = cache.resume()
         t2 = time.perf_counter()
-        if not resumed or cache.num_reused_tokens != len(self.prompt) - 1:
+        resized = resumed and cache.resize(len(self.prompt))
+        t3 = time.perf_counter()
+        if not resized or cache.num_reused_tokens != len(self.prompt) - 1:
             raise RuntimeError(f"kvtier reused {cache.num_reused_tokens} tokens of the cached prompt")
         cache.close()
-        return {"total": t2 - t0, "create": t1 - t0, "resume": t2 - t1}
+        return {"total": t3 - t0, "create": t1 - t0, "resume": t2 - t1, "resize": t3 - t2}
 
     def close(self) -> None:
         self.manager.close()
@@ -314,6 +319,7 @@ def _print_table(results: dict, prompt_tokens: int) -> None:
         ),
         ("  kvtier: create_cache (hash + match + hold), ms", figure(cached, "create_median"), "", "", ""),
         ("  kvtier: resume (lock in primary), ms", figure(cached, "resume_median"), "", "", ""),
+        ("  kvtier: first resize (the last token's slot), ms", figure(cached, "resize_median"), "", "", ""),
     ]
     if v_cached:
         match_allocate = figure(v_cached, "match_allocate_median")
