@@ -1,30 +1,42 @@
-"""``kvtier bench e2e``: time to first token when a long prefix comes back (PERF.md target 3).
+"""``kvtier bench e2e``: time to first token when a long prefix comes back (PERF.md targets 3-5).
 
-For each prefix length, a request of prefix + a short new suffix is timed four ways:
+For each prefix length, a request of prefix + a short new suffix is timed these ways:
 
-    recompute  no reuse: the whole prompt through the dense prefill path (SDPA / flash attention)
-    gpu        the prefix's pages resident in the primary tier
-    host       the prefix demoted to host memory (pushed out by other requests)
-    disk       the prefix demoted to disk (a manager with no host tier), OS page cache dropped
-               where the system allows it
+    recompute    no reuse: the whole prompt through the dense prefill path (SDPA / flash attention)
+    gpu          the prefix's pages resident in the primary tier
+    host         the prefix demoted to host memory (pushed out by other requests)
+    disk         the prefix demoted to disk (a manager with no host tier), OS page cache dropped
+                 where the system allows it; TTFT / recompute is its target (<= 1.05)
+    host-full-wt, host-full-nowt (``--pressure``, on by default)
+                 the prefix on host while the primary tier is full of other requests' pages
+    host-queued, disk-queued (``--queued``, on by default)
+                 the request queued behind long uncached prompts, its prefix on host or on disk
 
-TTFT is measured by the engine (request arrival to first sampled token). Stage timings come
-from CUDA events around ``resume`` (the reload) on a separate run. The link ceiling is measured
-in the same run (one pinned 1 GiB host-to-device copy). Tokens are compared with the dense path
-by first-token logits (relative error, same argmax) and by the common prefix of a few greedy
-tokens.
+kvtier.cli.bench_e2e_pressure describes the last two pairs. TTFT is measured by the engine
+(request arrival to first sampled token). Stage timings come from CUDA events around ``resume``
+(the reload) on a separate run. The link ceiling is measured in the same run (one pinned 1 GiB
+host-to-device copy). Tokens are compared with the dense path by first-token logits (relative
+error, same argmax) and by the common prefix of a few greedy tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+from kvtier.cli import bench_e2e_pressure as pressure
+from kvtier.cli.bench_e2e_report import add_targets, print_table
 from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
+
+GIB = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-gib", type=float, default=8.0)
     parser.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp dir)")
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (max_num_tokens) when populating")
+    pressure.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,20 +64,43 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, device, dtype, seed=0)
-    bench = _Bench(model, args)
+    bench = Bench(model, args)
     ceiling = link_ceiling_gbps(bench.device)
     rows = []
     for length in (int(x) for x in args.prefixes.split(",")):
-        rows.extend(bench.prefix(length, ceiling))
+        ref = bench.reference(length, ceiling)
+        rows.extend(bench.prefix(ref))
+        if args.pressure:
+            rows.extend(pressure.host_full_rows(bench, ref))
+        if args.queued:
+            rows.extend(pressure.queued_rows(bench, ref))
+    add_targets(rows, ceiling)
     result = {"link_ceiling_gbps": ceiling, "rows": rows, "args": vars(args)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    _print_table(rows, ceiling)
+    print_table(rows, ceiling)
     return 0
 
 
-class _Bench:
+@dataclass
+class Reference:
+    """One prefix length: its tokens, the dense path's answer to ``check`` and the recompute TTFT."""
+
+    length: int
+    prefix: list[int]
+    warm: list[int]  # a suffix for untimed warm-ups
+    check: list[int]  # prefix + a suffix whose tokens every case compares with the dense path
+    dense_logits: Any
+    dense_tokens: list[int]
+    ceiling: float
+    recompute: float = 0.0
+    prefix_bytes: int | None = None
+
+
+class Bench:
+    """The model, the arguments and helpers shared by the cases."""
+
     def __init__(self, model, args: argparse.Namespace) -> None:
         import torch
 
@@ -81,20 +117,25 @@ class _Bench:
     def tokens(self, n: int) -> list[int]:
         return self.torch.randint(0, self.model.vocab_size, (n,), generator=self.gen).tolist()
 
-    def prefix(self, length: int, ceiling: float) -> list[dict]:
+    def reference(self, length: int, ceiling: float) -> Reference:
+        """The dense path's first-token logits and greedy tokens for prefix + a suffix."""
+        prefix = self.tokens(length)
+        warm = self.tokens(self.args.suffix)
+        check = prefix + self.tokens(self.args.suffix)
+        logits = self.model.forward_dense(self.torch.tensor(check, device=self.device), "last")[0].float()
+        return Reference(length, prefix, warm, check, logits, self._dense_greedy(check), ceiling)
+
+    def prefix(self, ref: Reference) -> list[dict]:
+        """The recompute, gpu, host and disk rows; sets ``ref.recompute`` and ``ref.prefix_bytes``."""
         torch = self.torch
         from kvtier.engine import SamplingParams
 
         args = self.args
-        prefix = self.tokens(length)
+        prefix, warm = ref.prefix, ref.warm
+        one = SamplingParams(max_tokens=1)
         # ``warm`` warms each path up (untimed); every case then times suffixes no request has
-        # used yet, so each reuses exactly the prefix; the last suffix is the one compared.
-        warm = self.tokens(args.suffix)
-        fresh = {
-            case: [self.tokens(args.suffix) for _ in range(args.repeats)]
-            for case in ("recompute", "gpu", "host", "disk")
-        }
-        check = prefix + self.tokens(args.suffix)
+        # used yet, so each reuses exactly the prefix.
+        fresh = {case: [self.tokens(args.suffix) for _ in range(args.repeats)] for case in ("recompute", "gpu", "host")}
         rows = []
 
         # (a) recompute on the dense path
@@ -106,70 +147,81 @@ class _Bench:
             logits = self.model.forward_dense(torch.tensor(prefix + suffix, device=self.device), "last")
             int(logits[0].argmax())
             times.append(time.perf_counter() - t0)
-        dense_logits = self.model.forward_dense(torch.tensor(check, device=self.device), "last")[0].float()
-        dense_tokens = self._dense_greedy(check, args.greedy_tokens)
-        recompute = statistics.median(times)
-        rows.append(self._row(length, "recompute", times, None, None, ceiling, recompute))
+        ref.recompute = statistics.median(times)
+        rows.append(self.row(ref, "recompute", times))
 
-        prefix_bytes = None
-        with self._engine(host=True) as eng:
-            eng.generate([prefix], SamplingParams(max_tokens=1))  # populate: the prefix's blocks are published
-            prefix_bytes = (
-                length
+        with self.engine(self.memory_tiers(args.primary_gib, args.host_gib)) as eng:
+            eng.generate([prefix], one)  # populate: the prefix's blocks are published
+            ref.prefix_bytes = (
+                ref.length
                 // args.tokens_per_block
                 * sum(eng.cache_manager.page_bytes(g.group_id) for g in eng.cache_manager.layer_groups)
             )
-            eng.generate([prefix + warm], SamplingParams(max_tokens=1))  # warm-up, resident
-            self._push_out(eng)
-            eng.generate([prefix + warm], SamplingParams(max_tokens=1))  # warm-up, from host
+            eng.generate([prefix + warm], one)  # warm-up, resident
+            self.push_out(eng)
+            eng.generate([prefix + warm], one)  # warm-up, from host
             for case in ("gpu", "host"):
                 ttfts, reloads, tiers = [], [], []
                 for suffix in fresh[case]:
                     if case == "host":
-                        self._push_out(eng)
-                    out = eng.generate([prefix + suffix], SamplingParams(max_tokens=1))[0]
+                        self.push_out(eng)
+                    out = eng.generate([prefix + suffix], one)[0]
                     ttfts.append(out.ttft_s)
                     tiers.append(out.reused_tokens_by_tier)
                     if case == "host":
-                        self._push_out(eng)
-                        reloads.append(self._reload_time(eng, prefix + suffix))
-                agreement = self._agreement(eng, check, dense_logits, dense_tokens, push=case == "host")
-                rows.append(
-                    self._row(length, case, ttfts, reloads, prefix_bytes, ceiling, recompute, tiers[-1], agreement)
-                )
-        with self._engine(host=False) as eng:
-            eng.generate([prefix], SamplingParams(max_tokens=1))
-            self._push_out(eng)
-            eng.generate([prefix + warm], SamplingParams(max_tokens=1))  # warm-up, from disk
-            ttfts, tiers, dropped = [], [], []
-            for suffix in fresh["disk"]:
-                self._push_out(eng)
-                dropped.append(drop_page_cache())
-                out = eng.generate([prefix + suffix], SamplingParams(max_tokens=1))[0]
-                ttfts.append(out.ttft_s)
-                tiers.append(out.reused_tokens_by_tier)
-            agreement = self._agreement(eng, check, dense_logits, dense_tokens, push=True)
-            row = self._row(length, "disk", ttfts, None, prefix_bytes, ceiling, recompute, tiers[-1], agreement)
-            row["page_cache_dropped"] = all(dropped)
-            rows.append(row)
+                        self.push_out(eng)
+                        reloads.append(self.reload_time(eng, prefix + suffix))
+                push = functools.partial(self.push_out, eng)
+                agreement = self.agreement(eng, ref, push if case == "host" else None)
+                rows.append(self.row(ref, case, ttfts, reloads, tiers[-1], agreement))
+        rows.append(self._disk(ref))
         return rows
 
-    def _engine(self, host: bool):
+    def _disk(self, ref: Reference) -> dict:
+        """The prefix on disk (no host tier), the OS page cache dropped before each request."""
+        import kvtier
+        from kvtier.engine import SamplingParams
+
+        args = self.args
+        one = SamplingParams(max_tokens=1)
+        path = args.disk_path or tempfile.mkdtemp(prefix="kvtier-e2e-")
+        tiers = self.memory_tiers(args.primary_gib, None)
+        tiers.append(kvtier.DiskTier(int(args.disk_gib * GIB), os.path.join(path, "run")))
+        with self.engine(tiers) as eng:
+            eng.generate([ref.prefix], one)
+            self.push_out(eng)
+            eng.generate([ref.prefix + ref.warm], one)  # warm-up, from disk
+            ttfts, tiers, dropped = [], [], []
+            for _ in range(args.repeats):
+                self.push_out(eng)
+                dropped.append(drop_page_cache())
+                out = eng.generate([ref.prefix + self.tokens(args.suffix)], one)[0]
+                ttfts.append(out.ttft_s)
+                tiers.append(out.reused_tokens_by_tier)
+            agreement = self.agreement(eng, ref, functools.partial(self.push_out, eng))
+        row = self.row(ref, "disk", ttfts, None, tiers[-1], agreement)
+        row["page_cache_dropped"] = all(dropped)
+        return row
+
+    def memory_tiers(self, primary_gib: float, host_gib: float | None, write_through: bool | None = None) -> list:
+        """A primary tier and, unless ``host_gib`` is None, a host tier, sized in GiB."""
+        import kvtier
+
+        tiers: list = [kvtier.PrimaryTier(int(primary_gib * GIB))]
+        if host_gib is not None:
+            tiers.append(kvtier.HostTier(int(host_gib * GIB), write_through=write_through))
+        return tiers
+
+    def engine(self, tiers: list, **scheduler):
+        """An engine over ``tiers``; ``scheduler`` overrides the SchedulerConfig fields."""
         import kvtier
         from kvtier.engine import LLMEngine, SchedulerConfig
 
-        args = self.args
-        gib = 1 << 30
-        tiers = [kvtier.PrimaryTier(int(args.primary_gib * gib))]
-        if host:
-            tiers.append(kvtier.HostTier(int(args.host_gib * gib)))
-        else:
-            path = args.disk_path or tempfile.mkdtemp(prefix="kvtier-e2e-")
-            tiers.append(kvtier.DiskTier(int(args.disk_gib * gib), os.path.join(path, "run")))
-        config = kvtier.CacheConfig(args.tokens_per_block, tiers, device=str(self.device))
-        return LLMEngine(self.model, config, SchedulerConfig(max_num_tokens=args.chunk, max_batch_size=4))
+        config = kvtier.CacheConfig(self.args.tokens_per_block, tiers, device=str(self.device))
+        options = {"max_num_tokens": self.args.chunk, "max_batch_size": 4, **scheduler}
+        return LLMEngine(self.model, config, SchedulerConfig(**options))
 
-    def _push_out(self, eng) -> None:
+    def push_out(self, eng) -> None:
         """Fill the primary tier with a request of its own, as other traffic would: the prefix moves down."""
         mgr = eng.cache_manager
         filler = mgr.create_cache([0])
@@ -179,7 +231,7 @@ class _Bench:
         filler.close()
         self.sync()
 
-    def _reload_time(self, eng, prompt: list[int]) -> float:
+    def reload_time(self, eng, prompt: list[int]) -> float:
         """GPU time of ``resume`` (the promotion of the prefix's pages), by CUDA events."""
         torch = self.torch
         cache = eng.cache_manager.create_cache(prompt)
@@ -197,21 +249,23 @@ class _Bench:
         cache.close()
         return seconds
 
-    def _dense_greedy(self, prompt: list[int], n: int) -> list[int]:
+    def _dense_greedy(self, prompt: list[int]) -> list[int]:
         out: list[int] = []
-        for _ in range(n):
+        for _ in range(self.args.greedy_tokens):
             logits = self.model.forward_dense(self.torch.tensor(prompt + out, device=self.device), "last")
             out.append(int(logits[0].argmax()))
         return out
 
-    def _agreement(self, eng, prompt, dense_logits, dense_tokens, push: bool) -> dict:
-        """First-token logits against the dense path, and the common prefix of greedy tokens."""
+    def agreement(self, eng, ref: Reference, prepare: Callable[[], None] | None) -> dict:
+        """First-token logits of ``ref.check`` against the dense path, and the common prefix of
+        greedy tokens; ``prepare`` (if any) puts the prefix where the case wants it before each."""
         from kvtier.engine import SamplingParams
         from kvtier.models import PagedSequence
 
         torch = self.torch
-        if push:
-            self._push_out(eng)
+        prompt, dense_logits, dense_tokens = ref.check, ref.dense_logits, ref.dense_tokens
+        if prepare is not None:
+            prepare()
         mgr = eng.cache_manager
         cache = mgr.create_cache(prompt)
         assert cache.resume()
@@ -222,8 +276,8 @@ class _Bench:
         logits = self.model.forward_paged([PagedSequence(ids, start, pages)], mgr.kv_views, "last")[0].float()
         cache.close()
         rel = float((logits - dense_logits).norm() / dense_logits.norm())
-        if push:
-            self._push_out(eng)
+        if prepare is not None:
+            prepare()
         tokens = eng.generate([prompt], SamplingParams(max_tokens=len(dense_tokens)))[0].token_ids
         common = next((i for i, (a, b) in enumerate(zip(tokens, dense_tokens, strict=True)) if a != b), len(tokens))
         return {
@@ -234,10 +288,12 @@ class _Bench:
             "reused_tokens": start,
         }
 
-    def _row(self, length, case, ttfts, reloads, prefix_bytes, ceiling, recompute, tiers=None, agreement=None):
+    def row(self, ref: Reference, case: str, ttfts, reloads=None, tiers=None, agreement=None) -> dict:
+        """Median TTFT (and reload) of a case, its ratios to recompute, the tiers reused and the agreement."""
         ttft = statistics.median(ttfts)
-        row = {"prefix": length, "case": case, "ttft_ms": ttft * 1e3, "ttft_all_ms": [t * 1e3 for t in ttfts]}
-        row["speedup_vs_recompute"] = recompute / ttft
+        row = {"prefix": ref.length, "case": case, "ttft_ms": ttft * 1e3, "ttft_all_ms": [t * 1e3 for t in ttfts]}
+        row["speedup_vs_recompute"] = ref.recompute / ttft
+        row["ttft_over_recompute"] = ttft / ref.recompute
         if tiers is not None:
             row["reused_by_tier"] = tiers
         if agreement is not None:
@@ -245,28 +301,10 @@ class _Bench:
         if reloads:
             reload = statistics.median(reloads)
             row["reload_ms"] = reload * 1e3
-            row["reload_gbps"] = prefix_bytes / reload / 1e9
-            if ceiling:
-                row["link_share"] = row["reload_gbps"] / ceiling
-        if prefix_bytes is not None:
-            row["prefix_bytes"] = prefix_bytes
+            row["reload_all_ms"] = [t * 1e3 for t in reloads]
+            row["reload_gbps"] = ref.prefix_bytes / reload / 1e9
+            if ref.ceiling:
+                row["link_share"] = row["reload_gbps"] / ref.ceiling
+        if ref.prefix_bytes is not None:
+            row["prefix_bytes"] = ref.prefix_bytes
         return row
-
-
-def _print_table(rows: list[dict], ceiling: float) -> None:
-    gpu = {r["prefix"]: r["ttft_ms"] for r in rows if r["case"] == "gpu"}
-    print(f"link ceiling (pinned H2D, this run): {ceiling:.1f} GB/s")
-    header = f"{'prefix':>7} {'case':<9} {'TTFT ms':>9} {'x recompute':>11} {'reload ms':>9} {'GB/s':>6} {'link':>5}"
-    header += f" {'target ms':>9} {'logit err':>9} {'argmax':>6} {'greedy':>6}"
-    print(header)
-    for r in rows:
-        target = ""
-        if r["case"] == "host" and ceiling:
-            target = f"{1.2 * r['prefix_bytes'] / (ceiling * 1e9) * 1e3 + gpu[r['prefix']]:.1f}"
-        a = r.get("agreement", {})
-        print(
-            f"{r['prefix']:>7} {r['case']:<9} {r['ttft_ms']:>9.1f} {r['speedup_vs_recompute']:>11.2f} "
-            f"{r.get('reload_ms', float('nan')):>9.1f} {r.get('reload_gbps', float('nan')):>6.1f} "
-            f"{r.get('link_share', float('nan')):>5.2f} {target:>9} {a.get('logit_rel_err', float('nan')):>9.4f} "
-            f"{a.get('same_argmax', '')!s:>6} {str(a.get('common_prefix', '')) + '/' + str(a.get('of', '')):>6}"
-        )
