@@ -1,0 +1,70 @@
+"""``kvtier bench e2e`` end to end on the CPU with a tiny model: every case's row, tokens as the dense path's."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from kvtier.cli import main
+
+CASES = ["recompute", "gpu", "host", "disk", "host-full-wt", "host-full-nowt", "host-queued", "disk-queued"]
+TINY = [
+    *("bench", "e2e", "--model", "tiny-llama", "--device", "cpu", "--dtype", "float32"),
+    *("--prefixes", "64", "--suffix", "8", "--tokens-per-block", "8", "--repeats", "2", "--greedy-tokens", "2"),
+    *("--chunk", "64", "--primary-gib", "0.0005", "--host-gib", "0.001", "--disk-gib", "0.001"),
+    *("--pressure-primary-gib", "0.0005", "--pressure-host-gib", "0.001"),
+]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory) -> tuple[dict[str, dict], str]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    path = tmp / "e2e.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*TINY, "--disk-path", str(tmp), "--json", str(path)]) == 0
+    rows = {r["case"]: r for r in json.loads(path.read_text())["rows"]}
+    return rows, out.getvalue()
+
+
+def test_every_case_has_a_row_in_the_json_and_the_table(bench):
+    rows, out = bench
+    assert list(rows) == CASES
+    for case in CASES:
+        assert f" {case} " in out
+        assert rows[case]["ttft_ms"] > 0
+        assert rows[case]["ttft_over_recompute"] == pytest.approx(1 / rows[case]["speedup_vs_recompute"])
+    assert "TTFT/recomp" in out and rows["disk"]["target"]["what"] == "TTFT/recomp"
+
+
+def test_tokens_agree_with_the_dense_path(bench):
+    rows, _ = bench
+    for case in CASES[1:]:
+        agreement = rows[case]["agreement"]
+        assert agreement["same_argmax"], case
+        assert agreement["common_prefix"] == agreement["of"] == 2, case
+        assert agreement["logit_rel_err"] < 1e-4, case
+        assert agreement["reused_tokens"] >= 64, case  # the prefix, and the check suffix once a case ran it
+
+
+def test_host_full_evicts_a_full_primary_tier_and_write_through_moves_no_victim_byte(bench):
+    rows, _ = bench
+    with_copies, without = rows["host-full-wt"], rows["host-full-nowt"]
+    assert with_copies["primary_full"] and without["primary_full"]
+    assert with_copies["reused_by_tier"]["host"] == without["reused_by_tier"]["host"] == 64
+    assert with_copies["victim_bytes_down"] == 0
+    assert without["victim_bytes_down"] > 0
+    assert with_copies["reload_gbps"] > 0 and with_copies["reload_ms"] > 0
+
+
+def test_queued_cases_start_from_host_and_from_disk_only(bench):
+    rows, _ = bench
+    assert rows["host-queued"]["prefix_placement_before"] == {"host": 64}
+    assert rows["disk-queued"]["prefix_placement_before"] == {"disk": 64}
+    disk = rows["disk-queued"]
+    assert disk["ttft_vs_host"] == pytest.approx(disk["ttft_ms"] / rows["host-queued"]["ttft_ms"])
+    assert 0 < disk["own_ms"] <= disk["ttft_ms"]
+    assert sum(disk["reused_by_tier"].values()) == 64
