@@ -24,6 +24,7 @@ from kvtier.reuse.tokens import as_token_array
 from kvtier.spec import ModelSpec
 from kvtier.stats import CacheStats
 from kvtier.tiering.eviction import check_priority
+from kvtier.tiering.host_prefetch import HostPrefetch
 from kvtier.tiering.residency import PRIMARY
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,28 @@ class KVCacheManager:
         moved = self._pool.prefetch(match, stream)
         self._pool.debug_check()
         return moved
+
+    @exclusive
+    def prefetch_to_host(self, tokens, scope: ReuseScope = DEFAULT_SCOPE) -> HostPrefetch | None:
+        """Start reading the cached prefix of ``tokens`` from the disk tier into host memory on a
+        background thread (for a request that waits in a queue: its disk hit then costs a host hit).
+
+        Room is made in host memory now, as for a promotion (its coldest pages go to disk). Returns a handle with
+        ``done()``, ``wait(timeout)``, ``cancel()`` and ``num_pages``, or None when there is
+        nothing to read (no host and disk tier, no match, nothing of it on disk). Pages read are
+        moved to the host tier by the manager's next call (``maintain``, ``create_cache``);
+        those not read by a cancel stay on disk. ``close`` cancels what is still running.
+        """
+        self._check_open()
+        token_array = as_token_array(tokens)
+        if not isinstance(scope, ReuseScope):
+            raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
+        match = self._pool.match(token_array, scope)
+        if match is None:
+            return None
+        job = self._pool.prefetch_to_host(match)
+        self._pool.debug_check()
+        return job
 
     @exclusive
     def maintain(self) -> int:

@@ -40,8 +40,9 @@ class PageState(str, enum.Enum):
 class Page:
     """One page of layer group ``group`` in slot ``slot`` of tier ``tier`` (an index, 0 = primary).
 
-    Invariants: ``0 <= locks <= refs``; a page with ``refs == 0`` is published in the tree
-    (``node`` is set), otherwise it has been freed. ``snapshot_offset`` is 0 for a block page and
+    Invariants: ``0 <= locks <= refs`` (plus one lock per prefetch from disk reading it); a page
+    with ``refs == 0`` is published in the tree (``node`` is set), otherwise it has been freed.
+    ``snapshot_offset`` is 0 for a block page and
     ``k`` (1..tokens_per_block) for a recurrent state snapshot taken after the first ``k`` tokens
     of ``node``'s block. ``checksum`` is meaningful while the page is on disk. ``damaged`` marks a
     page whose bytes failed their checksum when read back: it is never published again, and a

@@ -36,6 +36,7 @@ from kvtier.tiering.background import BackgroundWork
 from kvtier.tiering.build import build_tiers
 from kvtier.tiering.disk_restore import restore_disk_tier
 from kvtier.tiering.disk_writes import DiskWritePlanner
+from kvtier.tiering.host_prefetch import HostPrefetch, HostPrefetcher
 from kvtier.tiering.load_cost import LoadCost
 from kvtier.tiering.mover import Mover
 from kvtier.tiering.plan import MovePlan
@@ -83,6 +84,10 @@ class PagePool:
             config.tiers[PRIMARY].free_reserve,
             0 if host_config is None else host_config.write_through_min_priority,
         )
+        host = next((t for t in self.tiers if t.index != PRIMARY and not t.is_disk), None)
+        self.prefetcher = (
+            None if disk is None or host is None else HostPrefetcher(disk, host, self.residency, self.counters)
+        )
         if disk is not None:
             restore_disk_tier(disk, self.tree, self.rules, self.counters)
         self.holders: set[PageHolder] = set()
@@ -109,6 +114,8 @@ class PagePool:
         root = self.tree.find_root(scope)
         if root is None:
             return None
+        if self.prefetcher is not None and self.prefetcher.active:
+            self.prefetcher.poll()  # prefetches read by now are matched on the host tier
         token_bytes = encode_tokens(tokens)
         partial = self.config.enable_partial_reuse
         match = find_reuse(self.tree, root, token_bytes, num_tokens, self.rules, partial)
@@ -259,6 +266,8 @@ class PagePool:
         """Background work between steps: the free reserve and write-through copies, one batch, on
         the mover's background stream, unless the previous batch is still running. Returns the
         pages planned."""
+        if self.prefetcher is not None and self.prefetcher.active:
+            self.prefetcher.poll()
         background = self.background
         if not background.enabled or self.mover.background_busy():
             return 0
@@ -268,15 +277,43 @@ class PagePool:
         self.planner.finish(plan)
         return planned
 
+    def prefetch_to_host(self, match: ReuseMatch) -> HostPrefetch | None:
+        """Start reading the pages of ``match`` that are on disk into host memory in the background
+        (``kvtier.tiering.host_prefetch``), after making room there as a promotion would (the
+        coldest host pages go to disk now); None without a host and a disk tier or with nothing to read."""
+        prefetcher = self.prefetcher
+        if prefetcher is None:
+            return None
+        pages = match.pages(self.rules)
+        res = self.residency
+        for page in pages:
+            res.lock(page)  # making room in host memory never evicts the prefix itself
+        need: dict[int, int] = {}
+        for page in pages:
+            if page.tier == prefetcher.disk.index and not page.damaged and not prefetcher.pins[id(page)]:
+                need[page.group] = need.get(page.group, 0) + 1
+        plan = MovePlan()
+        for group, count in need.items():
+            self.planner.make_room(prefetcher.host.index, group, count, plan)  # as far as it goes
+        self.apply(plan)
+        job = prefetcher.start(pages)
+        for page in reversed(pages):
+            res.unlock(page)
+        return job
+
     def persist(self) -> None:
         """Write published pages still in memory to the disk tier's free slots, parents first (at close),
         so that a pool started later on the same path finds them."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()  # its pins and reserved slots go before anything is written
         plan = MovePlan()
         self.planner.persist(plan)
         self.apply(plan)
 
     def close(self) -> None:
         """Release the tiers' memory and files (every holder has let go)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.mover.synchronize()
         self.mover.close()
         for tier in self.tiers:
@@ -313,7 +350,7 @@ class PagePool:
 
     def check(self) -> None:
         """Raise ``InvariantError`` unless every invariant of the pool and its holders holds (slow)."""
-        check_pages(self.tiers, self.tree, self.holders)
+        check_pages(self.tiers, self.tree, self.holders, None if self.prefetcher is None else self.prefetcher.pins)
 
     def debug_check(self) -> None:
         """With ``KVTIER_DEBUG=1``, ``check`` (called after operations that change residency)."""

@@ -1,5 +1,6 @@
 """The cache state machine with background work on: write-through copies in host memory, a free
-reserve in the primary tier, and ``maintain`` called at any point between operations.
+reserve in the primary tier, prefetches from disk into host memory running on their thread while
+other operations go on, and ``maintain`` called at any point between operations.
 
 Every rule of ``CacheMachine`` runs as before (pages checked byte for byte against the oracle on
 every resume, invariants after every step), with the host tier keeping copies of published
@@ -14,11 +15,12 @@ import tempfile
 
 import pytest
 from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 import kvtier
 from tests.kvdata import small_spec
-from tests.test_cache_properties import SETTINGS, TPB, CacheMachine, PageOracle, tier_configs
+from tests.test_cache_properties import PREFIXES, SCOPES, SETTINGS, TPB, CacheMachine, PageOracle, tier_configs
 
 FEWER = settings(SETTINGS, max_examples=15)  # the plain machines cover the rest of the space
 
@@ -47,6 +49,18 @@ class BackgroundMachine(CacheMachine):
     @rule()
     def maintain(self):
         self.mgr.maintain()
+
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        prefix_len=st.integers(1, 30),
+        scope=st.integers(0, 1),
+        wait=st.booleans(),
+    )
+    def prefetch_to_host(self, prefix, prefix_len, scope, wait):
+        """Read a prefix from disk in the background; other rules run while the read goes on."""
+        job = self.mgr.prefetch_to_host(PREFIXES[prefix][:prefix_len], scope=SCOPES[scope])
+        if job is not None and wait:
+            assert job.wait(10)
 
 
 def machine(kind: str, pages: dict[str, int], reserve: float) -> type[BackgroundMachine]:

@@ -68,6 +68,7 @@ def test_every_manager_method_after_close_raises_cache_state_error():
         "create_cache": lambda: mgr.create_cache(tokens),
         "prefetch": lambda: mgr.prefetch(tokens),
         "maintain": mgr.maintain,
+        "prefetch_to_host": lambda: mgr.prefetch_to_host(tokens),
         "set_prefill_rate": lambda: mgr.set_prefill_rate(1000.0),
         "kv_views": lambda: mgr.kv_views(0),
         "layout": mgr.layout,

@@ -16,6 +16,12 @@ Policies:
   cache is closed (what it published stays in the tree) and the request is recomputed later
   from its prompt and the tokens it generated.
 
+Prefetch (``prefetch_policy``, with a host and a disk tier): after admission, the disk part of
+the cached prefixes of a few waiting requests is read into host memory in the background, so a
+request that waited behind others finds its prefix in host memory. When its turn comes before
+the read is over, the policy decides whether it starts at once (the read is cancelled) or lets
+the requests behind it go first for a while.
+
 Nothing stalls: when no request runs and the head of the queue still cannot start, the caches
 of the other waiting requests are closed (they will be recomputed), which frees every page a
 cache holds; a request that cannot start even then can never run, and finishes with an error
@@ -25,11 +31,13 @@ cache holds; a request that cannot start even then can never run, and finishes w
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier.cache import CacheState
+from kvtier.config import DiskTier, HostTier
 from kvtier.engine.params import SchedulerConfig
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.errors import InvariantError
@@ -110,6 +118,8 @@ class Scheduler:
         self.num_recomputes = 0  # preemptions (and unblockings) that closed the cache
         # Suspending frees primary pages only if a tier below can take them.
         self._swap_out = len(mgr.config.tiers) > 1
+        kinds = {type(t) for t in mgr.config.tiers}
+        self._prefetch_tiers = HostTier in kinds and DiskTier in kinds
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -133,11 +143,15 @@ class Scheduler:
                 continue  # the request itself was preempted
             batch.append(ScheduledChunk(request, request.next_position, n))
             budget -= n
-        while self.waiting and len(batch) < self.config.max_batch_size and budget > 0:
-            request = self.waiting[0]
+        passed = 0  # waiting requests whose prefetch from disk lets the ones behind go first
+        while len(self.waiting) > passed and len(batch) < self.config.max_batch_size and budget > 0:
+            request = self.waiting[passed]
+            if self._waits_for_prefetch(request):
+                passed += 1
+                continue
             chunk = self._admit(request, budget, batch)
             if isinstance(chunk, ScheduledChunk):
-                self.waiting.popleft()
+                del self.waiting[passed]
                 batch.append(chunk)
                 budget -= chunk.num_tokens
                 continue
@@ -145,10 +159,15 @@ class Scheduler:
                 break  # memory comes back as running requests finish
             if not self._recompute_waiting(but=request):
                 self._fail(request, f"it cannot run even alone: {chunk.reason}")
+        self._prefetch_waiting()
+        if not batch and passed and not self.running:
+            self.waiting[0].prefetch.wait(0.005)  # nothing else to do: let the reads go on
         return batch
 
     def finish(self, request: Request, reason: str, close_cache: bool = True) -> None:
         """Take a request out of the queues and close its cache (unless a connector still reads it)."""
+        if request.prefetch is not None:
+            request.prefetch.cancel()
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if request.cache is not None and close_cache:
@@ -162,6 +181,36 @@ class Scheduler:
         """The requests that finished with an error since the last call."""
         failed, self.failed = self.failed, []
         return failed
+
+    def _waits_for_prefetch(self, request: Request) -> bool:
+        """Whether ``request`` lets the requests behind it go first while its prefix is read from
+        disk (per ``prefetch_policy``); a read it no longer waits for is cancelled."""
+        job = request.prefetch
+        if job is None or job.done():
+            return False
+        policy = self.config.prefetch_policy
+        if policy == "wait_complete":
+            return True
+        if policy == "timeout" and time.monotonic() - job.started < self.config.prefetch_timeout_s:
+            return True
+        job.cancel()
+        request.prefetch = None
+        return False
+
+    def _prefetch_waiting(self) -> None:
+        """Start reading the disk prefixes of waiting requests into host memory, a few at a time."""
+        config = self.config
+        if config.prefetch_policy == "off" or not self._prefetch_tiers:
+            return
+        running = sum(1 for r in self.waiting if r.prefetch is not None and not r.prefetch.done())
+        for request in self.waiting:
+            if running >= config.max_prefetches:
+                return
+            if request.prefetch_tried or request.cache is not None:
+                continue
+            request.prefetch_tried = True
+            request.prefetch = self.mgr.prefetch_to_host(request.tokens, scope=request.scope)
+            running += request.prefetch is not None
 
     def _chunk(self, request: Request, budget: int) -> int:
         """Tokens of ``request`` to compute this step within ``budget`` (0: not this step).

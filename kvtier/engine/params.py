@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Policy = Literal["guaranteed_no_evict", "max_utilization"]
+PrefetchPolicy = Literal["off", "best_effort", "timeout", "wait_complete"]
 
 MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes any 64-bit unsigned value
 
@@ -56,12 +57,22 @@ class SchedulerConfig:
     - ``max_batch_size``: requests per step.
     - ``chunked_prefill``: split prompts longer than the step budget over several steps; without
       it a prompt longer than ``max_num_tokens`` is refused.
+    - ``prefetch_policy``: requests waiting in the queue have their cached prefixes read from
+      disk into host memory in the background (with a host and a disk tier), at most
+      ``max_prefetches`` at a time. When such a request's turn comes before its read is over:
+      ``"best_effort"`` starts it at once with what was read (the read is cancelled);
+      ``"timeout"`` lets the requests behind it go first for up to ``prefetch_timeout_s`` seconds
+      from the read's start, then cancels it; ``"wait_complete"`` lets the requests behind it
+      go first until the read is over. ``"off"`` prefetches nothing.
     """
 
     policy: Policy = "guaranteed_no_evict"
     max_num_tokens: int = 2048
     max_batch_size: int = 64
     chunked_prefill: bool = True
+    prefetch_policy: PrefetchPolicy = "best_effort"
+    prefetch_timeout_s: float = 1.0
+    max_prefetches: int = 4
 
     def __post_init__(self) -> None:
         if self.policy not in ("guaranteed_no_evict", "max_utilization"):
@@ -72,6 +83,16 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.chunked_prefill, bool):
             raise ValueError(f"chunked_prefill must be a bool, got {self.chunked_prefill!r}")
+        if self.prefetch_policy not in ("off", "best_effort", "timeout", "wait_complete"):
+            raise ValueError(
+                "prefetch_policy must be 'off', 'best_effort', 'timeout' or 'wait_complete', "
+                f"got {self.prefetch_policy!r}"
+            )
+        timeout = self.prefetch_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < math.inf:
+            raise ValueError(f"prefetch_timeout_s must be a finite number of seconds >= 0, got {timeout!r}")
+        if not _is_int(self.max_prefetches) or self.max_prefetches < 0:
+            raise ValueError(f"max_prefetches must be an int >= 0, got {self.max_prefetches!r}")
 
 
 def _stop_tokens(value: object) -> tuple[int, ...]:

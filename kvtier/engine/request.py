@@ -11,6 +11,7 @@ from kvtier.cache import KVCache
 from kvtier.config import ReuseScope
 from kvtier.engine.params import SamplingParams
 from kvtier.errors import InvariantError
+from kvtier.tiering.host_prefetch import HostPrefetch
 
 
 @dataclass(slots=True)
@@ -63,6 +64,8 @@ class Request:
     error: str | None = None  # why it finished with finish_reason "error"
     offer: Offer | None = None  # the connector's offer for this allocation
     loaded_until: int = 0  # end of a reserved connector offer: tokens below it are loaded, not computed
+    prefetch: HostPrefetch | None = None  # its prefix being read from disk into host memory while it waits
+    prefetch_tried: bool = False
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

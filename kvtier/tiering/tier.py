@@ -17,6 +17,9 @@ The host tier keeps copies too when write-through is on (``keeps_copies``): byte
 primary pages written in the background, and bytes a promotion to the primary tier left behind.
 A page with a copy here is demoted by taking the copy's slot, without moving a byte.
 
+``reserved[g]``: slots allocated for bytes still on their way (a prefetch from disk), owned by
+no page until they land.
+
 ``watch`` (the primary tier, write-through on): published pages that became evictable here, in
 that order, oldest first; the write-through copies them below. Bounded: the oldest fall off.
 """
@@ -47,6 +50,7 @@ class Tier:
         "name",
         "originals",
         "owners",
+        "reserved",
         "spare_copies",
         "storage",
         "watch",
@@ -75,6 +79,7 @@ class Tier:
         self.watch_limit = 0
         self.owners: list[list[Page | None]] = [[None] * s.num_slots for s in storage.slots]
         self.evictable = [EvictionIndex() for _ in storage.slots]
+        self.reserved: list[set[int]] = [set() for _ in storage.slots]  # allocated, owned by none yet
         self.copies: dict[Page, Page] = {}
         self.originals: dict[Page, Page] = {}
         self.spare_copies: set[Page] = set()  # copies no restore needs: the first to go when room is wanted

@@ -1,0 +1,195 @@
+"""Reading disk pages into host memory on a background thread, for requests that wait in a queue.
+
+``start`` pins the pages (so nothing drops or moves their disk slots away while they are read)
+and reserves a host slot for each: a free one, or the slot of a spare copy (the pool makes room
+first, as for a promotion); pages that find none are not read. A worker thread reads and checks the
+pages part by part, and stops between parts once cancelled. The reads change nothing the pool
+knows of: the pages stay on disk in its records until ``poll`` lands a finished prefetch on the
+calling thread, moving each page read intact into its host slot (its disk slot keeps a copy).
+
+A page that meanwhile left its disk slot (a resume promoted it straight to the primary tier),
+was found damaged elsewhere, or was not read (cancelled), is not moved: its host slot is freed.
+A page whose bytes fail their checksum is marked damaged, as any disk read would.
+
+Invariants: a reserved host slot is allocated and owned by no page until its prefetch lands
+(``Tier.reserved``); each page of an unlanded prefetch holds one pin (``pins``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvtier.pages import Page
+from kvtier.stats import Counters
+from kvtier.tiering.residency import Residency
+from kvtier.tiering.tier import Tier
+
+PART_BYTES = 64 << 20  # a cancelled prefetch stops after the part it is reading
+
+
+class HostPrefetch:
+    """One background read of disk pages into host memory; ``cancel`` stops it between parts."""
+
+    def __init__(self, pages: list[Page], disk_slots: list[int], host_slots: list[int]) -> None:
+        self.pages = pages
+        self.disk_slots = disk_slots
+        self.host_slots = host_slots
+        self.checksums = [p.checksum for p in pages]
+        self.intact: list[bool | None] = [None] * len(pages)  # None: not read
+        self.started = time.monotonic()
+        self.future: Future | None = None
+        self._cancelled = threading.Event()
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    def done(self) -> bool:
+        """Whether the reads are over (finished or stopped); the pool lands it on its next call."""
+        return self.future is None or self.future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the reads; returns ``done()``."""
+        if self.future is not None:
+            with contextlib.suppress(TimeoutError):
+                self.future.result(timeout)
+        return self.done()
+
+    def cancel(self) -> None:
+        """Stop after the part being read; pages not read stay on disk only."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class HostPrefetcher:
+    """Starts, runs and lands prefetches from the disk tier into the host tier."""
+
+    def __init__(self, disk: Tier, host: Tier, residency: Residency, counters: Counters) -> None:
+        self.disk = disk
+        self.host = host
+        self.residency = residency
+        self.counters = counters
+        self.active: list[HostPrefetch] = []
+        self.pins: Counter[int] = Counter()  # id(page) -> pins held by unlanded prefetches
+        self._worker: ThreadPoolExecutor | None = None
+
+    def start(self, pages: list[Page]) -> HostPrefetch | None:
+        """Prefetch the pages of ``pages`` that are on disk (and not already being read), as far
+        as host memory has room; None when there is nothing to read."""
+        disk, host = self.disk, self.host
+        chosen, disk_slots, host_slots = [], [], []
+        for page in pages:
+            if page.tier != disk.index or page.damaged or self.pins[id(page)]:
+                continue
+            slot = self._host_slot(page.group)
+            if slot is None:
+                continue
+            self.residency.lock(page)
+            self.pins[id(page)] += 1
+            host.reserved[page.group].add(slot)
+            chosen.append(page)
+            disk_slots.append(page.slot)
+            host_slots.append(slot)
+        if not chosen:
+            return None
+        job = HostPrefetch(chosen, disk_slots, host_slots)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch")
+        job.future = self._worker.submit(self._read, job)
+        self.active.append(job)
+        return job
+
+    def _host_slot(self, group: int) -> int | None:
+        host = self.host
+        slots = host.storage.slots[group]
+        slot = slots.allocate()
+        if slot is None:
+            first = host.evictable[group].first()
+            if first is not None and first in host.spare_copies:
+                host.remove_copy(first)
+                slot = slots.allocate()
+        return slot
+
+    def _read(self, job: HostPrefetch) -> None:
+        """On the worker thread: read the pages group by group, part by part, until cancelled."""
+        disk, host = self.disk, self.host
+        by_group: dict[int, list[int]] = {}
+        for i, page in enumerate(job.pages):
+            by_group.setdefault(page.group, []).append(i)
+        for group, indexes in by_group.items():
+            page_bytes = disk.storage.page_bytes[group]
+            buffer = host.storage.buffers[group].numpy()
+            step = max(1, PART_BYTES // page_bytes)
+            for start in range(0, len(indexes), step):
+                if job.cancelled:
+                    return
+                part = indexes[start : start + step]
+                views = [buffer[job.host_slots[i] * page_bytes : (job.host_slots[i] + 1) * page_bytes] for i in part]
+                intact = disk.storage.read(
+                    group, [job.disk_slots[i] for i in part], views, [job.checksums[i] for i in part]
+                )
+                for i, ok in zip(part, intact, strict=True):
+                    job.intact[i] = ok
+
+    def poll(self, wait: bool = False) -> int:
+        """Land the prefetches whose reads are over (all of them, waiting, if ``wait``); returns
+        the pages moved to host memory."""
+        moved = 0
+        for job in list(self.active):
+            if wait:
+                job.wait()
+            if job.done():
+                self.active.remove(job)
+                moved += self._land(job)
+        return moved
+
+    def close(self) -> None:
+        """Cancel every prefetch, wait for the reads, land what was read, stop the worker."""
+        for job in self.active:
+            job.cancel()
+        self.poll(wait=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def _land(self, job: HostPrefetch) -> int:
+        """On the pool's thread: move each page read intact into its host slot; free the rest."""
+        disk, host, residency = self.disk, self.host, self.residency
+        if job.future is not None and job.future.exception() is not None:
+            job.intact = [None] * len(job.pages)  # a failed worker: nothing it read is trusted
+        moved = 0
+        for page, disk_slot, host_slot, intact in zip(
+            job.pages, job.disk_slots, job.host_slots, job.intact, strict=True
+        ):
+            group = page.group
+            host.reserved[group].discard(host_slot)
+            in_place = page.tier == disk.index and page.slot == disk_slot and not page.damaged
+            if intact and in_place:
+                disk.vacate(page, free_slot=False)
+                page.tier, page.slot = host.index, host_slot
+                host.owners[group][host_slot] = page
+                if page.node is not None:
+                    disk.add_copy(page, disk_slot, page.checksum, spare=True)
+                else:
+                    disk.storage.slots[group].free(disk_slot)
+                self.counters.promotions += 1
+                self.counters.add_copy(disk.name, host.name, "file", host.storage.page_bytes[group])
+                moved += 1
+            else:
+                host.storage.slots[group].free(host_slot)
+                if intact is False and in_place:
+                    residency.mark_damaged(page)
+            self.pins[id(page)] -= 1
+            if not self.pins[id(page)]:
+                del self.pins[id(page)]
+            residency.unlock(page)
+        if disk.disk_index is not None:
+            disk.disk_index.flush()
+        return moved

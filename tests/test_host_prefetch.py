@@ -1,0 +1,159 @@
+"""Prefetching a disk prefix into host memory on a background thread (``prefetch_to_host``).
+
+The pages come back byte for byte through the host tier; a cancelled prefetch leaves unread pages
+on disk; a damaged page is never reused; a resume while the read runs takes the pages from disk
+itself; closing the manager stops the reads.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+import kvtier
+from kvtier.tiering import host_prefetch
+from tests.kvdata import PageOracle, small_spec
+from tests.test_write_through import TPB, serve
+
+
+@pytest.fixture
+def three_tiers():
+    spec = small_spec("llama")
+    probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
+    page = probe.page_bytes(0)
+    probe.close()
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def make(host_pages=32):
+            tiers = [
+                kvtier.PrimaryTier(6 * page),
+                kvtier.HostTier(host_pages * page, write_through=False),
+                kvtier.DiskTier(64 * page, os.path.join(tmp, "disk")),
+            ]
+            mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+            return mgr, PageOracle(mgr)
+
+        yield make
+
+
+def to_disk(mgr, oracle, prompt, host_pages=32):
+    """Publish ``prompt``'s blocks, then push them past host memory onto disk."""
+    serve(mgr, oracle, prompt)
+    for k in range(host_pages // 4 + 3):
+        serve(mgr, oracle, [50_000 + 100 * k + i for i in range(4 * TPB + 1)])
+
+
+def test_prefetch_lands_on_host_and_is_reused_byte_for_byte(three_tiers):
+    mgr, oracle = three_tiers()
+    prompt = [900 + i for i in range(5 * TPB + 1)]
+    to_disk(mgr, oracle, prompt)
+    cache = mgr.create_cache(prompt + [1])
+    assert cache.reused_by_tier["disk"] == 5 * TPB
+    cache.close()
+    job = mgr.prefetch_to_host(prompt + [1])
+    assert job is not None and job.num_pages == 5
+    assert job.wait(10)
+    mgr.check_invariants()  # read but not landed: pins and reserved host slots are accounted for
+    assert mgr.maintain() == 0
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.reused_by_tier["host"] == 5 * TPB and cache.reused_by_tier["disk"] == 0
+    assert cache.resume()
+    oracle.check(cache, prompt + [2])
+    cache.close()
+    assert mgr.prefetch_to_host(prompt + [3]) is None  # nothing left on disk to read
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_cancelled_prefetch_leaves_unread_pages_on_disk(three_tiers, monkeypatch):
+    monkeypatch.setattr(host_prefetch, "PART_BYTES", 1)  # one page per part: cancel stops between pages
+    mgr, oracle = three_tiers()
+    prompt = [1900 + i for i in range(5 * TPB + 1)]
+    to_disk(mgr, oracle, prompt)
+    job = mgr.prefetch_to_host(prompt + [1])
+    job.cancel()
+    job.wait(10)
+    mgr.maintain()
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.num_reused_tokens == 5 * TPB
+    assert cache.reused_by_tier["host"] + cache.reused_by_tier["disk"] == 5 * TPB
+    assert cache.resume()
+    oracle.check(cache, prompt + [2])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_resume_during_prefetch_reads_from_disk_itself(three_tiers, monkeypatch):
+    started, release = __import__("threading").Event(), __import__("threading").Event()
+    real_read = host_prefetch.HostPrefetcher._read
+
+    def slow_read(self, job):
+        started.set()
+        release.wait(10)
+        real_read(self, job)
+
+    monkeypatch.setattr(host_prefetch.HostPrefetcher, "_read", slow_read)
+    mgr, oracle = three_tiers()
+    prompt = [2900 + i for i in range(5 * TPB + 1)]
+    to_disk(mgr, oracle, prompt)
+    job = mgr.prefetch_to_host(prompt + [1])
+    assert started.wait(10)
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.resume()  # promoted straight from disk while the prefetch still waits
+    oracle.check(cache, prompt + [2])
+    mgr.check_invariants()
+    release.set()
+    job.wait(10)
+    mgr.maintain()  # the pages moved meanwhile: the prefetch lands nothing, frees its host slots
+    oracle.check(cache, prompt + [2])
+    cache.close()
+    mgr.check_invariants()
+    assert mgr.stats().tiers["host"].pages_used <= 32
+    mgr.close()
+
+
+def test_damaged_page_is_not_reused(three_tiers):
+    mgr, oracle = three_tiers()
+    prompt = [3900 + i for i in range(5 * TPB + 1)]
+    to_disk(mgr, oracle, prompt)
+    pool = mgr._pool
+    disk = next(t for t in pool.tiers if t.is_disk)
+    node = pool.match(__import__("array").array("Q", prompt + [1]), kvtier.ReuseScope()).full_nodes[2]
+    page = node.pages[0]
+    fd = disk.storage._fds[0]
+    os.pwrite(fd, b"\xff" * 64, page.slot * disk.storage.page_bytes[0])
+    job = mgr.prefetch_to_host(prompt + [1])
+    job.wait(10)
+    mgr.maintain()
+    assert mgr.stats().checksum_failures == 1
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.num_reused_tokens == 2 * TPB  # the intact blocks before the damaged one
+    assert cache.resume()
+    oracle.check(cache, prompt + [2])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_close_stops_a_running_prefetch(three_tiers):
+    mgr, oracle = three_tiers()
+    prompt = [4900 + i for i in range(5 * TPB + 1)]
+    to_disk(mgr, oracle, prompt)
+    job = mgr.prefetch_to_host(prompt + [1])
+    mgr.close()
+    assert job.done()
+    mgr2, _ = three_tiers()  # the same directory opens again: nothing was left half written
+    assert mgr2.create_cache(prompt + [2]).num_reused_tokens == 5 * TPB
+    mgr2.close()
+
+
+def test_prefetch_without_host_or_disk_returns_none():
+    spec = small_spec("llama")
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20), kvtier.HostTier(1 << 20)]))
+    assert mgr.prefetch_to_host([1, 2, 3, 4, 5, 6]) is None
+    with pytest.raises(TypeError, match="scope"):
+        mgr.prefetch_to_host([1, 2, 3], scope="x")
+    mgr.close()
