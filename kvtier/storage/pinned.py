@@ -208,8 +208,13 @@ def _touched_anonymous_memory(num_bytes: int) -> torch.Tensor:
     def touch(begin: int) -> None:
         view[begin : begin + step : mmap.PAGESIZE] = 0
 
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(touch, range(0, num_bytes, step)))
+    starts = range(0, num_bytes, step)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(touch, starts))
+    except RuntimeError:  # no new threads at interpreter exit (a manager closed by its atexit hook)
+        for begin in starts:
+            touch(begin)
     return torch.frombuffer(memory, dtype=torch.uint8)
 
 
