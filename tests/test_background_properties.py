@@ -63,9 +63,9 @@ class BackgroundMachine(CacheMachine):
             assert job.wait(10)
 
 
-def machine(kind: str, pages: dict[str, int], reserve: float) -> type[BackgroundMachine]:
+def machine(kind: str, pages: dict[str, int], reserve: float, device: str = "cpu") -> type[BackgroundMachine]:
     name = f"{kind}_{'_'.join(pages)}_background"
-    return type(name, (BackgroundMachine,), {"kind": kind, "pages": pages, "reserve": reserve})
+    return type(name, (BackgroundMachine,), {"kind": kind, "pages": pages, "reserve": reserve, "device": device})
 
 
 @pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])

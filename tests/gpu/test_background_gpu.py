@@ -1,0 +1,122 @@
+"""Background work on a CUDA device, byte for byte: write-through copies racing the compute that
+reuses their source slots, demotions and promotions running both ways at once, disk reads sent
+up part by part, and prefetches from disk into pinned host memory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import kvtier
+from kvtier.tiering import mover
+from tests.kvdata import PageOracle
+from tests.test_background_properties import machine
+
+TPB = 16
+# 2 MiB pages: a write-through batch takes long enough on the link for a missing wait to show
+BIG = kvtier.ModelSpec.uniform(32, 8, 128, torch.float16)
+
+
+def big_manager(tmp_path, primary, host, disk=0, write_through=True, reserve=0.0):
+    probe = kvtier.KVCacheManager(BIG, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 24)], device="cuda"))
+    page = probe.page_bytes(0)
+    probe.close()
+    tiers = [
+        kvtier.PrimaryTier(primary * page, free_reserve=reserve),
+        kvtier.HostTier(host * page, write_through=write_through),
+    ]
+    if disk:
+        tiers.append(kvtier.DiskTier(disk * page, os.path.join(tmp_path, "disk")))
+    mgr = kvtier.KVCacheManager(BIG, kvtier.CacheConfig(TPB, tiers, device="cuda"))
+    return mgr, PageOracle(mgr)
+
+
+def serve(mgr, oracle, tokens):
+    cache = mgr.create_cache(tokens)
+    assert cache.resume()
+    oracle.check(cache, tokens)
+    start = cache.num_committed_tokens
+    assert cache.resize(len(tokens))
+    oracle.write(cache, tokens, start, len(tokens))
+    cache.commit(tokens[start:])
+    cache.close()
+    return cache.num_reused_tokens
+
+
+def prompt(i: int, blocks: int) -> list[int]:
+    return [100_000 * (i + 1) + j for j in range(blocks * TPB + 1)]
+
+
+def test_write_through_copies_race_new_writes(tmp_path):
+    mgr, oracle = big_manager(tmp_path, primary=24, host=96)
+    for round_ in range(6):
+        kept = prompt(round_, 20)
+        serve(mgr, oracle, kept)
+        mgr.maintain()  # 20 x 2 MiB go down on the background stream...
+        serve(mgr, oracle, prompt(50 + round_, 22))  # ...while these take their slots at once
+        assert serve(mgr, oracle, kept + [1]) == 20 * TPB
+    stats = mgr.stats()
+    assert stats.demotions > 0
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_duplex_resume_is_exact(tmp_path):
+    mgr, oracle = big_manager(tmp_path, primary=24, host=96, write_through=False)
+    for round_ in range(4):
+        kept = prompt(round_, 20)
+        serve(mgr, oracle, kept)
+        serve(mgr, oracle, prompt(60 + round_, 22))  # kept goes down, the primary tier is full
+        before = mgr.stats().bytes_copied.get("primary->host:copy_engine", 0)
+        assert serve(mgr, oracle, kept + [2]) == 20 * TPB  # victims down while kept comes up
+        assert mgr.stats().bytes_copied.get("primary->host:copy_engine", 0) > before
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_disk_reads_sent_up_part_by_part(tmp_path, monkeypatch):
+    monkeypatch.setattr(mover, "DISK_CHUNK_BYTES", 3 << 20)  # a part is one page: many parts
+    probe = kvtier.KVCacheManager(BIG, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 24)], device="cuda"))
+    page = probe.page_bytes(0)
+    probe.close()
+    tiers = [kvtier.PrimaryTier(24 * page), kvtier.DiskTier(96 * page, os.path.join(tmp_path, "d"))]
+    mgr = kvtier.KVCacheManager(BIG, kvtier.CacheConfig(TPB, tiers, device="cuda"))
+    oracle = PageOracle(mgr)
+    kept = prompt(0, 20)
+    serve(mgr, oracle, kept)
+    serve(mgr, oracle, prompt(1, 22))
+    cache = mgr.create_cache(kept + [3])
+    assert cache.reused_by_tier["disk"] == 20 * TPB
+    assert cache.resume()
+    oracle.check(cache, kept + [3])
+    cache.close()
+    mgr.close()
+
+
+def test_prefetch_to_pinned_host_memory(tmp_path):
+    mgr, oracle = big_manager(tmp_path, primary=24, host=24, disk=128, write_through=True)
+    kept = prompt(0, 20)
+    serve(mgr, oracle, kept)
+    for k in range(4):
+        serve(mgr, oracle, prompt(10 + k, 22))
+    job = mgr.prefetch_to_host(kept + [1])
+    assert job is not None and job.wait(30)
+    cache = mgr.create_cache(kept + [4])
+    assert cache.reused_by_tier["host"] == 20 * TPB
+    assert cache.resume()
+    oracle.check(cache, kept + [4])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_background_operations_on_gpu(kind):
+    m = machine(kind, {"primary": 8, "host": 6, "disk": 20}, reserve=0.2, device="cuda")
+    m.TestCase.settings = settings(
+        max_examples=8, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    m.TestCase().runTest()
