@@ -36,11 +36,13 @@ def test_unmeasured_tier_is_assumed_to_win():
     assert cost.block_seconds([(1, 1 << 20)]) == pytest.approx(0.001)
 
 
-def test_bandwidth_is_a_weighted_mean():
+def test_bandwidth_rises_slowly_and_falls_at_once():
     cost = LoadCost(2)
     cost.observe(1, 100, 1.0)
     cost.observe(1, 200, 1.0)
     assert cost.bandwidth[1] == pytest.approx(130.0)
+    cost.observe(1, 50, 1.0)
+    assert cost.bandwidth[1] == pytest.approx(50.0)
     cost.observe(0, 100, 1.0)  # the primary tier costs nothing, always
     assert cost.bandwidth[0] == math.inf
 
@@ -82,6 +84,7 @@ def test_resident_blocks_are_always_reused():
 def test_prefill_meter_needs_long_enough_steps():
     meter = PrefillMeter()
     assert meter.observe(10, 0.1) is None
+    assert meter.observe(1000, 5.0) is None  # the first long step is the cold start: left out
     assert meter.observe(1000, 0.5) == pytest.approx(2000.0)
     assert meter.observe(1000, 1.0) == pytest.approx(0.7 * 2000 + 0.3 * 1000)
 
@@ -96,5 +99,7 @@ def test_engine_reports_its_prefill_rate():
     config = kvtier.CacheConfig(16, [kvtier.PrimaryTier(8 << 20)])
     with LLMEngine(model, config, SchedulerConfig(max_num_tokens=512)) as engine:
         engine.generate([[1 + i % 300 for i in range(400)]], SamplingParams(max_tokens=2))
+        assert engine.prefill.rate is None  # one long step so far: the cold start
+        engine.generate([[2 + i % 300 for i in range(400)]], SamplingParams(max_tokens=2))
         assert engine.prefill.rate is not None and engine.prefill.rate > 0
         assert engine.cache_manager._pool.load_cost.prefill_rate == engine.prefill.rate

@@ -7,8 +7,11 @@ costs ``load(0..c-1) + (L - c * tokens_per_block) / rate``; the cut ``c`` with t
 kept (the longest among equals), the rest is recomputed. Blocks are loaded in prefix order, so
 the cost is evaluated for every cut in one pass.
 
-Bandwidths are measured online, per source tier, from the mover's own copies (an exponentially
-weighted mean); a tier never measured yet is assumed to win (its first load measures it). With
+Bandwidths are measured online, per source tier, from the mover's own copies: a measurement
+slower than the estimate replaces it at once, a faster one moves it by a weighted mean (a disk
+read from the OS page cache is fast, the same read cold is not: loads err toward recomputing,
+which costs at most the gain of a load). A tier never measured yet is assumed to win (its first
+load measures it). With
 no prefill rate (nothing told the pool one) every cached block is loaded.
 """
 
@@ -33,7 +36,10 @@ class LoadCost:
             return
         rate = nbytes / seconds
         old = self.bandwidth[tier]
-        self.bandwidth[tier] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
+        if old is None or rate < old:
+            self.bandwidth[tier] = rate  # a slower read counts at once (the OS page cache went cold)
+        else:
+            self.bandwidth[tier] = (1 - SMOOTHING) * old + SMOOTHING * rate
 
     def set_prefill_rate(self, tokens_per_second: float) -> None:
         if not tokens_per_second > 0 or not math.isfinite(tokens_per_second):
