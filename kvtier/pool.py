@@ -296,6 +296,7 @@ class PagePool:
         for group, count in need.items():
             self.planner.make_room(prefetcher.host.index, group, count, plan)  # as far as it goes
         self.apply(plan)
+        self.mover.synchronize()  # host slots it may take (a copy's) can still be landing from the device
         job = prefetcher.start(pages)
         for page in reversed(pages):
             res.unlock(page)

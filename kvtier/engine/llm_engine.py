@@ -137,9 +137,11 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.poll()
         batch = self.scheduler.schedule()
+        # Background copies (write-through, the free reserve) go now, before the forward: they
+        # overlap its compute, and the next step's moves, which wait for them, find them done.
+        self.cache_manager.maintain()
         finished = [self._finish_failed(request, request.error) for request in self.scheduler.take_failed()]
         if not batch:
-            self.cache_manager.maintain()
             if not finished and self.connector is not None and self.connector.saving:
                 time.sleep(0.001)  # waiting for a save to release its pages
             return finished
@@ -153,7 +155,6 @@ class LLMEngine:
         rate = self.prefill.observe(sum(c.num_tokens for c in batch if c.num_tokens > 1), now - began)
         if rate is not None:
             self.cache_manager.set_prefill_rate(rate)
-        self.cache_manager.maintain()
         for chunk in batch:
             request = chunk.request
             error = errors.get(request.request_id)

@@ -65,6 +65,8 @@ class Mover:
         their checksum on the way (listed in ``plan.damaged``).
         """
         damaged = 0
+        if self._background_pending and not background and not self.background_busy():
+            self._background_pending = False  # it has finished: nothing to wait for
         if plan.edges or self._background_pending:
             stream = self._stream(stream, background)
             if plan.edges:
