@@ -70,7 +70,7 @@ def check_pages(tiers: list[Tier], tree: RadixTree, holders: Iterable[PageHolder
             raise InvariantError(f"{page}: refs {page.refs} but {refs[id(page)]} caches hold it")
         if locks[id(page)] + pins[id(page)] != page.locks:
             raise InvariantError(f"{page}: locks {page.locks} but {locks[id(page)]} active holders")
-        if not page.refs and page.node is None:
+        if not page.refs and page.node is None and not pins[id(page)]:  # a pin frees it when it goes
             raise InvariantError(f"{page} is held by nobody but was not freed")
         tier = tiers[page.tier]
         indexed = page in tier.evictable[page.group]

@@ -157,3 +157,35 @@ def test_prefetch_without_host_or_disk_returns_none():
     with pytest.raises(TypeError, match="scope"):
         mgr.prefetch_to_host([1, 2, 3], scope="x")
     mgr.close()
+
+
+def test_page_found_damaged_while_its_prefetch_waits(three_tiers, monkeypatch):
+    """A promotion finds a page damaged while a prefetch still pins it: it is freed when the
+    prefetch lets go, and every invariant holds in between."""
+    import threading
+
+    release = threading.Event()
+    real_read = host_prefetch.HostPrefetcher._read
+
+    def held_read(self, job):
+        release.wait(10)
+        real_read(self, job)
+
+    monkeypatch.setattr(host_prefetch.HostPrefetcher, "_read", held_read)
+    mgr, oracle = three_tiers()
+    prompt = [5900 + i for i in range(5 * TPB + 1)]
+    to_disk(mgr, oracle, prompt)
+    pool = mgr._pool
+    disk = next(t for t in pool.tiers if t.is_disk)
+    page = pool.match(__import__("array").array("Q", prompt + [1]), kvtier.ReuseScope()).full_nodes[0].pages[0]
+    os.pwrite(disk.storage._fds[0], b"\xff" * 64, page.slot * disk.storage.page_bytes[0])
+    job = mgr.prefetch_to_host(prompt + [1])
+    mgr.prefetch(prompt + [1])  # promotes the first block, finds it damaged: unpublished while pinned
+    assert page.damaged
+    mgr.check_invariants()
+    release.set()
+    job.wait(10)
+    mgr.maintain()
+    mgr.check_invariants()
+    assert mgr.create_cache(prompt + [2]).num_reused_tokens == 0
+    mgr.close()
