@@ -137,7 +137,9 @@ class KVCacheManager:
         Returns the number of pages planned (0 with neither feature on).
         """
         self._check_open()
-        return self._pool.maintain()
+        planned = self._pool.maintain()
+        self._pool.debug_check()
+        return planned
 
     @exclusive
     def set_prefill_rate(self, tokens_per_second: float) -> None:
