@@ -20,6 +20,7 @@ from kvtier.errors import CacheStateError
 from kvtier.exclusive import exclusive
 from kvtier.layout import GroupLayout, KvCacheLayout, Region, page_geometries, part_views
 from kvtier.pool import PagePool
+from kvtier.reuse.matching import ReuseMatch
 from kvtier.reuse.tokens import as_token_array
 from kvtier.spec import ModelSpec
 from kvtier.stats import CacheStats
@@ -94,11 +95,7 @@ class KVCacheManager:
         Pages are moved as room allows (evicting colder pages, never locked or held ones below
         their due); they stay evictable, as recently used. Returns the number of pages promoted.
         """
-        self._check_open()
-        token_array = as_token_array(tokens)
-        if not isinstance(scope, ReuseScope):
-            raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
-        match = self._pool.match(token_array, scope)
+        match = self._match(tokens, scope)
         if match is None:
             return 0
         moved = self._pool.prefetch(match, stream)
@@ -110,22 +107,26 @@ class KVCacheManager:
         """Start reading the cached prefix of ``tokens`` from the disk tier into host memory on a
         background thread (for a request that waits in a queue: its disk hit then costs a host hit).
 
-        Room is made in host memory now, as for a promotion (its coldest pages go to disk). Returns a handle with
-        ``done()``, ``wait(timeout)``, ``cancel()`` and ``num_pages``, or None when there is
+        Room is made in host memory now, as for a promotion (its coldest pages go to disk). Returns a
+        handle with ``done()``, ``wait(timeout)``, ``cancel()`` and ``num_pages``, or None when there is
         nothing to read (no host and disk tier, no match, nothing of it on disk). Pages read are
         moved to the host tier by the manager's next call (``maintain``, ``create_cache``);
         those not read by a cancel stay on disk. ``close`` cancels what is still running.
         """
-        self._check_open()
-        token_array = as_token_array(tokens)
-        if not isinstance(scope, ReuseScope):
-            raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
-        match = self._pool.match(token_array, scope)
+        match = self._match(tokens, scope)
         if match is None:
             return None
         job = self._pool.prefetch_to_host(match)
         self._pool.debug_check()
         return job
+
+    def _match(self, tokens, scope: ReuseScope) -> ReuseMatch | None:
+        """The reusable prefix of ``tokens`` in ``scope`` (checked first: open manager, tokens, scope)."""
+        self._check_open()
+        token_array = as_token_array(tokens)
+        if not isinstance(scope, ReuseScope):
+            raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
+        return self._pool.match(token_array, scope)
 
     @exclusive
     def maintain(self) -> int:

@@ -7,8 +7,10 @@ itself; closing the manager stops the reads.
 
 from __future__ import annotations
 
+import array
 import os
 import tempfile
+import threading
 
 import pytest
 
@@ -86,16 +88,23 @@ def test_cancelled_prefetch_leaves_unread_pages_on_disk(three_tiers, monkeypatch
     mgr.close()
 
 
-def test_resume_during_prefetch_reads_from_disk_itself(three_tiers, monkeypatch):
-    started, release = __import__("threading").Event(), __import__("threading").Event()
+@pytest.fixture
+def held_reads(monkeypatch):
+    """Prefetch reads wait for ``release`` before they start; ``started`` is set when one waits."""
+    started, release = threading.Event(), threading.Event()
     real_read = host_prefetch.HostPrefetcher._read
 
-    def slow_read(self, job):
+    def held_read(self, job):
         started.set()
         release.wait(10)
         real_read(self, job)
 
-    monkeypatch.setattr(host_prefetch.HostPrefetcher, "_read", slow_read)
+    monkeypatch.setattr(host_prefetch.HostPrefetcher, "_read", held_read)
+    return started, release
+
+
+def test_resume_during_prefetch_reads_from_disk_itself(three_tiers, held_reads):
+    started, release = held_reads
     mgr, oracle = three_tiers()
     prompt = [2900 + i for i in range(5 * TPB + 1)]
     to_disk(mgr, oracle, prompt)
@@ -121,7 +130,7 @@ def test_damaged_page_is_not_reused(three_tiers):
     to_disk(mgr, oracle, prompt)
     pool = mgr._pool
     disk = next(t for t in pool.tiers if t.is_disk)
-    node = pool.match(__import__("array").array("Q", prompt + [1]), kvtier.ReuseScope()).full_nodes[2]
+    node = pool.match(array.array("Q", prompt + [1]), kvtier.ReuseScope()).full_nodes[2]
     page = node.pages[0]
     fd = disk.storage._fds[0]
     os.pwrite(fd, b"\xff" * 64, page.slot * disk.storage.page_bytes[0])
@@ -159,25 +168,16 @@ def test_prefetch_without_host_or_disk_returns_none():
     mgr.close()
 
 
-def test_page_found_damaged_while_its_prefetch_waits(three_tiers, monkeypatch):
+def test_page_found_damaged_while_its_prefetch_waits(three_tiers, held_reads):
     """A promotion finds a page damaged while a prefetch still pins it: it is freed when the
     prefetch lets go, and every invariant holds in between."""
-    import threading
-
-    release = threading.Event()
-    real_read = host_prefetch.HostPrefetcher._read
-
-    def held_read(self, job):
-        release.wait(10)
-        real_read(self, job)
-
-    monkeypatch.setattr(host_prefetch.HostPrefetcher, "_read", held_read)
+    _, release = held_reads
     mgr, oracle = three_tiers()
     prompt = [5900 + i for i in range(5 * TPB + 1)]
     to_disk(mgr, oracle, prompt)
     pool = mgr._pool
     disk = next(t for t in pool.tiers if t.is_disk)
-    page = pool.match(__import__("array").array("Q", prompt + [1]), kvtier.ReuseScope()).full_nodes[0].pages[0]
+    page = pool.match(array.array("Q", prompt + [1]), kvtier.ReuseScope()).full_nodes[0].pages[0]
     os.pwrite(disk.storage._fds[0], b"\xff" * 64, page.slot * disk.storage.page_bytes[0])
     job = mgr.prefetch_to_host(prompt + [1])
     mgr.prefetch(prompt + [1])  # promotes the first block, finds it damaged: unpublished while pinned

@@ -93,7 +93,7 @@ class BackgroundWork:
                 or group in full
             ):
                 continue
-            slot = self._host_slot(group, planned_copies)
+            slot = host.slot_for_copy(group, keep=planned_copies)  # this batch's slots stay its own
             if slot is None:
                 full.add(group)
                 watch[page] = None  # kept for a later batch, when host memory has room again
@@ -104,16 +104,3 @@ class BackgroundWork:
             budget -= page_bytes[group]
             planned += 1
         return planned
-
-    def _host_slot(self, group: int, planned: set[Page]) -> int | None:
-        """A free host slot of ``group``, or the slot of its least recently used spare copy (not
-        one of the ``planned`` copies: their slots are this batch's destinations)."""
-        host = self.host
-        slots = host.storage.slots[group]
-        slot = slots.allocate()
-        if slot is None:
-            first = host.evictable[group].first()
-            if first is not None and first in host.spare_copies and first not in planned:
-                host.remove_copy(first)
-                slot = slots.allocate()
-        return slot

@@ -88,7 +88,7 @@ class HostPrefetcher:
         for page in pages:
             if page.tier != disk.index or page.damaged or self.pins[id(page)]:
                 continue
-            slot = self._host_slot(page.group)
+            slot = host.slot_for_copy(page.group)
             if slot is None:
                 continue
             self.residency.lock(page)
@@ -105,17 +105,6 @@ class HostPrefetcher:
         job.future = self._worker.submit(self._read, job)
         self.active.append(job)
         return job
-
-    def _host_slot(self, group: int) -> int | None:
-        host = self.host
-        slots = host.storage.slots[group]
-        slot = slots.allocate()
-        if slot is None:
-            first = host.evictable[group].first()
-            if first is not None and first in host.spare_copies:
-                host.remove_copy(first)
-                slot = slots.allocate()
-        return slot
 
     def _read(self, job: HostPrefetch) -> None:
         """On the worker thread: read the pages group by group, part by part, until cancelled."""

@@ -183,6 +183,18 @@ class Tier:
         self.record(copy)
         self.reindex(copy)
 
+    def slot_for_copy(self, group: int, keep: set[Page] | frozenset = frozenset()) -> int | None:
+        """A free slot of ``group``, or else the slot of its least recently used spare copy (not one
+        of ``keep``), which is removed; None when neither exists (no page is ever pushed out)."""
+        slots = self.storage.slots[group]
+        slot = slots.allocate()
+        if slot is None:
+            first = self.evictable[group].first()
+            if first is not None and first in self.spare_copies and first not in keep:
+                self.remove_copy(first)
+                slot = slots.allocate()
+        return slot
+
     def take_copy(self, original: Page) -> tuple[int, int] | None:
         """(slot, checksum) of ``original``'s copy, handed over to it (it is being demoted here); or None."""
         copy = self.copies.pop(original, None)

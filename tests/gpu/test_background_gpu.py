@@ -14,6 +14,7 @@ import kvtier
 from kvtier.tiering import mover
 from tests.kvdata import PageOracle
 from tests.test_background_properties import machine
+from tests.test_write_through import serve
 
 TPB = 16
 # 2 MiB pages: a write-through batch takes long enough on the link for a missing wait to show
@@ -32,18 +33,6 @@ def big_manager(tmp_path, primary, host, disk=0, write_through=True, reserve=0.0
         tiers.append(kvtier.DiskTier(disk * page, os.path.join(tmp_path, "disk")))
     mgr = kvtier.KVCacheManager(BIG, kvtier.CacheConfig(TPB, tiers, device="cuda"))
     return mgr, PageOracle(mgr)
-
-
-def serve(mgr, oracle, tokens):
-    cache = mgr.create_cache(tokens)
-    assert cache.resume()
-    oracle.check(cache, tokens)
-    start = cache.num_committed_tokens
-    assert cache.resize(len(tokens))
-    oracle.write(cache, tokens, start, len(tokens))
-    cache.commit(tokens[start:])
-    cache.close()
-    return cache.num_reused_tokens
 
 
 def prompt(i: int, blocks: int) -> list[int]:
