@@ -132,6 +132,7 @@ class PrefixCache:
             return out
         finally:
             close_rows(rows)
+            mgr.maintain()  # the rows' published pages go to host memory in the background (write-through)
 
     def _recorder(self, cache: RecordingCache, rows: list[Row]) -> StateRecorder | None:
         """For a model with linear-attention layers: a hook keeping each row's states at its snapshot points

@@ -4,6 +4,8 @@ and never serves one checkpoint's pages to another."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -85,3 +87,24 @@ def test_sampling_draws_the_same_tokens_with_the_same_seed():
             assert torch.equal(got, expected)
             prompt = got[0].tolist() + tokens(g, 5)
         assert pc.last_reused_tokens[0] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_chat_with_write_through_copies(arch):
+    """Each generate leaves its published pages copied to host memory (``maintain``); later turns
+    evict them without a copy and still equal ``model.generate``."""
+    model = tiny_model(arch)
+    config = tiers_config(model, blocks=12, host_blocks=64)
+    config = dataclasses.replace(
+        config, tiers=[config.tiers[0], dataclasses.replace(config.tiers[1], write_through=True)]
+    )
+    g = torch.Generator().manual_seed(5)
+    history = [tokens(g, 40 + 3 * c) for c in range(3)]
+    with PrefixCache(model, config) as pc:
+        for _ in range(2):
+            for c in range(3):
+                history[c] = _turn(model, pc, history[c]) + tokens(g, 5)
+        stats = pc.manager.stats()
+        assert stats.bytes_copied.get("primary->host:cpu", 0) > 0
+        assert stats.hit_tokens["host"] > 0
+        pc.manager.check_invariants()
