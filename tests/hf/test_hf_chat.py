@@ -101,10 +101,12 @@ def test_chat_with_write_through_copies(arch):
     g = torch.Generator().manual_seed(5)
     history = [tokens(g, 40 + 3 * c) for c in range(3)]
     with PrefixCache(model, config) as pc:
+        history[0] = _turn(model, pc, history[0]) + tokens(g, 5)
+        first = pc.manager.stats()
+        assert first.demotions == 0 and first.bytes_copied.get("primary->host:cpu", 0) > 0  # copies, not moves
         for _ in range(2):
             for c in range(3):
                 history[c] = _turn(model, pc, history[c]) + tokens(g, 5)
         stats = pc.manager.stats()
-        assert stats.bytes_copied.get("primary->host:cpu", 0) > 0
-        assert stats.hit_tokens["host"] > 0
+        assert stats.demotions > 0 and stats.hit_tokens["host"] > 0
         pc.manager.check_invariants()
