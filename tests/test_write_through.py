@@ -147,3 +147,12 @@ def test_maintain_after_close_raises():
     mgr.close()
     with pytest.raises(kvtier.CacheStateError):
         mgr.maintain()
+
+
+def test_pages_waiting_for_host_room_stay_watched():
+    mgr, oracle, _ = manager(primary_pages=8, host_pages=2)
+    serve(mgr, oracle, [1000 + i for i in range(6 * TPB + 1)])  # 6 published blocks, room for 2 copies
+    assert mgr.maintain() == 2
+    assert mgr.maintain() == 0  # host memory is full of copies: nothing to do
+    assert len(mgr._pool.tiers[0].watch) == 4  # the other 4 wait for room, none forgotten
+    mgr.close()

@@ -1,7 +1,8 @@
 """Work done between requests (``PagePool.maintain``): write-through copies and the free reserve.
 
 *Write-through*: published primary pages that became evictable (``Tier.watch``, oldest first)
-are copied to free host slots, or to slots of other copies, never pushing a page out. The copy
+are copied to free host slots, or to slots of copies whose originals left the primary tier,
+never pushing a page out (pages waiting for room stay watched). The copy
 is owned by the host tier (``Tier.add_copy``, spare: the first to go when room is wanted there),
 so evicting the original later takes the copy's slot and moves no byte.
 
@@ -90,10 +91,11 @@ class BackgroundWork:
                 or page.damaged
                 or page.priority < self.min_priority
                 or page in host.copies
-                or group in full
             ):
-                continue
-            slot = host.slot_for_copy(group, keep=planned_copies)  # this batch's slots stay its own
+                continue  # nothing to copy, now or later
+            # never in place of another copy of a primary page: those are as good, and older ones
+            # are nearer to eviction (a copy's slot is taken only from pages gone from the GPU)
+            slot = None if group in full else host.slot_for_copy(group, planned_copies, unless_original_in=PRIMARY)
             if slot is None:
                 full.add(group)
                 watch[page] = None  # kept for a later batch, when host memory has room again

@@ -183,14 +183,22 @@ class Tier:
         self.record(copy)
         self.reindex(copy)
 
-    def slot_for_copy(self, group: int, keep: set[Page] | frozenset = frozenset()) -> int | None:
-        """A free slot of ``group``, or else the slot of its least recently used spare copy (not one
-        of ``keep``), which is removed; None when neither exists (no page is ever pushed out)."""
+    def slot_for_copy(
+        self, group: int, keep: set[Page] | frozenset = frozenset(), unless_original_in: int | None = None
+    ) -> int | None:
+        """A free slot of ``group``, or else the slot of its least recently used spare copy, which is
+        removed; None when neither exists (no page is ever pushed out). That copy is kept (None is
+        returned) if it is one of ``keep`` or its original is in tier ``unless_original_in``."""
         slots = self.storage.slots[group]
         slot = slots.allocate()
         if slot is None:
             first = self.evictable[group].first()
-            if first is not None and first in self.spare_copies and first not in keep:
+            if (
+                first is not None
+                and first in self.spare_copies
+                and first not in keep
+                and self.originals[first].tier != unless_original_in
+            ):
                 self.remove_copy(first)
                 slot = slots.allocate()
         return slot
