@@ -189,3 +189,48 @@ def test_page_found_damaged_while_its_prefetch_waits(three_tiers, held_reads):
     mgr.check_invariants()
     assert mgr.create_cache(prompt + [2]).num_reused_tokens == 0
     mgr.close()
+
+
+@pytest.mark.parametrize("ending", ["no close", "killed"])
+def test_a_process_ending_during_a_prefetch_leaves_the_disk_exact(tmp_path, ending):
+    """A script that never closes its manager, or is killed, while a prefetch reads: the next
+    manager on the directory serves the prefix byte for byte."""
+    from tests.test_disk_reliability import run_child
+
+    end = "os.kill(os.getpid(), signal.SIGKILL)" if ending == "killed" else "pass"
+    code = f"""
+    import os, signal
+    import kvtier
+    from tests.kvdata import PageOracle, small_spec
+    from tests.test_host_prefetch import to_disk, TPB
+    spec = small_spec("llama")
+    page = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)])).page_bytes(0)
+    tiers = [kvtier.PrimaryTier(6 * page), kvtier.HostTier(32 * page, write_through=False),
+             kvtier.DiskTier(64 * page, {str(tmp_path / "disk")!r})]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+    prompt = [6900 + i for i in range(5 * TPB + 1)]
+    to_disk(mgr, PageOracle(mgr), prompt)
+    mgr.close()
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))  # the prefix only on disk now
+    job = mgr.prefetch_to_host(prompt + [1])
+    assert job is not None
+    {end}
+    """
+    out = run_child(code)
+    assert out.returncode == (-9 if ending == "killed" else 0), out.stderr[-3000:]
+    spec = small_spec("llama")
+    page = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)])).page_bytes(0)
+    tiers = [
+        kvtier.PrimaryTier(6 * page),
+        kvtier.HostTier(32 * page, write_through=False),
+        kvtier.DiskTier(64 * page, tmp_path / "disk"),
+    ]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+    prompt = [6900 + i for i in range(5 * TPB + 1)]
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.num_reused_tokens == 5 * TPB
+    assert cache.resume()
+    PageOracle(mgr).check(cache, prompt + [2])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
