@@ -108,6 +108,10 @@ def test_bad_buffers(copier: PageCopier) -> None:
         copier.copy(np.zeros(256, dtype=np.uint8), good, [(0, 0)], 64)
     with pytest.raises(ValueError, match="also writes"):
         copier.copy(good, good, [(0, 1), (1, 2)], 64)
+    many = torch.zeros(64 * 64, dtype=torch.uint8)
+    chained = [(i, 40 + i) for i in range(17)] + [(40, 63)]  # more pairs than the small-call check takes
+    with pytest.raises(ValueError, match="also writes"):
+        copier.copy(many, many, chained, 64)
     with pytest.raises(ValueError, match="overlap"):
         copier.copy(good[:128], good[64:], [(0, 0)], 64)
 

@@ -119,5 +119,9 @@ def _check_overlap(src: torch.Tensor, dst: torch.Tensor, pairs: np.ndarray, page
         return
     if s0 != d0:
         raise ValueError("src and dst overlap at different offsets; pass two distinct buffers or the same one")
-    if np.intersect1d(pairs[:, 0], pairs[:, 1]).size:
+    if pairs.shape[0] <= SMALL_CALL:
+        reads_written = not set(pairs[:, 0].tolist()).isdisjoint(pairs[:, 1].tolist())
+    else:
+        reads_written = np.intersect1d(pairs[:, 0], pairs[:, 1]).size > 0
+    if reads_written:
         raise ValueError("within one buffer, a call must not read a slot that it also writes; split the call")
