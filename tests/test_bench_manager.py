@@ -8,9 +8,9 @@ import json
 import pytest
 
 from kvtier.cli import main
-from kvtier.cli.bench_manager import TPB, KvtierCachedPrompt, KvtierDecode
+from kvtier.cli.bench_manager import TPB, KvtierCachedPrompt, KvtierDecode, Pressure, PressureResume
 
-TINY = ["bench", "manager", "--steps", "20", "--prompt-tokens", "160", "--repeats", "3"]
+TINY = ["bench", "manager", "--steps", "20", "--prompt-tokens", "160", "--repeats", "3", "--pressure-repeats", "1"]
 
 
 def _run(capsys, tmp_path, *extra: str) -> tuple[dict, str]:
@@ -27,6 +27,12 @@ def test_kvtier_figures_and_round_trips_without_the_comparison(capsys, tmp_path)
     assert cached["resize_median"] > 0
     assert set(results["round_trip_us_per_page"]) == {"host", "host+disk"}
     assert all(v > 0 for v in results["round_trip_us_per_page"].values())
+    pressure = results["pressure_resume_ms"]
+    assert set(pressure) == {"on", "off"}
+    for figures in pressure.values():
+        assert 0 < figures["min"] <= figures["median"] <= figures["max"]
+        assert figures["promotions"] == figures["demotions"] == figures["drops"] == 2048
+    assert "resume of a 2,048-page prefix from host, GPU pool and host full, write-through off, ms" in out
     assert results["vllm"] == {"missing": "vLLM not measured (--no-vllm)"}
     assert "ratios_vllm_over_kvtier" not in results
     assert "decode step, us per request (256 requests)" in out
@@ -35,15 +41,21 @@ def test_kvtier_figures_and_round_trips_without_the_comparison(capsys, tmp_path)
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_without_vllm_the_bench_says_it_was_not_found(capsys, tmp_path):
-    results, out = _run(capsys, tmp_path, "--no-tiers")
+    results, out = _run(capsys, tmp_path, "--no-tiers", "--no-pressure")
     assert results["vllm"]["missing"].startswith("vLLM was not found")
     assert "vLLM was not found" in out
     assert "round_trip_us_per_page" not in results
+    assert "pressure_resume_ms" not in results
 
 
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
-    [("--steps", "0", "must be >= 1"), ("--repeats", "-1", "must be >= 1"), ("--prompt-tokens", "31", "must be >= 32")],
+    [
+        ("--steps", "0", "must be >= 1"),
+        ("--repeats", "-1", "must be >= 1"),
+        ("--prompt-tokens", "31", "must be >= 32"),
+        ("--pressure-repeats", "0", "must be >= 1"),
+    ],
 )
 def test_bad_sizes_are_refused_before_anything_runs(capsys, flag, value, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -77,3 +89,18 @@ def test_the_cached_prompt_is_reused_up_to_its_last_token_and_a_miss_is_refused(
             cached.once()
     finally:
         cached.close()
+
+
+def test_the_resume_under_pressure_finds_both_tiers_full_and_the_prefix_in_host_memory():
+    sizes = Pressure(prefix_blocks=32, primary_pages=48, host_pages=128, prompts=4, prompt_blocks=16, filler_blocks=32)
+    for write_through in (True, False):
+        side = PressureResume(write_through, sizes)
+        try:
+            run = side.once()
+            assert run["seconds"] > 0
+            assert run["promotions"] == run["demotions"] == run["drops"] == 32
+            side.manager.check_invariants()
+            with pytest.raises(RuntimeError, match=r"not full|not found in host memory"):
+                side.once()  # the prefix is in the primary tier now (and its host slots free, without copies)
+        finally:
+            side.close()
