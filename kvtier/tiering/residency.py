@@ -157,12 +157,50 @@ class Residency:
         victims = list(islice((p for p in tier.evictable[group] if p.refs == 0), count))
         if len(victims) < count:
             return
+        originals = tier.originals
+        if not originals:
+            self.counters.evictions += count
+            self._drop_all(tier, group, victims)
+            return
         for page in victims:
-            if page in tier.originals:
+            if page in originals:
                 tier.remove_copy(page)  # a copy: its original stays where it is
                 continue
             self.counters.evictions += 1
-            self.drop(page)
+            self._drop_all(tier, group, [page])
+
+    def _drop_all(self, tier: Tier, group: int, pages: list[Page]) -> None:
+        """``drop`` for droppable pages of one tier and group, in order: unpublished, their slots freed,
+        then their emptied nodes pruned from the tree (the tree ends as page-by-page drops leave it)."""
+        index = tier.evictable[group]
+        owners = tier.owners[group]
+        free = tier.storage.slots[group].free
+        on_disk = tier.disk_index is not None
+        keepers = [k for k in self._copy_tiers if k.copies]  # a page here has its copies in colder tiers
+        nodes = []
+        for page in pages:
+            node = page.node
+            if node is None or page.refs or page.locks:
+                raise InvariantError(f"{page} is {page.state.value}: only droppable pages are dropped")
+            if on_disk:
+                tier.forget(page)
+            for keeper in keepers:
+                copy = keeper.copies.get(page)
+                if copy is not None:
+                    keeper.remove_copy(copy)
+            if page.snapshot_offset:
+                del node.snapshots[page.snapshot_offset]
+            else:
+                node.pages[group] = None
+            page.node = None
+            index.discard(page)
+            owners[page.slot] = None
+            free(page.slot)
+            nodes.append(node)
+        self.counters.drops += len(nodes)
+        prune = self.tree.prune
+        for node in nodes:
+            prune(node)
 
     def mark_damaged(self, page: Page) -> None:
         """``page``'s bytes failed their checksum: never reuse it; its holders start over on resume."""
