@@ -66,6 +66,16 @@ class EvictionIndex:
             del spare[page]
             self._size -= 1
 
+    def discard_all(self, pages: list[Page]) -> None:
+        """``discard`` for every page of a list, in one pass."""
+        levels = self._levels
+        spare = levels[0]
+        removed = 0
+        for page in pages:  # entries hold None: popping None means the page was there
+            if levels[page.priority + 1].pop(page, 0) is None or (spare and spare.pop(page, 0) is None):
+                removed += 1
+        self._size -= removed
+
     def __iter__(self) -> Iterator[Page]:
         """Pages in eviction order. Do not change the index while iterating."""
         if self._size:

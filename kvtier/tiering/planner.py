@@ -90,24 +90,53 @@ class MovePlanner:
         """Move victims one tier down; the next tier has a free slot for each."""
         dst = self.tiers[dst_index]
         if not dst.is_disk:
-            for page in victims:
-                self.counters.evictions += 1
-                self.counters.demotions += 1
-                self.move(page, dst_index, plan)
+            self.counters.evictions += len(victims)
+            self.counters.demotions += len(victims)
+            self._move_down(victims, dst, plan)
             return
         if self.disk_writes is None or dst is not self.disk_writes.disk:
             raise InvariantError(f"demotion to {dst.name}, which has no disk writes")
         self.disk_writes.demote(victims, plan)
 
+    def _move_down(self, pages: list[Page], dst: Tier, plan: MovePlan) -> None:
+        """``move`` for pages of one memory tier and group into a colder memory tier ``dst`` that has
+        a free slot for each, in one pass: their slots here are freed at once, the copies planned."""
+        group = pages[0].group
+        src = self.tiers[pages[0].tier]
+        src.evictable[group].discard_all(pages)
+        src_owners, dst_owners = src.owners[group], dst.owners[group]
+        free = src.storage.slots[group].free
+        allocate = dst.storage.slots[group].allocate
+        dst_index = dst.index
+        edge = plan.edges[(src.index, dst_index, group)]
+        for page in pages:
+            slot = page.slot
+            src_owners[slot] = None
+            free(slot)
+            new = allocate()
+            if new is None:
+                raise InvariantError(f"{page} moved to {dst.name}, which had no free slot")
+            page.tier = dst_index
+            page.slot = new
+            dst_owners[new] = page
+            edge.append(slot)
+            edge.append(new)
+        if src.disk_index is not None:
+            for page in pages:
+                src.forget(page)
+        plan.landed.extend(pages)
+
     def _take_copies(self, victims: list[Page], dst: Tier) -> list[Page]:
         """Demote the victims that have a copy in memory tier ``dst`` into their copy's slot (the
         bytes are there, or on their way on the background stream, which later copies wait for):
         nothing is copied. Returns the other victims."""
-        rest = []
+        copies = dst.copies
+        rest = [page for page in victims if page not in copies]
+        if len(rest) == len(victims):
+            return victims
         for page in victims:
             copied = dst.take_copy(page)
             if copied is None:
-                rest.append(page)
                 continue
             self.counters.evictions += 1
             self.counters.demotions += 1
@@ -149,11 +178,46 @@ class MovePlanner:
         for group, count in need.items():
             if not self.make_room(PRIMARY, group, count, plan):
                 return False
-        for page in pages:
-            if page.tier != PRIMARY:
-                self.counters.promotions += 1
-                self.move(page, PRIMARY, plan)
+        cold = [page for page in pages if page.tier != PRIMARY]
+        self.counters.promotions += len(cold)
+        self._move_up(cold, plan)
         return True
+
+    def _move_up(self, pages: list[Page], plan: MovePlan) -> None:
+        """``move`` into the primary tier for locked pages of lower tiers (one pass, runs of one
+        (tier, group) sharing their look-ups); the primary tier has a free slot for each."""
+        tiers = self.tiers
+        primary = tiers[PRIMARY]
+        landed, kept, deferred = plan.landed, plan.kept_copies, plan.deferred_frees
+        key = None
+        for page in pages:
+            if (page.tier, page.group) != key:
+                key = src_index, group = page.tier, page.group
+                src = tiers[src_index]
+                src_owners, index = src.owners[group], src.evictable[group]
+                keeps = src.keeps_copies
+                on_disk = src.disk_index is not None
+                owners, allocate = primary.owners[group], primary.storage.slots[group].allocate
+                edge = plan.edges[(src_index, PRIMARY, group)]
+            slot = page.slot
+            if not page.locks:  # a locked page is in no eviction index
+                index.discard(page)
+            src_owners[slot] = None
+            if on_disk:
+                src.forget(page)
+            new = allocate()
+            if new is None:
+                raise InvariantError(f"{page} moved to {primary.name}, which had no free slot")
+            page.tier = PRIMARY
+            page.slot = new
+            owners[new] = page
+            edge.append(slot)
+            edge.append(new)
+            landed.append(page)
+            if keeps and page.node is not None:
+                kept.append((page, src_index, slot))  # its bytes stay there, as a copy
+            else:
+                deferred.append((src_index, group, slot))
 
     def persist(self, plan: MovePlan) -> int:
         """Write published pages held in memory tiers to the disk tier, parents first (at close).
@@ -167,19 +231,32 @@ class MovePlanner:
         """After the plan's copies ran: free the slots they read, index the pages they moved, commit
         the disk index."""
         residency = self.residency
+        tiers = self.tiers
         for tier_index, group, slot in plan.deferred_frees:
-            self.tiers[tier_index].storage.slots[group].free(slot)
+            tiers[tier_index].storage.slots[group].free(slot)
+        by_tier: dict[int, list[Page]] = {}  # each tier's pages in plan order (the order of its index)
         for page in plan.landed:
             if page.refs or page.node is not None:
-                self.tiers[page.tier].reindex(page)
+                landed = by_tier.get(page.tier)
+                if landed is None:
+                    landed = by_tier[page.tier] = []
+                landed.append(page)
+        for tier_index, landed in by_tier.items():
+            tiers[tier_index].reindex_all(landed)
         for page in plan.damaged:
             residency.mark_damaged(page)
+        kept: dict[int, list[tuple[Page, int]]] = {}
         for page, tier_index, slot in plan.kept_copies:
-            keeper = self.tiers[tier_index]
+            keeper = tiers[tier_index]
             if page.damaged or page.node is None or page in keeper.copies:
                 keeper.storage.slots[page.group].free(slot)
             else:
-                keeper.add_copy(page, slot, page.checksum, spare=True)
+                copies = kept.get(tier_index)
+                if copies is None:
+                    copies = kept[tier_index] = []
+                copies.append((page, slot))
+        for tier_index, copies in kept.items():
+            tiers[tier_index].add_spare_copies(copies)
         plan.kept_copies.clear()
         plan.deferred_frees.clear()
         plan.landed.clear()

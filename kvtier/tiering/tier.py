@@ -183,6 +183,34 @@ class Tier:
         self.record(copy)
         self.reindex(copy)
 
+    def add_spare_copies(self, copies: list[tuple[Page, int]]) -> None:
+        """``add_copy(original, slot, original.checksum, spare=True)`` for each (original, slot), in one
+        pass; no original has a copy here yet."""
+        index = self.index
+        owners, copies_of, originals, spare = self.owners, self.copies, self.originals, self.spare_copies
+        on_disk = self.disk_index is not None
+        made = []
+        for original, slot in copies:
+            copy = Page(
+                original.group,
+                index,
+                slot,
+                original.priority,
+                0,
+                0,
+                original.node,
+                original.snapshot_offset,
+                original.checksum,
+            )
+            owners[copy.group][slot] = copy
+            copies_of[original] = copy
+            originals[copy] = original
+            spare.add(copy)
+            if on_disk:
+                self.record(copy)
+            made.append(copy)
+        self.reindex_all(made)
+
     def slot_for_copy(
         self, group: int, keep: set[Page] | frozenset = frozenset(), unless_original_in: int | None = None
     ) -> int | None:
@@ -227,6 +255,19 @@ class Tier:
     def may_evict(self, page: Page) -> bool:
         """Unlocked pages may leave; from the last tier only pages no cache holds (they are dropped)."""
         return page.locks == 0 and (page.refs == 0 or not self.is_last)
+
+    def reindex_all(self, pages: list[Page]) -> None:
+        """``reindex`` every page of a list (all in this tier), in order."""
+        is_last, spare, watch, evictable = self.is_last, self.spare_copies, self.watch, self.evictable
+        for page in pages:
+            if page.locks == 0 and (page.refs == 0 or not is_last):
+                evictable[page.group].add(page, redundant=page in spare)
+                if watch is not None and page.node is not None:
+                    watch[page] = None
+                    if len(watch) > self.watch_limit:
+                        watch.popitem(last=False)
+            else:
+                evictable[page.group].discard(page)
 
     def reindex(self, page: Page) -> None:
         """Put ``page`` in or out of the eviction index; re-adding makes it the most recently used."""
