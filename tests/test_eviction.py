@@ -134,3 +134,22 @@ def test_against_a_sorted_list_model(priorities, steps):
         assert len(index) == len(expected)
         assert index.first() is (expected[0] if expected else None)
         assert all((q in index) == (q in model) for q in pages)
+
+
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 2), st.booleans()), max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_batched_add_and_discard_match_one_page_at_a_time(ops):
+    pages = [page(p % 3 * 40, slot) for slot, p in enumerate(range(8))]
+    batched, single = EvictionIndex(), EvictionIndex()
+    for first, action, redundant in ops:
+        some = pages[first : first + 3]
+        spare = set(some[:1]) if redundant else set()
+        if action == 2:
+            batched.discard_all(some)
+            for p in some:
+                single.discard(p)
+        else:
+            batched.add_all(some, spare)
+            for p in some:
+                single.add(p, redundant=p in spare)
+        assert list(batched) == list(single) and len(batched) == len(single)

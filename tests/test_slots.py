@@ -158,3 +158,35 @@ def test_against_a_set_model(num_slots, steps):
         assert slots.num_free == num_slots - len(used)
         assert all(slots.is_free(s) == (s not in used) for s in range(num_slots))
         slots.check()
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_batched_allocate_and_free_match_one_slot_at_a_time(ops):
+    batched, single = SlotAllocator(16), SlotAllocator(16)
+    held: list[int] = []
+    for allocating, count in ops:
+        if allocating:
+            got = batched.allocate_many(count)
+            if count > single.num_free:
+                assert got is None
+                continue
+            assert got == [single.allocate() for _ in range(count)]
+            held.extend(got)
+        else:
+            some, held = held[:count], held[count:]
+            batched.free_all(some)
+            for slot in some:
+                single.free(slot)
+        assert batched.allocate_many(0) == [] and batched.num_free == single.num_free
+    batched.check()
+    assert [batched.allocate() for _ in range(16)] == [single.allocate() for _ in range(16)]
+
+
+def test_free_all_refuses_a_slot_freed_twice():
+    slots = SlotAllocator(4)
+    taken = slots.allocate_many(3)
+    with pytest.raises(kvtier.InvariantError, match="slot 1 freed twice"):
+        slots.free_all([taken[1], taken[1]])
+    with pytest.raises(kvtier.InvariantError, match="slot 9 freed twice"):
+        slots.free_all([9])

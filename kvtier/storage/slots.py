@@ -45,6 +45,31 @@ class SlotAllocator:
         self._is_free[slot] = 1
         self._free.append(slot)
 
+    def allocate_many(self, count: int) -> list[int] | None:
+        """``count`` free slots, the ones ``count`` calls of ``allocate`` would give, in that order; None
+        (nothing allocated) when fewer are free."""
+        free = self._free
+        if count > len(free) or count < 0:
+            return None
+        if count == 0:
+            return []
+        slots = free[-count:]
+        del free[-count:]
+        slots.reverse()
+        is_free = self._is_free
+        for slot in slots:
+            is_free[slot] = 0
+        return slots
+
+    def free_all(self, slots: list[int]) -> None:
+        """``free`` every slot of a list, in order; a slot not allocated raises (those before it are freed)."""
+        is_free, num_slots, free = self._is_free, self.num_slots, self._free
+        for slot in slots:
+            if not 0 <= slot < num_slots or is_free[slot]:
+                raise InvariantError(f"slot {slot} freed twice")
+            is_free[slot] = 1
+            free.append(slot)
+
     def reserve(self, slots: list[int]) -> None:
         """Mark these free slots as allocated (restoring a persisted state); rebuilds the stack once."""
         for slot in slots:

@@ -66,6 +66,19 @@ class EvictionIndex:
             del spare[page]
             self._size -= 1
 
+    def add_all(self, pages: list[Page], redundant: set[Page] | frozenset = frozenset()) -> None:
+        """``add`` every page of a list in order, those in ``redundant`` as redundant pages."""
+        levels = self._levels
+        spare = levels[0]
+        added = 0
+        for page in pages:
+            own = levels[page.priority + 1]
+            target, other = (spare, own) if page in redundant else (own, spare)
+            if target.pop(page, 0) is not None and (not other or other.pop(page, 0) is not None):
+                added += 1  # it was in neither level
+            target[page] = None
+        self._size += added
+
     def discard_all(self, pages: list[Page]) -> None:
         """``discard`` for every page of a list, in one pass."""
         levels = self._levels

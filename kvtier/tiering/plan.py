@@ -18,14 +18,14 @@ class MovePlan:
     """Copies keyed by (src tier, dst tier, group); each edge a flat ``[src_slot, dst_slot, ...]`` list.
 
     ``landed``: pages the plan moves (indexed for eviction again once their data is there);
-    ``deferred_frees``: (tier, group, slot) read by the plan, freed after it ran;
+    ``deferred_frees``: slots per (tier, group) read by the plan, freed after it ran;
     ``kept_copies``: promoted pages whose bytes stay behind as a copy (page, source tier, slot);
     ``damaged``: pages whose bytes failed their checksum on the way (filled by the mover).
     """
 
     edges: defaultdict[tuple[int, int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
     landed: list[Page] = field(default_factory=list)
-    deferred_frees: list[tuple[int, int, int]] = field(default_factory=list)
+    deferred_frees: defaultdict[tuple[int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
     kept_copies: list[tuple[Page, int, int]] = field(default_factory=list)
     damaged: list[Page] = field(default_factory=list)
 

@@ -19,7 +19,8 @@ promoted from disk (or, with write-through, from host memory) leaves its bytes t
 
 from __future__ import annotations
 
-from itertools import islice
+from itertools import groupby, islice
+from operator import attrgetter
 
 from kvtier.errors import InvariantError
 from kvtier.pages import Page
@@ -103,27 +104,23 @@ class MovePlanner:
         a free slot for each, in one pass: their slots here are freed at once, the copies planned."""
         group = pages[0].group
         src = self.tiers[pages[0].tier]
+        new_slots = dst.storage.slots[group].allocate_many(len(pages))
+        if new_slots is None:
+            raise InvariantError(f"{len(pages)} pages moved to {dst.name}, which had fewer free slots")
         src.evictable[group].discard_all(pages)
-        src_owners, dst_owners = src.owners[group], dst.owners[group]
-        free = src.storage.slots[group].free
-        allocate = dst.storage.slots[group].allocate
-        dst_index = dst.index
-        edge = plan.edges[(src.index, dst_index, group)]
-        for page in pages:
-            slot = page.slot
-            src_owners[slot] = None
-            free(slot)
-            new = allocate()
-            if new is None:
-                raise InvariantError(f"{page} moved to {dst.name}, which had no free slot")
-            page.tier = dst_index
-            page.slot = new
-            dst_owners[new] = page
-            edge.append(slot)
-            edge.append(new)
         if src.disk_index is not None:
             for page in pages:
                 src.forget(page)
+        src_owners, dst_owners = src.owners[group], dst.owners[group]
+        dst_index = dst.index
+        old_slots = [page.slot for page in pages]
+        for page, slot, new in zip(pages, old_slots, new_slots, strict=True):
+            src_owners[slot] = None
+            page.tier = dst_index
+            page.slot = new
+            dst_owners[new] = page
+        src.storage.slots[group].free_all(old_slots)
+        _add_pairs(plan.edges[(src.index, dst_index, group)], old_slots, new_slots)
         plan.landed.extend(pages)
 
     def _take_copies(self, victims: list[Page], dst: Tier) -> list[Page]:
@@ -166,7 +163,7 @@ class MovePlanner:
         if not demotion and src.keeps_copies and page.node is not None:
             plan.kept_copies.append((page, src_index, src_slot))  # its bytes stay there, as a copy
         elif not demotion:
-            plan.deferred_frees.append((src_index, page.group, src_slot))
+            plan.deferred_frees[(src_index, page.group)].append(src_slot)
 
     def promote(self, pages: list[Page], plan: MovePlan, need: dict[int, int]) -> bool:
         """Plan moving every page of ``pages`` into the primary tier, with room for ``need[g]`` pages.
@@ -184,40 +181,40 @@ class MovePlanner:
         return True
 
     def _move_up(self, pages: list[Page], plan: MovePlan) -> None:
-        """``move`` into the primary tier for locked pages of lower tiers (one pass, runs of one
-        (tier, group) sharing their look-ups); the primary tier has a free slot for each."""
-        tiers = self.tiers
-        primary = tiers[PRIMARY]
-        landed, kept, deferred = plan.landed, plan.kept_copies, plan.deferred_frees
-        key = None
-        for page in pages:
-            if (page.tier, page.group) != key:
-                key = src_index, group = page.tier, page.group
-                src = tiers[src_index]
-                src_owners, index = src.owners[group], src.evictable[group]
-                keeps = src.keeps_copies
-                on_disk = src.disk_index is not None
-                owners, allocate = primary.owners[group], primary.storage.slots[group].allocate
-                edge = plan.edges[(src_index, PRIMARY, group)]
-            slot = page.slot
-            if not page.locks:  # a locked page is in no eviction index
-                index.discard(page)
-            src_owners[slot] = None
-            if on_disk:
-                src.forget(page)
-            new = allocate()
-            if new is None:
-                raise InvariantError(f"{page} moved to {primary.name}, which had no free slot")
-            page.tier = PRIMARY
-            page.slot = new
-            owners[new] = page
-            edge.append(slot)
-            edge.append(new)
-            landed.append(page)
-            if keeps and page.node is not None:
-                kept.append((page, src_index, slot))  # its bytes stay there, as a copy
+        """``move`` into the primary tier for locked pages of lower tiers, one pass per run of pages
+        of one (tier, group); the primary tier has a free slot for each."""
+        primary = self.tiers[PRIMARY]
+        for (src_index, group), run in groupby(pages, key=attrgetter("tier", "group")):
+            run = list(run)
+            src = self.tiers[src_index]
+            new_slots = primary.storage.slots[group].allocate_many(len(run))
+            if new_slots is None:
+                raise InvariantError(f"{len(run)} pages moved to {primary.name}, which had fewer free slots")
+            src.evictable[group].discard_all([page for page in run if not page.locks])  # locked: in none
+            if src.disk_index is not None:
+                for page in run:
+                    src.forget(page)
+            src_owners, owners = src.owners[group], primary.owners[group]
+            old_slots = [page.slot for page in run]
+            for page, slot, new in zip(run, old_slots, new_slots, strict=True):
+                src_owners[slot] = None
+                page.tier = PRIMARY
+                page.slot = new
+                owners[new] = page
+            _add_pairs(plan.edges[(src_index, PRIMARY, group)], old_slots, new_slots)
+            plan.landed.extend(run)
+            if src.keeps_copies:  # a published page's bytes stay there, as a copy
+                kept = plan.kept_copies
+                frees = []
+                for page, slot in zip(run, old_slots, strict=True):
+                    if page.node is not None:
+                        kept.append((page, src_index, slot))
+                    else:
+                        frees.append(slot)
             else:
-                deferred.append((src_index, group, slot))
+                frees = old_slots
+            if frees:
+                plan.deferred_frees[(src_index, group)].extend(frees)
 
     def persist(self, plan: MovePlan) -> int:
         """Write published pages held in memory tiers to the disk tier, parents first (at close).
@@ -232,17 +229,10 @@ class MovePlanner:
         the disk index."""
         residency = self.residency
         tiers = self.tiers
-        for tier_index, group, slot in plan.deferred_frees:
-            tiers[tier_index].storage.slots[group].free(slot)
-        by_tier: dict[int, list[Page]] = {}  # each tier's pages in plan order (the order of its index)
-        for page in plan.landed:
-            if page.refs or page.node is not None:
-                landed = by_tier.get(page.tier)
-                if landed is None:
-                    landed = by_tier[page.tier] = []
-                landed.append(page)
-        for tier_index, landed in by_tier.items():
-            tiers[tier_index].reindex_all(landed)
+        for (tier_index, group), slots in plan.deferred_frees.items():
+            tiers[tier_index].storage.slots[group].free_all(slots)
+        for tier_index, run in groupby(plan.landed, key=attrgetter("tier")):  # runs of one tier, in order
+            tiers[tier_index].reindex_all([page for page in run if page.refs or page.node is not None])
         for page in plan.damaged:
             residency.mark_damaged(page)
         kept: dict[int, list[tuple[Page, int]]] = {}
@@ -264,3 +254,11 @@ class MovePlanner:
         plan.damaged.clear()
         if self.disk_writes is not None:
             self.disk_writes.disk.disk_index.flush()
+
+
+def _add_pairs(edge: list[int], src_slots: list[int], dst_slots: list[int]) -> None:
+    """Append ``[src, dst, ...]`` pairs to an edge's flat list."""
+    pairs = [0] * (2 * len(src_slots))
+    pairs[0::2] = src_slots
+    pairs[1::2] = dst_slots
+    edge.extend(pairs)

@@ -154,7 +154,9 @@ class Residency:
     def drop_some(self, tier_index: int, group: int, count: int) -> None:
         """Drop ``count`` pages only the tree holds from a tier, in eviction order, or none if there are fewer."""
         tier = self.tiers[tier_index]
-        victims = list(islice((p for p in tier.evictable[group] if p.refs == 0), count))
+        index = tier.evictable[group]
+        # (on the last tier every evictable page is one only the tree holds)
+        victims = list(islice(index if tier.is_last else (p for p in index if p.refs == 0), count))
         if len(victims) < count:
             return
         originals = tier.originals
@@ -172,9 +174,6 @@ class Residency:
     def _drop_all(self, tier: Tier, group: int, pages: list[Page]) -> None:
         """``drop`` for droppable pages of one tier and group, in order: unpublished, their slots freed,
         then their emptied nodes pruned from the tree (the tree ends as page-by-page drops leave it)."""
-        index = tier.evictable[group]
-        owners = tier.owners[group]
-        free = tier.storage.slots[group].free
         on_disk = tier.disk_index is not None
         keepers = [k for k in self._copy_tiers if k.copies]  # a page here has its copies in colder tiers
         nodes = []
@@ -193,10 +192,13 @@ class Residency:
             else:
                 node.pages[group] = None
             page.node = None
-            index.discard(page)
-            owners[page.slot] = None
-            free(page.slot)
             nodes.append(node)
+        tier.evictable[group].discard_all(pages)
+        owners = tier.owners[group]
+        slots = [page.slot for page in pages]
+        for slot in slots:
+            owners[slot] = None
+        tier.storage.slots[group].free_all(slots)
         self.counters.drops += len(nodes)
         prune = self.tree.prune
         for node in nodes:

@@ -258,16 +258,25 @@ class Tier:
 
     def reindex_all(self, pages: list[Page]) -> None:
         """``reindex`` every page of a list (all in this tier), in order."""
-        is_last, spare, watch, evictable = self.is_last, self.spare_copies, self.watch, self.evictable
+        is_last, watch, evictable = self.is_last, self.watch, self.evictable
+        keep: dict[int, list[Page]] = {}
+        out: dict[int, list[Page]] = {}
         for page in pages:
             if page.locks == 0 and (page.refs == 0 or not is_last):
-                evictable[page.group].add(page, redundant=page in spare)
-                if watch is not None and page.node is not None:
-                    watch[page] = None
-                    if len(watch) > self.watch_limit:
-                        watch.popitem(last=False)
+                if watch is not None:  # the watch keeps the order of every group's pages: one by one
+                    self.reindex(page)
+                    continue
+                by_group = keep
             else:
-                evictable[page.group].discard(page)
+                by_group = out
+            group = by_group.get(page.group)
+            if group is None:
+                group = by_group[page.group] = []
+            group.append(page)
+        for g, kept in keep.items():
+            evictable[g].add_all(kept, self.spare_copies)
+        for g, dropped in out.items():
+            evictable[g].discard_all(dropped)
 
     def reindex(self, page: Page) -> None:
         """Put ``page`` in or out of the eviction index; re-adding makes it the most recently used."""
