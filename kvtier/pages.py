@@ -95,7 +95,8 @@ class Node:
         self.users = 0
 
     def is_empty(self) -> bool:
-        return not self.children and not self.snapshots and self.users == 0 and all(p is None for p in self.pages)
+        pages = self.pages
+        return not self.children and not self.snapshots and self.users == 0 and pages.count(None) == len(pages)
 
     def __repr__(self) -> str:
         return f"Node(block={self.block}, key={self.key.hex()[:12]})"
