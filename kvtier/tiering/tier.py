@@ -258,25 +258,21 @@ class Tier:
 
     def reindex_all(self, pages: list[Page]) -> None:
         """``reindex`` every page of a list (all in this tier), in order."""
-        is_last, watch, evictable = self.is_last, self.watch, self.evictable
-        keep: dict[int, list[Page]] = {}
-        out: dict[int, list[Page]] = {}
-        for page in pages:
-            if page.locks == 0 and (page.refs == 0 or not is_last):
-                if watch is not None:  # the watch keeps the order of every group's pages: one by one
-                    self.reindex(page)
-                    continue
-                by_group = keep
-            else:
-                by_group = out
-            group = by_group.get(page.group)
-            if group is None:
-                group = by_group[page.group] = []
-            group.append(page)
-        for g, kept in keep.items():
-            evictable[g].add_all(kept, self.spare_copies)
-        for g, dropped in out.items():
-            evictable[g].discard_all(dropped)
+        is_last = self.is_last
+        keep = [p for p in pages if p.locks == 0 and (p.refs == 0 or not is_last)]
+        out = [p for p in pages if p.locks or (p.refs and is_last)] if len(keep) < len(pages) else []
+        if self.watch is not None:  # the watch keeps the order of every group's pages: one by one
+            for page in keep:
+                self.reindex(page)
+            keep = []
+        evictable = self.evictable
+        if len(evictable) == 1:
+            evictable[0].add_all(keep, self.spare_copies)
+            evictable[0].discard_all(out)
+            return
+        for g, index in enumerate(evictable):
+            index.add_all([p for p in keep if p.group == g], self.spare_copies)
+            index.discard_all([p for p in out if p.group == g])
 
     def reindex(self, page: Page) -> None:
         """Put ``page`` in or out of the eviction index; re-adding makes it the most recently used."""
