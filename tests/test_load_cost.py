@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
+import torch
 
 import kvtier
 from kvtier.engine.prefill_meter import PrefillMeter
@@ -82,24 +84,51 @@ def test_resident_blocks_are_always_reused():
 
 
 def test_prefill_meter_needs_long_enough_steps():
-    meter = PrefillMeter()
-    assert meter.observe(10, 0.1) is None
-    assert meter.observe(1000, 5.0) is None  # the first long step is the cold start: left out
-    assert meter.observe(1000, 0.5) == pytest.approx(2000.0)
-    assert meter.observe(1000, 1.0) == pytest.approx(0.7 * 2000 + 0.3 * 1000)
+    meter = PrefillMeter(torch.device("cpu"))
+    assert meter.start(10) is None and meter.finish(None) is None and meter.rate is None
+    assert meter.finish((1000, time.perf_counter() - 0.5)) == pytest.approx(2000.0, rel=0.02)
+    assert meter.finish((1000, time.perf_counter() - 1.0)) == pytest.approx(0.7 * 2000 + 0.3 * 1000, rel=0.02)
+    mark = meter.start(1000)
+    assert mark is not None and mark[0] == 1000
 
 
-def test_engine_reports_its_prefill_rate():
-    import torch
-
+def test_an_engine_knows_its_prefill_rate_before_its_first_step():
+    """Calibrated when built (a warm-up forward, then a timed one): the first request that finds
+    its prefix on a slow tier is weighed against recomputing too."""
     from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
     from kvtier.models import build_model
 
     model = build_model("tiny-llama", torch.device("cpu"), torch.float32, seed=0)
     config = kvtier.CacheConfig(16, [kvtier.PrimaryTier(8 << 20)])
     with LLMEngine(model, config, SchedulerConfig(max_num_tokens=512)) as engine:
+        calibrated = engine.prefill.rate
+        assert calibrated is not None and calibrated > 0
+        assert engine.cache_manager._pool.load_cost.prefill_rate == calibrated
         engine.generate([[1 + i % 300 for i in range(400)]], SamplingParams(max_tokens=2))
-        assert engine.prefill.rate is None  # one long step so far: the cold start
-        engine.generate([[2 + i % 300 for i in range(400)]], SamplingParams(max_tokens=2))
-        assert engine.prefill.rate is not None and engine.prefill.rate > 0
+        assert engine.prefill.rate != calibrated  # the step's own sample moved it
         assert engine.cache_manager._pool.load_cost.prefill_rate == engine.prefill.rate
+
+
+def test_an_engine_recomputes_a_prefix_on_a_tier_slower_than_its_prefill(tmp_path):
+    """The disk measured slow: the engine recomputes the cached prefix, tokens unchanged; with
+    ``recompute_when_faster=False`` the same prefix is loaded."""
+    from kvtier.engine import SamplingParams
+    from kvtier.models import build_model
+    from tests.test_engine import check_against_oracle, engine, prompts_for
+
+    model = build_model("tiny-llama", torch.device("cpu"), torch.float64, seed=0)
+    prompt, *others = prompts_for(model, [80, 80, 80, 80], seed=5)
+    for weigh in (True, False):
+        path = tmp_path / str(weigh)
+        with engine(model, 16, disk_blocks=64, path=path, recompute_when_faster=weigh) as eng:
+            eng.generate([prompt], SamplingParams(max_tokens=2))
+            eng.generate(others, SamplingParams(max_tokens=2))  # the prompt's pages go down to disk
+            assert eng.cache_manager.stats().tiers["primary"].pages_used > 0
+            eng.cache_manager._pool.load_cost.observe(1, 1, 1.0)  # the disk read one byte a second
+            out = eng.generate([prompt], SamplingParams(max_tokens=3))
+            check_against_oracle(model, [prompt], out, 3)
+            recomputed = eng.cache_manager.stats().recomputed_tokens
+            if weigh:
+                assert sum(out[0].reused_tokens_by_tier.values()) == 0 and recomputed >= 64
+            else:
+                assert out[0].reused_tokens_by_tier["disk"] == len(prompt) - 1 and recomputed == 0

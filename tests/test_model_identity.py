@@ -85,20 +85,20 @@ def test_a_disk_tier_without_model_id_warns(tmp_path, caplog):
 def test_another_checkpoint_on_the_same_disk_directory_reuses_nothing(tmp_path, change):
     first = build_model("tiny-llama", "cpu", torch.float64, seed=0)
     ps = prompts(first.vocab_size)
-    with LLMEngine(first, config(tmp_path), SchedulerConfig(max_num_tokens=256)) as eng:
+    with LLMEngine(first, config(tmp_path), SchedulerConfig(max_num_tokens=256, recompute_when_faster=False)) as eng:
         eng.generate(ps, SamplingParams(max_tokens=4))
     if change == "seed":
         second = build_model("tiny-llama", "cpu", torch.float64, seed=1)
     else:
         second = build_model("tiny-llama", "cpu", torch.float64, seed=0)
         fine_tune(second)
-    with LLMEngine(second, config(tmp_path), SchedulerConfig(max_num_tokens=256)) as eng:
+    with LLMEngine(second, config(tmp_path), SchedulerConfig(max_num_tokens=256, recompute_when_faster=False)) as eng:
         outs = eng.generate(ps, SamplingParams(max_tokens=4))
     for prompt, out in zip(ps, outs, strict=True):
         assert out.token_ids == second.reference_generate(prompt, 4)
     assert sum(o.reused_tokens_by_tier["disk"] for o in outs) == 0
     # ... while the first model, restarted on the same directory, still finds its own pages
-    with LLMEngine(first, config(tmp_path), SchedulerConfig(max_num_tokens=256)) as eng:
+    with LLMEngine(first, config(tmp_path), SchedulerConfig(max_num_tokens=256, recompute_when_faster=False)) as eng:
         outs = eng.generate(ps, SamplingParams(max_tokens=4))
     assert sum(o.reused_tokens_by_tier["disk"] for o in outs) > 0
     for prompt, out in zip(ps, outs, strict=True):

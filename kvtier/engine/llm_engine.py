@@ -17,7 +17,7 @@ from kvtier.engine.admission import RequestLimits
 from kvtier.engine.batch_scheduler import Scheduler
 from kvtier.engine.connector_driver import ConnectorDriver
 from kvtier.engine.params import SamplingParams, SchedulerConfig
-from kvtier.engine.prefill_meter import PrefillMeter
+from kvtier.engine.prefill_meter import CALIBRATION_TOKENS, PrefillMeter
 from kvtier.engine.request import Request, RequestOutput, RequestStatus
 from kvtier.engine.runner import ModelRunner
 from kvtier.errors import CacheStateError
@@ -67,7 +67,11 @@ class LLMEngine:
         self.connector = None if connector is None else ConnectorDriver(connector, self.cache_manager)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache_manager, hooks=self.connector)
         self.runner = ModelRunner(model, self.cache_manager)
-        self.prefill = PrefillMeter()
+        self.prefill: PrefillMeter | None = None  # without it, every cached block is loaded
+        if self.scheduler.config.recompute_when_faster:
+            self.prefill = PrefillMeter(model.device)
+            tokens = min(self.scheduler.config.max_num_tokens, CALIBRATION_TOKENS)
+            self.cache_manager.set_prefill_rate(self.prefill.calibrate(model, tokens))
         self.limits = RequestLimits.of(model.vocab_size, self.cache_manager, self.scheduler.config)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
@@ -147,12 +151,13 @@ class LLMEngine:
             return finished
         if self.connector is not None:
             self.connector.before_forward(batch)
-        began = time.perf_counter()
+        meter = self.prefill
+        mark = None if meter is None else meter.start(sum(c.num_tokens for c in batch if c.num_tokens > 1))
         sampled, errors = self.runner.run(batch)
+        rate = None if meter is None else meter.finish(mark)
         if self.connector is not None:
             self.connector.after_forward(batch)
         now = time.perf_counter()
-        rate = self.prefill.observe(sum(c.num_tokens for c in batch if c.num_tokens > 1), now - began)
         if rate is not None:
             self.cache_manager.set_prefill_rate(rate)
         for chunk in batch:

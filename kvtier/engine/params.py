@@ -64,6 +64,11 @@ class SchedulerConfig:
       ``"timeout"`` lets the requests behind it go first for up to ``prefetch_timeout_s`` seconds
       from the read's start, then cancels it; ``"wait_complete"`` lets the requests behind it
       go first until the read is over. ``"off"`` prefetches nothing.
+    - ``recompute_when_faster``: weigh a cached prefix found below the primary tier against
+      recomputing it (each tier's measured bandwidth against the engine's prefill rate, measured
+      from its first step on, calibrated when the engine is built) and recompute the blocks that
+      would load slower (``kvtier.tiering.load_cost``). False loads every cached block: it spares
+      the compute at the cost of a slower first token where a tier is slow.
     """
 
     policy: Policy = "guaranteed_no_evict"
@@ -73,6 +78,7 @@ class SchedulerConfig:
     prefetch_policy: PrefetchPolicy = "best_effort"
     prefetch_timeout_s: float = 1.0
     max_prefetches: int = 4
+    recompute_when_faster: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in ("guaranteed_no_evict", "max_utilization"):
@@ -93,6 +99,8 @@ class SchedulerConfig:
             raise ValueError(f"prefetch_timeout_s must be a finite number of seconds >= 0, got {timeout!r}")
         if not _is_int(self.max_prefetches) or self.max_prefetches < 0:
             raise ValueError(f"max_prefetches must be an int >= 0, got {self.max_prefetches!r}")
+        if not isinstance(self.recompute_when_faster, bool):
+            raise ValueError(f"recompute_when_faster must be a bool, got {self.recompute_when_faster!r}")
 
 
 def _stop_tokens(value: object) -> tuple[int, ...]:

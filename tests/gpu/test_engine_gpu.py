@@ -18,7 +18,9 @@ def test_float64_through_host_and_disk_on_gpu(name, tmp_path):
     pb = page_bytes(model)
     tiers = [kvtier.PrimaryTier(pb * 16), kvtier.HostTier(pb * 4), kvtier.DiskTier(pb * 200, tmp_path)]
     config = kvtier.CacheConfig(16, tiers, device="cuda", snapshot_interval_blocks=2)
-    with LLMEngine(model, config, SchedulerConfig(max_num_tokens=256, policy="max_utilization")) as eng:
+    with LLMEngine(
+        model, config, SchedulerConfig(max_num_tokens=256, policy="max_utilization", recompute_when_faster=False)
+    ) as eng:
         prompts = prompts_for(model, [100, 100, 100, 100], seed=3)
         eng.generate(prompts, SamplingParams(max_tokens=4))
         outs = eng.generate(prompts, SamplingParams(max_tokens=4))
