@@ -13,6 +13,8 @@ def test_the_disk_probe_reports_reads_and_checksums_and_leaves_nothing(tmp_path)
         assert rows[f"disk read, {threads}"].endswith("GB/s (cold)")
         assert float(rows[f"page checksum, {threads}"].split()[0]) > 0
     assert "256 MiB" in rows["disk write"]
+    tier = rows["disk tier read"]  # 64 pages written by one manager, read back by the next
+    assert float(tier.split()[0]) > 0 and "of the best raw read" in tier
     assert list(tmp_path.iterdir()) == []
 
 

@@ -5,16 +5,23 @@ from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``, a hint: a file syst
 it), and read back with positional reads (``os.preadv``, as the disk tier reads) from 1, 4 and 8
 threads; then the disk tier's page checksum runs over 128 MiB of pages in memory from the same threads. The
 disk tier reads at about the smaller of the two. The file is removed in every case.
+
+Last, the disk tier itself: a manager on the CPU publishes as many 4 MiB pages and closes (they
+are written to a disk tier under PATH), a second manager opens the same directory, the page
+files are dropped from the page cache, and resuming the prefix reads, checks and places every
+page; its rate and its share of the best raw read are printed. The directory is removed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -38,7 +45,8 @@ def probe_disk(directory: str, mib: int) -> list[tuple[str, str]]:
     pages = mib * (1 << 20) // PAGE_BYTES
     data = np.random.default_rng().integers(1, 256, PAGE_BYTES, dtype=np.uint8)
     local = threading.local()  # one read buffer per thread
-    rows = []
+    rows: list[tuple[str, str]] = []
+    best_read = 0.0
     in_memory = np.resize(data, (CHECKSUM_PAGES, PAGE_BYTES))
     fd, path = tempfile.mkstemp(prefix="kvtier-disk-probe-", dir=directory)
     try:
@@ -58,6 +66,7 @@ def probe_disk(directory: str, mib: int) -> list[tuple[str, str]]:
                 return os.preadv(fd, [memoryview(local.page)], i * PAGE_BYTES)
 
             seconds = _timed(threads, read, pages)
+            best_read = max(best_read, pages * PAGE_BYTES / seconds)
             rows.append((f"disk read, {threads} thread{'s' if threads > 1 else ''}", f"{_gbps(pages, seconds)} (cold)"))
     finally:
         os.close(fd)
@@ -65,7 +74,58 @@ def probe_disk(directory: str, mib: int) -> list[tuple[str, str]]:
     for threads in PROBE_THREADS:
         seconds = _timed(threads, lambda i: page_checksum(in_memory[i % CHECKSUM_PAGES]), pages)
         rows.append((f"page checksum, {threads} thread{'s' if threads > 1 else ''}", _gbps(pages, seconds)))
+    seconds = _tier_read_seconds(directory, pages)
+    share = pages * PAGE_BYTES / seconds / best_read
+    rows.append(
+        ("disk tier read", f"{_gbps(pages, seconds)} (cold, after a restart; {share:.2f} of the best raw read)")
+    )
     return rows
+
+
+def _tier_read_seconds(directory: str, pages: int) -> float:
+    """Seconds to resume a ``pages``-block prefix that only a disk tier under ``directory`` holds."""
+    import torch
+
+    import kvtier
+
+    layers = 32
+    spec = kvtier.ModelSpec.uniform(layers, 8, 128, torch.bfloat16, model_id="kvtier-disk-probe")  # 128 KiB a token
+    tokens_per_block = PAGE_BYTES // (128 << 10)
+    prompt = list(range(1, pages * tokens_per_block + 2))
+    root = Path(tempfile.mkdtemp(prefix="kvtier-tier-probe-", dir=directory))
+
+    def manager() -> kvtier.KVCacheManager:
+        room = (pages + 1) * PAGE_BYTES  # the prefix and the block of its last token
+        tiers = [kvtier.PrimaryTier(room), kvtier.DiskTier(room, root / "tier")]
+        return kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block, tiers))
+
+    try:
+        with manager() as first:  # its pages are written to the disk tier when it closes
+            cache = first.create_cache(prompt)
+            if not (cache.resume() and cache.resize(len(prompt))):
+                raise OSError("the probe's primary tier could not hold its prompt")
+            for layer in range(layers):
+                for view in first.kv_views(layer).values():
+                    view.uniform_(0.5, 1.5)  # non-zero bytes in every page
+            cache.commit(prompt)
+            cache.close()
+        for path in root.rglob("*.page"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        with manager() as second:
+            start = time.perf_counter()
+            cache = second.create_cache(prompt)
+            if not cache.resume() or cache.reused_by_tier["disk"] < pages * tokens_per_block:
+                raise OSError(f"the disk tier gave back {cache.reused_by_tier['disk']} of {len(prompt) - 1} tokens")
+            seconds = time.perf_counter() - start
+            cache.close()
+        return seconds
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _timed(threads: int, fn: Callable[[int], object], count: int) -> float:
