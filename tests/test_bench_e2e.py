@@ -10,7 +10,17 @@ import pytest
 
 from kvtier.cli import main
 
-CASES = ["recompute", "gpu", "host", "recompute-engine", "disk", "host-full-wt", "host-full-nowt", "host-queued", "disk-queued"]
+CASES = [
+    "recompute",
+    "gpu",
+    "host",
+    "recompute-engine",
+    "disk",
+    "host-full-wt",
+    "host-full-nowt",
+    "host-queued",
+    "disk-queued",
+]
 TINY = [
     *("bench", "e2e", "--model", "tiny-llama", "--device", "cpu", "--dtype", "float32"),
     *("--prefixes", "64", "--suffix", "8", "--tokens-per-block", "8", "--repeats", "2", "--greedy-tokens", "2"),
