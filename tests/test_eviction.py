@@ -88,6 +88,35 @@ def test_discard():
     assert index.first() is None and len(index) == 0 and list(index) == []
 
 
+def test_take_skips_and_removes_stale_entries_and_keeps_unwanted_ones():
+    index = EvictionIndex()
+    a, b, c, d = page(10, 1), page(10, 2), page(20, 3), page(30, 4)
+    for p in (a, b, c, d):
+        index.add(p)
+    b.locks = 1  # locked since it was indexed: its entry is stale
+    c.refs = 1  # held: evictable here, but not what this search wants
+    found = index.take(2, lambda p: p.locks == 0, lambda p: p.refs == 0)
+    assert found == [a, d]
+    assert list(index) == [a, c, d]  # the stale entry passed on the way is gone, the unwanted one stays
+    assert len(index) == 3
+    assert index.take(5, lambda p: p.locks == 0) == [a, c, d]
+    assert index.take(0, lambda p: True) == []
+    b.locks = 0
+    index.add(b)  # evictable again: indexed as the most recently used
+    assert list(index) == [a, b, c, d] and len(index) == 4
+
+
+def test_a_stale_entry_is_indexed_again_at_the_most_recent_end():
+    index = EvictionIndex()
+    a, b = page(10, 1), page(10, 2)
+    index.add(a)
+    index.add(b)
+    a.refs = 1  # held, entry left in place; released later
+    a.refs = 0
+    index.add(a)
+    assert list(index) == [b, a] and len(index) == 2
+
+
 def test_extreme_priorities():
     index = EvictionIndex()
     top, bottom = page(MAX_PRIORITY), page(MIN_PRIORITY)

@@ -1,17 +1,20 @@
 """Which pages of one tier and layer group to evict first: redundant copies, then lowest
 priority, then least recently used.
 
-The index holds exactly the pages that may leave the tier now (the residency layer decides
-which: unlocked pages, and on the last tier only droppable ones). Updates are O(1): one ordered
-dict per priority level, in the order pages became evictable, so the first entry of the lowest
-non-empty level is the victim. A *redundant* page (a disk copy of a page whose original is in
-a memory tier) goes before every level: evicting it loses no bytes, evicting anything else on
-the last tier drops data.
+The index holds every page that may leave the tier now (the residency layer decides which:
+unlocked pages, and on the last tier only droppable ones), and may still hold pages that a cache
+held or locked since they were indexed: taking a hold or a lock does not touch the index (a
+cached prompt holds thousands of pages at once), so such *stale* entries are skipped, and
+removed, by the victim search that passes them (``take``), or go when the page is indexed again
+or leaves the tier. Updates are O(1): one ordered dict per priority level, in the order pages
+became evictable, so the first evictable entry of the lowest non-empty level is the victim. A
+*redundant* page (a disk copy of a page whose original is in a memory tier) goes before every
+level: evicting it loses no bytes, evicting anything else on the last tier drops data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvtier.pages import Page
 
@@ -29,7 +32,8 @@ def check_priority(priority: object) -> int:
 
 
 class EvictionIndex:
-    """Evictable pages of one tier and group, ordered by (priority, time they became evictable)."""
+    """Evictable pages of one tier and group, ordered by (priority, time they became evictable),
+    among stale entries (see the module's docstring); ``len`` counts entries, an upper bound."""
 
     __slots__ = ("_levels", "_size")
 
@@ -89,14 +93,37 @@ class EvictionIndex:
                 removed += 1
         self._size -= removed
 
+    def take(
+        self, count: int, may_evict: Callable[[Page], bool], wanted: Callable[[Page], bool] | None = None
+    ) -> list[Page]:
+        """Up to ``count`` entries that ``may_evict`` (and ``wanted``, if given) accept, in eviction
+        order; nothing is removed for them. Entries that ``may_evict`` refuses are stale: those
+        passed on the way are removed (entries only ``wanted`` refuses stay)."""
+        found: list[Page] = []
+        stale: list[Page] = []
+        if count > 0 and self._size:
+            for level in self._levels:
+                for page in level:
+                    if not may_evict(page):
+                        stale.append(page)
+                    elif wanted is None or wanted(page):
+                        found.append(page)
+                        if len(found) == count:
+                            break
+                if len(found) == count:
+                    break
+        if stale:
+            self.discard_all(stale)
+        return found
+
     def __iter__(self) -> Iterator[Page]:
-        """Pages in eviction order. Do not change the index while iterating."""
+        """Entries in eviction order, stale ones included. Do not change the index while iterating."""
         if self._size:
             for level in self._levels:
                 yield from level
 
     def first(self) -> Page | None:
-        """The next victim, or None."""
+        """The first entry (a redundant page when there is one: those are never stale), or None."""
         if self._size:
             for level in self._levels:
                 if level:

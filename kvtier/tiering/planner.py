@@ -19,7 +19,7 @@ promoted from disk (or, with write-through, from host memory) leaves its bytes t
 
 from __future__ import annotations
 
-from itertools import groupby, islice
+from itertools import groupby
 from operator import attrgetter
 
 from kvtier.errors import InvariantError
@@ -60,9 +60,11 @@ class MovePlanner:
         short = count - slots.num_free
         if short <= 0:
             return True
-        if short > len(index):
+        if short > len(index):  # entries: an upper bound on the evictable pages
             return False
-        victims = list(islice(index, short))
+        victims = index.take(short, tier.may_evict)
+        if len(victims) < short:
+            return False
         if tier.originals:
             originals = tier.originals
             kept = [p for p in victims if p not in originals]
@@ -190,7 +192,7 @@ class MovePlanner:
             new_slots = primary.storage.slots[group].allocate_many(len(run))
             if new_slots is None:
                 raise InvariantError(f"{len(run)} pages moved to {primary.name}, which had fewer free slots")
-            src.evictable[group].discard_all([page for page in run if not page.locks])  # locked: in none
+            src.evictable[group].discard_all(run)  # locked pages may have stale entries
             if src.disk_index is not None:
                 for page in run:
                     src.forget(page)

@@ -4,15 +4,16 @@ A page's state follows from its holders (``Page.state``): LOCKED while an ACTIVE
 operation's pin) locks it, HELD while only suspended caches hold it, DROPPABLE while only the
 tree publishes it, FREE with no holder at all, when its slot goes back to its tier at once.
 ``Residency`` changes holders and keeps each tier's eviction index in step with the state
-(``Tier.may_evict``). What moves where is the planner's (``kvtier.tiering.planner``).
+(``Tier.may_evict``): a page that becomes evictable is indexed at once; one that stops being
+evictable (a cache holds or locks it) keeps its entry until a victim search passes it (a stale
+entry, ``kvtier.tiering.eviction``), so that holding a long cached prompt touches no index.
+What moves where is the planner's (``kvtier.tiering.planner``).
 
 A page pinned by an operation that loses its last holder meanwhile (unpublished while a prefetch
 pins it) is freed by the last ``unlock``, never under the pin.
 """
 
 from __future__ import annotations
-
-from itertools import islice
 
 from kvtier.errors import InvariantError
 from kvtier.pages import Page, PageState
@@ -46,23 +47,15 @@ class Residency:
         return page
 
     def hold(self, page: Page) -> None:
-        """One more cache holds ``page`` (it is not locked by that).
-
-        Only on the last tier does a first holder change evictability (held pages cannot be dropped).
-        """
+        """One more cache holds ``page`` (it is not locked by that; on the last tier it can no longer
+        be dropped, and its index entry goes stale)."""
         page.refs += 1
-        if page.refs == 1 and page.tier == self._last and page.locks == 0:
-            self.tiers[page.tier].evictable[page.group].discard(page)
 
     def hold_all(self, pages: list[Page | None]) -> None:
         """``hold`` for every page of a list (None entries skipped), in one pass."""
-        last = self._last
-        evictable = self.tiers[last].evictable
         for page in pages:
             if page is not None:
                 page.refs += 1
-                if page.refs == 1 and page.tier == last and not page.locks:
-                    evictable[page.group].discard(page)
 
     def release(self, page: Page, locked: bool) -> None:
         """A cache lets go of ``page``; it is freed when nobody, not even the tree, holds it."""
@@ -77,20 +70,15 @@ class Residency:
             self.tiers[page.tier].reindex(page)
 
     def lock(self, page: Page) -> None:
-        """Pin ``page`` where it is: it leaves its tier's eviction index."""
+        """Pin ``page`` where it is: it may not leave its tier (its index entry goes stale)."""
         page.locks += 1
-        if page.locks == 1:
-            self.tiers[page.tier].evictable[page.group].discard(page)
 
     def lock_all(self, pages: list[Page]) -> tuple[dict[int, int], bool]:
         """``lock`` every page; returns (pages outside the primary tier per group, any damaged)."""
-        tiers, last = self.tiers, self._last
         cold: dict[int, int] = {}
         damaged = False
         for page in pages:
             page.locks += 1
-            if page.locks == 1 and not (page.refs and page.tier == last):  # else in no eviction index
-                tiers[page.tier].evictable[page.group].discard(page)
             if page.tier != PRIMARY:
                 cold[page.group] = cold.get(page.group, 0) + 1
             damaged = damaged or page.damaged
@@ -154,9 +142,7 @@ class Residency:
     def drop_some(self, tier_index: int, group: int, count: int) -> None:
         """Drop ``count`` pages only the tree holds from a tier, in eviction order, or none if there are fewer."""
         tier = self.tiers[tier_index]
-        index = tier.evictable[group]
-        # (on the last tier every evictable page is one only the tree holds)
-        victims = list(islice(index if tier.is_last else (p for p in index if p.refs == 0), count))
+        victims = tier.evictable[group].take(count, tier.may_evict, _unheld)
         if len(victims) < count:
             return
         originals = tier.originals
@@ -212,3 +198,8 @@ class Residency:
         self.counters.checksum_failures += 1
         if page.node is not None:
             self.unpublish(page)
+
+
+def _unheld(page: Page) -> bool:
+    """No cache holds ``page``: an evictable one is then droppable."""
+    return not page.refs

@@ -1,8 +1,10 @@
 """A tier at run time: its storage, which page owns each slot, and its evictable pages.
 
 Invariants (checked by ``KVCacheManager.check_invariants``): ``owners[g][s]`` is the page in
-slot ``s`` of group ``g`` or None; a page is in ``evictable[g]`` exactly when ``may_evict`` holds
-and its data has landed (pages a plan is still moving are left out until it has run).
+slot ``s`` of group ``g`` or None; a page for which ``may_evict`` holds is in ``evictable[g]`` once
+its data has landed (pages a plan is still moving are left out until it has run). The index may
+also keep entries of pages held or locked since (``kvtier.tiering.eviction``: stale entries),
+never of pages outside this tier and group.
 
 On the disk tier, every published page has a row in the persistent index (``record``), removed
 when the page leaves the tier or the tree, and every row's chain of blocks back to its scope's
