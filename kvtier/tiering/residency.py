@@ -32,7 +32,6 @@ class Residency:
         self.tiers = tiers
         self.tree = tree
         self.counters = counters
-        self._last = len(tiers) - 1
         self._copy_tiers = [t for t in tiers if t.keeps_copies]
 
     # -- caches' holds and locks -------------------------------------------------------------------
