@@ -32,7 +32,8 @@ def test_kvtier_figures_and_round_trips_without_the_comparison(capsys, tmp_path)
     for figures in pressure.values():
         assert 0 < figures["min"] <= figures["median"] <= figures["max"]
         assert figures["promotions"] == figures["demotions"] == figures["drops"] == 2048
-    assert "resume of a 2,048-page prefix from host, GPU pool and host full, write-through off, ms" in out
+    assert "resume of a 2,048-page prefix from host, both tiers full, write-through off, cpu, host ms" in out
+    assert results["pressure_device"] == "cpu"
     assert results["vllm"] == {"missing": "vLLM not measured (--no-vllm)"}
     assert "ratios_vllm_over_kvtier" not in results
     assert "decode step, us per request (256 requests)" in out
