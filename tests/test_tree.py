@@ -7,6 +7,8 @@ import random
 from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier import DEFAULT_SCOPE, AttentionLayer, ModelSpec, RecurrentLayer, ReuseScope
 from kvtier.errors import InvariantError
@@ -279,6 +281,109 @@ def test_prune_keeps_non_empty_nodes(keep):
     tree.prune(b)
     assert a.children == {b.tokens: b} and b.parent is a
     assert root.children == {a.tokens: a}
+
+
+def prune_node_by_node(tree: RadixTree, node) -> None:
+    """Reference ``prune``: detach while empty, forgetting the run above each detached node by a
+    walk up to its anchor for every node."""
+    while node.parent is not None and node.is_empty():
+        parent = node.parent
+        del parent.children[node.tokens]
+        node.parent = None
+        anchor = parent
+        while (anchor.block + 1) % JUMP_BLOCKS and anchor.parent is not None:
+            anchor = anchor.parent
+        tree._jumps.pop(anchor, None)
+        node = parent
+
+
+BASE = list(range(10, 10 + 4 * JUMP_BLOCKS * TPB))  # tokens >= 10: a tail of small tokens branches off
+
+# (blocks of BASE, then blocks of one small token): prompts sharing a cut and a token share their tails
+branches = st.lists(
+    st.tuples(st.integers(0, 4 * JUMP_BLOCKS), st.integers(0, 2 * JUMP_BLOCKS), st.integers(0, 2)),
+    min_size=1,
+    max_size=6,
+).filter(lambda shape: any(cut + tail for cut, tail, _ in shape))  # not an empty tree
+
+
+def paged_tree(shape: list[tuple[int, int, int]]):
+    """A tree of the prompts of ``shape``, a page on every node, runs remembered by a walk of each;
+    (tree, root, prompts, each prompt's nodes as indices into the tree's nodes in key order, those nodes)."""
+    tree = RadixTree(1, TPB)
+    root = tree.root(DEFAULT_SCOPE)
+    prompts = [BASE[: cut * TPB] + [token] * (tail * TPB) for cut, tail, token in shape]
+    chains = [chain(tree, root, prompt) for prompt in prompts]
+    for prompt in prompts:
+        tree.walk(root, enc(prompt), len(prompt))
+    nodes = sorted(tree.nodes(), key=lambda n: n.key)
+    index = {node: i for i, node in enumerate(nodes)}
+    for node in nodes:
+        put_page(node, 0)
+    return tree, root, prompts, [[index[n] for n in c] for c in chains], nodes
+
+
+def tree_state(tree: RadixTree, root):
+    """The tree as token paths: its nodes, and its remembered runs (anchor -> run)."""
+    path = {root: ()}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for child in node.children.values():
+            path[child] = (*path[node], child.tokens)
+            stack.append(child)
+    runs = {path[a]: (data, [path[n] for n in run]) for a, (data, run) in tree._jumps.items()}
+    return sorted(path.values()), runs
+
+
+@settings(max_examples=150, deadline=None)
+@given(branches, st.data())
+def test_prune_all_ends_as_pruning_node_by_node(shape, data):
+    """A batch of emptied nodes pruned at once leaves the same nodes, the same remembered runs and
+    the same walks as pruning them one by one (in any order), and every run still valid."""
+    mine, root, prompts, chains, nodes = paged_tree(shape)
+    ref, ref_root, _, _, ref_nodes = paged_tree(shape)
+    assert tree_state(mine, root) == tree_state(ref, ref_root)
+    emptied = set()  # the tail of each prompt from a drawn block, and a few nodes anywhere
+    for c in chains:
+        emptied.update(c[data.draw(st.integers(0, len(c)), label="kept blocks") :])
+    emptied.update(data.draw(st.lists(st.integers(0, len(nodes) - 1), max_size=4), label="also emptied"))
+    others = data.draw(st.lists(st.integers(0, len(nodes) - 1), max_size=4), label="also pruned")
+    order = data.draw(st.permutations(sorted(emptied) + others), label="order")
+    for i in emptied:
+        nodes[i].pages[0] = ref_nodes[i].pages[0] = None
+    mine.prune_all([nodes[i] for i in order] + [root])
+    for i in order:
+        prune_node_by_node(ref, ref_nodes[i])
+    prune_node_by_node(ref, ref_root)
+    assert tree_state(mine, root) == tree_state(ref, ref_root)
+    mine.check_runs()
+    for prompt in prompts:
+        limit = data.draw(st.integers(0, len(prompt)), label="limit")
+        expected = walk_block_by_block(mine, root, enc(prompt), limit)
+        assert mine.walk(root, enc(prompt), limit) == expected
+        assert [n.key for n in ref.walk(ref_root, enc(prompt), limit)] == [n.key for n in expected]
+
+
+def test_prune_all_forgets_runs_above_a_chain_once():
+    """A chain of many blocks detached at once forgets the run of every anchor it passes and the
+    one above where it stops, and only those."""
+    tree = RadixTree(1, TPB)
+    root = tree.root(DEFAULT_SCOPE)
+    j = JUMP_BLOCKS
+    long = list(range(1000, 1000 + (3 * j + 5) * TPB))
+    nodes = chain(tree, root, long)
+    side = chain(tree, nodes[j - 1], [1] * (j * TPB))  # a branch from the first anchor below the root
+    tree.walk(root, enc(long), len(long))
+    tree.walk(root, enc(long[: j * TPB] + [1] * (j * TPB)), 2 * j * TPB)
+    assert set(tree._jumps) == {root, nodes[j - 1], nodes[2 * j - 1]}
+    put_page(nodes[j + 3], 0)
+    tree.prune_all([nodes[-1]])  # up to nodes[j + 3]: past the anchor nodes[2 * j - 1], stopping below nodes[j - 1]
+    assert nodes[j + 3].children == {} and nodes[j + 4].parent is None
+    assert set(tree._jumps) == {root}
+    assert tree.walk(root, enc(long), len(long)) == nodes[: j + 4]
+    assert side[-1].parent is side[-2]
+    tree.check_runs()
 
 
 # -- find_reuse -------------------------------------------------------------------------------------

@@ -14,9 +14,10 @@ Walking a long prompt compares whole runs of ``JUMP_BLOCKS`` blocks at once wher
 ``JUMP_BLOCKS`` nodes below it that a walk last followed, with their tokens' bytes. A later walk
 through the anchor takes the whole run with one comparison of bytes when the prompt has the same
 bytes there, and goes block by block otherwise (remembering the run it found instead). Invariant
-(``check_runs``): a remembered run is a chain of attached nodes under its anchor; ``prune``
-forgets the run through every node it detaches. So a run is exactly what the block-by-block walk
-would find for its bytes.
+(``check_runs``): a remembered run is a chain of attached nodes under its anchor; ``prune`` and
+``prune_all`` forget the run of the anchor above each node they detach (the anchor whose run
+would hold it, whether or not it does). So a run is exactly what the block-by-block walk would
+find for its bytes.
 
 Blocks restored from a disk tier whose scope is not known yet (the index stores a scope only as
 a keyed hash, its *tag*) wait under a *dormant* root per tag, outside ``roots``: nothing matches
@@ -27,7 +28,7 @@ does not stays unreachable, and its pages age out like any other droppable page.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvtier.config import ReuseScope
 from kvtier.errors import InvariantError
@@ -162,20 +163,41 @@ class RadixTree:
 
     def prune(self, node: Node) -> None:
         """Remove ``node`` and then its ancestors while they are empty (roots stay)."""
-        while node.parent is not None and node.is_empty():
-            parent = node.parent
-            del parent.children[node.tokens]
-            node.parent = None
-            self._forget_run(parent)
-            node = parent
+        self.prune_all((node,))
 
-    def _forget_run(self, parent: Node) -> None:
-        """Forget the run through a child of ``parent`` that was just detached (kept by the anchor at
-        or above ``parent``, at most ``JUMP_BLOCKS - 1`` levels up)."""
-        anchor = parent
-        while (anchor.block + 1) % JUMP_BLOCKS and anchor.parent is not None:
-            anchor = anchor.parent
-        self._jumps.pop(anchor, None)
+    def prune_all(self, nodes: Iterable[Node]) -> None:
+        """``prune`` each of ``nodes``; the tree and its remembered runs end the same in any order.
+
+        Every run through a detached node is forgotten (the module's invariant): its anchor is the
+        nearest anchor at or above the node's parent. A chain detached in one climb forgets the
+        anchors it climbs past as it goes, then the one above the node where it stopped, found by
+        one walk up after the batch; walks up share the nodes they pass, so each node is walked
+        through at most once per batch, not once per detached node below it.
+        """
+        jumps = self._jumps
+        stops: list[Node] = []  # attached nodes that are not anchors, where a climb stopped
+        for node in nodes:
+            parent = node.parent
+            if parent is None or not node.is_empty():
+                continue
+            while True:
+                del parent.children[node.tokens]
+                node.parent = None
+                if (parent.block + 1) % JUMP_BLOCKS == 0:  # an anchor (a root's block is -1)
+                    jumps.pop(parent, None)
+                node, parent = parent, parent.parent
+                if parent is None or not node.is_empty():
+                    break
+            if (node.block + 1) % JUMP_BLOCKS:
+                stops.append(node)
+        walked: set[Node] = set()
+        for node in stops:
+            if node.parent is None:
+                continue  # detached later in the batch, which forgot the same anchor's run
+            while (node.block + 1) % JUMP_BLOCKS and node not in walked:
+                walked.add(node)
+                node = node.parent  # type: ignore[assignment]  # (attached below an anchor)
+            jumps.pop(node, None)  # the anchor, or a node walked from before (its anchor is gone)
 
     def check_runs(self) -> None:
         """``InvariantError`` unless every remembered run is ``JUMP_BLOCKS`` attached nodes chained
