@@ -163,7 +163,8 @@ class RadixTree:
 
     def prune(self, node: Node) -> None:
         """Remove ``node`` and then its ancestors while they are empty (roots stay)."""
-        self.prune_all((node,))
+        if node.parent is not None and node.is_empty():  # (else nothing to remove: no batch to set up)
+            self.prune_all((node,))
 
     def prune_all(self, nodes: Iterable[Node]) -> None:
         """``prune`` each of ``nodes``; the tree and its remembered runs end the same in any order.
