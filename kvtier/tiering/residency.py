@@ -185,9 +185,7 @@ class Residency:
             owners[slot] = None
         tier.storage.slots[group].free_all(slots)
         self.counters.drops += len(nodes)
-        prune = self.tree.prune
-        for node in nodes:
-            prune(node)
+        self.tree.prune_all(nodes)
 
     def mark_damaged(self, page: Page) -> None:
         """``page``'s bytes failed their checksum: never reuse it; its holders start over on resume."""
