@@ -109,7 +109,10 @@ def _tier_read_seconds(directory: str, pages: int) -> float:
                     view.uniform_(0.5, 1.5)  # non-zero bytes in every page
             cache.commit(prompt)
             cache.close()
-        for path in root.rglob("*.page"):
+        page_files = list(root.rglob("*.pages"))
+        if not page_files:
+            raise OSError(f"the disk tier under {root} wrote no page file")
+        for path in page_files:  # cold, as after a reboot
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
