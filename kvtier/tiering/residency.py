@@ -141,7 +141,8 @@ class Residency:
     def drop_some(self, tier_index: int, group: int, count: int) -> None:
         """Drop ``count`` pages only the tree holds from a tier, in eviction order, or none if there are fewer."""
         tier = self.tiers[tier_index]
-        victims = tier.evictable[group].take(count, tier.may_evict, _unheld)
+        # (on the last tier every evictable page is one no cache holds)
+        victims = tier.evictable[group].take(count, tier.may_evict, None if tier.is_last else _unheld)
         if len(victims) < count:
             return
         originals = tier.originals
