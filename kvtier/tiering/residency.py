@@ -16,7 +16,7 @@ pins it) is freed by the last ``unlock``, never under the pin.
 from __future__ import annotations
 
 from kvtier.errors import InvariantError
-from kvtier.pages import Page, PageState
+from kvtier.pages import Node, Page, PageState
 from kvtier.reuse.tree import RadixTree
 from kvtier.spec import GroupId
 from kvtier.stats import Counters
@@ -102,15 +102,7 @@ class Residency:
             raise InvariantError(f"{page} is not published")
         tier = self.tiers[page.tier]
         tier.forget(page)
-        for keeper in self._copy_tiers:
-            copy = keeper.copies.get(page)
-            if copy is not None:
-                keeper.remove_copy(copy)
-        if page.snapshot_offset:
-            del node.snapshots[page.snapshot_offset]
-        else:
-            node.pages[page.group] = None
-        page.node = None
+        _unlink(page, node, self._copy_tiers)
         if page.state is PageState.FREE:
             tier.vacate(page)
         else:
@@ -169,15 +161,7 @@ class Residency:
                 raise InvariantError(f"{page} is {page.state.value}: only droppable pages are dropped")
             if on_disk:
                 tier.forget(page)
-            for keeper in keepers:
-                copy = keeper.copies.get(page)
-                if copy is not None:
-                    keeper.remove_copy(copy)
-            if page.snapshot_offset:
-                del node.snapshots[page.snapshot_offset]
-            else:
-                node.pages[group] = None
-            page.node = None
+            _unlink(page, node, keepers)
             nodes.append(node)
         tier.evictable[group].discard_all(pages)
         owners = tier.owners[group]
@@ -201,3 +185,16 @@ class Residency:
 def _unheld(page: Page) -> bool:
     """No cache holds ``page``: an evictable one is then droppable."""
     return not page.refs
+
+
+def _unlink(page: Page, node: Node, keepers: list[Tier]) -> None:
+    """Take published ``page`` off its ``node`` and free its copies in ``keepers`` (its slot stays)."""
+    for keeper in keepers:
+        copy = keeper.copies.get(page)
+        if copy is not None:
+            keeper.remove_copy(copy)
+    if page.snapshot_offset:
+        del node.snapshots[page.snapshot_offset]
+    else:
+        node.pages[page.group] = None
+    page.node = None
