@@ -108,6 +108,45 @@ def test_children_of_a_hot_prefix_restore_after_a_crash(tmp_path):
     again.close()
 
 
+def test_no_committed_row_names_a_slot_while_other_bytes_are_written_to_it(tmp_path):
+    """What a process killed at any instant leaves: every disk write goes to slots that no committed
+    index row names, also the copies of ancestors written into slots just freed by drops (several
+    hot prefixes take turns on a disk too small for all of them)."""
+    mgr = manager(tmp_path, primary=10, host=0, disk=12)
+    planner = mgr._pool.planner.disk_writes
+    committed = planner.disk.disk_index._db
+    write = planner.writer.write_pages
+    written, named_while_written = 0, []
+
+    def checked(pages, slots):
+        nonlocal written
+        named = {row[0] for row in committed.execute("SELECT slot FROM pages WHERE grp = ?", (pages[0].group,))}
+        named_while_written.extend(s for s in slots if s in named)
+        written += len(slots)
+        return write(pages, slots)
+
+    planner.writer.write_pages = checked
+    oracle = PageOracle(mgr)
+    prefixes = [[900 + 37 * k + j for j in range(8)] for k in range(6)]  # 6 hot prefixes of 2 blocks
+    hot = []
+    for i in range(60):
+        prefix = prefixes[i % 6]
+        if i % 6 == 0:
+            for cache in hot:
+                cache.close()
+            hot = []
+        keep = mgr.create_cache(prefix + [1])  # the prefix stays locked in primary memory: copied to disk
+        assert keep.resume()
+        hot.append(keep)
+        prefill(mgr, oracle, prefix + convo(i, 8))
+    for cache in hot:
+        cache.close()
+    assert written > 100
+    assert named_while_written == []
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_a_promoted_parent_keeps_its_children_restorable(tmp_path):
     """After a restart the prefix is read back into memory; a crash then must not orphan the children."""
     mgr = manager(tmp_path, primary=8, host=0, disk=80)

@@ -109,6 +109,8 @@ class DiskWritePlanner:
         wanted = self._uncopied_ancestors(victims, moving)
         if not wanted or not self.residency.drop_for_room(disk.index, group, len(wanted)):
             wanted = self._uncopied_ancestors(victims, moving)[: disk.storage.slots[group].num_free]
+        if wanted and not disk.disk_index.flush():  # the drops' rows go before their slots are rewritten
+            return
         by_tier: dict[int, list[Page]] = defaultdict(list)
         for page in wanted:
             by_tier[page.tier].append(page)
