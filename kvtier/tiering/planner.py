@@ -104,8 +104,15 @@ class MovePlanner:
     def _move_down(self, pages: list[Page], dst: Tier, plan: MovePlan) -> None:
         """``move`` for pages of one memory tier and group into a colder memory tier ``dst`` that has
         a free slot for each, in one pass: their slots here are freed at once, the copies planned."""
-        group = pages[0].group
         src = self.tiers[pages[0].tier]
+        old_slots = self._relocate(pages, src, dst, plan)
+        src.storage.slots[pages[0].group].free_all(old_slots)
+
+    def _relocate(self, pages: list[Page], src: Tier, dst: Tier, plan: MovePlan) -> list[int]:
+        """Move pages of one group from ``src`` into free slots of ``dst`` in the bookkeeping (their
+        index entries and disk rows in ``src`` go, stale ones included) and plan their copies.
+        Returns the slots they left in ``src``, still allocated: freeing them is the caller's."""
+        group = pages[0].group
         new_slots = dst.storage.slots[group].allocate_many(len(pages))
         if new_slots is None:
             raise InvariantError(f"{len(pages)} pages moved to {dst.name}, which had fewer free slots")
@@ -121,9 +128,9 @@ class MovePlanner:
             page.tier = dst_index
             page.slot = new
             dst_owners[new] = page
-        src.storage.slots[group].free_all(old_slots)
         _add_pairs(plan.edges[(src.index, dst_index, group)], old_slots, new_slots)
         plan.landed.extend(pages)
+        return old_slots
 
     def _take_copies(self, victims: list[Page], dst: Tier) -> list[Page]:
         """Demote the victims that have a copy in memory tier ``dst`` into their copy's slot (the
@@ -189,22 +196,7 @@ class MovePlanner:
         for (src_index, group), run in groupby(pages, key=attrgetter("tier", "group")):
             run = list(run)
             src = self.tiers[src_index]
-            new_slots = primary.storage.slots[group].allocate_many(len(run))
-            if new_slots is None:
-                raise InvariantError(f"{len(run)} pages moved to {primary.name}, which had fewer free slots")
-            src.evictable[group].discard_all(run)  # locked pages may have stale entries
-            if src.disk_index is not None:
-                for page in run:
-                    src.forget(page)
-            src_owners, owners = src.owners[group], primary.owners[group]
-            old_slots = [page.slot for page in run]
-            for page, slot, new in zip(run, old_slots, new_slots, strict=True):
-                src_owners[slot] = None
-                page.tier = PRIMARY
-                page.slot = new
-                owners[new] = page
-            _add_pairs(plan.edges[(src_index, PRIMARY, group)], old_slots, new_slots)
-            plan.landed.extend(run)
+            old_slots = self._relocate(run, src, primary, plan)
             if src.keeps_copies:  # a published page's bytes stay there, as a copy
                 kept = plan.kept_copies
                 frees = []
