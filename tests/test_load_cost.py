@@ -132,3 +132,11 @@ def test_an_engine_recomputes_a_prefix_on_a_tier_slower_than_its_prefill(tmp_pat
                 assert sum(out[0].reused_tokens_by_tier.values()) == 0 and recomputed >= 64
             else:
                 assert out[0].reused_tokens_by_tier["disk"] == len(prompt) - 1 and recomputed == 0
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_recompute_when_faster_must_be_a_bool(value):
+    from kvtier.engine import SchedulerConfig
+
+    with pytest.raises(ValueError, match="recompute_when_faster must be a bool"):
+        SchedulerConfig(recompute_when_faster=value)
