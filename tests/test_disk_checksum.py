@@ -18,7 +18,7 @@ import xxhash
 
 from kvtier.connector.block_codec import HEADER_BYTES, MAGIC, decode_page, encode_page
 from kvtier.storage.disk_index import SCHEMA_VERSION, PageRow
-from kvtier.storage.page_files import page_checksum
+from kvtier.storage.page_files import default_io_threads, page_checksum, parse_io_threads
 from tests.kvdata import PageOracle
 from tests.test_tiers import convo, manager, persist_conversations, serve_intact
 
@@ -106,3 +106,21 @@ def test_store_checksum_is_xxh3_64_over_key_and_payload():
     assert blob[HEADER_BYTES - 8 : HEADER_BYTES] == xxhash.xxh3_64(b"kvtier/k\0" + payload).digest()
     assert decode_page(blob, 1000, "kvtier/k2") is None  # a value under the wrong key stays a miss
     assert decode_page(blob, 1000, "kvtier/") is None
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_the_disk_tier_reads_and_writes_with_the_threads_the_knob_sets(tmp_path, monkeypatch, threads):
+    monkeypatch.setenv("KVTIER_DISK_IO_THREADS", threads)
+    persist_conversations(tmp_path)
+    again = manager(tmp_path, primary=8, host=0, disk=32)
+    disk = next(t for t in again._pool.tiers if t.is_disk)
+    assert disk.storage.io_threads == int(threads)
+    serve_intact(again, 3)
+
+
+@pytest.mark.parametrize("raw", ["0", "65", "-2", "four", ""])
+def test_a_disk_io_threads_value_out_of_range_or_not_an_integer_warns_and_keeps_the_default(raw, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        assert parse_io_threads(raw) == default_io_threads()
+    assert "KVTIER_DISK_IO_THREADS" in caplog.text and "default" in caplog.text
+    assert parse_io_threads(None) == default_io_threads() and parse_io_threads(" 12 ") == 12

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvtier.cli.disk_probe import probe_disk
@@ -15,6 +17,19 @@ def test_the_disk_probe_reports_reads_and_checksums_and_leaves_nothing(tmp_path)
     assert "256 MiB" in rows["disk write"]
     tier = rows["disk tier read"]  # 64 pages written by one manager, read back by the next
     assert float(tier.split()[0]) > 0 and "of the best raw read" in tier
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_disk_probe_also_reads_the_tier_with_the_fastest_raw_thread_count(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_DISK_IO_THREADS", "2")  # not a count the raw reads try
+    rows = dict(probe_disk(str(tmp_path), 256))
+    raw = {n: float(rows[f"disk read, {n} thread{'s' if n > 1 else ''}"].split()[0]) for n in (1, 4, 8)}
+    fastest = int(rows["disk I/O threads"].rsplit("=", 1)[1])
+    assert raw[fastest] == max(raw.values())  # (as printed, two decimals)
+    assert "2 I/O threads" in rows["disk tier read"]
+    assert f"{fastest} I/O threads" in rows[f"disk tier read, KVTIER_DISK_IO_THREADS={fastest}"]
+    assert rows["disk I/O threads"].startswith("2 now")
+    assert os.environ["KVTIER_DISK_IO_THREADS"] == "2"
     assert list(tmp_path.iterdir()) == []
 
 

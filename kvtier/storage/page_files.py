@@ -8,6 +8,11 @@ read. A failed or short write or read, or a checksum mismatch, is reported per p
 never raises: the caller treats the page as missing. Failures are logged as rate-limited
 warnings (a full disk fails every write; it logs one line, then a summary a minute).
 
+``KVTIER_DISK_IO_THREADS`` (1-64, read when a disk tier opens) sets the pool's threads; unset,
+``default_io_threads()``. Disks differ: ``kvtier probe --disk PATH`` reads one from 1, 4 and 8
+threads and says which count it reads fastest with. A value that is not an integer in range
+logs a WARNING and the default is kept.
+
 A read-only directory's files are opened read-only (``writable`` is False: nothing is written);
 an unusable directory has no slots at all. The files are closed by ``close``, or when the storage
 is collected (a manager dropped without ``close``).
@@ -20,18 +25,38 @@ import os
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Final
 
 import numpy as np
 import xxhash
 
+from kvtier.knobs import parse_int64
 from kvtier.storage.disk_dir import DiskDirectory, open_private
 from kvtier.storage.log_limit import RateLimitedWarning
 from kvtier.storage.slots import SlotAllocator
 
 log = logging.getLogger(__name__)
 
-# Positional I/O and checksumming both release the GIL, so a few threads overlap them.
-IO_THREADS = min(8, max(2, os.cpu_count() or 2))
+DISK_IO_THREADS_ENV: Final = "KVTIER_DISK_IO_THREADS"
+MAX_IO_THREADS: Final = 64
+
+
+def default_io_threads() -> int:
+    """Positional I/O and checksumming both release the GIL, so a few threads overlap them."""
+    return min(8, max(2, os.cpu_count() or 2))
+
+
+def parse_io_threads(raw: str | None) -> int:
+    """``KVTIER_DISK_IO_THREADS`` from its raw value: 1..64 threads; unset or bad (WARNING) -> the default."""
+    default = default_io_threads()
+    instead = f"keeping the default of {default} threads"
+    value = parse_int64(DISK_IO_THREADS_ENV, raw, instead)
+    if value is None:
+        return default
+    if not 1 <= value <= MAX_IO_THREADS:
+        log.warning("%s=%r is out of range (1..%d); %s", DISK_IO_THREADS_ENV, raw, MAX_IO_THREADS, instead)
+        return default
+    return value
 
 
 def page_checksum(data: np.ndarray) -> int:
@@ -46,7 +71,8 @@ def page_checksum(data: np.ndarray) -> int:
 
 
 class DiskStorage:
-    """Page files and slot allocators of one disk tier, in a locked ``DiskDirectory``."""
+    """Page files and slot allocators of one disk tier, in a locked ``DiskDirectory``; ``io_threads``
+    positional reads and writes run at once (the knob's value when the tier opened)."""
 
     def __init__(self, directory: DiskDirectory, page_bytes: Sequence[int], num_slots: Sequence[int]) -> None:
         self.directory = directory.path
@@ -54,7 +80,8 @@ class DiskStorage:
         if not directory.readable:
             num_slots = [0] * len(self.page_bytes)  # nothing can be kept: report no disk pages at all
         self.slots = tuple(SlotAllocator(n) for n in num_slots)
-        self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="kvtier-disk")
+        self.io_threads = parse_io_threads(os.environ.get(DISK_IO_THREADS_ENV))
+        self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvtier-disk")
         self._fds: list[int | None] = []
         self._finalizer = weakref.finalize(self, _release, self._pool, self._fds)
         self._finalizer.atexit = False  # at exit a manager never closed may still persist through them
