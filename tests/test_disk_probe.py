@@ -20,15 +20,21 @@ def test_the_disk_probe_reports_reads_and_checksums_and_leaves_nothing(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_disk_probe_also_reads_the_tier_with_the_fastest_raw_thread_count(tmp_path, monkeypatch):
+def test_the_disk_probe_reads_the_tier_with_each_thread_count_and_names_the_fastest(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTIER_DISK_IO_THREADS", "2")  # not a count the raw reads try
     rows = dict(probe_disk(str(tmp_path), 256))
-    raw = {n: float(rows[f"disk read, {n} thread{'s' if n > 1 else ''}"].split()[0]) for n in (1, 4, 8)}
-    fastest = int(rows["disk I/O threads"].rsplit("=", 1)[1])
-    assert raw[fastest] == max(raw.values())  # (as printed, two decimals)
     assert "2 I/O threads" in rows["disk tier read"]
-    assert f"{fastest} I/O threads" in rows[f"disk tier read, KVTIER_DISK_IO_THREADS={fastest}"]
-    assert rows["disk I/O threads"].startswith("2 now")
+    tier = {2: float(rows["disk tier read"].split()[0])}
+    for n in (1, 4, 8):
+        row = rows[f"disk tier read, KVTIER_DISK_IO_THREADS={n}"]
+        assert f" {n} I/O thread" in row and "of the best raw read" in row
+        tier[n] = float(row.split()[0])
+    advice = rows.get("disk I/O threads")
+    if advice is not None:  # another count beat the configured one (as printed, two decimals)
+        fastest = int(advice.rsplit("=", 1)[1])
+        assert advice.startswith("2 now") and fastest != 2 and tier[fastest] == max(tier.values())
+    else:
+        assert tier[2] == max(tier.values())
     assert os.environ["KVTIER_DISK_IO_THREADS"] == "2"
     assert list(tmp_path.iterdir()) == []
 
