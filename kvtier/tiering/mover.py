@@ -34,7 +34,8 @@ from kvtier.tiering.load_cost import LoadCost
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.tier import Tier
 
-DUPLEX_CHUNKS = 16  # a demotion racing a promotion is cut into this many parts
+DUPLEX_CHUNKS = 16  # a demotion racing a promotion is cut into at most this many parts,
+DUPLEX_MIN_PART_BYTES = 32 << 20  # each of at least this many bytes (its copies' submit hides behind the link)
 DISK_CHUNK_BYTES = 64 << 20  # disk reads go to the GPU in parts of this size, each copied as the next is read
 
 
@@ -111,8 +112,10 @@ class Mover:
         """Demote and promote one group at once, both directions of the link busy.
 
         Both directions run on streams of the mover's own, after the work queued on ``stream``:
-        the demotion in parts, and each promoted page whose primary slot a part vacates as soon
-        as that part has been read out (pages bound for slots that were free go first).
+        the demotion in parts (up to ``DUPLEX_CHUNKS``, none smaller than ``DUPLEX_MIN_PART_BYTES``
+        unless it is the only one: a part's copies cost tens of microseconds to submit), and each
+        promoted page whose primary slot a part vacates as soon as that part has been read out
+        (pages bound for slots that were free go first).
         ``stream`` waits for both at the end. (The caller's stream may be the legacy default
         stream, which would order the two directions one after the other.)
         """
@@ -121,7 +124,9 @@ class Mover:
         down_stream.wait_stream(stream)  # the victims' bytes are written by work queued there
         up_stream.wait_stream(stream)
         n = len(down_pairs)
-        size = -(-n // min(DUPLEX_CHUNKS, n))
+        page_bytes = self.tiers[0].storage.page_bytes[group]
+        parts = max(1, min(DUPLEX_CHUNKS, n, n * page_bytes // DUPLEX_MIN_PART_BYTES))
+        size = -(-n // parts)
         part_of = np.full(self.tiers[0].storage.slots[group].num_slots, -1, dtype=np.int64)
         part_of[down_pairs[:, 0]] = np.arange(n, dtype=np.int64) // size
         up_part = part_of[up_pairs[:, 1]]

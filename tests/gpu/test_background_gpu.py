@@ -53,15 +53,28 @@ def test_write_through_copies_race_new_writes(tmp_path):
     mgr.close()
 
 
-def test_duplex_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("min_part_mib, several_parts", [(2, True), (32, False)])  # victims: at most 40 MiB
+def test_duplex_resume_is_exact(tmp_path, monkeypatch, min_part_mib, several_parts):
+    monkeypatch.setattr(mover, "DUPLEX_MIN_PART_BYTES", min_part_mib << 20)
+    demotions = []  # pages per primary->host copy
+    copy_edge = mover.Mover._copy_edge
+
+    def counted(self, edge, pairs, stream):
+        if edge[:2] == (0, 1):
+            demotions.append(len(pairs))
+        copy_edge(self, edge, pairs, stream)
+
+    monkeypatch.setattr(mover.Mover, "_copy_edge", counted)
     mgr, oracle = big_manager(tmp_path, primary=24, host=96, write_through=False)
     for round_ in range(4):
         kept = prompt(round_, 20)
         serve(mgr, oracle, kept)
         serve(mgr, oracle, prompt(60 + round_, 22))  # kept goes down, the primary tier is full
         before = mgr.stats().bytes_copied.get("primary->host:copy_engine", 0)
+        demotions.clear()
         assert serve(mgr, oracle, kept + [2]) == 20 * TPB  # victims down while kept comes up
         assert mgr.stats().bytes_copied.get("primary->host:copy_engine", 0) > before
+        assert demotions and (len(demotions) > 1) == several_parts
     mgr.check_invariants()
     mgr.close()
 
