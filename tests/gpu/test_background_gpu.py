@@ -56,15 +56,24 @@ def test_write_through_copies_race_new_writes(tmp_path):
 @pytest.mark.parametrize("min_part_mib, several_parts", [(2, True), (32, False)])  # victims: at most 40 MiB
 def test_duplex_resume_is_exact(tmp_path, monkeypatch, min_part_mib, several_parts):
     monkeypatch.setattr(mover, "DUPLEX_MIN_PART_BYTES", min_part_mib << 20)
-    demotions = []  # pages per primary->host copy
-    copy_edge = mover.Mover._copy_edge
+    demotions = []  # pages per primary->host copy of a duplex move
+    duplex, copy_edge = mover.Mover._duplex, mover.Mover._copy_edge
+    inside = []
 
-    def counted(self, edge, pairs, stream):
-        if edge[:2] == (0, 1):
+    def counted_duplex(self, *args):
+        inside.append(True)
+        try:
+            duplex(self, *args)
+        finally:
+            inside.pop()
+
+    def counted_edge(self, edge, pairs, stream):
+        if inside and edge[:2] == (0, 1):
             demotions.append(len(pairs))
         copy_edge(self, edge, pairs, stream)
 
-    monkeypatch.setattr(mover.Mover, "_copy_edge", counted)
+    monkeypatch.setattr(mover.Mover, "_duplex", counted_duplex)
+    monkeypatch.setattr(mover.Mover, "_copy_edge", counted_edge)
     mgr, oracle = big_manager(tmp_path, primary=24, host=96, write_through=False)
     for round_ in range(4):
         kept = prompt(round_, 20)
