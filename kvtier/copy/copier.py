@@ -104,8 +104,16 @@ class PageCopier:
             from kvtier.copy.copy_engine import BatchCopier
 
             self._batch = BatchCopier(self.device.index)
+        pageable = (src.host and not src.pinned) or (dst.host and not dst.pinned)
         self._batch.copy_runs(
-            runs, request.page_bytes, src.address, dst.address, stream, src_host=src.host, dst_host=dst.host
+            runs,
+            request.page_bytes,
+            src.address,
+            dst.address,
+            stream,
+            src_host=src.host,
+            dst_host=dst.host,
+            pageable=pageable,
         )
 
     def _copy_with_kernel(

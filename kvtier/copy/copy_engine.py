@@ -14,7 +14,11 @@ and after, so stream order holds as on any other stream.
 
 No cap on the pages of one driver call is needed: 262,144 pages in one call were verified on the
 H200 (docs/copy.md). The driver's own cost, 0.5-1 us per page, sets the host cost of a large
-call.
+call. A small call is cheaper as separate copies: the batched call costs about 26 us for one
+page, ``cuMemcpyAsync`` a few. A call of at most ``SEPARATE_COPY_RUNS`` runs between memory the
+GPU can reach (device, pinned or registered) is therefore submitted as one ``cuMemcpyAsync`` per
+run, which every stream takes, the legacy one included; pageable host memory always goes to the
+batched call (``cuMemcpyAsync`` from pageable memory may wait for the stream's earlier work).
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import numpy as np
 from kvtier.copy.driver_api import DriverApi, DriverError
 
 LEGACY_STREAM_HANDLES: Final = frozenset({0, 1})  # the NULL stream and CU_STREAM_LEGACY
+SEPARATE_COPY_RUNS: Final = 4  # calls of at most this many runs: one cuMemcpyAsync per run
 
 _CUDA_13_0: Final = 13000
 _CUDA_12_8: Final = 12080
 
 _c = ctypes
+_MEMCPY_ASYNC = _c.CFUNCTYPE(_c.c_int, _c.c_uint64, _c.c_uint64, _c.c_size_t, _c.c_void_p)
 _BATCH_V13 = _c.CFUNCTYPE(
     _c.c_int, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_void_p
 )
@@ -87,6 +93,7 @@ class BatchCopier:
         self.abi = BatchAbi(driver_version=driver_version, cuda_version=cuda_version)
         batch_type = _BATCH_V12_8 if self.abi.has_fail_index else _BATCH_V13
         self._batch = batch_type(self.api.resolve("cuMemcpyBatchAsync", cuda_version))
+        self._memcpy_async = _MEMCPY_ASYNC(self.api.resolve("cuMemcpyAsync", 4000))
         # (src in host memory, dst in host memory) -> the attribute set, and its address for the call
         self._attrs = {(src, dst): self._attributes(driver, src, dst) for src in (False, True) for dst in (False, True)}
         self._attr_ptrs = {key: attrs.getPtr() for key, attrs in self._attrs.items()}
@@ -108,15 +115,20 @@ class BatchCopier:
         *,
         src_host: bool,
         dst_host: bool,
+        pageable: bool = False,
     ) -> None:
         """Enqueue one copy per run ``(src_slot, dst_slot, pages)`` of pages of ``page_bytes`` on ``stream``.
 
         Run i copies ``pages * page_bytes`` bytes from ``src_base + src_slot * page_bytes`` to
         ``dst_base + dst_slot * page_bytes`` (addresses in UVA). The copies of one call must not
         overlap, and none may span two host registrations (``kvtier.copy.runs`` cuts them so).
-        ``stream`` is a raw handle; the copies run after the work queued on it.
+        ``stream`` is a raw handle; the copies run after the work queued on it. ``pageable``: a
+        side is pageable host memory (the batched call is then used for any number of runs).
         """
         count = runs.shape[0]
+        if count <= SEPARATE_COPY_RUNS and not pageable:
+            self._copy_separately(runs.tolist(), page_bytes, src_base, dst_base, stream)
+            return
         with self._lock:
             table = self._table(count)
             np.multiply(runs[:, 1], page_bytes, out=table[0])
@@ -125,6 +137,23 @@ class BatchCopier:
             table[1] += src_base
             np.multiply(runs[:, 2], page_bytes, out=table[2])
             self._submit_locked(table, count, self._attr_ptrs[(src_host, dst_host)], stream)
+
+    def _copy_separately(
+        self, runs: list[list[int]], page_bytes: int, src_base: int, dst_base: int, stream: int
+    ) -> None:
+        """One ``cuMemcpyAsync`` per run, in order, on ``stream`` (any stream, the legacy one too)."""
+        api = self.api
+        pushed = api.enter_context()
+        try:
+            for src_slot, dst_slot, pages in runs:
+                result = self._memcpy_async(
+                    dst_base + dst_slot * page_bytes, src_base + src_slot * page_bytes, pages * page_bytes, stream
+                )
+                if result:
+                    raise DriverError(f"cuMemcpyAsync failed with {api.error_name(result)}")
+        finally:
+            if pushed:
+                api.leave_context()
 
     def _table(self, count: int) -> np.ndarray:
         """The (3, count) view of the reused descriptor arrays; each row is contiguous."""

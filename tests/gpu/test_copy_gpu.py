@@ -315,3 +315,24 @@ def test_bad_arguments_change_nothing(copiers, pools) -> None:
             copiers[path].copy(host_src, view, [(0, 1)], -4096)
     torch.cuda.synchronize()
     assert bool((view == POISON).all())
+
+
+@pytest.mark.parametrize("n", [1, 4, 12])
+def test_small_calls_go_as_separate_copies(copiers, pools, device, monkeypatch, n: int) -> None:
+    """Up to SEPARATE_COPY_RUNS runs: one cuMemcpyAsync each, no batched call; more: one batched call."""
+    from kvtier.copy import copy_engine
+
+    batched = []
+    submit = copy_engine.BatchCopier._submit
+
+    def counted(self, *args):
+        batched.append(args[1])
+        submit(self, *args)
+
+    monkeypatch.setattr(copy_engine.BatchCopier, "_submit", counted)
+    stream = torch.cuda.Stream(device)
+    assert check_round_trip(copiers["copy_engine"], pools, n, 4 * MiB, stream) == ["copy_engine"] * 2
+    if n <= copy_engine.SEPARATE_COPY_RUNS:
+        assert batched == []
+    else:  # (permuted slots: a few may still merge into runs)
+        assert len(batched) == 2 and min(batched) > copy_engine.SEPARATE_COPY_RUNS
