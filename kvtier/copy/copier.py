@@ -6,8 +6,9 @@ registrations meet), then:
 
 - both buffers in host memory -> the CPU path, synchronously on the calling thread;
 - otherwise ``policy.choose(page_bytes, coherent_link=...)`` -> the copy engines (one batched
-  driver call, or one async copy per run for a call of a few runs, ``kvtier.copy.copy_engine``) or the Triton kernel (one launch, ``kvtier.copy.kernel``),
-  enqueued on the caller's stream after the work already there.
+  driver call, or one async copy per run for a call of a few runs, ``kvtier.copy.copy_engine``)
+  or the Triton kernel (one launch, ``kvtier.copy.kernel``), enqueued on the caller's stream
+  after the work already there.
 
 Triton and cuda-bindings are imported on the first call that needs them.
 """
