@@ -45,11 +45,11 @@ from typing import Final
 
 from kvtier.connector.block_codec import HEADER_BYTES, Buffer, decode_page, encode_page
 from kvtier.connector.store import check_keys, check_sizes
+from kvtier.storage.page_files import default_io_threads
 
 log = logging.getLogger(__name__)
 
-# File I/O and checksumming both release the GIL, so a few threads overlap them (as in the disk tier).
-IO_THREADS = min(8, max(2, os.cpu_count() or 2))
+IO_THREADS = default_io_threads()  # the disk tier's default: file I/O and checksums overlap on a few threads
 VALUE_SUFFIX = ".page"
 TEMP_SUFFIX = ".tmp"
 DEFAULT_MAX_BYTES: Final = 64 << 30

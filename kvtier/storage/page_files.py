@@ -9,8 +9,8 @@ never raises: the caller treats the page as missing. Failures are logged as rate
 warnings (a full disk fails every write; it logs one line, then a summary a minute).
 
 ``KVTIER_DISK_IO_THREADS`` (1-64, read when a disk tier opens) sets the pool's threads; unset,
-``default_io_threads()``. Disks differ: ``kvtier probe --disk PATH`` reads one from 1, 4 and 8
-threads and says which count it reads fastest with. A value that is not an integer in range
+``default_io_threads()``. Disks differ: ``kvtier probe --disk PATH`` reads a disk tier there with
+1, 4, 8 and the configured count and names the fastest. A value that is not an integer in range
 logs a WARNING and the default is kept.
 
 A read-only directory's files are opened read-only (``writable`` is False: nothing is written);

@@ -34,8 +34,8 @@ from kvtier.tiering.load_cost import LoadCost
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.tier import Tier
 
-DUPLEX_CHUNKS = 16  # a demotion racing a promotion is cut into at most this many parts,
-DUPLEX_MIN_PART_BYTES = 32 << 20  # each of at least this many bytes (its copies' submit hides behind the link)
+DUPLEX_CHUNKS = 16  # a demotion racing a promotion is cut into at most this many parts
+DUPLEX_MIN_PART_BYTES = 32 << 20  # and none smaller, unless it is the only one (its submit hides behind the link)
 DISK_CHUNK_BYTES = 64 << 20  # disk reads go to the GPU in parts of this size, each copied as the next is read
 
 
