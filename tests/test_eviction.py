@@ -95,15 +95,33 @@ def test_take_skips_and_removes_stale_entries_and_keeps_unwanted_ones():
         index.add(p)
     b.locks = 1  # locked since it was indexed: its entry is stale
     c.refs = 1  # held: evictable here, but not what this search wants
-    found = index.take(2, lambda p: p.locks == 0, lambda p: p.refs == 0)
+    found = index.take(2, unheld_only=True)
     assert found == [a, d]
     assert list(index) == [a, c, d]  # the stale entry passed on the way is gone, the unwanted one stays
     assert len(index) == 3
-    assert index.take(5, lambda p: p.locks == 0) == [a, c, d]
-    assert index.take(0, lambda p: True) == []
+    assert index.take(5) == [a, c, d]
+    assert index.take(0) == []
     b.locks = 0
     index.add(b)  # evictable again: indexed as the most recently used
     assert list(index) == [a, b, c, d] and len(index) == 4
+
+
+def test_take_reads_past_windows_of_stale_entries_in_order():
+    index = EvictionIndex()
+    pages = [page(10, i) for i in range(300)]
+    for p in pages:
+        index.add(p)
+    for p in pages[:150]:
+        p.locks = 1  # stale: more than one window of them before the first page that may leave
+    for p in pages[150:200:2]:
+        p.refs = 1  # held: may leave a memory tier, not the last one
+    assert index.take(30) == pages[150:180]
+    assert list(index) == pages[150:]  # every stale entry passed is gone
+    found = index.take(30, held_stale=True)
+    assert found == pages[151:200:2] + pages[200:205]
+    assert list(index) == pages[151:200:2] + pages[200:]  # held entries were stale for this search
+    assert index.take(1000, held_stale=True) == pages[151:200:2] + pages[200:]
+    assert len(index) == len(list(index)) == 125
 
 
 def test_a_stale_entry_is_indexed_again_at_the_most_recent_end():

@@ -14,12 +14,14 @@ level: evicting it loses no bytes, evicting anything else on the last tier drops
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from itertools import islice
 
 from kvtier.pages import Page
 
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
+TAKE_WINDOW = 64  # a victim search reads at least this many entries at a time
 
 
 def check_priority(priority: object) -> int:
@@ -93,23 +95,33 @@ class EvictionIndex:
                 removed += 1
         self._size -= removed
 
-    def take(
-        self, count: int, may_evict: Callable[[Page], bool], wanted: Callable[[Page], bool] | None = None
-    ) -> list[Page]:
-        """Up to ``count`` entries that ``may_evict`` (and ``wanted``, if given) accept, in eviction
-        order; nothing is removed for them. Entries that ``may_evict`` refuses are stale: those
-        passed on the way are removed (entries only ``wanted`` refuses stay)."""
+    def take(self, count: int, held_stale: bool = False, unheld_only: bool = False) -> list[Page]:
+        """Up to ``count`` pages that may leave now, in eviction order; nothing is removed for them.
+
+        A locked entry is stale, and so is a held one when ``held_stale`` (on the last tier a held
+        page may not leave); ``unheld_only`` skips held entries without calling them stale. Stale
+        entries passed on the way (and maybe a few just past the last page found) are removed;
+        skipped ones stay.
+        """
         found: list[Page] = []
         stale: list[Page] = []
         if count > 0 and self._size:
             for level in self._levels:
-                for page in level:
-                    if not may_evict(page):
-                        stale.append(page)
-                    elif wanted is None or wanted(page):
-                        found.append(page)
-                        if len(found) == count:
-                            break
+                if not level:
+                    continue
+                entries = iter(level)  # read in windows: the pages are checked in C-speed comprehensions
+                while len(found) < count:
+                    want = count - len(found)
+                    window = list(islice(entries, max(want, TAKE_WINDOW)))
+                    if not window:
+                        break
+                    if held_stale or unheld_only:
+                        fit = [p for p in window if not (p.locks or p.refs)]
+                    else:
+                        fit = [p for p in window if not p.locks]
+                    if len(fit) < len(window):
+                        stale += [p for p in window if p.locks or (held_stale and p.refs)]
+                    found += fit[:want]
                 if len(found) == count:
                     break
         if stale:

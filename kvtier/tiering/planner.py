@@ -62,7 +62,7 @@ class MovePlanner:
             return True
         if short > len(index):  # entries: an upper bound on the evictable pages
             return False
-        victims = index.take(short, tier.may_evict)
+        victims = index.take(short)
         if len(victims) < short:
             return False
         if tier.originals:
@@ -226,7 +226,7 @@ class MovePlanner:
         for (tier_index, group), slots in plan.deferred_frees.items():
             tiers[tier_index].storage.slots[group].free_all(slots)
         for tier_index, run in groupby(plan.landed, key=attrgetter("tier")):  # runs of one tier, in order
-            tiers[tier_index].reindex_all([page for page in run if page.refs or page.node is not None])
+            tiers[tier_index].index_arrivals(list(run))
         for page in plan.damaged:
             residency.mark_damaged(page)
         kept: dict[int, list[tuple[Page, int]]] = {}

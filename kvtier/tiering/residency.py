@@ -134,7 +134,8 @@ class Residency:
         """Drop ``count`` pages only the tree holds from a tier, in eviction order, or none if there are fewer."""
         tier = self.tiers[tier_index]
         # (on the last tier every evictable page is one no cache holds)
-        victims = tier.evictable[group].take(count, tier.may_evict, None if tier.is_last else _unheld)
+        last = tier.is_last
+        victims = tier.evictable[group].take(count, held_stale=last, unheld_only=not last)
         if len(victims) < count:
             return
         originals = tier.originals
@@ -154,20 +155,28 @@ class Residency:
         then their emptied nodes pruned from the tree (the tree ends as page-by-page drops leave it)."""
         on_disk = tier.disk_index is not None
         keepers = [k for k in self._copy_tiers if k.copies]  # a page here has its copies in colder tiers
+        owners = tier.owners[group]
         nodes = []
+        slots = []
         for page in pages:
             node = page.node
             if node is None or page.refs or page.locks:
                 raise InvariantError(f"{page} is {page.state.value}: only droppable pages are dropped")
             if on_disk:
                 tier.forget(page)
-            _unlink(page, node, keepers)
+            if keepers:
+                _unlink(page, node, keepers)
+            elif page.snapshot_offset:
+                del node.snapshots[page.snapshot_offset]
+                page.node = None
+            else:  # ``_unlink`` without copies to free, inlined: this runs for every page dropped
+                node.pages[group] = None
+                page.node = None
+            slot = page.slot
+            owners[slot] = None
+            slots.append(slot)
             nodes.append(node)
         tier.evictable[group].discard_all(pages)
-        owners = tier.owners[group]
-        slots = [page.slot for page in pages]
-        for slot in slots:
-            owners[slot] = None
         tier.storage.slots[group].free_all(slots)
         self.counters.drops += len(nodes)
         self.tree.prune_all(nodes)
@@ -180,11 +189,6 @@ class Residency:
         self.counters.checksum_failures += 1
         if page.node is not None:
             self.unpublish(page)
-
-
-def _unheld(page: Page) -> bool:
-    """No cache holds ``page``: an evictable one is then droppable."""
-    return not page.refs
 
 
 def _unlink(page: Page, node: Node, keepers: list[Tier]) -> None:
