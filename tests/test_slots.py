@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtier
-from kvtier.storage.slots import SlotAllocator
+from kvtier.storage.slots import BULK_SLOTS, SlotAllocator
 
 
 def test_fresh_allocator_hands_out_low_slots_first():
@@ -160,10 +160,13 @@ def test_against_a_set_model(num_slots, steps):
         slots.check()
 
 
-@given(st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=40))
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=40), st.sampled_from([1, 10]))
 @settings(max_examples=200, deadline=None)
-def test_batched_allocate_and_free_match_one_slot_at_a_time(ops):
-    batched, single = SlotAllocator(16), SlotAllocator(16)
+def test_batched_allocate_and_free_match_one_slot_at_a_time(ops, scale):
+    # scale 10: calls of up to 90 slots, past BULK_SLOTS, where the free map is updated with numpy
+    ops = [(allocating, count * scale) for allocating, count in ops]
+    num_slots = 16 * scale
+    batched, single = SlotAllocator(num_slots), SlotAllocator(num_slots)
     held: list[int] = []
     for allocating, count in ops:
         if allocating:
@@ -180,7 +183,7 @@ def test_batched_allocate_and_free_match_one_slot_at_a_time(ops):
                 single.free(slot)
         assert batched.allocate_many(0) == [] and batched.num_free == single.num_free
     batched.check()
-    assert [batched.allocate() for _ in range(16)] == [single.allocate() for _ in range(16)]
+    assert [batched.allocate() for _ in range(num_slots)] == [single.allocate() for _ in range(num_slots)]
 
 
 def test_free_all_refuses_a_slot_freed_twice():
@@ -190,3 +193,18 @@ def test_free_all_refuses_a_slot_freed_twice():
         slots.free_all([taken[1], taken[1]])
     with pytest.raises(kvtier.InvariantError, match="slot 9 freed twice"):
         slots.free_all([9])
+
+
+@pytest.mark.parametrize("bad", ["repeated", "out of range", "never allocated"])
+def test_a_bulk_free_all_refuses_a_bad_slot_as_the_loop_does(bad):
+    slots = SlotAllocator(300)
+    taken = slots.allocate_many(200)
+    assert BULK_SLOTS <= 100
+    batch = taken[:100]
+    wrong = {"repeated": taken[50], "out of range": 300, "never allocated": 250}[bad]
+    batch.insert(70, wrong)  # slots before it are freed, the bad one raises, the rest stay allocated
+    with pytest.raises(kvtier.InvariantError, match=f"slot {wrong} freed twice"):
+        slots.free_all(batch)
+    slots.check()
+    assert slots.num_free == 100 + 70
+    assert all(slots.is_free(s) for s in taken[:70]) and not any(slots.is_free(s) for s in taken[70:])

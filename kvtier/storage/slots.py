@@ -6,13 +6,17 @@ allocated, never both; ``num_free + num_used == num_slots``.
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvtier.errors import InvariantError
+
+BULK_SLOTS = 64  # from this many slots a call marks the free map with numpy instead of slot by slot
 
 
 class SlotAllocator:
     """A LIFO free list of slot numbers. The stack is preallocated; allocate/free do not allocate."""
 
-    __slots__ = ("_free", "_is_free", "num_slots")
+    __slots__ = ("_free", "_free_map", "_is_free", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:
@@ -21,6 +25,7 @@ class SlotAllocator:
         # Popping from the end hands out low slots first, which keeps a lightly used buffer compact.
         self._free = list(range(num_slots - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * num_slots
+        self._free_map = np.frombuffer(self._is_free, dtype=np.uint8)  # the same bytes, for bulk updates
 
     @property
     def num_free(self) -> int:
@@ -56,14 +61,26 @@ class SlotAllocator:
         slots = free[-count:]
         del free[-count:]
         slots.reverse()
-        is_free = self._is_free
-        for slot in slots:
-            is_free[slot] = 0
+        if count >= BULK_SLOTS:
+            self._free_map[np.asarray(slots, dtype=np.int64)] = 0
+        else:
+            is_free = self._is_free
+            for slot in slots:
+                is_free[slot] = 0
         return slots
 
     def free_all(self, slots: list[int]) -> None:
         """``free`` every slot of a list, in order; a slot not allocated raises (those before it are freed)."""
         is_free, num_slots, free = self._is_free, self.num_slots, self._free
+        if len(slots) >= BULK_SLOTS:
+            index = np.asarray(slots, dtype=np.int64)
+            free_map = self._free_map
+            if index.min() >= 0 and index.max() < num_slots and not free_map[index].any():
+                free_map[index] = 1
+                if np.count_nonzero(free_map) == len(free) + len(slots):
+                    free.extend(slots)
+                    return
+                free_map[index] = 0  # a slot repeated in the list: undone, the loop below names it
         for slot in slots:
             if not 0 <= slot < num_slots or is_free[slot]:
                 raise InvariantError(f"slot {slot} freed twice")
