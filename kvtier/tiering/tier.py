@@ -211,7 +211,7 @@ class Tier:
             if on_disk:
                 self.record(copy)
             made.append(copy)
-        self.reindex_all(made)
+        self.index_arrivals(made)
 
     def slot_for_copy(
         self, group: int, keep: set[Page] | frozenset = frozenset(), unless_original_in: int | None = None
@@ -258,23 +258,21 @@ class Tier:
         """Unlocked pages may leave; from the last tier only pages no cache holds (they are dropped)."""
         return page.locks == 0 and (page.refs == 0 or not self.is_last)
 
-    def reindex_all(self, pages: list[Page]) -> None:
-        """``reindex`` every page of a list (all in this tier), in order."""
+    def index_arrivals(self, pages: list[Page]) -> None:
+        """Index the pages of a list that just arrived in this tier (none has an entry here yet) and
+        may leave it, in order; pages freed meanwhile (no holder, no node) are skipped."""
         is_last = self.is_last
-        keep = [p for p in pages if p.locks == 0 and (p.refs == 0 or not is_last)]
-        out = [p for p in pages if p.locks or (p.refs and is_last)] if len(keep) < len(pages) else []
+        keep = [p for p in pages if not p.locks and (p.node is not None if not p.refs else not is_last)]
         if self.watch is not None:  # the watch keeps the order of every group's pages: one by one
             for page in keep:
                 self.reindex(page)
-            keep = []
+            return
         evictable = self.evictable
         if len(evictable) == 1:
             evictable[0].add_all(keep, self.spare_copies)
-            evictable[0].discard_all(out)
             return
         for g, index in enumerate(evictable):
             index.add_all([p for p in keep if p.group == g], self.spare_copies)
-            index.discard_all([p for p in out if p.group == g])
 
     def reindex(self, page: Page) -> None:
         """Put ``page`` in or out of the eviction index; re-adding makes it the most recently used."""
