@@ -190,13 +190,13 @@ def test_batched_add_and_discard_match_one_page_at_a_time(ops):
     batched, single = EvictionIndex(), EvictionIndex()
     for first, action, redundant in ops:
         some = pages[first : first + 3]
-        spare = set(some[:1]) if redundant else set()
         if action == 2:
             batched.discard_all(some)
             for p in some:
                 single.discard(p)
         else:
-            batched.add_all(some, spare)
-            for p in some:
-                single.add(p, redundant=p in spare)
+            new = [p for p in some if p not in single]  # add_new takes pages without an entry only
+            batched.add_new(new, redundant=redundant)
+            for p in new:
+                single.add(p, redundant=redundant)
         assert list(batched) == list(single) and len(batched) == len(single)

@@ -72,18 +72,23 @@ class EvictionIndex:
             del spare[page]
             self._size -= 1
 
-    def add_all(self, pages: list[Page], redundant: set[Page] | frozenset = frozenset()) -> None:
-        """``add`` every page of a list in order, those in ``redundant`` as redundant pages."""
+    def add_new(self, pages: list[Page], redundant: bool = False) -> None:
+        """``add`` for pages of a list that have no entry here (they just arrived in the tier, or
+        were just made), in order: appended as the most recently used of their levels."""
+        if not pages:
+            return
         levels = self._levels
-        spare = levels[0]
-        added = 0
+        priorities = {page.priority for page in pages}
+        if redundant or len(priorities) == 1:  # one level: appended in one call
+            level = levels[0 if redundant else pages[0].priority + 1]
+            before = len(level)
+            level.update(dict.fromkeys(pages))
+            self._size += len(level) - before
+            return
+        before = sum(len(levels[p + 1]) for p in priorities)
         for page in pages:
-            own = levels[page.priority + 1]
-            target, other = (spare, own) if page in redundant else (own, spare)
-            if target.pop(page, 0) is not None and (not other or other.pop(page, 0) is not None):
-                added += 1  # it was in neither level
-            target[page] = None
-        self._size += added
+            levels[page.priority + 1][page] = None
+        self._size += sum(len(levels[p + 1]) for p in priorities) - before
 
     def discard_all(self, pages: list[Page]) -> None:
         """``discard`` for every page of a list, in one pass."""

@@ -19,14 +19,17 @@ class MovePlan:
 
     ``landed``: pages the plan moves (indexed for eviction again once their data is there);
     ``deferred_frees``: slots per (tier, group) read by the plan, freed after it ran;
-    ``kept_copies``: promoted pages whose bytes stay behind as a copy (page, source tier, slot);
+    ``kept_copies``: per source tier, promoted pages whose bytes stay behind there as a copy, and
+    their slots there (two lists in step);
     ``damaged``: pages whose bytes failed their checksum on the way (filled by the mover).
     """
 
     edges: defaultdict[tuple[int, int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
     landed: list[Page] = field(default_factory=list)
     deferred_frees: defaultdict[tuple[int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
-    kept_copies: list[tuple[Page, int, int]] = field(default_factory=list)
+    kept_copies: defaultdict[int, tuple[list[Page], list[int]]] = field(
+        default_factory=lambda: defaultdict(lambda: ([], []))
+    )
     damaged: list[Page] = field(default_factory=list)
 
     def add(self, src_tier: int, dst_tier: int, group: int, src_slot: int, dst_slot: int) -> None:

@@ -170,7 +170,9 @@ class MovePlanner:
         plan.add(src_index, dst_index, page.group, src_slot, page.slot)
         plan.landed.append(page)
         if not demotion and src.keeps_copies and page.node is not None:
-            plan.kept_copies.append((page, src_index, src_slot))  # its bytes stay there, as a copy
+            kept_pages, kept_slots = plan.kept_copies[src_index]  # its bytes stay there, as a copy
+            kept_pages.append(page)
+            kept_slots.append(src_slot)
         elif not demotion:
             plan.deferred_frees[(src_index, page.group)].append(src_slot)
 
@@ -198,13 +200,18 @@ class MovePlanner:
             src = self.tiers[src_index]
             old_slots = self._relocate(run, src, primary, plan)
             if src.keeps_copies:  # a published page's bytes stay there, as a copy
-                kept = plan.kept_copies
+                kept_pages, kept_slots = plan.kept_copies[src_index]
                 frees = []
-                for page, slot in zip(run, old_slots, strict=True):
-                    if page.node is not None:
-                        kept.append((page, src_index, slot))
-                    else:
-                        frees.append(slot)
+                if all([page.node is not None for page in run]):
+                    kept_pages += run
+                    kept_slots += old_slots
+                else:
+                    for page, slot in zip(run, old_slots, strict=True):
+                        if page.node is not None:
+                            kept_pages.append(page)
+                            kept_slots.append(slot)
+                        else:
+                            frees.append(slot)
             else:
                 frees = old_slots
             if frees:
@@ -229,18 +236,8 @@ class MovePlanner:
             tiers[tier_index].index_arrivals(list(run))
         for page in plan.damaged:
             residency.mark_damaged(page)
-        kept: dict[int, list[tuple[Page, int]]] = {}
-        for page, tier_index, slot in plan.kept_copies:
-            keeper = tiers[tier_index]
-            if page.damaged or page.node is None or page in keeper.copies:
-                keeper.storage.slots[page.group].free(slot)
-            else:
-                copies = kept.get(tier_index)
-                if copies is None:
-                    copies = kept[tier_index] = []
-                copies.append((page, slot))
-        for tier_index, copies in kept.items():
-            tiers[tier_index].add_spare_copies(copies)
+        for tier_index, (pages, slots) in plan.kept_copies.items():
+            tiers[tier_index].add_spare_copies(pages, slots)
         plan.kept_copies.clear()
         plan.deferred_frees.clear()
         plan.landed.clear()

@@ -185,14 +185,18 @@ class Tier:
         self.record(copy)
         self.reindex(copy)
 
-    def add_spare_copies(self, copies: list[tuple[Page, int]]) -> None:
-        """``add_copy(original, slot, original.checksum, spare=True)`` for each (original, slot), in one
-        pass; no original has a copy here yet."""
+    def add_spare_copies(self, originals: list[Page], slots: list[int]) -> None:
+        """``add_copy(original, slot, original.checksum, spare=True)`` for each original and its slot
+        here, in one pass; an original that needs no copy any more (damaged, unpublished meanwhile,
+        or with a copy here already) has its slot freed instead."""
         index = self.index
-        owners, copies_of, originals, spare = self.owners, self.copies, self.originals, self.spare_copies
+        owners, copies_of, originals_of, spare = self.owners, self.copies, self.originals, self.spare_copies
         on_disk = self.disk_index is not None
         made = []
-        for original, slot in copies:
+        for original, slot in zip(originals, slots, strict=True):
+            if original.damaged or original.node is None or original in copies_of:
+                self.storage.slots[original.group].free(slot)
+                continue
             copy = Page(
                 original.group,
                 index,
@@ -206,12 +210,17 @@ class Tier:
             )
             owners[copy.group][slot] = copy
             copies_of[original] = copy
-            originals[copy] = original
+            originals_of[copy] = original
             spare.add(copy)
             if on_disk:
                 self.record(copy)
             made.append(copy)
-        self.index_arrivals(made)
+        if self.watch is not None:
+            for copy in made:
+                self.reindex(copy)
+            return
+        for g, evictable in enumerate(self.evictable):
+            evictable.add_new(made if len(self.evictable) == 1 else [c for c in made if c.group == g], redundant=True)
 
     def slot_for_copy(
         self, group: int, keep: set[Page] | frozenset = frozenset(), unless_original_in: int | None = None
@@ -269,10 +278,10 @@ class Tier:
             return
         evictable = self.evictable
         if len(evictable) == 1:
-            evictable[0].add_all(keep, self.spare_copies)
+            evictable[0].add_new(keep)
             return
         for g, index in enumerate(evictable):
-            index.add_all([p for p in keep if p.group == g], self.spare_copies)
+            index.add_new([p for p in keep if p.group == g])
 
     def reindex(self, page: Page) -> None:
         """Put ``page`` in or out of the eviction index; re-adding makes it the most recently used."""
