@@ -15,6 +15,7 @@ from kvtier.copy.policy import (
     COHERENT_COPY_KERNEL_ENV,
     COPY_ENGINE_MIN_BYTES_ENV,
     DEFAULT_COPY_ENGINE_MIN_BYTES,
+    SEPARATE_COPY_RUNS,
     CopyPolicy,
     parse_coherent_copy_kernel,
     parse_min_bytes,
@@ -42,6 +43,17 @@ def test_default_policy_splits_small_and_large_pages() -> None:
     assert policy.choose(16 * 1024) == policy.choose(16) == "kernel"
     assert policy.choose(65_536) == policy.choose(884_736) == policy.choose(217_055_232) == "copy_engine"
     assert policy.choose(16, coherent_link=True) == "copy_engine"
+
+
+@pytest.mark.parametrize("runs", [None, 1, SEPARATE_COPY_RUNS, SEPARATE_COPY_RUNS + 1, 10_000])
+@pytest.mark.parametrize("threshold", [None, 0, DEFAULT_COPY_ENGINE_MIN_BYTES])
+def test_calls_of_a_few_runs_go_to_the_copy_engines_unless_the_kernel_takes_every_size(runs, threshold) -> None:
+    policy = CopyPolicy(copy_engine_min_bytes=threshold)
+    few = runs is not None and runs <= SEPARATE_COPY_RUNS
+    small_page = "copy_engine" if threshold is not None and (threshold == 0 or few) else "kernel"
+    assert policy.choose(4096, runs=runs) == small_page
+    assert policy.choose(217_055_232, runs=runs) == ("kernel" if threshold is None else "copy_engine")
+    assert policy.choose(4096, runs=runs, coherent_link=True) == "copy_engine"  # the coherent knob alone decides
 
 
 def test_choose_rejects_a_negative_size() -> None:

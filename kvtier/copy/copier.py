@@ -5,10 +5,10 @@ runs of consecutive slots into single copies (``kvtier.copy.runs``; cut where a 
 registrations meet), then:
 
 - both buffers in host memory -> the CPU path, synchronously on the calling thread;
-- otherwise ``policy.choose(page_bytes, coherent_link=...)`` -> the copy engines (one batched
-  driver call, or one async copy per run for a call of a few runs, ``kvtier.copy.copy_engine``)
-  or the Triton kernel (one launch, ``kvtier.copy.kernel``), enqueued on the caller's stream
-  after the work already there.
+- otherwise ``policy.choose(page_bytes, coherent_link=..., runs=...)`` -> the copy engines (one
+  batched driver call, or one async copy per run for a call of a few runs, whatever the page
+  size, ``kvtier.copy.copy_engine``) or the Triton kernel (one launch, ``kvtier.copy.kernel``),
+  enqueued on the caller's stream after the work already there.
 
 Triton and cuda-bindings are imported on the first call that needs them.
 """
@@ -91,7 +91,7 @@ class PageCopier:
             copy_pages_cpu(request, build_runs(request.pairs, request.page_bytes))
             return "cpu"
         runs = build_runs(request.pairs, request.page_bytes, src_facts.grid, dst_facts.grid)
-        path = self.policy.choose(request.page_bytes, coherent_link=self.link.coherent)
+        path = self.policy.choose(request.page_bytes, coherent_link=self.link.coherent, runs=runs.shape[0])
         if path == "kernel":
             self._copy_with_kernel(request, runs, stream, src_facts, dst_facts)
         else:

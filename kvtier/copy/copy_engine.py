@@ -31,9 +31,9 @@ from typing import Any, Final
 import numpy as np
 
 from kvtier.copy.driver_api import DriverApi, DriverError
+from kvtier.copy.policy import SEPARATE_COPY_RUNS
 
 LEGACY_STREAM_HANDLES: Final = frozenset({0, 1})  # the NULL stream and CU_STREAM_LEGACY
-SEPARATE_COPY_RUNS: Final = 4  # calls of at most this many runs: one cuMemcpyAsync per run
 
 _CUDA_13_0: Final = 13000
 _CUDA_12_8: Final = 12080

@@ -1,7 +1,7 @@
 """Which path moves a call's pages: the copy engines or the Triton kernel.
 
-The choice is a pure function of the page size and of the link between host and GPU, fixed by
-two knobs read once per process:
+The choice is a pure function of the page size, the call's number of runs (``kvtier.copy.runs``)
+and the link between host and GPU, fixed by two knobs read once per process:
 
 - ``KVTIER_COPY_ENGINE_MIN_BYTES``: the smallest page that goes to the copy engines. ``0`` sends
   every size there, a negative value none. Unset, it is ``DEFAULT_COPY_ENGINE_MIN_BYTES`` = 64 KiB,
@@ -10,6 +10,12 @@ two knobs read once per process:
   and below their cost per copy lets the kernel win, idle and under load.
 - ``KVTIER_COHERENT_COPY_KERNEL``: on a coherent CPU-GPU link (NVLink-C2C) the copy engines take
   every size unless this is exactly ``"1"``, which opts that link into the kernel.
+
+A call of at most ``SEPARATE_COPY_RUNS`` runs goes to the copy engines whatever its page size,
+unless the knobs send every size to the kernel: one ``cuMemcpyAsync`` per run costs less to submit
+than a kernel launch with its work table (15 us against 31-45 us for one page on the H200's
+host), and a run is one contiguous copy, which the copy engines move at the link's speed at any
+length (their cost per copy is what makes many small pages the kernel's).
 
 A value that is not an integer (empty included) or does not fit 64 bits logs a WARNING that names
 the variable and is ignored. ``parse`` applies the same rules to any mapping, so tests drive the
@@ -35,6 +41,7 @@ CopyPath = Literal["copy_engine", "kernel", "cpu", "none"]
 COPY_ENGINE_MIN_BYTES_ENV: Final = "KVTIER_COPY_ENGINE_MIN_BYTES"
 COHERENT_COPY_KERNEL_ENV: Final = "KVTIER_COHERENT_COPY_KERNEL"
 DEFAULT_COPY_ENGINE_MIN_BYTES: Final = 64 * 1024
+SEPARATE_COPY_RUNS: Final = 4  # calls of at most this many runs: one cuMemcpyAsync per run
 
 
 def parse_min_bytes(raw: str | None) -> int | None:
@@ -98,14 +105,15 @@ class CopyPolicy:
         """The process's policy: the environment as it was at the first call (read once)."""
         return _process_policy()
 
-    def choose(self, page_bytes: int, *, coherent_link: bool = False) -> DevicePath:
-        """The path for pages of ``page_bytes`` bytes between host and GPU (or GPU and GPU)."""
+    def choose(self, page_bytes: int, *, coherent_link: bool = False, runs: int | None = None) -> DevicePath:
+        """The path for pages of ``page_bytes`` bytes between host and GPU (or GPU and GPU), for a
+        call of ``runs`` runs (None: a call of many)."""
         if page_bytes < 0:
             raise ValueError(f"page_bytes must be >= 0, got {page_bytes}")
         if coherent_link:
             return "kernel" if self.coherent_copy_kernel else "copy_engine"
         threshold = self.copy_engine_min_bytes
-        if threshold is not None and page_bytes >= threshold:
+        if threshold is not None and (page_bytes >= threshold or (runs is not None and runs <= SEPARATE_COPY_RUNS)):
             return "copy_engine"
         return "kernel"
 

@@ -126,7 +126,7 @@ def test_unaligned_sizes_and_addresses(copiers, pools, device, path: str, n: int
     """The copy engines take any size and address; the kernel refuses before any GPU work."""
     copier = copiers[path]
     stream = torch.cuda.Stream(device)
-    if copier.policy.choose(page, coherent_link=copier.link.coherent) == "copy_engine":
+    if copier.policy.choose(page, coherent_link=copier.link.coherent, runs=n) == "copy_engine":
         assert check_round_trip(copier, pools, n, page, stream, offset=offset) == ["copy_engine"] * 2
         return
     (host_src, dev, _), _ = views(pools, n, page, offset)
@@ -336,3 +336,12 @@ def test_small_calls_go_as_separate_copies(copiers, pools, device, monkeypatch, 
         assert batched == []
     else:  # (permuted slots: a few may still merge into runs)
         assert len(batched) == 2 and min(batched) > copy_engine.SEPARATE_COPY_RUNS
+
+
+@pytest.mark.parametrize("n", [1, 4, 12])
+def test_auto_sends_a_call_of_a_few_runs_to_the_copy_engines_whatever_its_page_size(copiers, pools, device, n: int):
+    """Pages below the copy-engine threshold go to the kernel, unless the call has a few runs only."""
+    from kvtier.copy.policy import SEPARATE_COPY_RUNS
+
+    paths = check_round_trip(copiers["auto"], pools, n, 4096, torch.cuda.Stream(device), seed=11)
+    assert paths == ["copy_engine" if n <= SEPARATE_COPY_RUNS else "kernel"] * 2  # (12 of 14 slots, permuted)
