@@ -140,15 +140,14 @@ class MovePlanner:
         rest = [page for page in victims if page not in copies]
         if len(rest) == len(victims):
             return victims
-        for page in victims:
-            copied = dst.take_copy(page)
-            if copied is None:
-                continue
+        for page in [page for page in victims if page in copies]:
+            slot = copies[page].slot
+            dst.take_copy(page)  # the copy's slot is handed over to ``page``
             self.counters.evictions += 1
             self.counters.demotions += 1
             self.tiers[page.tier].vacate(page)
-            page.tier, page.slot = dst.index, copied[0]
-            dst.owners[page.group][copied[0]] = page
+            page.tier, page.slot = dst.index, slot
+            dst.owners[page.group][slot] = page
             dst.reindex(page)
         return rest
 
