@@ -208,3 +208,16 @@ def test_a_bulk_free_all_refuses_a_bad_slot_as_the_loop_does(bad):
     slots.check()
     assert slots.num_free == 100 + 70
     assert all(slots.is_free(s) for s in taken[:70]) and not any(slots.is_free(s) for s in taken[70:])
+
+
+def test_times_freed_counts_every_free_of_a_slot():
+    slots = SlotAllocator(300)
+    taken = slots.allocate_many(200)
+    slots.free(taken[0])
+    slots.free_all(taken[1:3])  # slot by slot
+    slots.free_all(taken[100:200])  # with numpy
+    assert [slots.times_freed(s) for s in taken[:4]] == [1, 1, 1, 0]
+    assert all(slots.times_freed(s) == 1 for s in taken[100:200])
+    again = slots.allocate_many(150)
+    slots.free_all(again)
+    assert slots.times_freed(taken[150]) == 2 and slots.times_freed(taken[50]) == 0

@@ -1,10 +1,13 @@
 """Slot allocation for one buffer: a free stack with O(1) allocate and free.
 
 Invariant: every slot in ``0..num_slots-1`` is either on the free stack exactly once or
-allocated, never both; ``num_free + num_used == num_slots``.
+allocated, never both; ``num_free + num_used == num_slots``. ``times_freed(slot)`` only grows: a
+slot whose count did not change between two moments stayed with the same holder in between.
 """
 
 from __future__ import annotations
+
+from array import array
 
 import numpy as np
 
@@ -16,7 +19,7 @@ BULK_SLOTS = 64  # from this many slots a call marks the free map with numpy ins
 class SlotAllocator:
     """A LIFO free list of slot numbers. The stack is preallocated; allocate/free do not allocate."""
 
-    __slots__ = ("_free", "_free_map", "_is_free", "num_slots")
+    __slots__ = ("_free", "_free_map", "_freed", "_freed_counts", "_is_free", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:
@@ -26,6 +29,8 @@ class SlotAllocator:
         self._free = list(range(num_slots - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * num_slots
         self._free_map = np.frombuffer(self._is_free, dtype=np.uint8)  # the same bytes, for bulk updates
+        self._freed = array("Q", bytes(8 * num_slots))  # times each slot was freed
+        self._freed_counts = np.frombuffer(self._freed, dtype=np.uint64)  # the same counts, for bulk updates
 
     @property
     def num_free(self) -> int:
@@ -48,6 +53,7 @@ class SlotAllocator:
         if not 0 <= slot < self.num_slots or self._is_free[slot]:
             raise InvariantError(f"slot {slot} freed twice")
         self._is_free[slot] = 1
+        self._freed[slot] += 1
         self._free.append(slot)
 
     def allocate_many(self, count: int) -> list[int] | None:
@@ -78,13 +84,16 @@ class SlotAllocator:
             if index.min() >= 0 and index.max() < num_slots and not free_map[index].any():
                 free_map[index] = 1
                 if np.count_nonzero(free_map) == len(free) + len(slots):
+                    self._freed_counts[index] += 1
                     free.extend(slots)
                     return
                 free_map[index] = 0  # a slot repeated in the list: undone, the loop below names it
+        freed = self._freed
         for slot in slots:
             if not 0 <= slot < num_slots or is_free[slot]:
                 raise InvariantError(f"slot {slot} freed twice")
             is_free[slot] = 1
+            freed[slot] += 1
             free.append(slot)
 
     def reserve(self, slots: list[int]) -> None:
@@ -97,6 +106,10 @@ class SlotAllocator:
 
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])
+
+    def times_freed(self, slot: int) -> int:
+        """How many times ``slot`` was freed since the allocator was made."""
+        return self._freed[slot]
 
     def check(self) -> None:
         """Raise ``InvariantError`` unless the free stack and the free map agree."""
