@@ -59,10 +59,17 @@ class HostTier:
 
 @dataclass(frozen=True, slots=True)
 class DiskTier:
-    """Preallocated page files and a persistent index under ``path``."""
+    """Preallocated page files and a persistent index under ``path``.
+
+    ``write_behind``: while the host tier is nearly full, write copies of its coldest pages to disk
+    on a background thread (``KVCacheManager.maintain``), so that demoting them later writes
+    nothing on the caller's thread. None (the default) turns it on for CUDA devices. Needs a host
+    tier.
+    """
 
     bytes: int
     path: str | os.PathLike[str]
+    write_behind: bool | None = None
 
     name = "disk"
 
@@ -70,6 +77,8 @@ class DiskTier:
         _check_quota(self)
         if not isinstance(self.path, str | os.PathLike) or not os.fspath(self.path):
             raise TypeError(f"DiskTier.path must be a non-empty path, got {self.path!r}")
+        if self.write_behind is not None and not isinstance(self.write_behind, bool):
+            raise TypeError(f"DiskTier.write_behind must be True, False or None, got {self.write_behind!r}")
 
 
 TierConfig = PrimaryTier | HostTier | DiskTier
@@ -186,6 +195,16 @@ def write_through_enabled(config: CacheConfig) -> bool:
     if host.write_through is None:
         return torch.device(config.device).type == "cuda"
     return host.write_through
+
+
+def write_behind_enabled(config: CacheConfig) -> bool:
+    """Whether the disk tier (if any) is written behind the host tier (which must exist)."""
+    disk = next((t for t in config.tiers if isinstance(t, DiskTier)), None)
+    if disk is None or not any(isinstance(t, HostTier) for t in config.tiers):
+        return False
+    if disk.write_behind is None:
+        return torch.device(config.device).type == "cuda"
+    return disk.write_behind
 
 
 def _check_quota(tier: TierConfig) -> None:

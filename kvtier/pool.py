@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.config import CacheConfig, HostTier, ReuseScope
+from kvtier.config import CacheConfig, HostTier, ReuseScope, write_behind_enabled
 from kvtier.errors import InvariantError, OutOfPagesError
 from kvtier.invariants import PageHolder, check_pages
 from kvtier.knobs import debug_enabled
@@ -35,6 +35,7 @@ from kvtier.stats import CacheStats, Counters, TierStats
 from kvtier.tiering.background import BackgroundWork
 from kvtier.tiering.build import build_tiers
 from kvtier.tiering.disk_restore import restore_disk_tier
+from kvtier.tiering.disk_write_behind import DiskWriteBehind
 from kvtier.tiering.disk_writes import DiskWritePlanner
 from kvtier.tiering.host_prefetch import HostPrefetch, HostPrefetcher
 from kvtier.tiering.load_cost import LoadCost
@@ -87,6 +88,11 @@ class PagePool:
         host = next((t for t in self.tiers if t.index != PRIMARY and not t.is_disk), None)
         self.prefetcher = (
             None if disk is None or host is None else HostPrefetcher(disk, host, self.residency, self.counters)
+        )
+        self.write_behind = (
+            DiskWriteBehind(host, disk, self.residency, self.counters, self.mover.waiter)
+            if disk is not None and host is not None and write_behind_enabled(config)
+            else None
         )
         if disk is not None:
             restore_disk_tier(disk, self.tree, self.rules, self.counters)
@@ -268,6 +274,9 @@ class PagePool:
         pages planned."""
         if self.prefetcher is not None and self.prefetcher.active:
             self.prefetcher.poll()
+        if self.write_behind is not None:
+            self.write_behind.poll()
+            self.write_behind.start()
         background = self.background
         if not background.enabled or self.mover.background_busy():
             return 0
@@ -307,6 +316,8 @@ class PagePool:
         so that a pool started later on the same path finds them."""
         if self.prefetcher is not None:
             self.prefetcher.close()  # its pins and reserved slots go before anything is written
+        if self.write_behind is not None:
+            self.write_behind.close()
         plan = MovePlan()
         self.planner.persist(plan)
         self.apply(plan)
@@ -315,6 +326,8 @@ class PagePool:
         """Release the tiers' memory and files (every holder has let go)."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.write_behind is not None:
+            self.write_behind.close()
         self.mover.synchronize()
         self.mover.close()
         for tier in self.tiers:

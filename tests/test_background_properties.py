@@ -1,6 +1,7 @@
 """The cache state machine with background work on: write-through copies in host memory, a free
-reserve in the primary tier, prefetches from disk into host memory running on their thread while
-other operations go on, and ``maintain`` called at any point between operations.
+reserve in the primary tier, prefetches from disk into host memory and disk write-behind batches
+running on their threads while other operations go on, and ``maintain`` called at any point
+between operations.
 
 Every rule of ``CacheMachine`` runs as before (pages checked byte for byte against the oracle on
 every resume, invariants after every step), with the host tier keeping copies of published
@@ -38,7 +39,7 @@ class BackgroundMachine(CacheMachine):
             if isinstance(t, kvtier.PrimaryTier)
             else dataclasses.replace(t, write_through=True)
             if isinstance(t, kvtier.HostTier)
-            else t
+            else dataclasses.replace(t, write_behind=True)
             for t in tiers
         ]
         config = kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers, snapshot_interval_blocks=2, device=self.device)
@@ -49,6 +50,13 @@ class BackgroundMachine(CacheMachine):
     @rule()
     def maintain(self):
         self.mgr.maintain()
+
+    @rule()
+    def finish_write_behind(self):
+        """Let a running disk write-behind batch finish (``maintain`` lands it later)."""
+        batch = self.mgr._pool.write_behind and self.mgr._pool.write_behind.active
+        if batch:
+            batch.future.exception(10)
 
     @rule(
         prefix=st.integers(0, len(PREFIXES) - 1),

@@ -13,4 +13,8 @@ Modules, bottom up:
                   ``DiskWriter`` handed in
     planner       what to move: making room (the demotion cascade), promotion, a plan's bookkeeping
     mover         copies a plan's data, one copier call per edge; the pool's ``DiskWriter``
+    load_cost     load or recompute: measured tier bandwidths against the prefill rate
+    background    ``maintain``'s plans: write-through copies to host, the primary free reserve
+    host_prefetch disk -> host reads on a background thread, landed by the pool
+    disk_write_behind  copies of the coldest host pages written to disk on a background thread
 """

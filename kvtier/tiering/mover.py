@@ -22,6 +22,7 @@ are and waits for them to land before writing them to disk.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -154,6 +155,12 @@ class Mover:
         """Wait until every copy issued so far has finished (before the CPU touches host memory)."""
         if self._last_event is not None:
             self._last_event.synchronize()
+
+    def waiter(self) -> Callable[[], None]:
+        """A function that waits until every copy issued before this call has finished; another
+        thread may call it."""
+        event = self._last_event
+        return _nothing if event is None else event.synchronize
 
     def write_pages(self, pages: list[Page], disk_slots: list[int]) -> list[int | None]:
         """Write pages (one tier, one group) to disk slots now; a checksum per page, None if it failed."""
@@ -289,6 +296,10 @@ class Mover:
                 torch.cuda.synchronize(self.device)
             self._staging.release()
             self._staging = None
+
+
+def _nothing() -> None:
+    """No copy to wait for."""
 
 
 def _pairs(flat: list[int]) -> np.ndarray:

@@ -1,0 +1,214 @@
+"""Copies of the coldest host pages written to the disk tier on a background thread.
+
+Demoting a host page to disk writes it while the demotion is planned, on the caller's thread: a
+resume that has to push pages out of a full host tier waits for the disk. With write-behind on,
+``start`` (called between steps, ``PagePool.maintain``) picks, while a layer group's host slots
+are nearly all used (fewer free than a batch), the pages among the next ``SCAN_BATCHES`` batches
+of that group's eviction order that are published, intact and not on disk yet, a batch of them
+(``BATCH_BYTES``, at most ``BATCH_PAGES``), and a disk slot for each: a free one, a spare copy's,
+or one freed by dropping the disk's least recently used droppable pages (what demoting these
+pages would drop anyway). The removal of the dropped pages' rows is committed before any byte is
+written into their slots. A worker thread waits for the device copies issued so far (the bytes
+of a page just demoted may still be landing in its host slot), writes the pages and checksums
+them. ``poll`` lands a finished batch on the pool's thread: a page still the owner of its host
+slot, a slot never freed since the batch started (``SlotAllocator.times_freed``), still published
+and without another disk copy, gets a disk copy (``Tier.add_copy``, its row recorded, so a
+restart finds it); every other page's disk slot is freed. Demoting a page with a disk copy later
+takes the copy's slot and writes nothing (``DiskWritePlanner.demote``).
+
+Nothing is pinned: a page may be promoted, demoted or dropped while its bytes are written. Its
+host slot keeps the same bytes for as long as it is allocated to it (published pages never
+change; only a freed slot is written again), which the free count tells.
+
+Invariant: a disk slot of an unlanded batch is allocated and owned by no page (``Tier.reserved``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import islice
+
+from kvtier.pages import Page
+from kvtier.stats import Counters
+from kvtier.tiering.residency import Residency
+from kvtier.tiering.tier import Tier
+
+BATCH_BYTES = 64 << 20  # bytes of one batch: tens of milliseconds of a disk
+BATCH_PAGES = 256  # and at most this many pages: landing one costs the pool's thread about a microsecond
+SCAN_BATCHES = 4  # the coldest pages kept on disk too: once these many batches' worth are, writing waits
+
+
+@dataclass
+class WriteBatch:
+    """Pages of one layer group being written: their host slots, the slots' free counts when the
+    batch started, and their disk slots; ``checksums`` are filled by the worker (None: not written)."""
+
+    group: int
+    pages: list[Page]
+    host_slots: list[int]
+    times_freed: list[int]
+    disk_slots: list[int]
+    checksums: list[int | None] = field(default_factory=list)
+    future: Future | None = None
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+
+class DiskWriteBehind:
+    """Starts, runs and lands background writes of host pages to the disk tier, one batch at a time.
+
+    ``wait_for_device`` blocks until every device copy issued before the call has finished (the
+    mover's ``synchronize``, captured when a batch starts and run on the worker thread).
+    """
+
+    def __init__(
+        self,
+        host: Tier,
+        disk: Tier,
+        residency: Residency,
+        counters: Counters,
+        device_done: Callable[[], Callable[[], None]],
+        batch_bytes: int = BATCH_BYTES,
+    ) -> None:
+        self.host = host
+        self.disk = disk
+        self.residency = residency
+        self.counters = counters
+        self.device_done = device_done
+        self.batch_bytes = batch_bytes
+        self.active: WriteBatch | None = None
+        self._group = 0  # groups take turns, one batch each
+        self._idle_at: tuple[int, int, int] | None = None  # the moves counted when nothing was found
+        self._worker: ThreadPoolExecutor | None = None
+
+    def start(self) -> WriteBatch | None:
+        """Start a batch unless one is running (land it first with ``poll``); None when there is
+        nothing to write or no room on disk."""
+        if self.active is not None or not self.disk.writable:
+            return None
+        c = self.counters
+        moves = (c.demotions, c.promotions, c.drops)
+        if moves == self._idle_at:
+            return None  # no page moved since nothing was found to write
+        groups = len(self.host.storage.slots)
+        for turn in range(groups):
+            group = (self._group + turn) % groups
+            batch = self._plan(group)
+            if batch is not None:
+                self._group = (group + 1) % groups
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-write-behind")
+                batch.future = self._worker.submit(self._write, batch, self.device_done())
+                self.active = batch
+                return batch
+        self._idle_at = moves
+        return None
+
+    def _plan(self, group: int) -> WriteBatch | None:
+        """The batch of ``group``, its disk slots reserved; None when the group has nothing to write."""
+        host, disk = self.host, self.disk
+        want = max(1, min(BATCH_PAGES, self.batch_bytes // host.storage.page_bytes[group]))
+        slots = host.storage.slots[group]
+        if slots.num_free >= want:
+            return None  # room enough for the next demotions: nothing to hurry
+        pages = []
+        for page in islice(host.evictable[group], SCAN_BATCHES * want):
+            if (
+                not page.locks
+                and page.node is not None
+                and not page.damaged
+                and page not in host.originals
+                and page not in disk.copies
+            ):
+                pages.append(page)
+                if len(pages) == want:
+                    break
+        if not pages:
+            return None
+        disk_slots = self._disk_slots(group, len(pages))
+        if not disk_slots:
+            return None
+        pages = pages[: len(disk_slots)]
+        disk.reserved[group].update(disk_slots)
+        host_slots = [page.slot for page in pages]
+        times_freed = [slots.times_freed(slot) for slot in host_slots]
+        return WriteBatch(group, pages, host_slots, times_freed, disk_slots)
+
+    def _disk_slots(self, group: int, count: int) -> list[int]:
+        """Up to ``count`` disk slots for copies: free ones, spare copies', then ones of dropped
+        droppable pages; their old rows' removal committed. Empty when the index cannot commit."""
+        disk = self.disk
+        allocator = disk.storage.slots[group]
+        if allocator.num_free < count:
+            self.residency.drop_for_room(disk.index, group, count)  # all or none: a spare copy goes first
+        found = []
+        while len(found) < count:
+            slot = disk.slot_for_copy(group)
+            if slot is None:
+                break
+            found.append(slot)
+        if found and not disk.disk_index.flush():  # a slot is rewritten only once no row names it
+            allocator.free_all(found)
+            return []
+        return found
+
+    def _write(self, batch: WriteBatch, device_done: Callable[[], None]) -> None:
+        """On the worker thread: wait for the device, then write and checksum the batch's pages."""
+        device_done()
+        page_bytes = self.host.storage.page_bytes[batch.group]
+        host = self.host.storage.buffers[batch.group].numpy()
+        views = [host[slot * page_bytes : (slot + 1) * page_bytes] for slot in batch.host_slots]
+        batch.checksums = self.disk.storage.write(batch.group, batch.disk_slots, views)
+
+    def poll(self, wait: bool = False) -> int:
+        """Land the running batch if it has finished (waiting for it if ``wait``); returns the
+        pages that got a disk copy."""
+        batch = self.active
+        if batch is None:
+            return 0
+        if wait and batch.future is not None:
+            batch.future.exception()  # waits; a failed worker lands as nothing written
+        if not batch.done():
+            return 0
+        self.active = None
+        return self._land(batch)
+
+    def _land(self, batch: WriteBatch) -> int:
+        """On the pool's thread: a disk copy for each page written whose host bytes stayed put."""
+        host, disk, group = self.host, self.disk, batch.group
+        failed = batch.future is not None and batch.future.exception() is not None
+        checksums = [None] * len(batch.pages) if failed or not batch.checksums else batch.checksums
+        allocator = host.storage.slots[group]
+        owners = host.owners[group]
+        page_bytes = disk.storage.page_bytes[group]
+        landed = 0
+        for page, host_slot, times_freed, disk_slot, checksum in zip(
+            batch.pages, batch.host_slots, batch.times_freed, batch.disk_slots, checksums, strict=True
+        ):
+            disk.reserved[group].discard(disk_slot)
+            if (
+                checksum is not None
+                and owners[host_slot] is page
+                and allocator.times_freed(host_slot) == times_freed
+                and page.node is not None
+                and not page.damaged
+                and page not in disk.copies
+            ):
+                disk.add_copy(page, disk_slot, checksum)
+                landed += 1
+            else:
+                disk.storage.slots[group].free(disk_slot)
+        if landed:
+            self.counters.add_copy(host.name, disk.name, "file", landed * page_bytes)
+        disk.disk_index.flush()
+        return landed
+
+    def close(self) -> None:
+        """Wait for the running batch, land it, stop the worker."""
+        self.poll(wait=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None

@@ -1,0 +1,251 @@
+"""Disk write-behind (``DiskTier(write_behind=True)``): copies of the coldest host pages written to
+disk on a background thread.
+
+A page written behind is later demoted without a write and comes back byte for byte; a page that
+moved while its batch was written gets no copy (its host slot may have held other bytes meanwhile);
+the copies survive a restart; a process killed during a batch leaves the disk exact.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import kvtier
+from kvtier.config import write_behind_enabled
+from kvtier.tiering import disk_write_behind
+from tests.kvdata import PageOracle, small_spec
+from tests.test_write_through import TPB, serve
+
+HOST_PAGES = 32
+
+
+def page_bytes(spec) -> int:
+    probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
+    size = probe.page_bytes(0)
+    probe.close()
+    return size
+
+
+def make(path, write_behind=True):
+    spec = small_spec("llama")
+    page = page_bytes(spec)
+    tiers = [
+        kvtier.PrimaryTier(6 * page),
+        kvtier.HostTier(HOST_PAGES * page, write_through=False),
+        kvtier.DiskTier(64 * page, path, write_behind=write_behind),
+    ]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+    return mgr, PageOracle(mgr)
+
+
+def prompt_of(base: int, blocks: int = 5) -> list[int]:
+    return [base + i for i in range(blocks * TPB + 1)]
+
+
+def to_host(mgr, oracle, prompt) -> None:
+    """Publish ``prompt``'s blocks, then push them out of the primary tier into host memory."""
+    serve(mgr, oracle, prompt)
+    for k in range(3):
+        serve(mgr, oracle, prompt_of(70_000 + 1000 * k, blocks=2))
+
+
+def write_behind(mgr) -> int:
+    """Run one batch to the end and land it; the pages that got a disk copy."""
+    mgr.maintain()
+    batch = mgr._pool.write_behind.active
+    assert batch is not None
+    return mgr._pool.write_behind.poll(wait=True)
+
+
+def pages_of(mgr, prompt) -> list:
+    """The pages holding ``prompt``'s cached blocks (as a new request would reuse them)."""
+    cache = mgr.create_cache(prompt + [1])
+    pages = list(cache._table.live_pages())
+    cache.close()
+    return pages
+
+
+@pytest.fixture
+def written_pages(monkeypatch):
+    """Records the pages the disk tier writes on the pool's own thread (demotions)."""
+    from kvtier.tiering.mover import Mover
+
+    written = []
+    real = Mover.write_pages
+
+    def recording(self, pages, disk_slots):
+        written.extend(pages)
+        return real(self, pages, disk_slots)
+
+    monkeypatch.setattr(Mover, "write_pages", recording)
+    return written
+
+
+def test_a_page_written_behind_is_demoted_without_a_write(tmp_path, written_pages):
+    mgr, oracle = make(tmp_path / "disk")
+    prompt = prompt_of(1000)
+    to_host(mgr, oracle, prompt)
+    pages = pages_of(mgr, prompt)
+    assert len(pages) == 5 and all(p.tier == 1 for p in pages)
+    assert write_behind(mgr) >= 5
+    disk = mgr._pool.tiers[2]
+    copy_slots = {id(p): disk.copies[p].slot for p in pages}
+    mgr.check_invariants()
+    written_pages.clear()
+    for k in range(HOST_PAGES // 4 + 3):  # push the prompt past host memory, no maintain in between
+        serve(mgr, oracle, prompt_of(80_000 + 1000 * k, blocks=4))
+    assert all(p.tier == 2 and p.slot == copy_slots[id(p)] for p in pages)  # each took its copy's slot
+    assert not {id(p) for p in pages} & {id(p) for p in written_pages}
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.reused_by_tier["disk"] == 5 * TPB
+    assert cache.resume()
+    oracle.check(cache, prompt + [2])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """Write-behind batches wait for ``release`` before they write; ``started`` is set when one waits."""
+    started, release = threading.Event(), threading.Event()
+    real = disk_write_behind.DiskWriteBehind._write
+
+    def held(self, batch, device_done):
+        started.set()
+        release.wait(10)
+        real(self, batch, device_done)
+
+    monkeypatch.setattr(disk_write_behind.DiskWriteBehind, "_write", held)
+    return started, release
+
+
+def test_a_page_that_moves_while_its_batch_is_written_gets_no_copy(tmp_path, held_writes):
+    started, release = held_writes
+    mgr, oracle = make(tmp_path / "disk")
+    prompt, other = prompt_of(2000), prompt_of(3000)
+    to_host(mgr, oracle, other)
+    to_host(mgr, oracle, prompt)
+    moved, stayed = pages_of(mgr, prompt), pages_of(mgr, other)
+    mgr.maintain()
+    assert started.wait(10)
+    batch = mgr._pool.write_behind.active
+    assert {id(p) for p in moved + stayed} <= {id(p) for p in batch.pages}
+    cache = mgr.create_cache(prompt + [1])  # promoted while its bytes are being written
+    assert cache.resume()
+    oracle.check(cache, prompt + [1])
+    cache.close()
+    to_host(mgr, oracle, prompt_of(4000))  # pushes it back into host memory, maybe into the same slots
+    mgr.check_invariants()  # the batch's disk slots are reserved, owned by no page
+    release.set()
+    assert mgr._pool.write_behind.poll(wait=True) >= len(stayed)
+    disk = mgr._pool.tiers[2]
+    assert not any(p in disk.copies for p in moved)
+    assert all(p in disk.copies for p in stayed)
+    mgr.check_invariants()
+    for k in range(HOST_PAGES // 4 + 3):
+        serve(mgr, oracle, prompt_of(90_000 + 1000 * k, blocks=4))
+    for tokens in (prompt, other):
+        cache = mgr.create_cache(tokens + [2])
+        assert cache.num_reused_tokens == 5 * TPB
+        assert cache.resume()
+        oracle.check(cache, tokens + [2])
+        cache.close()
+    mgr.close()
+
+
+def test_copies_written_behind_survive_a_restart(tmp_path):
+    mgr, oracle = make(tmp_path / "disk")
+    prompt = prompt_of(5000)
+    to_host(mgr, oracle, prompt)
+    assert write_behind(mgr) >= 5
+    mgr.close()
+    mgr, oracle = make(tmp_path / "disk")
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.reused_by_tier["disk"] == 5 * TPB
+    assert cache.resume()
+    oracle.check(cache, prompt + [2])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_a_process_killed_during_a_batch_leaves_the_disk_exact(tmp_path):
+    from tests.test_disk_reliability import run_child
+
+    code = f"""
+    import os, signal, time
+    from tests.test_disk_write_behind import make, prompt_of, to_host
+    from tests.test_write_through import serve
+    mgr, oracle = make({str(tmp_path / "disk")!r})
+    prompt = prompt_of(6000)
+    to_host(mgr, oracle, prompt)
+    mgr.close()  # the prompt is on disk now
+    mgr, oracle = make({str(tmp_path / "disk")!r})
+    for k in range(4):
+        to_host(mgr, oracle, prompt_of(7000 + 1000 * k))
+    mgr.maintain()
+    assert mgr._pool.write_behind.active is not None
+    time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+    out = run_child(code)
+    assert out.returncode == -9, out.stderr[-3000:]
+    mgr, oracle = make(tmp_path / "disk")
+    mgr.check_invariants()
+    prompt = prompt_of(6000)
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.num_reused_tokens == 5 * TPB
+    assert cache.resume()
+    oracle.check(cache, prompt + [2])
+    cache.close()
+    mgr.close()
+
+
+def test_close_waits_for_a_running_batch(tmp_path, held_writes):
+    started, release = held_writes
+    mgr, oracle = make(tmp_path / "disk")
+    to_host(mgr, oracle, prompt_of(8000))
+    mgr.maintain()
+    assert started.wait(10)
+    threading.Timer(0.2, release.set).start()
+    mgr.close()  # lands the batch, then persists and closes the files
+    assert mgr._pool.write_behind.active is None
+
+
+def test_write_behind_setting(tmp_path):
+    page = page_bytes(small_spec("llama"))
+    disk = kvtier.DiskTier(64 * page, tmp_path / "disk")
+    host = kvtier.HostTier(8 * page)
+    with pytest.raises(TypeError, match="write_behind"):
+        kvtier.DiskTier(64 * page, tmp_path / "disk", write_behind="yes")
+    cpu = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), host, disk])
+    assert not write_behind_enabled(cpu)  # off by default on a CPU device, on for CUDA
+    on = kvtier.DiskTier(64 * page, tmp_path / "disk", write_behind=True)
+    assert write_behind_enabled(kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), host, on]))
+    assert not write_behind_enabled(kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), on]))  # no host tier
+    mgr = kvtier.KVCacheManager(small_spec("llama"), kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), on]))
+    assert mgr._pool.write_behind is None
+    mgr.close()
+
+
+def test_failed_writes_leave_no_copy_and_free_their_slots(tmp_path, monkeypatch):
+    from kvtier.storage.page_files import DiskStorage
+
+    mgr, oracle = make(tmp_path / "disk")
+    prompt = prompt_of(9000)
+    to_host(mgr, oracle, prompt)
+    used = mgr.stats().tiers["disk"].pages_used
+    monkeypatch.setattr(DiskStorage, "write", lambda self, group, slots, pages: [None] * len(slots))  # disk full
+    assert write_behind(mgr) == 0
+    assert mgr.stats().tiers["disk"].pages_used <= used
+    assert not mgr._pool.tiers[2].copies
+    mgr.check_invariants()
+    monkeypatch.undo()
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.resume()
+    oracle.check(cache, prompt + [2])
+    cache.close()
+    mgr.close()
