@@ -36,7 +36,7 @@ from kvtier.tiering.residency import Residency
 from kvtier.tiering.tier import Tier
 
 BATCH_BYTES = 64 << 20  # bytes of one batch: tens of milliseconds of a disk
-BATCH_PAGES = 256  # and at most this many pages: landing one costs the pool's thread about a microsecond
+BATCH_PAGES = 128  # and at most this many pages: landing one costs the pool's thread 10-20 us (its index rows)
 SCAN_BATCHES = 4  # the coldest pages kept on disk too: once these many batches' worth are, writing waits
 
 
