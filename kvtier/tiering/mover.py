@@ -22,7 +22,7 @@ are and waits for them to land before writing them to disk.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -88,16 +88,13 @@ class Mover:
         return event is not None
 
     def _run_edges(self, plan: MovePlan, stream) -> None:
-        """Every edge of ``plan``: demotions deepest first, racing promotions both ways at once, the rest."""
+        """Every edge of ``plan``, in ``edge_order``; both directions at once only on CUDA."""
         edges = plan.edges
-        duplex = set()
-        if stream is not None:
-            duplex = {e for e in edges if e[0] == 0 and (e[1], 0, e[2]) in edges and not self.tiers[e[1]].is_disk}
-        demotions = sorted((e for e in edges if e[1] > e[0] and e not in duplex), key=lambda e: -e[0])
-        others = [e for e in edges if e[1] <= e[0] and (e[1], e[0], e[2]) not in duplex]
+        two_way = set() if stream is None else {t.index for t in self.tiers if t.index != 0 and not t.is_disk}
+        demotions, duplex, others = edge_order(edges, two_way)
         for edge in demotions:
             self._edge(edge, _pairs(edges[edge]), stream, plan.damaged)
-        for down in sorted(duplex):
+        for down in duplex:
             up = (down[1], 0, down[2])
             self._duplex(down, _pairs(edges[down]), _pairs(edges[up]), stream)
         for edge in others:
@@ -296,6 +293,26 @@ class Mover:
                 torch.cuda.synchronize(self.device)
             self._staging.release()
             self._staging = None
+
+
+Edge = tuple[int, int, int]  # (source tier, destination tier, layer group)
+
+
+def edge_order(edges: Iterable[Edge], two_way: set[int]) -> tuple[list[Edge], list[Edge], list[Edge]]:
+    """The order a plan's edges run in: (demotions, deepest first; demotions from the primary tier
+    to a tier of ``two_way`` that race the promotions of their group back from there, each run
+    with its promotion edge, both directions at once; every other edge: promotions and copies into
+    a warmer tier or within one). Each group of edges runs after the one before it, so a slot that
+    a demotion reads is never written before: a copy within the primary tier (a partly reused
+    block's) may write a slot a demotion vacates. Every edge is in exactly one list (a raced
+    promotion through its demotion)."""
+    edges = list(edges)
+    present = set(edges)
+    duplex = sorted(e for e in edges if e[0] == 0 and e[1] in two_way and (e[1], 0, e[2]) in present)
+    raced = {(e[1], 0, e[2]) for e in duplex}
+    demotions = sorted((e for e in edges if e[1] > e[0] and e not in duplex), key=lambda e: -e[0])
+    others = [e for e in edges if e[1] <= e[0] and e not in raced]
+    return demotions, duplex, others
 
 
 def _nothing() -> None:

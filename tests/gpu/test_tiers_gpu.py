@@ -51,3 +51,21 @@ def test_random_operations_on_gpu(kind):
         max_examples=8, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
     )
     m.TestCase().runTest()
+
+
+def test_a_partly_reused_block_copied_into_a_slot_a_racing_demotion_reads():
+    """Found by the random operations above: a plan demotes a primary page to host while its
+    group also promotes from host (both directions at once) and copies a partly reused block into
+    the slot the demotion reads; the copy ran first, and the demoted page's bytes on host were the
+    copy's (served wrong later)."""
+    m = machine("swa", {"primary": 8, "host": 6, "disk": 20}, device="cuda")
+    state = m()
+    state.setup()
+    try:
+        state.serve(keep=False, prefix=1, prefix_len=16, suffix=[3, 0, 0, 0])
+        state.serve(keep=True, prefix=0, prefix_len=8, suffix=[0, 0, 0, 0, 0])
+        state.serve(keep=False, prefix=1, prefix_len=13, suffix=[0])
+        state.serve(keep=False, prefix=1, prefix_len=16, suffix=[3, 0])  # checks every reused byte
+        state.mgr.check_invariants()
+    finally:
+        state.teardown()
