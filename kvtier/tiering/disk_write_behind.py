@@ -3,11 +3,12 @@
 Demoting a host page to disk writes it while the demotion is planned, on the caller's thread: a
 resume that has to push pages out of a full host tier waits for the disk. With write-behind on,
 ``start`` (called between steps, ``PagePool.maintain``) picks, while a layer group's host slots
-are nearly all used (fewer free than a batch), the pages among the next ``SCAN_BATCHES`` batches
-of that group's eviction order that are published, intact and not on disk yet, a batch of them
-(``BATCH_BYTES``, at most ``BATCH_PAGES``), and a disk slot for each: a free one, a spare copy's,
-or one freed by dropping the disk's least recently used droppable pages (what demoting these
-pages would drop anyway). The removal of the dropped pages' rows is committed before any byte is
+are nearly all used (fewer free than a batch), the pages in the cold end of that group's
+eviction order (``CLEAN_SHARE`` of its host slots, at least ``SCAN_BATCHES`` batches, at most
+``MAX_SCAN`` pages: about what a large resume pushes out) that are published, intact and not on
+disk yet, a batch of them (``BATCH_BYTES``, at most ``BATCH_PAGES``), and a disk slot for each: a
+free one, a spare copy's, or one freed by dropping the disk's least recently used droppable pages
+(what demoting these pages would drop anyway). The removal of the dropped pages' rows is committed before any byte is
 written into their slots. A worker thread waits for the device copies issued so far (the bytes
 of a page just demoted may still be landing in its host slot), writes the pages and checksums
 them. ``poll`` lands a finished batch on the pool's thread: a page still the owner of its host
@@ -37,7 +38,9 @@ from kvtier.tiering.tier import Tier
 
 BATCH_BYTES = 64 << 20  # bytes of one batch: tens of milliseconds of a disk
 BATCH_PAGES = 128  # and at most this many pages: landing one costs the pool's thread 10-20 us (its index rows)
-SCAN_BATCHES = 4  # the coldest pages kept on disk too: once these many batches' worth are, writing waits
+CLEAN_SHARE = 0.25  # the coldest share of a group's host slots kept on disk too; then writing waits
+SCAN_BATCHES = 4  # but at least these many batches' worth
+MAX_SCAN = 4096  # and at most these many pages (a victim search's cost on the pool's thread)
 
 
 @dataclass
@@ -114,8 +117,9 @@ class DiskWriteBehind:
         slots = host.storage.slots[group]
         if slots.num_free >= want:
             return None  # room enough for the next demotions: nothing to hurry
+        window = min(MAX_SCAN, max(SCAN_BATCHES * want, int(CLEAN_SHARE * slots.num_slots)))
         pages = []
-        for page in islice(host.evictable[group], SCAN_BATCHES * want):
+        for page in islice(host.evictable[group], window):
             if (
                 not page.locks
                 and page.node is not None
