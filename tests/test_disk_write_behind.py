@@ -67,6 +67,16 @@ def pages_of(mgr, prompt) -> list:
     return pages
 
 
+def reuse_exactly(mgr, oracle, prompt, tier=None) -> None:
+    """A new request for ``prompt`` reuses its five cached blocks (from ``tier``, if given), byte for byte."""
+    cache = mgr.create_cache(prompt + [2])
+    reused = cache.num_reused_tokens if tier is None else cache.reused_by_tier[tier]
+    assert reused == 5 * TPB
+    assert cache.resume()
+    oracle.check(cache, prompt + [2])
+    cache.close()
+
+
 @pytest.fixture
 def written_pages(monkeypatch):
     """Records the pages the disk tier writes on the pool's own thread (demotions)."""
@@ -98,11 +108,7 @@ def test_a_page_written_behind_is_demoted_without_a_write(tmp_path, written_page
         serve(mgr, oracle, prompt_of(80_000 + 1000 * k, blocks=4))
     assert all(p.tier == 2 and p.slot == copy_slots[id(p)] for p in pages)  # each took its copy's slot
     assert not {id(p) for p in pages} & {id(p) for p in written_pages}
-    cache = mgr.create_cache(prompt + [2])
-    assert cache.reused_by_tier["disk"] == 5 * TPB
-    assert cache.resume()
-    oracle.check(cache, prompt + [2])
-    cache.close()
+    reuse_exactly(mgr, oracle, prompt, "disk")
     mgr.check_invariants()
     mgr.close()
 
@@ -148,11 +154,7 @@ def test_a_page_that_moves_while_its_batch_is_written_gets_no_copy(tmp_path, hel
     for k in range(HOST_PAGES // 4 + 3):
         serve(mgr, oracle, prompt_of(90_000 + 1000 * k, blocks=4))
     for tokens in (prompt, other):
-        cache = mgr.create_cache(tokens + [2])
-        assert cache.num_reused_tokens == 5 * TPB
-        assert cache.resume()
-        oracle.check(cache, tokens + [2])
-        cache.close()
+        reuse_exactly(mgr, oracle, tokens)
     mgr.close()
 
 
@@ -163,11 +165,7 @@ def test_copies_written_behind_survive_a_restart(tmp_path):
     assert write_behind(mgr) >= 5
     mgr.close()
     mgr, oracle = make(tmp_path / "disk")
-    cache = mgr.create_cache(prompt + [2])
-    assert cache.reused_by_tier["disk"] == 5 * TPB
-    assert cache.resume()
-    oracle.check(cache, prompt + [2])
-    cache.close()
+    reuse_exactly(mgr, oracle, prompt, "disk")
     mgr.check_invariants()
     mgr.close()
 
@@ -196,11 +194,7 @@ def test_a_process_killed_during_a_batch_leaves_the_disk_exact(tmp_path):
     mgr, oracle = make(tmp_path / "disk")
     mgr.check_invariants()
     prompt = prompt_of(6000)
-    cache = mgr.create_cache(prompt + [2])
-    assert cache.num_reused_tokens == 5 * TPB
-    assert cache.resume()
-    oracle.check(cache, prompt + [2])
-    cache.close()
+    reuse_exactly(mgr, oracle, prompt)
     mgr.close()
 
 
@@ -244,8 +238,5 @@ def test_failed_writes_leave_no_copy_and_free_their_slots(tmp_path, monkeypatch)
     assert not mgr._pool.tiers[2].copies
     mgr.check_invariants()
     monkeypatch.undo()
-    cache = mgr.create_cache(prompt + [2])
-    assert cache.resume()
-    oracle.check(cache, prompt + [2])
-    cache.close()
+    reuse_exactly(mgr, oracle, prompt)
     mgr.close()
