@@ -36,13 +36,13 @@ def page_bytes(model) -> int:
     return per_block
 
 
-def engine(model, primary_blocks, host_blocks=0, disk_blocks=0, path=None, **scheduler) -> LLMEngine:
+def engine(model, primary_blocks, host_blocks=0, disk_blocks=0, path=None, write_behind=None, **scheduler) -> LLMEngine:
     pb = page_bytes(model)
     tiers = [kvtier.PrimaryTier(pb * primary_blocks)]
     if host_blocks:
         tiers.append(kvtier.HostTier(pb * host_blocks))
     if disk_blocks:
-        tiers.append(kvtier.DiskTier(pb * disk_blocks, path))
+        tiers.append(kvtier.DiskTier(pb * disk_blocks, path, write_behind=write_behind))
     config = kvtier.CacheConfig(TPB, tiers, snapshot_interval_blocks=2)
     # These tests check what each tier gives back. A tiny model on the CPU may recompute faster
     # than the disk reads, and the cost model would then (rightly) recompute: loads are forced.
@@ -95,8 +95,17 @@ def test_chunked_prefill_equals_the_oracle(model):
     eng.close()
 
 
-def test_reuse_after_demotion_to_host_and_disk(model, tmp_path):
-    eng = engine(model, primary_blocks=16, host_blocks=4, disk_blocks=200, path=tmp_path, max_num_tokens=256)
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_reuse_after_demotion_to_host_and_disk(model, tmp_path, write_behind):
+    eng = engine(
+        model,
+        primary_blocks=16,
+        host_blocks=4,
+        disk_blocks=200,
+        path=tmp_path,
+        write_behind=write_behind,
+        max_num_tokens=256,
+    )
     convos = prompts_for(model, [100, 100, 100, 100], seed=3)
     eng.generate(convos, SamplingParams(max_tokens=4))
     stats = eng.cache_manager.stats()
