@@ -15,6 +15,7 @@ import pytest
 import kvtier
 from kvtier.config import write_behind_enabled
 from kvtier.tiering import disk_write_behind
+from tests.holding import hold
 from tests.kvdata import PageOracle, small_spec
 from tests.test_write_through import TPB, serve
 
@@ -116,16 +117,7 @@ def test_a_page_written_behind_is_demoted_without_a_write(tmp_path, written_page
 @pytest.fixture
 def held_writes(monkeypatch):
     """Write-behind batches wait for ``release`` before they write; ``started`` is set when one waits."""
-    started, release = threading.Event(), threading.Event()
-    real = disk_write_behind.DiskWriteBehind._write
-
-    def held(self, batch, device_done):
-        started.set()
-        release.wait(10)
-        real(self, batch, device_done)
-
-    monkeypatch.setattr(disk_write_behind.DiskWriteBehind, "_write", held)
-    return started, release
+    return hold(monkeypatch, disk_write_behind.DiskWriteBehind, "_write")
 
 
 def test_a_page_that_moves_while_its_batch_is_written_gets_no_copy(tmp_path, held_writes):

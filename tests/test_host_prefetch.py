@@ -10,12 +10,12 @@ from __future__ import annotations
 import array
 import os
 import tempfile
-import threading
 
 import pytest
 
 import kvtier
 from kvtier.tiering import host_prefetch
+from tests.holding import hold
 from tests.kvdata import PageOracle, small_spec
 from tests.test_write_through import TPB, serve
 
@@ -91,16 +91,7 @@ def test_cancelled_prefetch_leaves_unread_pages_on_disk(three_tiers, monkeypatch
 @pytest.fixture
 def held_reads(monkeypatch):
     """Prefetch reads wait for ``release`` before they start; ``started`` is set when one waits."""
-    started, release = threading.Event(), threading.Event()
-    real_read = host_prefetch.HostPrefetcher._read
-
-    def held_read(self, job):
-        started.set()
-        release.wait(10)
-        real_read(self, job)
-
-    monkeypatch.setattr(host_prefetch.HostPrefetcher, "_read", held_read)
-    return started, release
+    return hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
 
 
 def test_resume_during_prefetch_reads_from_disk_itself(three_tiers, held_reads):

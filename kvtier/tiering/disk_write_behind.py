@@ -63,8 +63,8 @@ class WriteBatch:
 class DiskWriteBehind:
     """Starts, runs and lands background writes of host pages to the disk tier, one batch at a time.
 
-    ``wait_for_device`` blocks until every device copy issued before the call has finished (the
-    mover's ``synchronize``, captured when a batch starts and run on the worker thread).
+    ``device_waiter()`` gives a function that blocks until every device copy issued before the
+    call has finished (``Mover.waiter``): taken when a batch starts, run on the worker thread.
     """
 
     def __init__(
@@ -73,15 +73,13 @@ class DiskWriteBehind:
         disk: Tier,
         residency: Residency,
         counters: Counters,
-        device_done: Callable[[], Callable[[], None]],
-        batch_bytes: int = BATCH_BYTES,
+        device_waiter: Callable[[], Callable[[], None]],
     ) -> None:
         self.host = host
         self.disk = disk
         self.residency = residency
         self.counters = counters
-        self.device_done = device_done
-        self.batch_bytes = batch_bytes
+        self.device_waiter = device_waiter
         self.active: WriteBatch | None = None
         self._group = 0  # groups take turns, one batch each
         self._idle_at: tuple[int, int, int] | None = None  # the moves counted when nothing was found
@@ -104,7 +102,7 @@ class DiskWriteBehind:
                 self._group = (group + 1) % groups
                 if self._worker is None:
                     self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-write-behind")
-                batch.future = self._worker.submit(self._write, batch, self.device_done())
+                batch.future = self._worker.submit(self._write, batch, self.device_waiter())
                 self.active = batch
                 return batch
         self._idle_at = moves
@@ -113,7 +111,7 @@ class DiskWriteBehind:
     def _plan(self, group: int) -> WriteBatch | None:
         """The batch of ``group``, its disk slots reserved; None when the group has nothing to write."""
         host, disk = self.host, self.disk
-        want = max(1, min(BATCH_PAGES, self.batch_bytes // host.storage.page_bytes[group]))
+        want = max(1, min(BATCH_PAGES, BATCH_BYTES // host.storage.page_bytes[group]))
         slots = host.storage.slots[group]
         if slots.num_free >= want:
             return None  # room enough for the next demotions: nothing to hurry
@@ -159,9 +157,9 @@ class DiskWriteBehind:
             return []
         return found
 
-    def _write(self, batch: WriteBatch, device_done: Callable[[], None]) -> None:
+    def _write(self, batch: WriteBatch, wait_for_device: Callable[[], None]) -> None:
         """On the worker thread: wait for the device, then write and checksum the batch's pages."""
-        device_done()
+        wait_for_device()
         page_bytes = self.host.storage.page_bytes[batch.group]
         host = self.host.storage.buffers[batch.group].numpy()
         views = [host[slot * page_bytes : (slot + 1) * page_bytes] for slot in batch.host_slots]
