@@ -1,4 +1,4 @@
-"""The Triton copy kernel: its work items over runs of slots, and its bytes under ``TRITON_INTERPRET=1``.
+"""The Triton copy kernel: how it splits a call's pages, and its bytes under ``TRITON_INTERPRET=1``.
 
 The interpreter is chosen when Triton decorates the kernel, i.e. when ``kvtier.copy.kernel`` is
 first imported, and a process imports it once. So the kernel's tests run in a child pytest of
@@ -18,75 +18,71 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.copy.kernel import ALIGN, ROWS, check_kernel_args, plan_work
-from kvtier.copy.runs import build_runs
-from kvtier.storage.pinned import RegistrationGrid
+from kvtier.copy.kernel import ALIGN, MAX_PAGE_BYTES, ROWS, Split, check_kernel_args, plan_split
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def covered_rows(work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every (src_row, dst_row) the work items copy, in item order."""
-    src = np.concatenate([np.arange(s, s + n) for s, _, n in work.tolist()])
-    dst = np.concatenate([np.arange(d, d + n) for _, d, n in work.tolist()])
-    return src, dst
-
-
-def page_rows_of(runs: np.ndarray, page_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every (src_row, dst_row) the runs ask for, in order."""
-    r = page_bytes // ALIGN
-    src = np.concatenate([np.arange(s * r, (s + n) * r) for s, _, n in runs.tolist()])
-    dst = np.concatenate([np.arange(d * r, (d + n) * r) for _, d, n in runs.tolist()])
-    return src, dst
+def covered_rows(pages: int, page_bytes: int, split: Split) -> np.ndarray:
+    """Every (page, row) the programs of a launch copy, in program order."""
+    page_rows = page_bytes // ALIGN
+    per, parts = split
+    cells = []
+    for program in range(pages * parts):
+        page, part = divmod(program, parts)
+        first = part * per
+        rows = np.arange(first, min(first + per, page_rows))
+        cells.append(np.stack([np.full_like(rows, page), rows], 1))
+    return np.concatenate(cells)
 
 
 @pytest.mark.parametrize(
-    ("pages", "page_bytes", "target", "run"),
+    ("pages", "page_bytes", "target"),
     [
-        (1, 217_055_232, 528, 1),
-        (12, 15_261_696, 528, 1),
-        (140, 884_736, 528, 1),
-        (140, 884_736, 528, 140),
-        (512, 65_536, 528, 1),
-        (512, 65_536, 528, 8),
-        (300, 16, 528, 1),
-        (300, 16, 528, 300),
-        (4096, 4096, 528, 3),
-        (3, 4096 + 48, 64, 1),
+        (1, 217_055_232, 528),
+        (12, 15_261_696, 528),
+        (140, 884_736, 528),
+        (512, 65_536, 528),
+        (300, 16, 528),
+        (4096, 4096, 528),
+        (3, 4096 + 48, 64),
+        (3, 16 * 1007, 32),
+        (5, 65_536, 1),
     ],
 )
-def test_work_items_fill_the_gpu_and_cover_every_row_once(pages: int, page_bytes: int, target: int, run: int) -> None:
-    starts = np.arange(0, pages, run)
-    runs = np.stack([starts * 3, starts + 7, np.minimum(run, pages - starts)], axis=1).astype(np.int64)
-    work = plan_work(runs, page_bytes, target)
-    assert work.dtype == np.int64 and (work[:, 2] > 0).all()
-    if page_bytes * pages <= 1 << 28:
-        want_src, want_dst = page_rows_of(runs, page_bytes)
-        got_src, got_dst = covered_rows(work)
-        assert np.array_equal(got_src, want_src) and np.array_equal(got_dst, want_dst)
-    else:
-        assert work[:, 2].sum() == pages * page_bytes // ALIGN
+def test_the_split_fills_the_gpu_and_covers_every_row_once(pages: int, page_bytes: int, target: int) -> None:
+    split = plan_split(page_bytes, pages, target)
     page_rows = page_bytes // ALIGN
-    per = int(work[:, 2].max())
-    assert per >= min(ROWS, page_rows)  # never less than one step (or a page)
-    assert work.shape[0] <= target + runs.shape[0]  # about ``target`` programs, one more per run at most
-    if page_rows * run >= ROWS * 2 * -(-target // runs.shape[0]):
-        assert work.shape[0] >= target // 2  # large runs: enough programs to fill the GPU
+    per, parts = split
+    assert min(ROWS, page_rows) <= per <= page_rows  # never less than one step (or a page), never more than a page
+    assert (parts - 1) * per < page_rows <= parts * per  # the parts tile a page, none empty
+    if page_bytes * pages <= 1 << 26:
+        cells = covered_rows(pages, page_bytes, split)
+        expected = np.stack([np.repeat(np.arange(pages), page_rows), np.tile(np.arange(page_rows), pages)], 1)
+        assert np.array_equal(cells, expected)
+    programs = pages * parts
+    assert programs <= max(target, pages) + pages  # about ``target`` programs, or one a page
+    if page_rows * pages >= ROWS * 2 * target:
+        assert programs >= target // 2  # large calls: enough programs to fill the GPU
 
 
 def test_a_large_page_is_never_one_program() -> None:
-    work = plan_work(np.array([[0, 0, 1]], dtype=np.int64), 217_055_232, 4 * 132)
-    assert work.shape[0] >= 4 * 132 * 0.9
-    assert work[:, 2].max() * ALIGN < 512 * 1024
+    per, parts = plan_split(217_055_232, 1, 4 * 132)
+    assert parts >= 4 * 132 * 0.9
+    assert per * ALIGN < 512 * 1024
 
 
-def test_a_run_of_small_pages_is_few_items() -> None:
-    """140 consecutive 16 KiB pages: a handful of large items, not one (or more) per page."""
-    runs = np.array([[0, 0, 140]], dtype=np.int64)
-    assert plan_work(runs, 16 * 1024, 528).shape[0] == 140  # one step of 1024 rows = one page per item
-    assert plan_work(runs, 16 * 1024, 8).shape[0] == 8
+def test_many_small_pages_get_one_program_each() -> None:
+    assert plan_split(16 * 1024, 140, 528) == (1024, 1)
+    assert plan_split(4096, 4096, 528) == (256, 1)
+
+
+def test_pages_too_large_for_the_kernel_are_refused() -> None:
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="copy engines"):
+        check_kernel_args(buffer, buffer, MAX_PAGE_BYTES)
 
 
 @pytest.mark.parametrize(("page", "offset"), [(24, 0), (4 * 1024 * 1024 + 8, 0), (4096, 8)])
@@ -120,16 +116,15 @@ def filled(slots: int, page: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(values.view(np.uint8).copy())
 
 
-def launch(src: torch.Tensor, dst: torch.Tensor, pairs: object, page: int, target: int, rows: int = ROWS, grid=None):
-    """Build runs and work items as the copier does, then launch the kernel on CPU tensors."""
+def launch(src: torch.Tensor, dst: torch.Tensor, pairs: object, page: int, target: int, rows: int = ROWS) -> Split:
+    """Split the call and launch the kernel over its pairs on CPU tensors, as the copier does."""
     from kvtier.copy.kernel import launch_copy_kernel
 
     table = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     check_kernel_args(src, dst, page)
-    runs = build_runs(table, page, grid, grid)
-    work = plan_work(runs, page, target, rows)
-    launch_copy_kernel(src, dst, torch.from_numpy(work), rows=rows)
-    return runs, work
+    split = plan_split(page, table.shape[0], target, rows)
+    launch_copy_kernel(src, dst, torch.from_numpy(table), page, split, rows=rows)
+    return split
 
 
 @interpreted
@@ -159,9 +154,7 @@ def test_interpreted_random_pair_sets_land_byte_exact(run_chance: float) -> None
         src = filled(slots, page, seed=trial + 11)
         dst = torch.full((slots * page,), 0x5A, dtype=torch.uint8)
         pairs = random_pairs(rng, int(rng.integers(1, 16)), slots, run_chance)
-        runs, _ = launch(src, dst, pairs, page, int(rng.integers(1, 40)), rows=64)
-        if run_chance == 1.0:
-            assert runs.shape[0] < pairs.shape[0] or pairs.shape[0] == 1
+        launch(src, dst, pairs, page, int(rng.integers(1, 40)), rows=64)
         expected = torch.full((slots * page,), 0x5A, dtype=torch.uint8)
         for s, d in pairs.tolist():
             expected[d * page : (d + 1) * page] = src[s * page : (s + 1) * page]
@@ -169,27 +162,13 @@ def test_interpreted_random_pair_sets_land_byte_exact(run_chance: float) -> None
 
 
 @interpreted
-def test_interpreted_runs_cut_at_registrations_land_byte_exact() -> None:
-    page = 256
-    src = filled(16, page, seed=21)
-    dst = torch.zeros(16 * page, dtype=torch.uint8)
-    pairs = [[s, s] for s in range(1, 15)]
-    runs, work = launch(src, dst, pairs, page, 4, rows=32, grid=RegistrationGrid(offset=0, chunk_bytes=4 * page))
-    assert runs.tolist() == [[1, 1, 3], [4, 4, 4], [8, 8, 4], [12, 12, 3]]
-    item_chunks = [(s * ALIGN // (4 * page), (s + n - 1) * ALIGN // (4 * page)) for s, _, n in work.tolist()]
-    assert all(a == b for a, b in item_chunks), "a work item spans two registrations"
-    assert torch.equal(dst[page : 15 * page], src[page : 15 * page])
-    assert not dst[:page].any() and not dst[15 * page :].any()
-
-
-@interpreted
-def test_interpreted_items_of_a_remainder_row_count_cover_every_row() -> None:
-    """Many items per page with a remainder row count: every byte still lands once."""
+def test_interpreted_parts_of_a_remainder_row_count_cover_every_row() -> None:
+    """Many programs per page with a remainder row count: every byte still lands once."""
     page = 16 * 1000 + 16 * 7  # 1007 rows: not a multiple of any step
     src = filled(3, page, seed=3)
     dst = torch.zeros(3 * page, dtype=torch.uint8)
-    _, work = launch(src, dst, [[2, 0], [0, 1], [1, 2]], page, 32, rows=32)
-    assert work.shape[0] > 3 and 1007 % int(work[0, 2])
+    per, parts = launch(src, dst, [[2, 0], [0, 1], [1, 2]], page, 32, rows=32)
+    assert parts > 1 and 1007 % per
     assert torch.equal(dst[:page], src[2 * page :])
     assert torch.equal(dst[page : 2 * page], src[:page])
     assert torch.equal(dst[2 * page :], src[page : 2 * page])

@@ -8,7 +8,7 @@ import torch
 
 from kvtier.copy import PageCopier
 from kvtier.copy.cpu import LOOP_MIN_PAGE_BYTES
-from kvtier.copy.runs import build_runs
+from kvtier.copy.runs import build_runs, copy_order, count_runs
 from kvtier.storage.pinned import RegistrationGrid
 
 
@@ -45,6 +45,14 @@ def test_a_run_needs_both_sides_consecutive() -> None:
     assert build_runs(pairs, 64).tolist() == [[0, 0, 2], [2, 5, 2], [9, 7, 1], [10, 9, 1], [4, 2, 1]]
 
 
+def test_slots_walking_down_on_both_sides_are_read_backwards_into_one_run() -> None:
+    pairs = np.array([[1791, 7423], [1790, 7422], [1789, 7421], [1788, 7420]], dtype=np.int64)
+    assert build_runs(pairs, 64).tolist() == [[1788, 7420, 4]]
+    assert count_runs(pairs, 1) == 1
+    downhill_then_scattered = np.array([[9, 9], [8, 8], [3, 1], [5, 0]], dtype=np.int64)
+    assert np.array_equal(expand(build_runs(downhill_then_scattered, 64)), downhill_then_scattered[::-1])
+
+
 def test_a_single_pair_is_one_run() -> None:
     assert build_runs(np.array([[7, 2]], dtype=np.int64), 16).tolist() == [[7, 2, 1]]
 
@@ -56,11 +64,22 @@ def test_runs_expand_back_to_the_pairs(run_chance: float) -> None:
         pairs = random_pairs(rng, int(rng.integers(1, 200)), 256, run_chance)
         runs = build_runs(pairs, 4096)
         assert runs.dtype == np.int64 and runs.shape[1] == 3 and (runs[:, 2] >= 1).all()
-        assert np.array_equal(expand(runs), pairs)
+        assert np.array_equal(expand(runs), copy_order(pairs))
         assert runs[:, 2].sum() == pairs.shape[0]
         # maximal: no run could have joined the next one
         ends = runs[:-1, :2] + runs[:-1, 2:3]
         assert not (ends == runs[1:, :2]).all(axis=1).any()
+
+
+@pytest.mark.parametrize("run_chance", [0.0, 0.5, 0.9, 0.99, 1.0])
+@pytest.mark.parametrize("limit", [1, 4])
+def test_counted_runs_are_exact_up_to_the_limit(run_chance: float, limit: int) -> None:
+    rng = np.random.default_rng(int(run_chance * 100) + limit)
+    for _ in range(200):
+        pairs = random_pairs(rng, int(rng.integers(1, 40)), 64, run_chance)
+        runs = build_runs(pairs, 64).shape[0]
+        counted = count_runs(pairs, limit)
+        assert counted == runs if runs <= limit else counted > limit, (pairs.tolist(), runs, counted)
 
 
 @pytest.mark.parametrize(("offset", "chunk_pages"), [(0, 4), (0, 5), (3 * 256, 4), (0, 1)])

@@ -1,14 +1,15 @@
 """``PageCopier``: moves a batch of pages between two tier buffers, on the path the policy picks.
 
-One copier per device. A call checks everything first (``kvtier.copy.copy_request``), merges
-runs of consecutive slots into single copies (``kvtier.copy.runs``; cut where a host buffer's
-registrations meet), then:
+One copier per device. A call checks everything first (``kvtier.copy.copy_request``), then:
 
 - both buffers in host memory -> the CPU path, synchronously on the calling thread;
 - otherwise ``policy.choose(page_bytes, coherent_link=..., runs=...)`` -> the copy engines (one
   batched driver call, or one async copy per run for a call of a few runs, whatever the page
-  size, ``kvtier.copy.copy_engine``) or the Triton kernel (one launch, ``kvtier.copy.kernel``),
-  enqueued on the caller's stream after the work already there.
+  size, ``kvtier.copy.copy_engine``) or the Triton kernel (one launch over the call's pairs,
+  ``kvtier.copy.kernel``), enqueued on the caller's stream after the work already there. The
+  copy engines and the CPU path take runs of consecutive slots as single copies
+  (``kvtier.copy.runs``; cut where a host buffer's registrations meet); the kernel needs no runs,
+  and its calls have their runs counted only as far as the choice needs.
 
 Triton and cuda-bindings are imported on the first call that needs them.
 """
@@ -27,8 +28,8 @@ from kvtier.copy.copy_engine import LEGACY_STREAM_HANDLES
 from kvtier.copy.copy_request import CopyRequest, check_request
 from kvtier.copy.cpu import copy_pages_cpu
 from kvtier.copy.link import LinkInfo, detect_link
-from kvtier.copy.policy import CopyPath, CopyPolicy
-from kvtier.copy.runs import build_runs
+from kvtier.copy.policy import SEPARATE_COPY_RUNS, CopyPath, CopyPolicy, DevicePath
+from kvtier.copy.runs import build_runs, count_runs
 
 if TYPE_CHECKING:
     from kvtier.copy.copy_engine import BatchCopier
@@ -90,12 +91,22 @@ class PageCopier:
         if src_facts.host and dst_facts.host:
             copy_pages_cpu(request, build_runs(request.pairs, request.page_bytes))
             return "cpu"
-        runs = build_runs(request.pairs, request.page_bytes, src_facts.grid, dst_facts.grid)
-        path = self.policy.choose(request.page_bytes, coherent_link=self.link.coherent, runs=runs.shape[0])
+        path = self._choose(request)
         if path == "kernel":
-            self._copy_with_kernel(request, runs, stream, src_facts, dst_facts)
+            self._copy_with_kernel(request, stream, src_facts, dst_facts)
         else:
+            runs = build_runs(request.pairs, request.page_bytes, src_facts.grid, dst_facts.grid)
             self._copy_with_engines(request, runs, self._stream_handle(stream), src_facts, dst_facts)
+        return path
+
+    def _choose(self, request: CopyRequest) -> DevicePath:
+        """The policy's path for this call, counting its runs only where the count can change it."""
+        coherent = self.link.coherent
+        pages = request.pairs.shape[0]
+        path = self.policy.choose(request.page_bytes, coherent_link=coherent, runs=pages)  # runs <= pages
+        if path == "kernel" and pages > SEPARATE_COPY_RUNS:
+            runs = count_runs(request.pairs, SEPARATE_COPY_RUNS)
+            path = self.policy.choose(request.page_bytes, coherent_link=coherent, runs=runs)
         return path
 
     def _copy_with_engines(
@@ -117,9 +128,7 @@ class PageCopier:
             pageable=pageable,
         )
 
-    def _copy_with_kernel(
-        self, request: CopyRequest, runs: np.ndarray, stream: StreamArg, src: BufferFacts, dst: BufferFacts
-    ) -> None:
+    def _copy_with_kernel(self, request: CopyRequest, stream: StreamArg, src: BufferFacts, dst: BufferFacts) -> None:
         from kvtier.copy.kernel import check_kernel_args
 
         check_kernel_args(request.src, request.dst, request.page_bytes)
@@ -132,7 +141,7 @@ class PageCopier:
         if self._kernel is None:
             self._kernel = _KernelPath(self.device.index, self._sm_count)
         handle = self._stream_handle(stream)
-        self._kernel.copy(request, runs, handle, lambda: self._torch_stream(stream))
+        self._kernel.copy(request, handle, lambda: self._torch_stream(stream))
 
     def _stream_handle(self, stream: StreamArg) -> int:
         if stream is None:
@@ -167,7 +176,7 @@ class PageCopier:
 class _KernelPath:
     """The kernel path's state on one device: its driver calls, its table ring, its fast launch.
 
-    Invariant: a call's work items go into a ring slot (``kvtier.copy.table_ring``) that no
+    Invariant: a call's pairs go into a ring slot (``kvtier.copy.table_ring``) that no
     unfinished launch reads; the launch and the slot's event go to the same stream, under one lock.
     The first launch goes through Triton's normal launch (it compiles the kernel) inside torch's
     stream context; later ones through ``FastLaunch`` where this Triton allows it.
@@ -175,42 +184,45 @@ class _KernelPath:
 
     def __init__(self, device_index: int, sm_count: int) -> None:
         from kvtier.copy.driver_api import DriverApi
-        from kvtier.copy.kernel import PROGRAMS_PER_SM
+        from kvtier.copy.kernel import PROGRAMS_PER_SM, plan_split
         from kvtier.copy.table_ring import TableRing
 
+        self._plan_split = plan_split
         self._api = DriverApi(device_index)
         self._ring = TableRing(self._api)
         self._target = PROGRAMS_PER_SM * sm_count
         self._fast: FastLaunch | None = None
         self._lock = threading.Lock()
 
-    def copy(
-        self, request: CopyRequest, runs: np.ndarray, stream: int, torch_stream: Callable[[], torch.cuda.Stream]
-    ) -> None:
-        """Enqueue the copy of ``runs`` on raw ``stream`` (``torch_stream`` gives it as a torch stream)."""
+    def copy(self, request: CopyRequest, stream: int, torch_stream: Callable[[], torch.cuda.Stream]) -> None:
+        """Enqueue the copy of ``request`` on raw ``stream`` (``torch_stream`` gives it as a torch stream)."""
         with self._lock:
             if self._fast is not None:
                 pushed = self._api.enter_context()
                 try:
-                    if self._launch(request, runs, stream, self._fast):
+                    if self._launch(request, stream, self._fast):
                         return
                 finally:
                     if pushed:
                         self._api.leave_context()
             with torch.cuda.stream(torch_stream()):  # also makes this device current
-                self._launch(request, runs, stream, None)
+                self._launch(request, stream, None)
 
-    def _launch(self, request: CopyRequest, runs: np.ndarray, stream: int, fast: FastLaunch | None) -> bool:
+    def _launch(self, request: CopyRequest, stream: int, fast: FastLaunch | None) -> bool:
         """One launch through ``fast`` (False if it declined, nothing enqueued) or Triton's normal one."""
-        from kvtier.copy.kernel import FastLaunch, launch_copy_kernel, max_work_items, plan_work
-
-        index, array, table = self._ring.take(max_work_items(runs.shape[0], self._target))
-        programs = plan_work(runs, request.page_bytes, self._target, out=array).shape[0]
+        pairs = request.pairs
+        pages = pairs.shape[0]
+        split = self._plan_split(request.page_bytes, pages, self._target)
+        index, array, table = self._ring.take(pages)
+        array[:pages] = pairs
         if fast is not None:
-            if not fast(request.src, request.dst, table, programs, stream):
+            if not fast(request.src, request.dst, table, request.page_bytes, split, pages, stream):
                 return False
         else:
-            self._fast = FastLaunch.capture(launch_copy_kernel(request.src, request.dst, table, programs))
+            from kvtier.copy.kernel import FastLaunch, launch_copy_kernel
+
+            compiled = launch_copy_kernel(request.src, request.dst, table, request.page_bytes, split, pages)
+            self._fast = FastLaunch.capture(compiled)
         self._ring.launched(index, stream)
         return True
 

@@ -104,10 +104,13 @@ def _scan_small(table: np.ndarray) -> tuple[int, int, int, bool]:
 
 
 def _scan(table: np.ndarray) -> tuple[int, int, int, bool]:
-    """(lowest slot, highest source slot, highest destination slot, a destination slot repeated)."""
-    top = table.max(axis=0)
-    ordered = np.sort(table[:, 1])
-    return int(table.min()), int(top[0]), int(top[1]), bool((ordered[1:] == ordered[:-1]).any())
+    """(lowest slot, highest source slot, highest destination slot, a destination slot repeated).
+
+    One sort of both columns answers all four (a repeat sits beside its twin once sorted).
+    """
+    ordered = np.sort(table.T)  # row 0: the source slots, row 1: the destination slots, each ascending
+    src, dst = ordered[0], ordered[1]
+    return int(min(src[0], dst[0])), int(src[-1]), int(dst[-1]), bool((dst[1:] == dst[:-1]).any())
 
 
 def _check_overlap(src: torch.Tensor, dst: torch.Tensor, pairs: np.ndarray, page: int) -> None:

@@ -13,7 +13,7 @@ and the link between host and GPU, fixed by two knobs read once per process:
 
 A call of at most ``SEPARATE_COPY_RUNS`` runs goes to the copy engines whatever its page size,
 unless the knobs send every size to the kernel: one ``cuMemcpyAsync`` per run costs less to submit
-than a kernel launch with its work table (15 us against 31-45 us for one page on the H200's
+than a kernel launch with its table of pairs (15 us against 31-45 us for one page on the H200's
 host), and a run is one contiguous copy, which the copy engines move at the link's speed at any
 length (their cost per copy is what makes many small pages the kernel's).
 

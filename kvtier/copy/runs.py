@@ -1,13 +1,18 @@
 """Runs of consecutive slots: a call's pairs merged into fewer, larger copies.
 
 A promoted prefix's slots are usually consecutive on both sides, so pairs ``(s, d), (s+1, d+1),
-...`` become one run ``(s, d, pages)``: one copy-engine descriptor, one kernel work range, one
-memcpy. A run never spans two host registrations (``KVTIER_HOST_REGISTER_CHUNK_BYTES``): one
-driver copy may not, so a run is cut where either side's registration grid has a boundary.
-Everything is computed with numpy over the whole call, never a Python object per page.
+...`` become one run ``(s, d, pages)``: one copy-engine descriptor, one memcpy. Victims leave in
+least-recently-used order, which often walks both sides down, ``(s, d), (s-1, d-1), ...``; the
+copies of one call may run in any order (a call writes each slot once and reads none it writes),
+so such a call is read backwards and merges as well. A run never spans two host registrations
+(``KVTIER_HOST_REGISTER_CHUNK_BYTES``): one driver copy may not, so a run is cut where either
+side's registration grid has a boundary. Everything is computed with numpy over the whole call,
+never a Python object per page.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -22,14 +27,16 @@ def build_runs(
 ) -> np.ndarray:
     """The (m, 3) int64 array of runs ``(src_slot, dst_slot, pages)`` covering ``pairs`` in order.
 
-    ``pairs`` is a checked (n, 2) int64 array (n >= 1). Row i + 1 joins row i's run when both its
-    slots follow row i's by one and, on each side that has a grid, the two pages lie in the same
-    registration. Invariants: the runs' pages sum to n, and expanding the runs gives ``pairs``
-    back row for row; no run spans a registration boundary of either side.
+    ``pairs`` is a checked (n, 2) int64 array (n >= 1), read in ``copy_order``. Row i + 1 joins
+    row i's run when both its slots follow row i's by one and, on each side that has a grid, the
+    two pages lie in the same registration. Invariants: the runs' pages sum to n, and expanding
+    the runs gives ``copy_order(pairs)`` back row for row; no run spans a registration boundary
+    of either side.
     """
     n = pairs.shape[0]
     if n == 1:  # the common small call: no numpy pass needed
         return np.array([[pairs[0, 0], pairs[0, 1], 1]], dtype=np.int64)
+    pairs = copy_order(pairs)
     src, dst = pairs[:, 0], pairs[:, 1]
     joins = (src[1:] == src[:-1] + 1) & (dst[1:] == dst[:-1] + 1)
     for grid, slots in ((src_grid, src), (dst_grid, dst)):
@@ -47,3 +54,26 @@ def build_runs(
     runs[:-1, 2] = starts[1:] - starts[:-1]
     runs[-1, 2] = n - starts[-1]
     return runs
+
+
+def copy_order(pairs: np.ndarray) -> np.ndarray:
+    """``pairs`` backwards (a view) when its first step goes down by one on both sides, else ``pairs``."""
+    if pairs.shape[0] > 1 and pairs[1, 0] == pairs[0, 0] - 1 and pairs[1, 1] == pairs[0, 1] - 1:
+        return pairs[::-1]
+    return pairs
+
+
+def count_runs(pairs: np.ndarray, limit: int) -> int:
+    """How many runs ``build_runs`` makes of ``pairs``, registration cuts aside, read only as far as needed.
+
+    The answer is exact when it is at most ``limit``; above it, it is only some number above
+    ``limit``. A call of scattered slots is told after its first ``limit + 1`` steps, in plain
+    Python; one that may have few runs is counted with numpy over the whole call.
+    """
+    pairs = copy_order(pairs)
+    head = pairs[: limit + 2].tolist()
+    breaks = sum(1 for a, b in itertools.pairwise(head) if b[0] != a[0] + 1 or b[1] != a[1] + 1)
+    if breaks >= limit or pairs.shape[0] <= limit + 2:
+        return breaks + 1
+    steps = np.diff(pairs, axis=0)
+    return 1 + int(np.count_nonzero((steps[:, 0] != 1) | (steps[:, 1] != 1)))

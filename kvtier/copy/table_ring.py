@@ -1,9 +1,9 @@
-"""Pinned host tables of kernel work items that the launched kernels read in place.
+"""Pinned host tables of slot pairs that the launched copy kernels read in place.
 
-The kernel path needs each call's work items where the GPU can read them. An upload from
-pageable memory made every call wait for a staging copy; a table in pinned (mapped) host memory
-needs no upload at all: each program reads its own 24-byte item over the link once, then copies
-its rows. The price is that a table must outlive the kernel that reads it, which the ring keeps:
+The kernel path needs each call's ``(src_slot, dst_slot)`` pairs where the GPU can read them. An
+upload from pageable memory made every call wait for a staging copy; a table in pinned (mapped)
+host memory needs no upload at all: each program reads its own 16-byte pair over the link once,
+then copies its rows. The price is that a table must outlive the kernel that reads it, which the ring keeps:
 its slots are taken round-robin, an event is recorded on the launch's stream after each launch,
 and a slot is written again only after that event has completed.
 """
@@ -20,7 +20,7 @@ _FIRST_ROWS = 1024
 
 
 class TableRing:
-    """``SLOTS`` pinned (rows, 3) int64 tables, each with the event of the last launch that read it.
+    """``SLOTS`` pinned (rows, 2) int64 tables, each with the event of the last launch that read it.
 
     Invariants: ``take`` hands out a slot only once the last launch that read it has completed
     (its event), so no table is overwritten while a launched kernel may still read it; a slot
@@ -46,7 +46,7 @@ class TableRing:
         array = self._arrays[index]
         if array is None or array.shape[0] < rows:
             size = max(rows, _FIRST_ROWS, 0 if array is None else 2 * array.shape[0])
-            table = torch.empty((size, 3), dtype=torch.int64, pin_memory=True)
+            table = torch.empty((size, 2), dtype=torch.int64, pin_memory=True)
             self._tables[index] = table
             self._arrays[index] = array = table.numpy()
         return index, array, self._tables[index]  # type: ignore[return-value]
