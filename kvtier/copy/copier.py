@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from kvtier.copy.kernel import FastLaunch
 
 StreamArg = torch.cuda.Stream | int | None
+_KNOWN_ADDRESSES = 64  # device addresses kept by buffer facts; a copier sees a few buffers
 
 
 class PageCopier:
@@ -141,7 +142,7 @@ class PageCopier:
         if self._kernel is None:
             self._kernel = _KernelPath(self.device.index, self._sm_count)
         handle = self._stream_handle(stream)
-        self._kernel.copy(request, handle, lambda: self._torch_stream(stream))
+        self._kernel.copy(request, src, dst, handle, lambda: self._torch_stream(stream))
 
     def _stream_handle(self, stream: StreamArg) -> int:
         if stream is None:
@@ -192,31 +193,58 @@ class _KernelPath:
         self._ring = TableRing(self._api)
         self._target = PROGRAMS_PER_SM * sm_count
         self._fast: FastLaunch | None = None
+        self._addresses: dict[int, tuple[BufferFacts, int]] = {}  # id(facts) -> (facts, device address)
         self._lock = threading.Lock()
 
-    def copy(self, request: CopyRequest, stream: int, torch_stream: Callable[[], torch.cuda.Stream]) -> None:
-        """Enqueue the copy of ``request`` on raw ``stream`` (``torch_stream`` gives it as a torch stream)."""
+    def copy(
+        self,
+        request: CopyRequest,
+        src: BufferFacts,
+        dst: BufferFacts,
+        stream: int,
+        torch_stream: Callable[[], torch.cuda.Stream],
+    ) -> None:
+        """Enqueue the copy of ``request`` (its buffers' facts ``src`` and ``dst``) on raw ``stream``
+        (``torch_stream`` gives it as a torch stream)."""
         with self._lock:
             if self._fast is not None:
                 pushed = self._api.enter_context()
                 try:
-                    if self._launch(request, stream, self._fast):
+                    addresses = (self._device_address(src), self._device_address(dst))
+                    if self._launch(request, stream, self._fast, addresses):
                         return
                 finally:
                     if pushed:
                         self._api.leave_context()
             with torch.cuda.stream(torch_stream()):  # also makes this device current
-                self._launch(request, stream, None)
+                self._launch(request, stream, None, None)
 
-    def _launch(self, request: CopyRequest, stream: int, fast: FastLaunch | None) -> bool:
-        """One launch through ``fast`` (False if it declined, nothing enqueued) or Triton's normal one."""
+    def _device_address(self, facts: BufferFacts) -> int:
+        """Where the device reaches the buffer that ``facts`` describe, asked of the driver once per
+        facts object (the copier's cache makes a new one whenever the buffer's registration or
+        address may have changed)."""
+        known = self._addresses.get(id(facts))
+        if known is not None and known[0] is facts:
+            return known[1]
+        address = self._api.device_pointer(facts.address) if facts.host else facts.address
+        if len(self._addresses) >= _KNOWN_ADDRESSES:
+            self._addresses.clear()
+        self._addresses[id(facts)] = (facts, address)
+        return address
+
+    def _launch(
+        self, request: CopyRequest, stream: int, fast: FastLaunch | None, addresses: tuple[int, int] | None
+    ) -> bool:
+        """One launch through ``fast`` with the buffers' device ``addresses`` (False if it declined,
+        nothing enqueued) or Triton's normal one."""
         pairs = request.pairs
         pages = pairs.shape[0]
         split = self._plan_split(request.page_bytes, pages, self._target)
-        index, array, table = self._ring.take(pages)
+        index, array, table, table_address = self._ring.take(pages)
         array[:pages] = pairs
-        if fast is not None:
-            if not fast(request.src, request.dst, table, request.page_bytes, split, pages, stream):
+        if fast is not None and addresses is not None:
+            src, dst = addresses
+            if not fast(src, dst, table_address, request.page_bytes, split, pages, stream):
                 return False
         else:
             from kvtier.copy.kernel import FastLaunch, launch_copy_kernel

@@ -101,6 +101,13 @@ class DriverApi:
             result = self._event_synchronize(event)
         check_raw(result, "cuEventSynchronize")
 
+    def device_pointer(self, address: int) -> int:
+        """The address at which this device reaches ``address`` (device memory, or pinned or registered
+        host memory); ``DriverError`` for memory the device cannot reach."""
+        driver = self.driver
+        attribute = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+        return int(check(driver.cuPointerGetAttribute(attribute, address), "cuPointerGetAttribute"))
+
     def error_name(self, result: int) -> str:
         err, name = self.driver.cuGetErrorName(self.driver.CUresult(result))
         return name.decode() if not int(err) and name else f"CUresult {result}"

@@ -120,19 +120,20 @@ def launch_copy_kernel(
 
 
 class FastLaunch:
-    """Launches of an already compiled ``_copy_rows`` straight through its launcher.
+    """Launches of an already compiled ``_copy_pages`` straight through its launcher.
 
     Triton's ``kernel[grid](...)`` binds and specialises the arguments, looks the kernel up and
     asks torch for the device and stream on every call (17-27 us on the H200 machine's host); the
-    compiled kernel's own launcher takes the stream as a raw handle and skips all that. Its
-    argument convention is Triton's since 3.3 (every bound argument, constexprs included, after
-    the launch metadata and hooks); ``capture`` answers None for an older Triton, for the
-    interpreter, or where the compiled kernel lacks the attributes, and the caller keeps the
-    normal launch. Valid only for arguments specialised as at the capturing launch: 16-byte
-    aligned pointers (``check_kernel_args``, pinned or device tables), 32-bit integer arguments
-    (the kernel does not specialise on their values; pages below ``MAX_PAGE_BYTES`` keep them
-    32-bit) and the same ``rows`` and ``num_warps``; the primary context of the kernel's device
-    must be current.
+    compiled kernel's own launcher takes the stream as a raw handle and skips all that. Buffers are
+    passed as the device-mapped addresses the caller resolved once (a tensor would cost the
+    launcher a driver query each). Its argument convention is Triton's since 3.3 (every bound
+    argument, constexprs included, after the launch metadata and hooks); ``capture`` answers None
+    for an older Triton, for the interpreter, or where the compiled kernel lacks the attributes,
+    and the caller keeps the normal launch. Valid only for arguments specialised as at the
+    capturing launch: 16-byte aligned addresses (``check_kernel_args``, pinned or device tables),
+    32-bit integer arguments (the kernel does not specialise on their values; pages below
+    ``MAX_PAGE_BYTES`` keep them 32-bit) and the same ``rows`` and ``num_warps``; the primary
+    context of the kernel's device must be current.
     """
 
     def __init__(self, compiled: object, rows: int) -> None:
@@ -151,17 +152,9 @@ class FastLaunch:
         except AttributeError:
             return None
 
-    def __call__(
-        self,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        pairs: torch.Tensor,
-        page_bytes: int,
-        split: Split,
-        pages: int,
-        stream: int,
-    ) -> bool:
-        """``launch_copy_kernel`` on raw ``stream``; False (nothing launched) while launch hooks are set."""
+    def __call__(self, src: int, dst: int, pairs: int, page_bytes: int, split: Split, pages: int, stream: int) -> bool:
+        """``launch_copy_kernel`` on raw ``stream``, the buffers and the pairs given by their
+        device-mapped addresses; False (nothing launched) while launch hooks are set."""
         if _launch_hooks_set():
             return False
         per, parts = split

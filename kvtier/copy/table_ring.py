@@ -33,11 +33,13 @@ class TableRing:
         self._api = api
         self._tables: list[torch.Tensor | None] = [None] * SLOTS
         self._arrays: list[np.ndarray | None] = [None] * SLOTS
+        self._addresses = [0] * SLOTS  # each table's device-mapped address
         self._events: list[int | None] = [None] * SLOTS
         self._next = 0
 
-    def take(self, rows: int) -> tuple[int, np.ndarray, torch.Tensor]:
-        """The next slot: its index, a numpy view of at least ``rows`` rows to fill, and its tensor."""
+    def take(self, rows: int) -> tuple[int, np.ndarray, torch.Tensor, int]:
+        """The next slot: its index, a numpy view of at least ``rows`` rows to fill, its tensor, and
+        the tensor's device-mapped address (what a launch passes the kernel)."""
         index = self._next
         self._next = (index + 1) % SLOTS
         event = self._events[index]
@@ -49,7 +51,8 @@ class TableRing:
             table = torch.empty((size, 2), dtype=torch.int64, pin_memory=True)
             self._tables[index] = table
             self._arrays[index] = array = table.numpy()
-        return index, array, self._tables[index]  # type: ignore[return-value]
+            self._addresses[index] = self._api.device_pointer(table.data_ptr())
+        return index, array, self._tables[index], self._addresses[index]  # type: ignore[return-value]
 
     def launched(self, index: int, stream: int) -> None:
         """Mark slot ``index`` as read by the work just enqueued on raw ``stream``."""

@@ -345,3 +345,19 @@ def test_auto_sends_a_call_of_a_few_runs_to_the_copy_engines_whatever_its_page_s
 
     paths = check_round_trip(copiers["auto"], pools, n, 4096, torch.cuda.Stream(device), seed=11)
     assert paths == ["copy_engine" if n <= SEPARATE_COPY_RUNS else "kernel"] * 2  # (12 of 14 slots, permuted)
+
+
+def test_kernel_follows_host_buffers_released_and_allocated_again(copiers, device) -> None:
+    """Each new host buffer (a new registration, perhaps at a released one's address) and a view into
+    one are reached at their own device address: the launches' cached addresses follow them."""
+    n, page = 12, 16_384
+    dev = torch.full(((n + 4) * page,), POISON, dtype=torch.uint8, device=device)
+    pairs = np.stack([np.arange(n), np.arange(n) + 4], axis=1)
+    for seed in range(4):
+        host = allocate_host_buffer((n + 8) * page, page, device)
+        fill_words(host.tensor, seed + 30)
+        source = host.tensor[4 * page :] if seed % 2 else host.tensor  # a view that starts 4 pages in
+        assert copiers["kernel"].copy(source, dev, pairs, page, torch.cuda.current_stream()) == "kernel"
+        torch.cuda.synchronize()
+        assert torch.equal(dev[4 * page :].cpu(), source[: n * page])
+        host.release()
