@@ -210,14 +210,13 @@ class _KernelPath:
             if self._fast is not None:
                 pushed = self._api.enter_context()
                 try:
-                    addresses = (self._device_address(src), self._device_address(dst))
-                    if self._launch(request, stream, self._fast, addresses):
+                    if self._launch(request, src, dst, stream, self._fast):
                         return
                 finally:
                     if pushed:
                         self._api.leave_context()
             with torch.cuda.stream(torch_stream()):  # also makes this device current
-                self._launch(request, stream, None, None)
+                self._launch(request, src, dst, stream, None)
 
     def _device_address(self, facts: BufferFacts) -> int:
         """Where the device reaches the buffer that ``facts`` describe, asked of the driver once per
@@ -233,18 +232,18 @@ class _KernelPath:
         return address
 
     def _launch(
-        self, request: CopyRequest, stream: int, fast: FastLaunch | None, addresses: tuple[int, int] | None
+        self, request: CopyRequest, src: BufferFacts, dst: BufferFacts, stream: int, fast: FastLaunch | None
     ) -> bool:
-        """One launch through ``fast`` with the buffers' device ``addresses`` (False if it declined,
-        nothing enqueued) or Triton's normal one."""
+        """One launch through ``fast``, at the buffers' device addresses (False if it declined,
+        nothing enqueued), or through Triton's normal one."""
         pairs = request.pairs
         pages = pairs.shape[0]
         split = self._plan_split(request.page_bytes, pages, self._target)
         index, array, table, table_address = self._ring.take(pages)
         array[:pages] = pairs
-        if fast is not None and addresses is not None:
-            src, dst = addresses
-            if not fast(src, dst, table_address, request.page_bytes, split, pages, stream):
+        if fast is not None:
+            src_address, dst_address = self._device_address(src), self._device_address(dst)
+            if not fast(src_address, dst_address, table_address, request.page_bytes, split, pages, stream):
                 return False
         else:
             from kvtier.copy.kernel import FastLaunch, launch_copy_kernel

@@ -14,7 +14,8 @@ programs per SM of 1024 rows held up best under a compute load (docs/copy.md).
 Requirements, checked by ``check_kernel_args`` before any GPU work: the page size is a multiple
 of 16 and below ``MAX_PAGE_BYTES``, and both buffers start on a 16-byte boundary (then every slot
 does too). Host memory is reached through its device-mapped (UVA) address, so it must be pinned or
-registered (the copier checks that); Triton's launcher resolves the address. Under
+registered (the copier checks that); the copier resolves that address once per buffer and passes
+it to ``FastLaunch`` (Triton's normal launch resolves it from the tensor). Under
 ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors.
 
 This module imports Triton; ``kvtier.copy`` imports it only when a call takes the kernel path.
