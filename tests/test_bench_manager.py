@@ -31,7 +31,8 @@ def test_kvtier_figures_and_round_trips_without_the_comparison(capsys, tmp_path)
     assert set(pressure) == {"on", "off"}
     for figures in pressure.values():
         assert 0 < figures["min"] <= figures["median"] <= figures["max"]
-        assert figures["promotions"] == figures["demotions"] == figures["drops"] == 2048
+        assert figures["promotions"] == figures["demotions"] == 2048
+        assert figures["drops"] == 512  # the swap's head start: the host keeps its other pages
     assert "resume of a 2,048-page prefix from host, both tiers full, write-through off, cpu, host ms" in out
     assert results["pressure_device"] == "cpu"
     assert results["vllm"] == {"missing": "vLLM not measured (--no-vllm)"}
@@ -99,9 +100,10 @@ def test_the_resume_under_pressure_finds_both_tiers_full_and_the_prefix_in_host_
         try:
             run = side.once()
             assert run["seconds"] > 0
-            assert run["promotions"] == run["demotions"] == run["drops"] == 32
+            assert run["promotions"] == run["demotions"] == 32
+            assert run["drops"] == 8  # the swap's head start
             side.manager.check_invariants()
             with pytest.raises(RuntimeError, match=r"not full|not found in host memory"):
-                side.once()  # the prefix is in the primary tier now (and its host slots free, without copies)
+                side.once()  # the prefix is in the primary tier now
         finally:
             side.close()

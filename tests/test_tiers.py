@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import kvtier
+from kvtier.tiering import duplex, mover
 from tests.kvdata import PageOracle, small_spec
 
 TPB = 4
@@ -384,3 +385,42 @@ def test_a_partly_reused_page_found_damaged_by_a_prefetch_is_not_copied(tmp_path
     oracle.check(cache, tokens)
     again.check_invariants()
     again.close()
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_a_resume_on_full_tiers_swaps_places_and_the_host_keeps_its_other_pages(write_through):
+    """The promoted pages' host slots take the victims: only the head start costs host pages."""
+    spec = small_spec("llama")
+    d = page_demand(spec)
+    tiers = [kvtier.PrimaryTier(int(d * 24) + 1), kvtier.HostTier(int(d * 24) + 1, write_through=write_through)]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers))
+    oracle = PageOracle(mgr)
+    talks = [convo(i, 48) for i in range(6)]  # 12 pages each: 72 pages, 48 slots
+    for tokens in talks:
+        prefill(mgr, oracle, tokens)
+    full = mgr.stats()
+    assert all(t.pages_used == t.pages_total for t in full.tiers.values())
+    cache = mgr.create_cache(talks[2] + [7])
+    assert cache.reused_by_tier.get("host") == 48
+    swaps = []
+    real = mover.schedule
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mover, "schedule", lambda *a, **k: swaps.append(real(*a, **k)) or swaps[-1])
+    assert cache.resume()
+    mp.undo()
+    oracle.check(cache, talks[2] + [7])
+    after = mgr.stats()
+    assert any(s.swaps for s in swaps) and after.demotions - full.demotions == 12
+    assert after.drops - full.drops == duplex.swap_lag(12, mgr.page_bytes(0)) == 3  # not 12
+    cache.close()
+    mgr.check_invariants()
+    kept = {3: 48 - 3 * TPB, 4: 48, 5: 48}  # talk 3 lost its last three blocks, the head start
+    for i, reused in kept.items():  # the other conversations are where they were, byte for byte
+        tokens = talks[i] + [7]
+        again = mgr.create_cache(tokens)
+        assert again.num_reused_tokens == reused, i
+        assert again.resume()
+        oracle.check(again, tokens)
+        again.close()
+    mgr.check_invariants()
+    mgr.close()

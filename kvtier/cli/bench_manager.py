@@ -319,7 +319,8 @@ class PressureResume:
     Filler prompts fill the primary and host tiers first; the prefix is published, then
     ``prompts`` prompts of random tokens (``maintain()`` after each) push it down to host memory,
     the most recent pages there. Resuming it demotes as many primary pages (the least recently
-    used), which drops as many old host pages to make room for them.
+    used), which swap places with it: only the swap's head start (a quarter of them) drops old
+    host pages to make room.
     """
 
     def __init__(self, write_through: bool, sizes: Pressure = Pressure(), seed: int = 0, device: str = "cpu") -> None:

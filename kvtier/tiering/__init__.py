@@ -8,6 +8,7 @@ Modules, bottom up:
     build         the run-time tiers from the configured ones (the disk tier opened first)
     disk_restore  the reuse tree rebuilt from a disk tier's index on start (every row checked)
     plan          ``MovePlan``: the copies an operation still has to perform
+    duplex        the parts in which a demotion and a promotion (or a swap) share the link
     residency     who holds which page: holds, locks, publication, freeing and dropping
     disk_writes   what goes to the disk tier (demotions, ancestors' copies, persist), through a
                   ``DiskWriter`` handed in

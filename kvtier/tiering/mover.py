@@ -8,7 +8,9 @@ free reserve) run on a low-priority stream of their own, in the same chain of ev
 
 When a plan demotes primary pages to host memory and promotes others into their slots (a full
 GPU), both directions of the link run at once: the demotion in parts on a stream of its own,
-each part's promotions, on another, starting as soon as it has vacated their slots (``_duplex``).
+each part's promotions, on another, starting as soon as it has vacated their slots; in a swap,
+a part's victims land in host slots once the promotions that vacate them have been read
+(``_duplex``, ``kvtier.tiering.duplex``). Without CUDA the same parts run in turn.
 
 Disk pages travel through host memory: read straight into a CPU destination buffer, or into a
 pinned staging buffer and copied from there to the GPU part by part, each part's copy running
@@ -31,12 +33,11 @@ from kvtier.copy import PageCopier
 from kvtier.pages import Page
 from kvtier.stats import Counters
 from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
+from kvtier.tiering.duplex import NO_WAIT, READY, schedule
 from kvtier.tiering.load_cost import LoadCost
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.tier import Tier
 
-DUPLEX_CHUNKS = 16  # a demotion racing a promotion is cut into at most this many parts
-DUPLEX_MIN_PART_BYTES = 32 << 20  # and none smaller, unless it is the only one (its submit hides behind the link)
 DISK_CHUNK_BYTES = 64 << 20  # disk reads go to the GPU in parts of this size, each copied as the next is read
 
 
@@ -88,9 +89,9 @@ class Mover:
         return event is not None
 
     def _run_edges(self, plan: MovePlan, stream) -> None:
-        """Every edge of ``plan``, in ``edge_order``; both directions at once only on CUDA."""
+        """Every edge of ``plan``, in ``edge_order``."""
         edges = plan.edges
-        two_way = set() if stream is None else {t.index for t in self.tiers if t.index != 0 and not t.is_disk}
+        two_way = {t.index for t in self.tiers if t.index != 0 and not t.is_disk}
         demotions, duplex, others = edge_order(edges, two_way)
         for edge in demotions:
             self._edge(edge, _pairs(edges[edge]), stream, plan.damaged)
@@ -107,39 +108,45 @@ class Mover:
             self._copy_edge(edge, pairs, stream)
 
     def _duplex(self, down: tuple[int, int, int], down_pairs: np.ndarray, up_pairs: np.ndarray, stream) -> None:
-        """Demote and promote one group at once, both directions of the link busy.
+        """Demote and promote one group in the parts of ``kvtier.tiering.duplex.schedule``.
 
-        Both directions run on streams of the mover's own, after the work queued on ``stream``:
-        the demotion in parts (up to ``DUPLEX_CHUNKS``, none smaller than ``DUPLEX_MIN_PART_BYTES``
-        unless it is the only one: a part's copies cost tens of microseconds to submit), and each
-        promoted page whose primary slot a part vacates as soon as that part has been read out
-        (pages bound for slots that were free go first).
-        ``stream`` waits for both at the end. (The caller's stream may be the legacy default
-        stream, which would order the two directions one after the other.)
+        On CUDA both directions run at once, on streams of the mover's own, after the work queued
+        on ``stream``, which waits for both at the end (the caller's stream may be the legacy
+        default stream, which would order the two directions one after the other): each part's
+        promotions start as soon as its demotion has been read out, and a part's demotion that
+        lands in slots promoted pages vacate (a swap) starts once those were read. Without CUDA
+        the parts run one copy after another, in the same order.
         """
-        _, host_index, group = down
+        _, lower, group = down
+        up = (lower, 0, group)
+        page_bytes = self.tiers[0].storage.page_bytes[group]
+        order = schedule(down_pairs, up_pairs, page_bytes, overlap=stream is not None)
+        if stream is None:
+            steps = [(up, order.ready)]
+            for part in order.parts:
+                steps += [(down, part.down), (up, part.up)]
+            for edge, pairs in steps:
+                if len(pairs):
+                    self._copy_edge(edge, pairs, None)
+            return
         down_stream, up_stream = self._duplex_streams()
         down_stream.wait_stream(stream)  # the victims' bytes are written by work queued there
         up_stream.wait_stream(stream)
-        n = len(down_pairs)
-        page_bytes = self.tiers[0].storage.page_bytes[group]
-        parts = max(1, min(DUPLEX_CHUNKS, n, n * page_bytes // DUPLEX_MIN_PART_BYTES))
-        size = -(-n // parts)
-        part_of = np.full(self.tiers[0].storage.slots[group].num_slots, -1, dtype=np.int64)
-        part_of[down_pairs[:, 0]] = np.arange(n, dtype=np.int64) // size
-        up_part = part_of[up_pairs[:, 1]]
-        up = (host_index, 0, group)
-        ready = up_pairs[up_part < 0]
-        if len(ready):
-            self._copy_edge(up, ready, up_stream)
-        for k in range(-(-n // size)):
-            self._copy_edge(down, down_pairs[k * size : (k + 1) * size], down_stream)
-            vacated = torch.cuda.Event()
-            vacated.record(down_stream)
-            up_stream.wait_event(vacated)
-            part = up_pairs[up_part == k]
-            if len(part):
-                self._copy_edge(up, part, up_stream)
+        up_done: dict[int, torch.cuda.Event] = {}
+        if len(order.ready):
+            self._copy_edge(up, order.ready, up_stream)
+        swaps = order.swaps
+        if swaps:
+            up_done[READY] = _recorded(up_stream)
+        for k, part in enumerate(order.parts):
+            if part.after_up != NO_WAIT:
+                down_stream.wait_event(up_done[part.after_up])
+            self._copy_edge(down, part.down, down_stream)
+            up_stream.wait_event(_recorded(down_stream))
+            if len(part.up):
+                self._copy_edge(up, part.up, up_stream)
+            if swaps:
+                up_done[k] = _recorded(up_stream)
         stream.wait_stream(down_stream)
         stream.wait_stream(up_stream)
 
@@ -313,6 +320,13 @@ def edge_order(edges: Iterable[Edge], two_way: set[int]) -> tuple[list[Edge], li
     demotions = sorted((e for e in edges if e[1] > e[0] and e not in duplex), key=lambda e: -e[0])
     others = [e for e in edges if e[1] <= e[0] and e not in raced]
     return demotions, duplex, others
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event recorded on ``stream`` now."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def _nothing() -> None:

@@ -26,6 +26,7 @@ from kvtier.errors import InvariantError
 from kvtier.pages import Page
 from kvtier.stats import Counters
 from kvtier.tiering.disk_writes import DiskWritePlanner
+from kvtier.tiering.duplex import swap_lag
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.residency import PRIMARY, Residency
 from kvtier.tiering.tier import Tier
@@ -42,7 +43,9 @@ class MovePlanner:
         self.counters = counters
         self.disk_writes = disk_writes
 
-    def make_room(self, tier_index: int, group: int, count: int, plan: MovePlan) -> bool:
+    def make_room(
+        self, tier_index: int, group: int, count: int, plan: MovePlan, leaving: list[Page] | None = None
+    ) -> bool:
         """Free slots in a tier until ``count`` are free, demoting or dropping victims.
 
         Victims go spare copies first, then lowest priority, then least recently used. Copies
@@ -51,6 +54,10 @@ class MovePlanner:
         the last tier, or when nothing below can take them, only pages held by the tree alone are
         dropped. Returns False when the room cannot be had; evictions already done stay valid
         (they lose nothing a cache holds).
+
+        ``leaving``: locked pages of ``group`` in the memory tier below, to be promoted into this
+        (the primary) tier. Victims bound there swap places with them (``_swap``): they are moved
+        up with the victims at once, into free slots or the victims' slots.
         """
         tier = self.tiers[tier_index]
         if tier.is_last:
@@ -82,12 +89,69 @@ class MovePlanner:
                     victims = self._take_copies(victims, dst)
                     if not victims:
                         break
+                if leaving and leaving[0].tier == dst_index and self._swap(victims, leaving, plan):
+                    count -= len(leaving)  # they hold primary slots of the room asked for now
+                    break
                 if self.make_room(dst_index, group, len(victims), plan):
                     self._demote(victims, dst_index, plan)
                     break
         if slots.num_free < count:
             self.residency.drop_some(tier_index, group, count - slots.num_free)
         return slots.num_free >= count
+
+    def _swap(self, victims: list[Page], leaving: list[Page], plan: MovePlan) -> bool:
+        """Demote primary ``victims`` into the slots that ``leaving`` (locked pages of the same group
+        in the memory tier below) vacate, and move those up into free primary slots or the victims'
+        slots, in one pass: the tier below keeps its other pages. False, with nothing swapped, when
+        the tier below cannot free the slots the swap starts with.
+
+        Victims land, in order: in slots free below, freed there if need be (at least the
+        ``swap_lag`` head start, or as many as no leaving page makes room for); in the slots of
+        leaving pages bound for free primary slots; then victim ``seeds + donors + j`` in the slot
+        of the leaving page that takes victim ``j``'s slot. So a victim waits only for a promotion
+        that waits for an earlier victim, an order the mover's parts follow
+        (``kvtier.tiering.duplex``). Leaving pages' slots that no victim takes are left as
+        ``_move_up`` leaves them.
+        """
+        primary, lower = self.tiers[PRIMARY], self.tiers[leaving[0].tier]
+        group = victims[0].group
+        n, m = len(victims), len(leaving)
+        up_slots, down_slots = primary.storage.slots[group], lower.storage.slots[group]
+        ready = min(m, up_slots.num_free)  # leaving pages that go to free primary slots: no wait
+        lag = min(n, swap_lag(n, primary.storage.page_bytes[group]))
+        have = min(n, down_slots.num_free)  # victims that land in slots free below, then
+        donors = min(ready, n - have)  # in the slots of leaving pages bound for free slots, then
+        least = n - have - donors - min(n - have - donors, m - ready)  # in slots freed below for them,
+        for more in (max(least, lag - have - donors), max(least, 1 - have - donors)):  # the least head start
+            if self.make_room(lower.index, group, have + more, plan):
+                break
+        else:
+            return False
+        seeds = have + more
+        chained = n - seeds - donors  # and the rest in slots of leaving pages bound for victims' slots
+        plan.landed += victims  # in their order: the order they become evictable in where they land
+        plan.landed += leaving
+        victims, leaving = _ascending(victims), _ascending(leaving)  # runs of slots stay runs
+        victim_slots = [page.slot for page in victims]
+        leaving_slots = [page.slot for page in leaving]
+        seed_slots = sorted(down_slots.allocate_many(seeds))
+        down_to = seed_slots + leaving_slots[:donors] + leaving_slots[ready : ready + chained]
+        up_to = up_slots.allocate_many(ready) + victim_slots[: m - ready]
+        primary.evictable[group].discard_all(victims)
+        lower.evictable[group].discard_all(leaving)
+        _empty(primary, group, victim_slots)  # both sides first: each side's new slots are among the other's old
+        _empty(lower, group, leaving_slots)
+        _place(victims, lower, down_to)
+        _place(leaving, primary, up_to)
+        up_slots.free_all(victim_slots[m - ready :])
+        kept = list(range(donors, ready)) + list(range(ready + chained, m))
+        self._leave_behind(lower, group, [leaving[i] for i in kept], [leaving_slots[i] for i in kept], plan)
+        _add_pairs(plan.edges[(PRIMARY, lower.index, group)], victim_slots, down_to)
+        _add_pairs(plan.edges[(lower.index, PRIMARY, group)], leaving_slots, up_to)
+        self.counters.evictions += n
+        self.counters.demotions += n
+        self.counters.promotions += m
+        return True
 
     def _demote(self, victims: list[Page], dst_index: int, plan: MovePlan) -> None:
         """Move victims one tier down; the next tier has a free slot for each."""
@@ -179,16 +243,29 @@ class MovePlanner:
         """Plan moving every page of ``pages`` into the primary tier, with room for ``need[g]`` pages.
 
         ``need`` counts the pages outside the primary tier plus any new pages to allocate. The
-        pages must be pinned (locked) by the caller so that making room cannot evict them.
-        Returns False, with nothing promoted, when the primary tier cannot hold them all.
+        pages must be pinned (locked) by the caller so that making room cannot evict them. Pages
+        in the memory tier right below swap places with the victims (``make_room``'s ``leaving``).
+        Returns False when the primary tier cannot hold them all; pages swapped up by then stay
+        there (still locked by the caller, as the others stay where they are).
         """
-        for group, count in need.items():
-            if not self.make_room(PRIMARY, group, count, plan):
-                return False
         cold = [page for page in pages if page.tier != PRIMARY]
+        leaving = self._below_primary(cold)
+        for group, count in need.items():
+            if not self.make_room(PRIMARY, group, count, plan, leaving.get(group)):
+                return False
+        cold = [page for page in cold if page.tier != PRIMARY]  # not swapped up
         self.counters.promotions += len(cold)
         self._move_up(cold, plan)
         return True
+
+    def _below_primary(self, pages: list[Page]) -> dict[int, list[Page]]:
+        """Per group, the pages of a list in the memory tier right below the primary one, in order."""
+        if len(self.tiers) < 2 or self.tiers[1].is_disk:
+            return {}
+        groups: dict[int, list[Page]] = {}
+        for group, run in groupby([page for page in pages if page.tier == 1], key=attrgetter("group")):
+            groups.setdefault(group, []).extend(run)
+        return groups
 
     def _move_up(self, pages: list[Page], plan: MovePlan) -> None:
         """``move`` into the primary tier for locked pages of lower tiers, one pass per run of pages
@@ -198,23 +275,29 @@ class MovePlanner:
             run = list(run)
             src = self.tiers[src_index]
             old_slots = self._relocate(run, src, primary, plan)
-            if src.keeps_copies:  # a published page's bytes stay there, as a copy
-                kept_pages, kept_slots = plan.kept_copies[src_index]
+            self._leave_behind(src, group, run, old_slots, plan)
+
+    @staticmethod
+    def _leave_behind(src: Tier, group: int, pages: list[Page], slots: list[int], plan: MovePlan) -> None:
+        """The slots in ``src`` that promoted ``pages`` left: a published page's bytes stay there as a
+        copy where the tier keeps copies; the others are freed once the plan ran."""
+        frees = slots
+        if src.keeps_copies:
+            kept_pages, kept_slots = plan.kept_copies[src.index]
+            if all([page.node is not None for page in pages]):
+                kept_pages += pages
+                kept_slots += slots
                 frees = []
-                if all([page.node is not None for page in run]):
-                    kept_pages += run
-                    kept_slots += old_slots
-                else:
-                    for page, slot in zip(run, old_slots, strict=True):
-                        if page.node is not None:
-                            kept_pages.append(page)
-                            kept_slots.append(slot)
-                        else:
-                            frees.append(slot)
             else:
-                frees = old_slots
-            if frees:
-                plan.deferred_frees[(src_index, group)].extend(frees)
+                frees = []
+                for page, slot in zip(pages, slots, strict=True):
+                    if page.node is not None:
+                        kept_pages.append(page)
+                        kept_slots.append(slot)
+                    else:
+                        frees.append(slot)
+        if frees:
+            plan.deferred_frees[(src.index, group)].extend(frees)
 
     def persist(self, plan: MovePlan) -> int:
         """Write published pages held in memory tiers to the disk tier, parents first (at close).
@@ -244,6 +327,28 @@ class MovePlanner:
         plan.damaged.clear()
         if self.disk_writes is not None:
             self.disk_writes.disk.disk_index.flush()
+
+
+def _ascending(pages: list[Page]) -> list[Page]:
+    """``pages``, reversed if their slots start by going down."""
+    return pages[::-1] if len(pages) > 1 and pages[0].slot > pages[1].slot else pages
+
+
+def _empty(tier: Tier, group: int, slots: list[int]) -> None:
+    """Clear the owners of these slots of a tier (the slots stay allocated)."""
+    owners = tier.owners[group]
+    for slot in slots:
+        owners[slot] = None
+
+
+def _place(pages: list[Page], tier: Tier, slots: list[int]) -> None:
+    """Make each page the owner of its slot of ``tier`` (allocated, owned by none)."""
+    owners = tier.owners[pages[0].group] if pages else []
+    index = tier.index
+    for page, slot in zip(pages, slots, strict=True):
+        page.tier = index
+        page.slot = slot
+        owners[slot] = page
 
 
 def _add_pairs(edge: list[int], src_slots: list[int], dst_slots: list[int]) -> None:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import kvtier
-from kvtier.tiering import mover
+from kvtier.tiering import duplex, mover
 from tests.kvdata import PageOracle
 from tests.test_background_properties import machine
 from tests.test_write_through import serve
@@ -55,15 +55,15 @@ def test_write_through_copies_race_new_writes(tmp_path):
 
 @pytest.mark.parametrize("min_part_mib, several_parts", [(2, True), (32, False)])  # victims: at most 40 MiB
 def test_duplex_resume_is_exact(tmp_path, monkeypatch, min_part_mib, several_parts):
-    monkeypatch.setattr(mover, "DUPLEX_MIN_PART_BYTES", min_part_mib << 20)
+    monkeypatch.setattr(duplex, "DUPLEX_MIN_PART_BYTES", min_part_mib << 20)
     demotions = []  # pages per primary->host copy of a duplex move
-    duplex, copy_edge = mover.Mover._duplex, mover.Mover._copy_edge
+    run_duplex, copy_edge = mover.Mover._duplex, mover.Mover._copy_edge
     inside = []
 
     def counted_duplex(self, *args):
         inside.append(True)
         try:
-            duplex(self, *args)
+            run_duplex(self, *args)
         finally:
             inside.pop()
 
@@ -74,7 +74,7 @@ def test_duplex_resume_is_exact(tmp_path, monkeypatch, min_part_mib, several_par
 
     monkeypatch.setattr(mover.Mover, "_duplex", counted_duplex)
     monkeypatch.setattr(mover.Mover, "_copy_edge", counted_edge)
-    mgr, oracle = big_manager(tmp_path, primary=24, host=96, write_through=False)
+    mgr, oracle = big_manager(tmp_path, primary=24, host=256, write_through=False)  # never full: no swap
     for round_ in range(4):
         kept = prompt(round_, 20)
         serve(mgr, oracle, kept)
@@ -84,6 +84,28 @@ def test_duplex_resume_is_exact(tmp_path, monkeypatch, min_part_mib, several_par
         assert serve(mgr, oracle, kept + [2]) == 20 * TPB  # victims down while kept comes up
         assert mgr.stats().bytes_copied.get("primary->host:copy_engine", 0) > before
         assert demotions and (len(demotions) > 1) == several_parts
+    mgr.check_invariants()
+    mgr.close()
+
+
+@pytest.mark.parametrize("min_part_mib", [2, 32])  # both directions at once in parts, or in turn
+def test_swap_resume_is_exact(tmp_path, monkeypatch, min_part_mib):
+    """The host tier is full: victims land in the slots the resumed pages leave, byte for byte."""
+    monkeypatch.setattr(duplex, "DUPLEX_MIN_PART_BYTES", min_part_mib << 20)
+    schedules = []
+    real = mover.schedule
+    monkeypatch.setattr(mover, "schedule", lambda *a, **k: schedules.append(real(*a, **k)) or schedules[-1])
+    mgr, oracle = big_manager(tmp_path, primary=24, host=24, write_through=False)
+    for round_ in range(4):
+        kept = prompt(round_, 20)
+        serve(mgr, oracle, kept)
+        serve(mgr, oracle, prompt(60 + round_, 22))
+        schedules.clear()
+        assert serve(mgr, oracle, kept + [2]) == 20 * TPB
+        swaps = [s for s in schedules if s.swaps]
+        assert swaps and len(swaps[0].parts) > 1
+        if min_part_mib == 2:  # each part's demotion runs beside an earlier part's promotion
+            assert all(p.after_up <= k - 2 for k, p in enumerate(swaps[0].parts))
     mgr.check_invariants()
     mgr.close()
 
