@@ -221,3 +221,13 @@ def test_times_freed_counts_every_free_of_a_slot():
     again = slots.allocate_many(150)
     slots.free_all(again)
     assert slots.times_freed(taken[150]) == 2 and slots.times_freed(taken[50]) == 0
+
+
+def test_a_slot_handed_to_other_bytes_counts_as_freed_and_stays_allocated():
+    slots = SlotAllocator(8)
+    taken = slots.allocate_many(4)
+    slots.count_as_freed(taken[1:3])
+    assert [slots.times_freed(s) for s in taken] == [0, 1, 1, 0]
+    assert slots.num_free == 4 and not any(slots.is_free(s) for s in taken)
+    slots.count_as_freed([])
+    slots.check()

@@ -402,6 +402,9 @@ def test_a_resume_on_full_tiers_swaps_places_and_the_host_keeps_its_other_pages(
     assert all(t.pages_used == t.pages_total for t in full.tiers.values())
     cache = mgr.create_cache(talks[2] + [7])
     assert cache.reused_by_tier.get("host") == 48
+    host = mgr._pool.tiers[1]
+    owners_before = list(host.owners[0])
+    freed_before = [host.storage.slots[0].times_freed(s) for s in range(len(owners_before))]
     swaps = []
     real = mover.schedule
     mp = pytest.MonkeyPatch()
@@ -412,6 +415,11 @@ def test_a_resume_on_full_tiers_swaps_places_and_the_host_keeps_its_other_pages(
     after = mgr.stats()
     assert any(s.swaps for s in swaps) and after.demotions - full.demotions == 12
     assert after.drops - full.drops == duplex.swap_lag(12, mgr.page_bytes(0)) == 3  # not 12
+    now = host.owners[0]
+    handed = [s for s, p in enumerate(owners_before) if p and p.tier == 0 and now[s] and now[s] not in host.originals]
+    assert len(handed) == 12 - 3  # the victims after the head start took promoted pages' slots...
+    for slot in handed:  # ...which count as freed: the disk write-behind sees their bytes changed
+        assert host.storage.slots[0].times_freed(slot) == freed_before[slot] + 1
     cache.close()
     mgr.check_invariants()
     kept = {3: 48 - 3 * TPB, 4: 48, 5: 48}  # talk 3 lost its last three blocks, the head start

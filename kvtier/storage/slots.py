@@ -2,7 +2,8 @@
 
 Invariant: every slot in ``0..num_slots-1`` is either on the free stack exactly once or
 allocated, never both; ``num_free + num_used == num_slots``. ``times_freed(slot)`` only grows: a
-slot whose count did not change between two moments stayed with the same holder in between.
+slot whose count did not change between two moments held the same bytes in between (a slot
+handed to a holder with other bytes without being freed is counted too: ``count_as_freed``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,13 @@ class SlotAllocator:
             is_free[slot] = 1
             freed[slot] += 1
             free.append(slot)
+
+    def count_as_freed(self, slots: list[int]) -> None:
+        """Count these allocated slots as freed and allocated again: they pass to a holder with other
+        bytes without going through the free stack (a swap), and ``times_freed`` must still tell
+        that their bytes may have changed."""
+        if slots:
+            self._freed_counts[np.asarray(slots, dtype=np.int64)] += 1
 
     def reserve(self, slots: list[int]) -> None:
         """Mark these free slots as allocated (restoring a persisted state); rebuilds the stack once."""

@@ -111,7 +111,8 @@ class MovePlanner:
         of the leaving page that takes victim ``j``'s slot. So a victim waits only for a promotion
         that waits for an earlier victim, an order the mover's parts follow
         (``kvtier.tiering.duplex``). Leaving pages' slots that no victim takes are left as
-        ``_move_up`` leaves them.
+        ``_move_up`` leaves them. Slots handed over count as freed (``count_as_freed``): a disk
+        write-behind batch that read one must not land what it read as the new holder's bytes.
         """
         primary, lower = self.tiers[PRIMARY], self.tiers[leaving[0].tier]
         group = victims[0].group
@@ -144,6 +145,8 @@ class MovePlanner:
         _place(victims, lower, down_to)
         _place(leaving, primary, up_to)
         up_slots.free_all(victim_slots[m - ready :])
+        up_slots.count_as_freed(victim_slots[: m - ready])  # other bytes under the same slots
+        down_slots.count_as_freed(down_to[seeds:])
         kept = list(range(donors, ready)) + list(range(ready + chained, m))
         self._leave_behind(lower, group, [leaving[i] for i in kept], [leaving_slots[i] for i in kept], plan)
         _add_pairs(plan.edges[(PRIMARY, lower.index, group)], victim_slots, down_to)
