@@ -432,3 +432,38 @@ def test_a_resume_on_full_tiers_swaps_places_and_the_host_keeps_its_other_pages(
         again.close()
     mgr.check_invariants()
     mgr.close()
+
+
+@pytest.mark.parametrize("kind", ["swa", "hybrid"])
+def test_a_resume_on_full_tiers_swaps_places_for_every_kind_of_group(kind):
+    spec = small_spec(kind)
+    d = page_demand(spec)
+    tiers = [kvtier.PrimaryTier(int(d * 24) + 1), kvtier.HostTier(int(d * 24) + 1, write_through=False)]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers))
+    oracle = PageOracle(mgr)
+    talks = [convo(i, 48) for i in range(6)]
+    for tokens in talks:
+        prefill(mgr, oracle, tokens, chunk=8)  # recurrent snapshots every two blocks
+    before = mgr.stats()
+    assert all(t.pages_used >= t.pages_total - 1 for t in before.tiers.values())
+    cache = mgr.create_cache(talks[2] + [7])
+    assert cache.reused_by_tier.get("host") == 48
+    schedules = []
+    real = mover.schedule
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mover, "schedule", lambda *a, **k: schedules.append(real(*a, **k)) or schedules[-1])
+    assert cache.resume()
+    mp.undo()
+    oracle.check(cache, talks[2] + [7])
+    after = mgr.stats()
+    assert any(s.swaps for s in schedules) and after.drops - before.drops < after.demotions - before.demotions
+    cache.close()
+    for i in (3, 4, 5):  # what the host kept is whole, byte for byte
+        tokens = talks[i] + [7]
+        again = mgr.create_cache(tokens)
+        assert again.num_reused_tokens >= (TPB if i == 3 else 48), i
+        assert again.resume()
+        oracle.check(again, tokens)
+        again.close()
+    mgr.check_invariants()
+    mgr.close()
