@@ -387,17 +387,46 @@ def test_a_partly_reused_page_found_damaged_by_a_prefetch_is_not_copied(tmp_path
     again.close()
 
 
-@pytest.mark.parametrize("write_through", [False, True])
-def test_a_resume_on_full_tiers_swaps_places_and_the_host_keeps_its_other_pages(write_through):
-    """The promoted pages' host slots take the victims: only the head start costs host pages."""
-    spec = small_spec("llama")
+def full_tiers(kind: str, write_through: bool):
+    """A manager whose primary and host tiers (24 pages each) are full after six 12-page talks; the
+    third talk is in host memory, the last two in the primary tier."""
+    spec = small_spec(kind)
     d = page_demand(spec)
     tiers = [kvtier.PrimaryTier(int(d * 24) + 1), kvtier.HostTier(int(d * 24) + 1, write_through=write_through)]
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers))
     oracle = PageOracle(mgr)
-    talks = [convo(i, 48) for i in range(6)]  # 12 pages each: 72 pages, 48 slots
+    talks = [convo(i, 48) for i in range(6)]  # 72 pages a group, 48 slots
     for tokens in talks:
-        prefill(mgr, oracle, tokens)
+        prefill(mgr, oracle, tokens, chunk=8)  # recurrent snapshots every two blocks
+    return mgr, oracle, talks
+
+
+def resume_watching_schedules(cache) -> list:
+    """Resume ``cache``; the duplex schedules the mover made meanwhile."""
+    schedules = []
+    real = mover.schedule
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mover, "schedule", lambda *a, **k: schedules.append(real(*a, **k)) or schedules[-1])
+        assert cache.resume()
+    return schedules
+
+
+def come_back_whole(mgr, oracle, talks, reused: dict[int, int]) -> None:
+    """Each talk ``i`` of ``reused`` reuses at least ``reused[i]`` tokens and resumes byte for byte."""
+    for i, least in reused.items():
+        tokens = talks[i] + [7]
+        again = mgr.create_cache(tokens)
+        assert again.num_reused_tokens >= least, i
+        assert again.resume()
+        oracle.check(again, tokens)
+        again.close()
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_a_resume_on_full_tiers_swaps_places_and_the_host_keeps_its_other_pages(write_through):
+    """The promoted pages' host slots take the victims: only the head start costs host pages."""
+    mgr, oracle, talks = full_tiers("llama", write_through)
     full = mgr.stats()
     assert all(t.pages_used == t.pages_total for t in full.tiers.values())
     cache = mgr.create_cache(talks[2] + [7])
@@ -405,12 +434,7 @@ def test_a_resume_on_full_tiers_swaps_places_and_the_host_keeps_its_other_pages(
     host = mgr._pool.tiers[1]
     owners_before = list(host.owners[0])
     freed_before = [host.storage.slots[0].times_freed(s) for s in range(len(owners_before))]
-    swaps = []
-    real = mover.schedule
-    mp = pytest.MonkeyPatch()
-    mp.setattr(mover, "schedule", lambda *a, **k: swaps.append(real(*a, **k)) or swaps[-1])
-    assert cache.resume()
-    mp.undo()
+    swaps = resume_watching_schedules(cache)
     oracle.check(cache, talks[2] + [7])
     after = mgr.stats()
     assert any(s.swaps for s in swaps) and after.demotions - full.demotions == 12
@@ -421,49 +445,21 @@ def test_a_resume_on_full_tiers_swaps_places_and_the_host_keeps_its_other_pages(
     for slot in handed:  # ...which count as freed: the disk write-behind sees their bytes changed
         assert host.storage.slots[0].times_freed(slot) == freed_before[slot] + 1
     cache.close()
-    mgr.check_invariants()
-    kept = {3: 48 - 3 * TPB, 4: 48, 5: 48}  # talk 3 lost its last three blocks, the head start
-    for i, reused in kept.items():  # the other conversations are where they were, byte for byte
-        tokens = talks[i] + [7]
-        again = mgr.create_cache(tokens)
-        assert again.num_reused_tokens == reused, i
-        assert again.resume()
-        oracle.check(again, tokens)
-        again.close()
-    mgr.check_invariants()
+    come_back_whole(mgr, oracle, talks, {3: 48 - 3 * TPB, 4: 48, 5: 48})  # talk 3 lost the head start
     mgr.close()
 
 
 @pytest.mark.parametrize("kind", ["swa", "hybrid"])
 def test_a_resume_on_full_tiers_swaps_places_for_every_kind_of_group(kind):
-    spec = small_spec(kind)
-    d = page_demand(spec)
-    tiers = [kvtier.PrimaryTier(int(d * 24) + 1), kvtier.HostTier(int(d * 24) + 1, write_through=False)]
-    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers))
-    oracle = PageOracle(mgr)
-    talks = [convo(i, 48) for i in range(6)]
-    for tokens in talks:
-        prefill(mgr, oracle, tokens, chunk=8)  # recurrent snapshots every two blocks
+    mgr, oracle, talks = full_tiers(kind, write_through=False)
     before = mgr.stats()
     assert all(t.pages_used >= t.pages_total - 1 for t in before.tiers.values())
     cache = mgr.create_cache(talks[2] + [7])
     assert cache.reused_by_tier.get("host") == 48
-    schedules = []
-    real = mover.schedule
-    mp = pytest.MonkeyPatch()
-    mp.setattr(mover, "schedule", lambda *a, **k: schedules.append(real(*a, **k)) or schedules[-1])
-    assert cache.resume()
-    mp.undo()
+    swaps = resume_watching_schedules(cache)
     oracle.check(cache, talks[2] + [7])
     after = mgr.stats()
-    assert any(s.swaps for s in schedules) and after.drops - before.drops < after.demotions - before.demotions
+    assert any(s.swaps for s in swaps) and after.drops - before.drops < after.demotions - before.demotions
     cache.close()
-    for i in (3, 4, 5):  # what the host kept is whole, byte for byte
-        tokens = talks[i] + [7]
-        again = mgr.create_cache(tokens)
-        assert again.num_reused_tokens >= (TPB if i == 3 else 48), i
-        assert again.resume()
-        oracle.check(again, tokens)
-        again.close()
-    mgr.check_invariants()
+    come_back_whole(mgr, oracle, talks, {3: TPB, 4: 48, 5: 48})
     mgr.close()
