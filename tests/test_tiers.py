@@ -15,6 +15,7 @@ import pytest
 import kvtier
 from kvtier.tiering import duplex, mover
 from tests.kvdata import PageOracle, small_spec
+from tests.test_write_through import copied
 
 TPB = 4
 ROOT = Path(__file__).resolve().parents[1]
@@ -463,3 +464,44 @@ def test_a_resume_on_full_tiers_swaps_places_for_every_kind_of_group(kind):
     cache.close()
     come_back_whole(mgr, oracle, talks, {3: TPB, 4: 48, 5: 48})
     mgr.close()
+
+
+def test_swaps_beside_disk_write_behind_restart_byte_for_byte(tmp_path):
+    """Resumes that swap places while write-behind copies host pages to disk; a restart on the same
+    directory serves only bytes that belong to their tokens."""
+    spec = small_spec("llama")
+    d = page_demand(spec)
+
+    def open_manager(write_behind: bool) -> kvtier.KVCacheManager:
+        tiers = [
+            kvtier.PrimaryTier(int(d * 24) + 1),
+            kvtier.HostTier(int(d * 24) + 1, write_through=False),
+            kvtier.DiskTier(int(d * 40) + 1, tmp_path, write_behind=write_behind),
+        ]
+        return kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers))
+
+    mgr = open_manager(write_behind=True)
+    oracle = PageOracle(mgr)
+    talks = [convo(i, 48) for i in range(8)]
+    for tokens in talks:
+        prefill(mgr, oracle, tokens)
+        mgr.maintain()
+    swaps = []
+    for r in range(12):
+        tokens = talks[(r * 3) % 8] + [7]
+        cache = mgr.create_cache(tokens)
+        swaps += resume_watching_schedules(cache)
+        oracle.check(cache, tokens)
+        cache.close()
+        mgr.maintain()  # lands a write-behind batch, starts the next
+    assert any(s.swaps for s in swaps) and copied(mgr, "host->disk") > 0
+    mgr.close()
+    again = open_manager(write_behind=False)
+    found = []
+    for tokens in talks:
+        cache = again.create_cache(tokens + [7])
+        found.append(cache.num_reused_tokens)
+        cache.close()
+    assert sum(found) >= 3 * 48  # what fits in the disk tier, at least
+    come_back_whole(again, PageOracle(again), talks, dict(enumerate(found)))
+    again.close()
