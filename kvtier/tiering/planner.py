@@ -187,15 +187,10 @@ class MovePlanner:
         if src.disk_index is not None:
             for page in pages:
                 src.forget(page)
-        src_owners, dst_owners = src.owners[group], dst.owners[group]
-        dst_index = dst.index
         old_slots = [page.slot for page in pages]
-        for page, slot, new in zip(pages, old_slots, new_slots, strict=True):
-            src_owners[slot] = None
-            page.tier = dst_index
-            page.slot = new
-            dst_owners[new] = page
-        _add_pairs(plan.edges[(src.index, dst_index, group)], old_slots, new_slots)
+        _empty(src, group, old_slots)
+        _place(pages, dst, new_slots)
+        _add_pairs(plan.edges[(src.index, dst.index, group)], old_slots, new_slots)
         plan.landed.extend(pages)
         return old_slots
 
