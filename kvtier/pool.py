@@ -247,26 +247,29 @@ class PagePool:
         """Promote the pages of ``match`` toward the primary tier as room allows; returns how many moved.
 
         They are pinned meanwhile (making room for one never evicts another) and stay evictable,
-        as recently used.
+        as recently used. All of them go in one promotion when the primary tier can hold them (its
+        victims swap places with the pages coming up from host memory, as on resume); otherwise as
+        many as fit, in prefix order.
         """
         pages = match.pages(self.rules)
         res = self.residency
-        for page in pages:
-            res.lock(page)
+        need, _ = res.lock_all(pages)
+        cold = [page for page in pages if page.tier != PRIMARY]
         plan = MovePlan()
-        moved = 0
-        for page in pages:
-            if page.tier == PRIMARY:
-                continue
-            if not self.planner.make_room(PRIMARY, page.group, 1, plan):
-                break
-            self.planner.move(page, PRIMARY, plan)
-            self.counters.promotions += 1
-            moved += 1
+        if not self.planner.promote(cold, plan, need):
+            self._promote_while_room([page for page in cold if page.tier != PRIMARY], plan)
         self.apply(plan, stream)
         for page in reversed(pages):
             res.unlock(page)
-        return moved
+        return sum([page.tier == PRIMARY for page in cold])
+
+    def _promote_while_room(self, pages: list[Page], plan: MovePlan) -> None:
+        """Plan moving locked ``pages`` into the primary tier one by one, until room runs out."""
+        for page in pages:
+            if not self.planner.make_room(PRIMARY, page.group, 1, plan):
+                return
+            self.planner.move(page, PRIMARY, plan)
+            self.counters.promotions += 1
 
     def maintain(self) -> int:
         """Background work between steps: the free reserve and write-through copies, one batch, on

@@ -466,6 +466,43 @@ def test_a_resume_on_full_tiers_swaps_places_for_every_kind_of_group(kind):
     mgr.close()
 
 
+@pytest.mark.parametrize("write_through", [False, True])
+def test_a_prefetch_on_full_tiers_swaps_places_too(write_through):
+    """A prefetch promotes a whole prefix as a resume does: only the head start costs host pages
+    (page by page, each victim would drop a host page), and nothing else is lost."""
+    mgr, oracle, talks = full_tiers("llama", write_through)
+    full = mgr.stats()
+    swaps = []
+    real = mover.schedule
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mover, "schedule", lambda *a, **k: swaps.append(real(*a, **k)) or swaps[-1])
+        assert mgr.prefetch(talks[2] + [7]) == 12
+    after = mgr.stats()
+    assert any(s.swaps for s in swaps) and after.promotions - full.promotions == 12
+    assert after.drops - full.drops == duplex.swap_lag(12, mgr.page_bytes(0)) == 3
+    cache = mgr.create_cache(talks[2] + [7])
+    assert cache.reused_by_tier.get("primary") == 48 and not cache.reused_by_tier.get("host")
+    cache.close()
+    come_back_whole(mgr, oracle, talks, {2: 48, 3: 48 - 3 * TPB, 4: 48, 5: 48})
+    mgr.close()
+
+
+def test_a_prefetch_without_room_for_the_whole_prefix_moves_what_fits():
+    """With only six primary pages evictable, a 12-page prefetch moves its first six, in prefix
+    order; the rest stays in host memory and everything comes back byte for byte."""
+    mgr, oracle, talks = full_tiers("llama", write_through=False)
+    active = [mgr.create_cache(talks[5] + [7]), mgr.create_cache(talks[4][:24] + [7])]
+    assert all(cache.resume() for cache in active)  # 18 of the 24 primary pages locked
+    assert mgr.prefetch(talks[2] + [7]) == 6
+    cache = mgr.create_cache(talks[2] + [7])
+    assert cache.reused_by_tier.get("primary") == 24 and cache.reused_by_tier.get("host") == 24
+    cache.close()
+    for cache in active:
+        cache.close()
+    come_back_whole(mgr, oracle, talks, {2: 48, 4: 48, 5: 48})
+    mgr.close()
+
+
 def test_swaps_beside_disk_write_behind_restart_byte_for_byte(tmp_path):
     """Resumes that swap places while write-behind copies host pages to disk; a restart on the same
     directory serves only bytes that belong to their tokens."""
