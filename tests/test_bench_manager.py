@@ -28,12 +28,13 @@ def test_kvtier_figures_and_round_trips_without_the_comparison(capsys, tmp_path)
     assert set(results["round_trip_us_per_page"]) == {"host", "host+disk"}
     assert all(v > 0 for v in results["round_trip_us_per_page"].values())
     pressure = results["pressure_resume_ms"]
-    assert set(pressure) == {"on", "off"}
+    assert set(pressure) == {"on", "off", "prefetch"}
     for figures in pressure.values():
         assert 0 < figures["min"] <= figures["median"] <= figures["max"]
         assert figures["promotions"] == figures["demotions"] == 2048
         assert figures["drops"] == 512  # the swap's head start: the host keeps its other pages
     assert "resume of a 2,048-page prefix from host, both tiers full, write-through off, cpu, host ms" in out
+    assert "prefetch of a 2,048-page prefix from host, both tiers full, write-through off, cpu, host ms" in out
     assert results["pressure_device"] == "cpu"
     assert results["vllm"] == {"missing": "vLLM not measured (--no-vllm)"}
     assert "ratios_vllm_over_kvtier" not in results
@@ -107,3 +108,17 @@ def test_the_resume_under_pressure_finds_both_tiers_full_and_the_prefix_in_host_
                 side.once()  # the prefix is in the primary tier now
         finally:
             side.close()
+
+
+def test_the_prefetch_under_pressure_swaps_the_prefix_up_as_a_resume_does():
+    sizes = Pressure(prefix_blocks=32, primary_pages=48, host_pages=128, prompts=4, prompt_blocks=16, filler_blocks=32)
+    side = PressureResume(False, sizes)
+    try:
+        run = side.once(prefetch=True)
+        assert run["seconds"] > 0
+        assert run["promotions"] == run["demotions"] == 32 and run["drops"] == 8
+        side.manager.check_invariants()
+        with pytest.raises(RuntimeError, match=r"not full|prefetch under pressure failed"):
+            side.once(prefetch=True)  # nothing left to promote
+    finally:
+        side.close()

@@ -11,11 +11,12 @@
 4. Unless ``--no-pressure``, planning a 2,048-page resume under pressure (issue 14: <= 2 ms), with
    write-through on and off: ``resume`` of a cache whose 2,048-block prefix is in host memory
    while the primary tier (3,072 pages) is full of other requests' published pages and the host
-   tier (8,192 pages) is full as well, so every victim goes down and as many old host pages are
-   dropped. 4 KiB pages on ``--pressure-device`` (default cpu, where the copies themselves are
-   part of the figure; on cuda they run on the device after ``resume`` returns, so the figure is
-   the host's planning and copy submission); the state is rebuilt for each of
-   ``--pressure-repeats`` repeats, the median is reported. About 5 s.
+   tier (8,192 pages) is full as well, so every victim goes down, swapping places with the
+   prefix (only the swap's head start drops old host pages); and ``prefetch`` of the same prefix
+   in the same state (write-through off). 4 KiB pages on ``--pressure-device`` (default cpu,
+   where the copies themselves are part of the figure; on cuda they run on the device after the
+   call returns, so the figure is the host's planning and copy submission); the state is rebuilt
+   for each of ``--pressure-repeats`` repeats, the median is reported. About 8 s.
 
 When vLLM is importable (and not ``--no-vllm``), its ``KVCacheManager`` runs 1 and 2 in the same
 process (``bench_manager_vllm``: decode with its incremental block hashing, the cached prompt
@@ -72,7 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-tiers", action="store_true", help="skip the demotion/promotion round trip")
     parser.add_argument("--no-vllm", action="store_true", help="skip the comparison with vLLM's KVCacheManager")
     parser.add_argument(
-        "--no-pressure", action="store_true", help="skip the 2,048-page resume with both tiers full (about 5 s)"
+        "--no-pressure",
+        action="store_true",
+        help="skip the 2,048-page resume and prefetch with both tiers full (about 8 s)",
     )
     parser.add_argument(
         "--pressure-repeats", type=_at_least(1), default=7, help="repeats of the resume under pressure (default 7)"
@@ -359,26 +362,31 @@ class PressureResume:
         cache.close()
         self.manager.maintain()
 
-    def once(self) -> dict[str, float]:
-        """Seconds of ``resume`` of a cache over the prefix (call once), and the pages it moved and dropped."""
+    def once(self, prefetch: bool = False) -> dict[str, float]:
+        """Seconds of ``resume`` of a cache over the prefix, or of ``prefetch`` of the prefix (call
+        once), and the pages it moved and dropped."""
         stats = self.manager.stats()
         for name, tier in stats.tiers.items():
             if tier.pages_used != tier.pages_total:
                 raise RuntimeError(f"the {name} tier is not full ({tier.pages_used} of {tier.pages_total} pages)")
-        cache = self.manager.create_cache([*self.prefix, 1])
-        host_tokens = self.sizes.prefix_blocks * TPB
-        if cache.num_reused_tokens != host_tokens or cache.reused_by_tier.get("host") != host_tokens:
-            raise RuntimeError(f"the prefix was not found in host memory: {cache.reused_by_tier}")
-        self._sync()  # the background copies of the set-up are done: only the resume is timed
+        tokens = [*self.prefix, 1]
+        cache = None
+        if not prefetch:
+            cache = self.manager.create_cache(tokens)
+            host_tokens = self.sizes.prefix_blocks * TPB
+            if cache.num_reused_tokens != host_tokens or cache.reused_by_tier.get("host") != host_tokens:
+                raise RuntimeError(f"the prefix was not found in host memory: {cache.reused_by_tier}")
+        self._sync()  # the background copies of the set-up are done: only the call is timed
         with _frozen_heap():
             t0 = time.perf_counter()
-            resumed = cache.resume()
+            done = cache.resume() if cache is not None else self.manager.prefetch(tokens) == self.sizes.prefix_blocks
             seconds = time.perf_counter() - t0
         self._sync()
-        if not resumed:
-            raise RuntimeError("the resume under pressure failed")
+        if not done:
+            raise RuntimeError(f"the {'prefetch' if prefetch else 'resume'} under pressure failed")
         after = self.manager.stats()
-        cache.close()
+        if cache is not None:
+            cache.close()
         return {
             "seconds": seconds,
             "promotions": after.promotions - stats.promotions,
@@ -390,18 +398,21 @@ class PressureResume:
         self.manager.close()
 
 
+PRESSURE_CASES = {"on": (True, False), "off": (False, False), "prefetch": (False, True)}  # (write-through, prefetch)
+
+
 def bench_pressure_resume(
     repeats: int, sizes: Pressure = Pressure(), device: str = "cpu"
 ) -> dict[str, dict[str, float]]:
-    """Per write-through setting ("on", "off"), ms of the resume under pressure on ``device``: median,
-    min, max over ``repeats`` repeats (alternating settings, the state rebuilt each time), and the
-    pages moved."""
-    samples: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    """Per case of ``PRESSURE_CASES`` (a resume with write-through "on" or "off"; a "prefetch" of the
+    prefix, write-through off), ms of the call on ``device``: median, min, max over ``repeats``
+    repeats (alternating cases, the state rebuilt each time), and the pages moved."""
+    samples: dict[str, list[dict[str, float]]] = {label: [] for label in PRESSURE_CASES}
     for repeat in range(repeats):
-        for label in samples:
-            side = PressureResume(label == "on", sizes, seed=repeat, device=device)
+        for label, (write_through, prefetch) in PRESSURE_CASES.items():
+            side = PressureResume(write_through, sizes, seed=repeat, device=device)
             try:
-                samples[label].append(side.once())
+                samples[label].append(side.once(prefetch))
             finally:
                 side.close()
     results = {}
@@ -463,15 +474,17 @@ def _print_table(results: dict, prompt_tokens: int) -> None:
     for label, value in results.get("round_trip_us_per_page", {}).items():
         rows.append((f"demote + promote round trip via {label}, us per page", f"{value:.2f}", "", "", ""))
     for label, value in results.get("pressure_resume_ms", {}).items():
-        target = f"<= {PRESSURE_TARGET_MS} ms ({_met(value['median'] <= PRESSURE_TARGET_MS)})"
+        resume = label in ("on", "off")
+        target = f"<= {PRESSURE_TARGET_MS} ms ({_met(value['median'] <= PRESSURE_TARGET_MS)}); " if resume else ""
+        call, through = ("resume", label) if resume else (label, "off")
         rows.append(
             (
-                f"resume of a 2,048-page prefix from host, both tiers full, write-through {label}, "
+                f"{call} of a 2,048-page prefix from host, both tiers full, write-through {through}, "
                 f"{results['pressure_device']}, host ms",
                 f"{value['median']:.2f}",
                 "",
                 "",
-                f"{target}; range {value['min']:.2f}-{value['max']:.2f}",
+                f"{target}range {value['min']:.2f}-{value['max']:.2f}",
             )
         )
     width = max(len(r[0]) for r in rows)
