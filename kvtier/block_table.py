@@ -118,9 +118,7 @@ class BlockTable:
 
     def release_all(self, locked: bool) -> None:
         """Release every page, newest first, and empty the table."""
-        res = self._res
-        for page in reversed(self.live_pages()):
-            res.release(page, locked)
+        self._res.release_all(self.live_pages()[::-1], locked)
         self.blocks = [[] for _ in self._rules]
         self.state_page = None
         self.stale_end = [rule.sink_blocks for rule in self._rules]

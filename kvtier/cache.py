@@ -226,9 +226,7 @@ class KVCache:
         if self._state is not _ACTIVE:
             self._check_open()
             return
-        res = self._res
-        for page in reversed(self._table.live_pages()):
-            res.unlock(page)
+        self._res.unlock_all(self._table.live_pages()[::-1])
         self._state = CacheState.SUSPENDED
         self._pool.debug_check()
 

@@ -220,14 +220,11 @@ class PagePool:
             new.extend(self.new_page(group, priority, locked=True) for group in fresh)
         damaged = self.apply(plan, stream) > 0 or damaged or damaged_copy
         if not ok:
-            for page in pages:
-                res.unlock(page)
-            for page in copies:
-                res.unlock(page)
+            res.unlock_all(pages)
+            res.unlock_all(copies)
             return None
         damaged = damaged and any(page.damaged for page in copies + pages + new)
-        for page in copies:
-            res.release(page, locked=True)
+        res.release_all(copies, locked=True)
         return new, damaged
 
     def copy_page(self, source: Page, priority: int) -> Page | None:
@@ -259,8 +256,7 @@ class PagePool:
         if not self.planner.promote(cold, plan, need):
             self._promote_while_room([page for page in cold if page.tier != PRIMARY], plan)
         self.apply(plan, stream)
-        for page in reversed(pages):
-            res.unlock(page)
+        res.unlock_all(pages[::-1])
         return sum([page.tier == PRIMARY for page in cold])
 
     def _promote_while_room(self, pages: list[Page], plan: MovePlan) -> None:
@@ -310,8 +306,7 @@ class PagePool:
         self.apply(plan)
         self.mover.synchronize()  # host slots it may take (a copy's) can still be landing from the device
         job = prefetcher.start(pages)
-        for page in reversed(pages):
-            res.unlock(page)
+        res.unlock_all(pages[::-1])
         return job
 
     def persist(self) -> None:

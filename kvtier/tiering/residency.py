@@ -68,6 +68,18 @@ class Residency:
         else:
             self.tiers[page.tier].reindex(page)
 
+    def release_all(self, pages: list[Page], locked: bool) -> None:
+        """``release`` for distinct pages of a list, in order: one pass over the holds, then the
+        pages nobody locks any more are freed or indexed in bulk (``_settle``)."""
+        if locked:
+            for page in pages:
+                page.locks -= 1
+                page.refs -= 1
+        else:
+            for page in pages:
+                page.refs -= 1
+        self._settle([page for page in pages if not page.locks])
+
     def lock(self, page: Page) -> None:
         """Pin ``page`` where it is: it may not leave its tier (its index entry goes stale)."""
         page.locks += 1
@@ -91,6 +103,27 @@ class Residency:
             self.tiers[page.tier].vacate(page)
         elif state is not PageState.LOCKED:
             self.tiers[page.tier].reindex(page)
+
+    def unlock_all(self, pages: list[Page]) -> None:
+        """``unlock`` for distinct pages of a list, in order, as ``release_all`` does."""
+        for page in pages:
+            page.locks -= 1
+        self._settle([page for page in pages if not page.locks])
+
+    def _settle(self, pages: list[Page]) -> None:
+        """Pages that just lost their last lock: those nobody holds any more are freed, the others
+        indexed as the most recently used of their tiers, in order (``Tier.reindex_all``)."""
+        kept = [page for page in pages if page.refs or page.node is not None]
+        if len(kept) < len(pages):
+            for page in pages:
+                if not page.refs and page.node is None:
+                    self.tiers[page.tier].vacate(page)
+        tiers = {page.tier for page in kept}
+        if len(tiers) == 1:
+            self.tiers[tiers.pop()].reindex_all(kept)
+            return
+        for index in sorted(tiers):
+            self.tiers[index].reindex_all([page for page in kept if page.tier == index])
 
     # -- the tree's publication -------------------------------------------------------------------
 
