@@ -57,6 +57,9 @@ def serve(kind: str, write_through: bool, path, seed: int) -> list:
     if path is not None:
         tiers.append(kvtier.DiskTier(int(d * 24) + 1, path))
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers))
+    primary = mgr._pool.tiers[0]
+    if primary.watch is not None:
+        primary.watch_limit = 6  # the oldest watched pages fall off often
     oracle = PageOracle(mgr)
     rng = random.Random(seed)
     talks = [convo(i, 32) for i in range(6)]

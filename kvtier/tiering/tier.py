@@ -284,21 +284,30 @@ class Tier:
             index.add_new([p for p in keep if p.group == g])
 
     def reindex_all(self, pages: list[Page]) -> None:
-        """``reindex`` for distinct pages of a list, in order; in bulk where the tier has no watch
-        and none of them is a spare copy (their order is the only one to keep)."""
+        """``reindex`` for distinct pages of a list, in order: in bulk unless one of them is a spare
+        copy (each index and the watch end as page by page would leave them)."""
         spare = self.spare_copies
-        if self.watch is not None or (spare and any([page in spare for page in pages])):
+        if spare and any([page in spare for page in pages]):
             for page in pages:
                 self.reindex(page)
             return
         is_last = self.is_last
         leave = [page for page in pages if page.locks == 0 and (page.refs == 0 or not is_last)]
         stay = [page for page in pages if page.locks or (page.refs and is_last)] if len(leave) < len(pages) else []
+        one = len(self.evictable) == 1
         for g, index in enumerate(self.evictable):
-            mine = leave if len(self.evictable) == 1 else [page for page in leave if page.group == g]
+            mine = leave if one else [page for page in leave if page.group == g]
             index.discard_all(mine)  # re-added below as the most recently used, in order
             index.add_new(mine)
-            index.discard_all(stay if len(self.evictable) == 1 else [page for page in stay if page.group == g])
+            index.discard_all(stay if one else [page for page in stay if page.group == g])
+        watch = self.watch
+        if watch is not None:
+            limit = self.watch_limit
+            for page in leave:
+                if page.node is not None:
+                    watch[page] = None
+                    if len(watch) > limit:
+                        watch.popitem(last=False)
 
     def reindex(self, page: Page) -> None:
         """Put ``page`` in or out of the eviction index; re-adding makes it the most recently used."""
