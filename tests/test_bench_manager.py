@@ -24,7 +24,7 @@ def test_kvtier_figures_and_round_trips_without_the_comparison(capsys, tmp_path)
     decode, cached = results["decode_us_per_request_step"], results["cached_prompt_ms"]
     assert 0 < decode["median"] <= decode["max"]
     assert cached["median"] >= cached["create_median"] > 0 and cached["resume_median"] > 0
-    assert cached["resize_median"] > 0
+    assert cached["resize_median"] > 0 and cached["suspend_median"] > 0 and cached["close_median"] > 0
     assert set(results["round_trip_us_per_page"]) == {"host", "host+disk"}
     assert all(v > 0 for v in results["round_trip_us_per_page"].values())
     pressure = results["pressure_resume_ms"]

@@ -5,7 +5,8 @@
    so allocation and publishing are included in the average).
 2. A cached 32K-token prompt: ``create_cache`` (encode + match), ``resume`` and the first
    ``resize`` (to the prompt's length: the slot of its last token, which is always computed) of
-   a prompt whose 2,048 blocks are all cached in the primary tier.
+   a prompt whose 2,048 blocks are all cached in the primary tier; apart from that total, the
+   ``suspend`` of its cache and, resumed again, its ``close`` (letting go of 2,049 pages).
 3. Unless ``--no-tiers``, a demotion/promotion round trip per page on the CPU: pages of
    suspended caches demoted to host (and disk), then promoted back by ``resume``.
 4. Unless ``--no-pressure``, planning a 2,048-page resume under pressure (issue 14: <= 2 ms), with
@@ -190,7 +191,7 @@ class KvtierCachedPrompt:
 
     def once(self) -> dict[str, float]:
         """Seconds of ``create_cache`` (hash + match + hold), of ``resume``, of the first ``resize``,
-        and their total."""
+        and their total; then, apart from the total, of ``suspend`` and, resumed again, ``close``."""
         t0 = time.perf_counter()
         cache = self.manager.create_cache(self.prompt)
         t1 = time.perf_counter()
@@ -200,8 +201,15 @@ class KvtierCachedPrompt:
         t3 = time.perf_counter()
         if not resized or cache.num_reused_tokens != len(self.prompt) - 1:
             raise RuntimeError(f"kvtier reused {cache.num_reused_tokens} tokens of the cached prompt")
+        cache.suspend()
+        t4 = time.perf_counter()
+        if not cache.resume():
+            raise RuntimeError("the cached prompt did not resume after its suspend")
+        t5 = time.perf_counter()
         cache.close()
-        return {"total": t3 - t0, "create": t1 - t0, "resume": t2 - t1, "resize": t3 - t2}
+        t6 = time.perf_counter()
+        times = {"total": t3 - t0, "create": t1 - t0, "resume": t2 - t1, "resize": t3 - t2}
+        return times | {"suspend": t4 - t3, "close": t6 - t5}
 
     def close(self) -> None:
         self.manager.close()
@@ -466,6 +474,8 @@ def _print_table(results: dict, prompt_tokens: int) -> None:
         ("  kvtier: create_cache (hash + match + hold), ms", figure(cached, "create_median"), "", "", ""),
         ("  kvtier: resume (lock in primary), ms", figure(cached, "resume_median"), "", "", ""),
         ("  kvtier: first resize (the last token's slot), ms", figure(cached, "resize_median"), "", "", ""),
+        ("  kvtier: then suspend (not in the total), ms", figure(cached, "suspend_median"), "", "", ""),
+        ("  kvtier: then close, resumed again (not in the total), ms", figure(cached, "close_median"), "", "", ""),
     ]
     if v_cached:
         match_allocate = figure(v_cached, "match_allocate_median")
