@@ -107,11 +107,13 @@ class KVCacheManager:
         """Start reading the cached prefix of ``tokens`` from the disk tier into host memory on a
         background thread (for a request that waits in a queue: its disk hit then costs a host hit).
 
-        Room is made in host memory now, as for a promotion (its coldest pages go to disk). Returns a
-        handle with ``done()``, ``wait(timeout)``, ``cancel()`` and ``num_pages``, or None when there is
-        nothing to read (no host and disk tier, no match, nothing of it on disk). Pages read are
-        moved to the host tier by the manager's next call (``maintain``, ``create_cache``);
-        those not read by a cancel stay on disk. ``close`` cancels what is still running.
+        Host memory is the host tier, or the primary tier of a manager on the CPU without one. Room
+        is made there now, as for a promotion (its coldest pages go to disk). Returns a handle with
+        ``done()``, ``wait(timeout)``, ``cancel()`` and ``num_pages``, or None when there is nothing
+        to read (no disk tier or no host memory above it, no match, nothing of it on disk). Pages
+        read are moved into host memory by the manager's next call (``maintain``,
+        ``create_cache``); those not read by a cancel stay on disk. ``close`` cancels what is still
+        running.
         """
         match = self._match(tokens, scope)
         if match is None:

@@ -86,9 +86,12 @@ class PagePool:
             0 if host_config is None else host_config.write_through_min_priority,
         )
         host = next((t for t in self.tiers if t.index != PRIMARY and not t.is_disk), None)
-        self.prefetcher = (
-            None if disk is None or host is None else HostPrefetcher(disk, host, self.residency, self.counters)
-        )
+        reads_into = host  # host memory: the host tier, or a CPU manager's primary tier
+        if host is None and torch.device(config.device).type == "cpu":
+            reads_into = self.tiers[PRIMARY]
+        self.prefetcher = None
+        if disk is not None and reads_into is not None:
+            self.prefetcher = HostPrefetcher(disk, reads_into, self.residency, self.counters)
         self.write_behind = (
             DiskWriteBehind(host, disk, self.residency, self.counters, self.mover.waiter)
             if disk is not None and host is not None and write_behind_enabled(config)
@@ -286,9 +289,11 @@ class PagePool:
         return planned
 
     def prefetch_to_host(self, match: ReuseMatch) -> HostPrefetch | None:
-        """Start reading the pages of ``match`` that are on disk into host memory in the background
+        """Start reading the pages of ``match`` that are on disk into host memory (the host tier, or
+        the primary tier of a CPU manager without one) in the background
         (``kvtier.tiering.host_prefetch``), after making room there as a promotion would (the
-        coldest host pages go to disk now); None without a host and a disk tier or with nothing to read."""
+        coldest pages there go to disk now); None without a disk tier and host memory above it, or
+        with nothing to read."""
         prefetcher = self.prefetcher
         if prefetcher is None:
             return None

@@ -150,6 +150,35 @@ def test_close_stops_a_running_prefetch(three_tiers):
     mgr2.close()
 
 
+def test_a_cpu_manager_without_a_host_tier_reads_into_its_primary_tier(tmp_path):
+    """On the CPU the primary tier is host memory: a prefetch lands there, and a resume then
+    reads nothing from disk (the vLLM connector's scheduler half relies on it)."""
+    spec = small_spec("llama")
+    probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
+    page = probe.page_bytes(0)
+    probe.close()
+    tiers = [kvtier.PrimaryTier(8 * page), kvtier.DiskTier(64 * page, tmp_path / "disk")]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+    oracle = PageOracle(mgr)
+    prompt = [7900 + i for i in range(5 * TPB + 1)]
+    serve(mgr, oracle, prompt)
+    for k in range(4):  # other prompts push it out to disk
+        serve(mgr, oracle, [60_000 + 100 * k + i for i in range(4 * TPB + 1)])
+    assert mgr.create_cache(prompt + [1]).reused_by_tier["disk"] == 5 * TPB
+    job = mgr.prefetch_to_host(prompt + [1])
+    assert job is not None and job.num_pages == 5 and job.wait(10)
+    mgr.maintain()  # lands it
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.reused_by_tier.get("primary") == 5 * TPB and not cache.reused_by_tier.get("disk")
+    read = mgr.stats().bytes_copied
+    assert cache.resume()
+    assert mgr.stats().bytes_copied == read  # nothing moved: the pages were in place
+    oracle.check(cache, prompt + [2])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_prefetch_without_host_or_disk_returns_none():
     spec = small_spec("llama")
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20), kvtier.HostTier(1 << 20)]))

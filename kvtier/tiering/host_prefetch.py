@@ -1,5 +1,8 @@
 """Reading disk pages into host memory on a background thread, for requests that wait in a queue.
 
+Host memory is the host tier, or the primary tier of a manager on the CPU without one (the vLLM
+connector's scheduler half keeps its pages there); ``host`` below names whichever it is.
+
 ``start`` pins the pages (so nothing drops or moves their disk slots away while they are read)
 and reserves a host slot for each: a free one, or the slot of a spare copy (the pool makes room
 first, as for a promotion); pages that find none are not read. A worker thread reads and checks the
