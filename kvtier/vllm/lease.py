@@ -2,7 +2,8 @@
 
 States, in order:
 
-    OFFERED   a SUSPENDED cache holding the longest cached prefix (on any tier, no memory yet)
+    OFFERED   a SUSPENDED cache holding the longest cached prefix (on any tier, no memory yet);
+              its pages on disk may be on their way to host memory in the background (``reads``)
     ACTIVE    resumed: every page locked in the host tier. Loads read its pages; saves give it
               new pages (``grow``) that a worker job fills.
     CLOSING   vLLM let go of the request (finished, aborted, preempted); closed once no job of
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.cache import KVCache
+from kvtier.tiering.host_prefetch import HostPrefetch
 
 
 class LeaseState(str, enum.Enum):
@@ -51,6 +53,7 @@ class Lease:
         "local_tokens",
         "planned",
         "puts",
+        "reads",
         "saves",
         "saving",
         "state",
@@ -69,6 +72,7 @@ class Lease:
         self.puts = 0  # writes to the store in flight, reading this lease's pages
         self.store_blocks = 0  # blocks past the match that the store offered
         self.store_tokens = 0  # tokens the store actually supplied
+        self.reads: list[HostPrefetch] = []  # background reads bringing the prefix's disk pages to host memory
         self._commits: deque[_Commit] = deque()
 
     @property
@@ -163,7 +167,10 @@ class Lease:
             self.close()
 
     def close(self) -> None:
-        """Close the cache: committed blocks stay in the tree for reuse, the rest is freed."""
+        """Close the cache: committed blocks stay in the tree for reuse, the rest is freed. A read
+        of its disk pages still running goes on (another lease may wait for it); the manager
+        lands it."""
+        self.reads = []
         self._commits.clear()
         self.cache.close()
         self.state = LeaseState.CLOSED

@@ -6,10 +6,12 @@ model's identity. Each request gets a ``Lease`` (``kvtier.vllm.lease``):
 
 - **ask** (``get_num_new_matched_tokens``): the lease's cache matches the longest cached prefix
   (no memory, no copy; asking again returns the same answer); tokens past vLLM's own hit are
-  offered, loaded asynchronously.
-- **alloc** (``update_state_after_alloc``): the prefix is locked in host memory (read from disk
-  and checksum-verified if it was there); a load job copies the offered blocks into vLLM's new
-  blocks. Blocks whose pages turned out damaged or that could not be brought into host memory
+  offered, loaded asynchronously. Pages of the prefix on disk are first read into host memory
+  (checksum-verified) on the manager's background thread: until then the ask answers None, and
+  vLLM asks again next step while it schedules the other requests.
+- **alloc** (``update_state_after_alloc``): the prefix is locked in host memory (a page the
+  background read could not bring is read now); a load job copies the offered blocks into vLLM's
+  new blocks. Blocks whose pages turned out damaged or that could not be brought into host memory
   are reported failed with the job, so vLLM recomputes them.
 - **every step** (``build_connector_meta``): for each scheduled request the blocks that become
   full and computed by the end of the step get host pages and a save job; a page is published
@@ -40,6 +42,7 @@ from kvtier.connector.keys import BlockKeyspace
 from kvtier.errors import InvariantError
 from kvtier.manager import KVCacheManager
 from kvtier.pages import BAD_PAGE_INDEX
+from kvtier.tiering.host_prefetch import HostPrefetch
 from kvtier.vllm import host_pool
 from kvtier.vllm.kv_groups import ModelPlan
 from kvtier.vllm.lease import Lease, LeaseState
@@ -87,6 +90,7 @@ class KVTierScheduler:
         self._chains: dict[str, BlockChain] = {}
         self._put_plans: dict[int, tuple[BlockChain, list[bytes], list[np.ndarray]]] = {}
         self._puts: list[tuple[Future, Lease]] = []
+        self._reads: list[HostPrefetch] = []  # background reads from disk that may still run
         if settings.store_url is not None:
             if plan.has_sliding_window:
                 self.shutdown()
@@ -97,15 +101,18 @@ class KVTierScheduler:
 
     # -- ask and alloc ---------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not _keyable(request):
             return 0, False
         rid = request.request_id
         lease = self._leases.get(rid)
         if lease is None:
-            lease = Lease(self.manager.create_cache(request.all_token_ids, scope_of(request)))
+            scope = scope_of(request)
+            lease = Lease(self.manager.create_cache(request.all_token_ids, scope))
             self._leases[rid] = lease
             self._requests[rid] = request
+            if lease.cache.reused_by_tier.get("disk"):
+                lease.reads = self._read_from_disk(request, scope)
             if self._store is not None:
                 chain = self._chain(rid, request)
                 limit = (request.num_tokens - 1) // self._tpb  # a hit never covers the last token
@@ -113,9 +120,26 @@ class KVTierScheduler:
                 lease.store_blocks = self._store.present(chain, keys)
         if lease.state is not LeaseState.OFFERED:
             return 0, False
+        if lease.reads:
+            if not all(read.done() for read in lease.reads):
+                return None, False  # asked again next step; vLLM schedules the other requests meanwhile
+            lease.reads = []
+            self.manager.maintain()  # lands the pages read: the resume at alloc reads nothing from disk
         lease.local_tokens = num_computed_tokens
         offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
+
+    def _read_from_disk(self, request: Request, scope: ReuseScope) -> list[HostPrefetch]:
+        """Start reading the request's cached pages on disk into host memory on the manager's
+        background thread. Returns the reads its lease waits for: this one; or, when none of its
+        pages could be taken now (another request's read has them, or host memory has no room),
+        the reads in flight."""
+        self._reads = [read for read in self._reads if not read.done()]
+        read = self.manager.prefetch_to_host(request.all_token_ids, scope)
+        if read is None:
+            return list(self._reads)
+        self._reads.append(read)
+        return [read]
 
     def update_state_after_alloc(self, request: Request, block_ids: BlockIds, num_external: int) -> None:
         rid = request.request_id

@@ -12,6 +12,7 @@ would read must be what this request's prefix wrote (``WrongKV`` otherwise).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ BLOCK = 16
 HEADS = 2
 HEAD_SIZE = 16
 EOS = 999
+IDLE_PAUSE_S = 0.002  # after a step that moved nothing
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -256,7 +258,8 @@ class Engine:
         return self.log[-1]
 
     def run(self, max_steps: int = 500) -> None:
-        """Step until every request is finished and every transfer reported."""
+        """Step until every request is finished and every transfer reported. A step that moves
+        nothing (a request waits for its disk pages) is followed by a pause, as an idle engine waits."""
         for _ in range(max_steps):
             if not self.scheduler.has_requests():
                 if self._pending is None:
@@ -264,7 +267,9 @@ class Engine:
                 self.update(*self._pending)
                 self._pending = None
                 continue
-            self.step()
+            step = self.step()
+            if not (step.computed or step.loaded or step.sent or step.failed):
+                time.sleep(IDLE_PAUSE_S)
         raise AssertionError(f"requests still pending after {max_steps} steps")
 
     def tokens(self, rid: str) -> list[int]:

@@ -15,7 +15,9 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bas
 
 from vllm.v1.request import RequestStatus
 
+from kvtier.tiering import host_prefetch, mover
 from kvtier.vllm.transfer import Direction
+from tests.holding import hold
 from tests.vllm.harness import (
     BLOCK,
     HEAD_SIZE,
@@ -89,6 +91,97 @@ def test_a_restart_on_the_same_disk_directory_serves_the_prefix(tmp_path):
     second.run()
     assert first_step_of(second, "r2")[0] == 112  # all 7 full blocks from disk
     assert second.kv_scheduler.manager.stats().hit_tokens["disk"] == 112
+    second.assert_no_leaks()
+    second.shutdown()
+
+
+def never_read_disk_on_the_scheduler_thread(monkeypatch) -> None:
+    """A disk read by a plan (a resume of pages still on disk) fails the test: the scheduler half
+    must leave them to its background reads."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the scheduler thread read pages from disk")
+
+    monkeypatch.setattr(mover.Mover, "_read_edge", refused)
+
+
+def test_a_disk_hit_is_read_in_the_background_while_the_others_run(tmp_path, monkeypatch):
+    """A request whose prefix is on disk waits (vLLM asks again each step) while its pages are read
+    on a background thread; another request runs meanwhile; then its blocks load byte for byte."""
+    first = engine(tmp_path, disk=True)
+    shared = prompt(2, 120)
+    first.add("r1", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+
+    started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
+    never_read_disk_on_the_scheduler_thread(monkeypatch)
+    second = engine(tmp_path, disk=True)
+    second.poison()
+    second.add("r2", shared + [1, 2, 3], max_tokens=2)
+    second.add("r3", prompt(3, 40), max_tokens=2)  # nothing cached: it needs nothing from the disk
+    for _ in range(3):
+        second.step()
+    assert started.wait(10)
+    assert second.requests["r2"].status is RequestStatus.WAITING and "r2" not in second.log[-1].computed
+    assert any("r3" in step.computed for step in second.log)  # scheduled while r2's pages are read
+    release.set()
+    second.run()
+    assert first_step_of(second, "r2")[0] == 112  # all 7 full blocks from disk, through the background read
+    assert second.kv_scheduler.manager.stats().hit_tokens["disk"] == 112
+    second.assert_no_leaks()
+    second.shutdown()
+
+
+def test_a_request_aborted_while_its_disk_pages_are_read(tmp_path, monkeypatch):
+    """Aborted while its background read runs: nothing leaks, and the next request with the same
+    prefix loads it."""
+    first = engine(tmp_path, disk=True)
+    shared = prompt(4, 120)
+    first.add("r1", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+
+    started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
+    second = engine(tmp_path, disk=True)
+    second.add("r2", shared + [1, 2, 3], max_tokens=2)
+    second.step()
+    assert started.wait(10)
+    assert second.kv_scheduler._leases["r2"].reads  # waiting for its read
+    second.abort("r2")
+    release.set()
+    second.run()
+    second.assert_no_leaks()
+    second.poison()
+    second.add("r3", shared + [4, 5], max_tokens=2)
+    second.run()
+    assert first_step_of(second, "r3")[0] == 112
+    second.assert_no_leaks()
+    second.shutdown()
+
+
+def test_requests_sharing_a_disk_prefix_wait_for_the_one_read(tmp_path, monkeypatch):
+    """Two requests over one prefix on disk: the second finds its pages taken by the first one's
+    read and waits for it too, rather than reading them on the scheduler thread."""
+    first = engine(tmp_path, disk=True)
+    shared = prompt(5, 120)
+    first.add("r1", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+
+    started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
+    never_read_disk_on_the_scheduler_thread(monkeypatch)
+    second = engine(tmp_path, disk=True)
+    second.poison()
+    second.add("r2", shared + [1, 2, 3], max_tokens=2)
+    second.add("r3", shared + [4, 5], max_tokens=2)
+    for _ in range(3):
+        second.step()
+    assert started.wait(10)
+    assert all(second.requests[r].status is RequestStatus.WAITING for r in ("r2", "r3"))
+    release.set()
+    second.run()
+    assert first_step_of(second, "r2")[0] == first_step_of(second, "r3")[0] == 112
     second.assert_no_leaks()
     second.shutdown()
 
