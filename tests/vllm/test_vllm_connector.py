@@ -105,7 +105,8 @@ def never_read_disk_on_the_scheduler_thread(monkeypatch) -> None:
     monkeypatch.setattr(mover.Mover, "_read_edge", refused)
 
 
-def test_a_disk_hit_is_read_in_the_background_while_the_others_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_disk_hit_is_read_in_the_background_while_the_others_run(tmp_path, monkeypatch, async_scheduling):
     """A request whose prefix is on disk waits (vLLM asks again each step) while its pages are read
     on a background thread; another request runs meanwhile; then its blocks load byte for byte."""
     first = engine(tmp_path, disk=True)
@@ -116,7 +117,7 @@ def test_a_disk_hit_is_read_in_the_background_while_the_others_run(tmp_path, mon
 
     started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
     never_read_disk_on_the_scheduler_thread(monkeypatch)
-    second = engine(tmp_path, disk=True)
+    second = engine(tmp_path, disk=True, async_scheduling=async_scheduling)
     second.poison()
     second.add("r2", shared + [1, 2, 3], max_tokens=2)
     second.add("r3", prompt(3, 40), max_tokens=2)  # nothing cached: it needs nothing from the disk
