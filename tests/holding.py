@@ -14,7 +14,7 @@ def hold(monkeypatch, cls: type, name: str) -> tuple[threading.Event, threading.
     def held(self, *args):
         started.set()
         release.wait(10)
-        real(self, *args)
+        return real(self, *args)
 
     monkeypatch.setattr(cls, name, held)
     return started, release

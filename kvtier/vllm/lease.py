@@ -20,13 +20,17 @@ committed past a hole). Imports nothing of vLLM.
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvtier.cache import KVCache
 from kvtier.tiering.host_prefetch import HostPrefetch
+
+log = logging.getLogger(__name__)
 
 
 class LeaseState(str, enum.Enum):
@@ -58,6 +62,8 @@ class Lease:
         "saving",
         "state",
         "store_blocks",
+        "store_fetch",
+        "store_pages",
         "store_tokens",
     )
 
@@ -70,7 +76,9 @@ class Lease:
         self.loads: set[int] = set()
         self.saves: set[int] = set()
         self.puts = 0  # writes to the store in flight, reading this lease's pages
-        self.store_blocks = 0  # blocks past the match that the store offered
+        self.store_blocks = 0  # blocks past the match that the store holds (fetched: ``store_pages``)
+        self.store_fetch: Future[list[list[bytes]]] | None = None  # their pages, on their way
+        self.store_pages: list[list[bytes]] = []  # per block, per group, the pages fetched
         self.store_tokens = 0  # tokens the store actually supplied
         self.reads: list[HostPrefetch] = []  # background reads bringing the prefix's disk pages to host memory
         self._commits: deque[_Commit] = deque()
@@ -102,6 +110,24 @@ class Lease:
         self.state = LeaseState.ACTIVE
         self.planned = self.committed
         return True
+
+    @property
+    def waiting(self) -> bool:
+        """Pages of the prefix are still on their way: from disk into host memory, or from the store."""
+        fetch = self.store_fetch
+        return (fetch is not None and not fetch.done()) or not all(read.done() for read in self.reads)
+
+    def fetched(self) -> None:
+        """The store fetch is over: keep the pages that arrived (none if it failed)."""
+        fetch = self.store_fetch
+        if fetch is None:
+            return
+        self.store_fetch = None
+        failure = fetch.exception()
+        if failure is not None:
+            log.warning("kvtier.vllm: a store fetch failed (%r); its blocks are recomputed", failure)
+        self.store_pages = [] if failure is not None else fetch.result()
+        self.store_blocks = len(self.store_pages)
 
     def host_slots(self, group_id: int, first_block: int, end_block: int) -> np.ndarray:
         """Host slots of blocks ``[first_block, end_block)`` of a group (``BAD_PAGE_INDEX`` where none)."""
@@ -171,6 +197,8 @@ class Lease:
         of its disk pages still running goes on (another lease may wait for it); the manager
         lands it."""
         self.reads = []
+        self.store_fetch = None
+        self.store_pages = []
         self._commits.clear()
         self.cache.close()
         self.state = LeaseState.CLOSED

@@ -19,9 +19,10 @@ model's identity. Each request gets a ``Lease`` (``kvtier.vllm.lease``):
 - **finish** (``request_finished``): with saves in flight vLLM keeps the blocks until the worker
   reports them done; the lease closes when its last job completes.
 
-With a store (``store_url``) the ask also counts the blocks past the tree that the store holds,
-alloc fetches them into host pages (verified; the run stops at the first miss, the rest is
-recomputed), and every completed save is written through to it in the background.
+With a store (``store_url``) the ask also counts the blocks past the tree that the store holds
+and fetches them on a background thread (verified; the run stops at the first miss, the rest is
+recomputed), answering None until they arrived; alloc puts them into host pages. Every completed
+save is written through to the store in the background.
 
 Preempted requests flush their in-flight saves before the next forward (their blocks are freed
 at once), and so does every save of a model with sliding-window layers (vLLM frees blocks that
@@ -118,13 +119,16 @@ class KVTierScheduler:
                 limit = (request.num_tokens - 1) // self._tpb  # a hit never covers the last token
                 keys = chain.upto(request.all_token_ids, self._tpb, limit)[lease.matched // self._tpb :]
                 lease.store_blocks = self._store.present(chain, keys)
+                if lease.store_blocks:
+                    lease.store_fetch = self._store.fetch(chain, keys[: lease.store_blocks])
         if lease.state is not LeaseState.OFFERED:
             return 0, False
+        if lease.waiting:
+            return None, False  # asked again next step; vLLM schedules the other requests meanwhile
         if lease.reads:
-            if not all(read.done() for read in lease.reads):
-                return None, False  # asked again next step; vLLM schedules the other requests meanwhile
             lease.reads = []
             self.manager.maintain()  # lands the pages read: the resume at alloc reads nothing from disk
+        lease.fetched()  # the offer counts only the store's blocks that arrived whole
         lease.local_tokens = num_computed_tokens
         offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
@@ -152,24 +156,22 @@ class KVTierScheduler:
             )
             self._leases.pop(rid)
             lease = None
-        elif lease.store_blocks and lease.committed == lease.matched:
-            self._fetch_from_store(rid, request, lease)
+        elif lease.store_pages and lease.committed == lease.matched:
+            self._place_store_pages(request, lease)
         if num_external > 0:
             self._add_load(rid, lease, block_ids, num_external)
 
-    def _fetch_from_store(self, rid: str, request: Request, lease: Lease) -> None:
-        """Bring the blocks the store offered into new host pages and commit what arrived whole."""
+    def _place_store_pages(self, request: Request, lease: Lease) -> None:
+        """Put the blocks fetched from the store into new host pages and commit them."""
         assert self._store is not None
+        pages, lease.store_pages = lease.store_pages, []
         first = lease.committed // self._tpb
-        end = first + lease.store_blocks
+        end = first + len(pages)
         if not lease.grow(end * self._tpb):
             return
-        slots = [lease.host_slots(plan.group_id, first, end) for plan in self.plan.groups]
-        chain = self._chain(rid, request)
-        got = self._store.fetch(chain, chain.keys[first:end], slots)
-        if got:
-            lease.fill(list(request.all_token_ids[first * self._tpb : (first + got) * self._tpb]))
-            lease.store_tokens = got * self._tpb
+        self._store.place(pages, [lease.host_slots(plan.group_id, first, end) for plan in self.plan.groups])
+        lease.fill(list(request.all_token_ids[first * self._tpb : end * self._tpb]))
+        lease.store_tokens = len(pages) * self._tpb
 
     def hit_sources(self, request: Request, num_external: int) -> tuple[int, int, int]:
         """(host, disk, store) tokens of an external hit (the store's, then the disk's counted first)."""

@@ -7,7 +7,8 @@ checksums every value (``kvtier.connector.store``): a missing, damaged or foreig
 miss, and a store that is down, slow or full answers misses within its timeout, never raises.
 
 - ``present``: how many consecutive blocks the store holds whole, one batched existence check.
-- ``fetch``: the verified payloads of blocks into host pages; the run stops at the first miss.
+- ``fetch``: the verified payloads of blocks, read on a background thread; the run stops at the
+  first miss. ``place`` then writes them into host pages.
 - ``put``: pages written on a background thread, skipping keys the store has; the caller keeps
   the pages unchanged (locked) until the returned future is done.
 """
@@ -80,6 +81,7 @@ class StoreTier:
         self._hosts = [buffer.numpy() for buffer in host_buffers]
         self._page_bytes = list(page_bytes)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-read")
 
     def keys(self, chain: BlockChain, blocks: Sequence[bytes]) -> list[str]:
         """Per block, per group, the store key (block-major)."""
@@ -94,21 +96,30 @@ class StoreTier:
         per_block = np.array(found, dtype=bool).reshape(len(blocks), -1).all(axis=1)
         return len(blocks) if per_block.all() else int(np.argmin(per_block))
 
-    def fetch(self, chain: BlockChain, blocks: Sequence[bytes], slots: Sequence[np.ndarray]) -> int:
-        """Write the stored pages of ``blocks`` into host ``slots[g][i]``; how many arrived whole, from the first."""
-        if not blocks:
-            return 0
+    def fetch(self, chain: BlockChain, blocks: Sequence[bytes]) -> Future[list[list[bytes]]]:
+        """Read the stored pages of ``blocks`` on a background thread. The future's result holds,
+        per block from the first, its verified pages (one per group), up to the first block the
+        store does not have whole."""
         groups = len(self._page_bytes)
         sizes = [self._page_bytes[g] for _ in blocks for g in range(groups)]
-        payloads = self.store.get_many(self.keys(chain, blocks), sizes)
-        for i in range(len(blocks)):
-            row = payloads[i * groups : (i + 1) * groups]
+        return self._reader.submit(self._read, self.keys(chain, blocks), sizes, groups)
+
+    def _read(self, keys: list[str], sizes: list[int], groups: int) -> list[list[bytes]]:
+        payloads = self.store.get_many(keys, sizes)
+        run: list[list[bytes]] = []
+        for i in range(0, len(payloads), groups):
+            row = payloads[i : i + groups]
             if any(p is None for p in row):
-                return i
+                break
+            run.append(row)  # type: ignore[arg-type]  (no None left)
+        return run
+
+    def place(self, pages: Sequence[Sequence[bytes]], slots: Sequence[np.ndarray]) -> None:
+        """Write fetched pages (``pages[i][g]``, a ``fetch`` result) into host slots ``slots[g][i]``."""
+        for i, row in enumerate(pages):
             for g, payload in enumerate(row):
                 page, slot = self._page_bytes[g], int(slots[g][i])
                 self._hosts[g][slot * page : (slot + 1) * page] = np.frombuffer(payload, dtype=np.uint8)
-        return len(blocks)
 
     def put(self, chain: BlockChain, blocks: Sequence[bytes], slots: Sequence[np.ndarray]) -> Future:
         """Write host pages ``slots[g][i]`` under ``blocks``' keys, in the background (keys present are skipped)."""
@@ -128,6 +139,7 @@ class StoreTier:
             self.store.put_many(items)
 
     def close(self) -> None:
-        """Finish the writes in flight, then close the store."""
+        """Finish the reads and writes in flight, then close the store."""
+        self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.store.close()

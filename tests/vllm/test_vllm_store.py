@@ -3,6 +3,7 @@ there, a damaged value is recomputed, and Redis serves like a shared directory."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,13 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bas
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from kvtier.config import ReuseScope
 from kvtier.connector.fs_store import FileSystemStore
 from kvtier.vllm import KVTierConnector
-from kvtier.vllm.store_tier import BlockChain
+from kvtier.vllm.store_tier import BlockChain, StoreTier
+from tests.holding import hold
 from tests.vllm.harness import BLOCK, Engine, attention_spec, kv_cache_config, layer_names, prompt, vllm_config
 
 MiB = 1 << 20
@@ -50,11 +53,40 @@ def test_another_engine_loads_the_prefix_from_the_store(tmp_path, file_url):
     second = engine(tmp_path, file_url, "second")  # nothing in its host memory, no disk tier
     second.poison()
     request = second.add("r2", [*shared, 1, 2], max_tokens=2)
-    second.step()
+    for _ in range(1000):  # vLLM asks again each step until the fetch from the store is over
+        second.step()
+        if request.status is not RequestStatus.WAITING:
+            break
+        time.sleep(0.001)
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
     assert second.connector.get_external_cache_hit_sources(request, 112) == {CacheHitSource.EXTERNAL_UNSPECIFIED: 112}
     second.run()
     assert first_computed(second, "r2") == 112
     assert second.kv_scheduler.manager.stats().tiers["primary"].pages_used == 7  # what came is kept in kvtier too
+    second.assert_no_leaks()
+    second.shutdown()
+
+
+def test_a_fetch_from_the_store_runs_while_the_others_do(tmp_path, file_url, monkeypatch):
+    """While the store's pages are fetched on a background thread the request waits and another
+    runs; an aborted one leaks nothing; then the prefix loads byte for byte."""
+    shared = prompt(23, 120)
+    save_through(tmp_path, file_url, shared)
+    started, release = hold(monkeypatch, StoreTier, "_read")
+    second = engine(tmp_path, file_url, "second")
+    second.poison()
+    second.add("r2", [*shared, 1, 2], max_tokens=2)
+    second.add("gone", [*shared, 5], max_tokens=2)
+    second.add("r3", prompt(24, 40), max_tokens=2)  # nothing stored: it needs nothing from the store
+    for _ in range(3):
+        second.step()
+    assert started.wait(10)
+    assert second.requests["r2"].status is RequestStatus.WAITING
+    assert any("r3" in step.computed for step in second.log)  # scheduled while the fetch runs
+    second.abort("gone")
+    release.set()
+    second.run()
+    assert first_computed(second, "r2") == 112
     second.assert_no_leaks()
     second.shutdown()
 
