@@ -79,12 +79,7 @@ def test_a_prefix_saved_by_one_request_is_loaded_by_the_next(tmp_path, async_sch
 
 
 def test_a_restart_on_the_same_disk_directory_serves_the_prefix(tmp_path):
-    first = engine(tmp_path, disk=True)
-    shared = prompt(2, 120)
-    first.add("r1", shared, max_tokens=2)
-    first.run()
-    first.shutdown()
-
+    shared = prefix_on_disk(tmp_path, 2)
     second = engine(tmp_path, disk=True)  # a new process's engine: new engine id, empty host memory
     second.poison()
     second.add("r2", shared + [1, 2, 3], max_tokens=2)
@@ -93,6 +88,16 @@ def test_a_restart_on_the_same_disk_directory_serves_the_prefix(tmp_path):
     assert second.kv_scheduler.manager.stats().hit_tokens["disk"] == 112
     second.assert_no_leaks()
     second.shutdown()
+
+
+def prefix_on_disk(tmp_path: Path, seed: int) -> list[int]:
+    """A 120-token prompt that an engine computed and left in its disk tier (it shut down)."""
+    first = engine(tmp_path, disk=True)
+    shared = prompt(seed, 120)
+    first.add("r1", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+    return shared
 
 
 def never_read_disk_on_the_scheduler_thread(monkeypatch) -> None:
@@ -109,12 +114,7 @@ def never_read_disk_on_the_scheduler_thread(monkeypatch) -> None:
 def test_a_disk_hit_is_read_in_the_background_while_the_others_run(tmp_path, monkeypatch, async_scheduling):
     """A request whose prefix is on disk waits (vLLM asks again each step) while its pages are read
     on a background thread; another request runs meanwhile; then its blocks load byte for byte."""
-    first = engine(tmp_path, disk=True)
-    shared = prompt(2, 120)
-    first.add("r1", shared, max_tokens=2)
-    first.run()
-    first.shutdown()
-
+    shared = prefix_on_disk(tmp_path, 2)
     started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
     never_read_disk_on_the_scheduler_thread(monkeypatch)
     second = engine(tmp_path, disk=True, async_scheduling=async_scheduling)
@@ -137,12 +137,7 @@ def test_a_disk_hit_is_read_in_the_background_while_the_others_run(tmp_path, mon
 def test_a_request_aborted_while_its_disk_pages_are_read(tmp_path, monkeypatch):
     """Aborted while its background read runs: nothing leaks, and the next request with the same
     prefix loads it."""
-    first = engine(tmp_path, disk=True)
-    shared = prompt(4, 120)
-    first.add("r1", shared, max_tokens=2)
-    first.run()
-    first.shutdown()
-
+    shared = prefix_on_disk(tmp_path, 4)
     started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
     second = engine(tmp_path, disk=True)
     second.add("r2", shared + [1, 2, 3], max_tokens=2)
@@ -164,12 +159,7 @@ def test_a_request_aborted_while_its_disk_pages_are_read(tmp_path, monkeypatch):
 def test_requests_sharing_a_disk_prefix_wait_for_the_one_read(tmp_path, monkeypatch):
     """Two requests over one prefix on disk: the second finds its pages taken by the first one's
     read and waits for it too, rather than reading them on the scheduler thread."""
-    first = engine(tmp_path, disk=True)
-    shared = prompt(5, 120)
-    first.add("r1", shared, max_tokens=2)
-    first.run()
-    first.shutdown()
-
+    shared = prefix_on_disk(tmp_path, 5)
     started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
     never_read_disk_on_the_scheduler_thread(monkeypatch)
     second = engine(tmp_path, disk=True)
