@@ -119,6 +119,8 @@ class KVTierScheduler:
                 limit = (request.num_tokens - 1) // self._tpb  # a hit never covers the last token
                 keys = chain.upto(request.all_token_ids, self._tpb, limit)[lease.matched // self._tpb :]
                 lease.store_blocks = self._store.present(chain, keys)
+                if lease.matched + lease.store_blocks * self._tpb <= num_computed_tokens:
+                    lease.store_blocks = 0  # vLLM has them itself: not worth a wait
                 if lease.store_blocks:
                     lease.store_fetch = self._store.fetch(chain, keys[: lease.store_blocks])
         if lease.state is not LeaseState.OFFERED:
