@@ -7,6 +7,7 @@ own prefix's KV (``WrongKV`` otherwise), so a test passes only if nothing wrong 
 from __future__ import annotations
 
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,27 @@ def test_a_request_aborted_while_its_disk_pages_are_read(tmp_path, monkeypatch):
     assert first_step_of(second, "r3")[0] == 112
     second.assert_no_leaks()
     second.shutdown()
+
+
+def test_a_shutdown_while_a_background_read_runs_leaves_the_disk_whole(tmp_path, monkeypatch):
+    """The engine shuts down while a request waits for its disk pages: the read is stopped or
+    landed, and the next engine on the directory serves the prefix."""
+    shared = prefix_on_disk(tmp_path, 6)
+    started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
+    second = engine(tmp_path, disk=True)
+    second.add("r2", shared + [1, 2, 3], max_tokens=2)
+    second.step()
+    assert started.wait(10)
+    threading.Timer(0.05, release.set).start()  # shutdown cancels the read and waits for it
+    second.shutdown()
+    monkeypatch.undo()
+    third = engine(tmp_path, disk=True)
+    third.poison()
+    third.add("r3", shared + [4, 5], max_tokens=2)
+    third.run()
+    assert first_step_of(third, "r3")[0] == 112
+    third.assert_no_leaks()
+    third.shutdown()
 
 
 def test_requests_sharing_a_disk_prefix_wait_for_the_one_read(tmp_path, monkeypatch):
