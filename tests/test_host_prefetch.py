@@ -212,12 +212,15 @@ def test_page_found_damaged_while_its_prefetch_waits(three_tiers, held_reads):
 
 
 @pytest.mark.parametrize("ending", ["no close", "killed"])
-def test_a_process_ending_during_a_prefetch_leaves_the_disk_exact(tmp_path, ending):
-    """A script that never closes its manager, or is killed, while a prefetch reads: the next
-    manager on the directory serves the prefix byte for byte."""
+@pytest.mark.parametrize("into", ["host tier", "primary tier"])
+def test_a_process_ending_during_a_prefetch_leaves_the_disk_exact(tmp_path, ending, into):
+    """A script that never closes its manager, or is killed, while a prefetch reads (into its host
+    tier, or into the primary tier of a CPU manager without one): the next manager on the
+    directory serves the prefix byte for byte."""
     from tests.test_disk_reliability import run_child
 
     end = "os.kill(os.getpid(), signal.SIGKILL)" if ending == "killed" else "pass"
+    host = "kvtier.HostTier(32 * page, write_through=False)," if into == "host tier" else ""
     code = f"""
     import os, signal
     import kvtier
@@ -225,7 +228,7 @@ def test_a_process_ending_during_a_prefetch_leaves_the_disk_exact(tmp_path, endi
     from tests.test_host_prefetch import to_disk, TPB
     spec = small_spec("llama")
     page = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)])).page_bytes(0)
-    tiers = [kvtier.PrimaryTier(6 * page), kvtier.HostTier(32 * page, write_through=False),
+    tiers = [kvtier.PrimaryTier(6 * page), {host}
              kvtier.DiskTier(64 * page, {str(tmp_path / "disk")!r})]
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
     prompt = [6900 + i for i in range(5 * TPB + 1)]
@@ -240,11 +243,9 @@ def test_a_process_ending_during_a_prefetch_leaves_the_disk_exact(tmp_path, endi
     assert out.returncode == (-9 if ending == "killed" else 0), out.stderr[-3000:]
     spec = small_spec("llama")
     page = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)])).page_bytes(0)
-    tiers = [
-        kvtier.PrimaryTier(6 * page),
-        kvtier.HostTier(32 * page, write_through=False),
-        kvtier.DiskTier(64 * page, tmp_path / "disk"),
-    ]
+    tiers = [kvtier.PrimaryTier(6 * page), kvtier.DiskTier(64 * page, tmp_path / "disk")]
+    if into == "host tier":
+        tiers.insert(1, kvtier.HostTier(32 * page, write_through=False))
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
     prompt = [6900 + i for i in range(5 * TPB + 1)]
     cache = mgr.create_cache(prompt + [2])
