@@ -15,6 +15,8 @@ import torch
 import kvtier
 from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
 from kvtier.models import build_model
+from kvtier.tiering import host_prefetch
+from tests.holding import hold
 
 TPB = 8
 
@@ -24,17 +26,16 @@ def model():
     return build_model("tiny-llama", torch.device("cpu"), torch.float64, seed=3)
 
 
-def engine(model, tmp, policy, **kw):
+def engine(model, tmp, policy, host=True, **kw):
     probe = kvtier.KVCacheManager(model.spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
     page = sum(probe.page_bytes(g.group_id) for g in probe.layer_groups)
     probe.close()
-    tiers = [
-        kvtier.PrimaryTier(40 * page),
-        kvtier.HostTier(24 * page, write_through=False),
-        kvtier.DiskTier(400 * page, os.path.join(tmp, "disk")),
-    ]
+    tiers = [kvtier.PrimaryTier(40 * page), kvtier.DiskTier(400 * page, os.path.join(tmp, "disk"))]
+    if host:
+        tiers.insert(1, kvtier.HostTier(24 * page, write_through=False))
     kw.setdefault("recompute_when_faster", False)  # the tests count what came from each tier
-    config = SchedulerConfig(max_num_tokens=64, max_batch_size=1, prefetch_policy=policy, **kw)
+    kw.setdefault("max_batch_size", 1)
+    config = SchedulerConfig(max_num_tokens=64, prefetch_policy=policy, **kw)
     return LLMEngine(model, kvtier.CacheConfig(TPB, tiers), config)
 
 
@@ -62,6 +63,41 @@ def test_queued_disk_prefix_is_prefetched(model, policy):
             assert reused["disk"] == 0 and reused["host"] == 160
         if policy == "off":
             assert reused["disk"] == 160
+        eng.cache_manager.check_invariants()
+        eng.close()
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host tier", "cpu primary"])
+def test_a_request_whose_turn_is_now_reads_its_disk_prefix_while_the_others_run(model, host, monkeypatch):
+    """Under wait_complete a request admitted at once still reads its disk prefix in the background:
+    the running request decodes meanwhile, and the prefix then comes from host memory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        eng = engine(model, tmp, "wait_complete", host=host, max_batch_size=2)
+        base = prompt(1, 160)
+        eng.generate([base], SamplingParams(max_tokens=1))
+        for k in range(8):  # push it onto disk
+            eng.generate([prompt(100 + k, 160)], SamplingParams(max_tokens=1))
+        started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
+        busy = prompt(3, 40)
+        eng.add_request(busy, SamplingParams(max_tokens=12))
+        eng.step()  # the busy request is running
+        target = base + prompt(2, 5)
+        eng.add_request(target, SamplingParams(max_tokens=4))
+        running = eng.scheduler.running[0]
+        before = len(running.tokens)
+        for _ in range(3):
+            eng.step()
+        assert started.wait(10)
+        assert len(running.tokens) == before + 3  # decoding went on while the prefix was read
+        assert len(eng.scheduler.running) == 1  # the target waits for its read
+        release.set()
+        outs = {}
+        while eng.has_unfinished_requests():
+            outs.update({o.request_id: o for o in eng.step()})
+        out = outs[max(outs)]
+        assert out.token_ids == model.reference_generate(target, 4)
+        tier = "host" if host else "primary"
+        assert out.reused_tokens_by_tier.get(tier) == 160 and not out.reused_tokens_by_tier.get("disk")
         eng.cache_manager.check_invariants()
         eng.close()
 

@@ -58,12 +58,14 @@ class SchedulerConfig:
     - ``chunked_prefill``: split prompts longer than the step budget over several steps; without
       it a prompt longer than ``max_num_tokens`` is refused.
     - ``prefetch_policy``: requests waiting in the queue have their cached prefixes read from
-      disk into host memory in the background (with a host and a disk tier), at most
-      ``max_prefetches`` at a time. When such a request's turn comes before its read is over:
-      ``"best_effort"`` starts it at once with what was read (the read is cancelled);
-      ``"timeout"`` lets the requests behind it go first for up to ``prefetch_timeout_s`` seconds
-      from the read's start, then cancels it; ``"wait_complete"`` lets the requests behind it
-      go first until the read is over. ``"off"`` prefetches nothing.
+      disk into host memory in the background (with a disk tier and a host tier, or a primary
+      tier on the CPU), at most ``max_prefetches`` at a time. When such a request's turn comes
+      before its read is over: ``"best_effort"`` starts it at once with what was read (the read
+      is cancelled); ``"timeout"`` lets the requests behind it go first for up to
+      ``prefetch_timeout_s`` seconds from the read's start, then cancels it; ``"wait_complete"``
+      lets the requests behind it go first until the read is over. Under these two a request
+      whose turn comes at once reads in the background too, so the running requests never wait
+      for its disk. ``"off"`` prefetches nothing.
     - ``recompute_when_faster``: weigh a cached prefix found below the primary tier against
       recomputing it (each tier's measured bandwidth against the engine's prefill rate, measured
       from its first step on, calibrated when the engine is built) and recompute the blocks that
