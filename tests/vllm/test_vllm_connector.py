@@ -135,47 +135,49 @@ def test_a_disk_hit_is_read_in_the_background_while_the_others_run(tmp_path, mon
     second.shutdown()
 
 
+def waiting_for_a_held_read(tmp_path: Path, monkeypatch, shared: list[int]) -> tuple[Engine, threading.Event]:
+    """An engine on the directory where request "r2" over ``shared`` waits for its disk read,
+    which is held until the returned event is set."""
+    started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
+    e = engine(tmp_path, disk=True)
+    e.add("r2", shared + [1, 2, 3], max_tokens=2)
+    e.step()
+    assert started.wait(10)
+    assert e.kv_scheduler._leases["r2"].reads  # waiting for its read
+    return e, release
+
+
+def serves_the_prefix(e: Engine, shared: list[int]) -> None:
+    """A request over the 7 full blocks of ``shared`` loads them all, byte for byte; then shut down."""
+    e.poison()
+    e.add("r3", shared + [4, 5], max_tokens=2)
+    e.run()
+    assert first_step_of(e, "r3")[0] == 112
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_a_request_aborted_while_its_disk_pages_are_read(tmp_path, monkeypatch):
     """Aborted while its background read runs: nothing leaks, and the next request with the same
     prefix loads it."""
     shared = prefix_on_disk(tmp_path, 4)
-    started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
-    second = engine(tmp_path, disk=True)
-    second.add("r2", shared + [1, 2, 3], max_tokens=2)
-    second.step()
-    assert started.wait(10)
-    assert second.kv_scheduler._leases["r2"].reads  # waiting for its read
+    second, release = waiting_for_a_held_read(tmp_path, monkeypatch, shared)
     second.abort("r2")
     release.set()
     second.run()
     second.assert_no_leaks()
-    second.poison()
-    second.add("r3", shared + [4, 5], max_tokens=2)
-    second.run()
-    assert first_step_of(second, "r3")[0] == 112
-    second.assert_no_leaks()
-    second.shutdown()
+    serves_the_prefix(second, shared)
 
 
 def test_a_shutdown_while_a_background_read_runs_leaves_the_disk_whole(tmp_path, monkeypatch):
     """The engine shuts down while a request waits for its disk pages: the read is stopped or
     landed, and the next engine on the directory serves the prefix."""
     shared = prefix_on_disk(tmp_path, 6)
-    started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
-    second = engine(tmp_path, disk=True)
-    second.add("r2", shared + [1, 2, 3], max_tokens=2)
-    second.step()
-    assert started.wait(10)
+    second, release = waiting_for_a_held_read(tmp_path, monkeypatch, shared)
     threading.Timer(0.05, release.set).start()  # shutdown cancels the read and waits for it
     second.shutdown()
     monkeypatch.undo()
-    third = engine(tmp_path, disk=True)
-    third.poison()
-    third.add("r3", shared + [4, 5], max_tokens=2)
-    third.run()
-    assert first_step_of(third, "r3")[0] == 112
-    third.assert_no_leaks()
-    third.shutdown()
+    serves_the_prefix(engine(tmp_path, disk=True), shared)
 
 
 def test_requests_sharing_a_disk_prefix_wait_for_the_one_read(tmp_path, monkeypatch):
