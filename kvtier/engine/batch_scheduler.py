@@ -149,7 +149,8 @@ class Scheduler:
                 continue  # the request itself was preempted
             batch.append(ScheduledChunk(request, request.next_position, n))
             budget -= n
-        if self.config.prefetch_policy in ("timeout", "wait_complete"):
+        reads_first = self.config.prefetch_policy in ("timeout", "wait_complete")
+        if reads_first:
             self._prefetch_waiting()  # even a request whose turn is now waits for its read, not the others
         passed = 0  # waiting requests whose prefetch from disk lets the ones behind go first
         while len(self.waiting) > passed and len(batch) < self.config.max_batch_size and budget > 0:
@@ -167,7 +168,8 @@ class Scheduler:
                 break  # memory comes back as running requests finish
             if not self._recompute_waiting(but=request):
                 self._fail(request, f"it cannot run even alone: {chunk.reason}")
-        self._prefetch_waiting()
+        if not reads_first:
+            self._prefetch_waiting()  # for the requests still waiting after admission
         if not batch and passed and not self.running:
             self.waiting[0].prefetch.wait(0.005)  # nothing else to do: let the reads go on
         return batch
