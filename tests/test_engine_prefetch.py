@@ -67,12 +67,11 @@ def test_queued_disk_prefix_is_prefetched(model, policy):
         eng.close()
 
 
-@pytest.mark.parametrize("host", [True, False], ids=["host tier", "cpu primary"])
-def test_a_request_whose_turn_is_now_reads_its_disk_prefix_while_the_others_run(model, host, monkeypatch):
+def test_a_request_whose_turn_is_now_reads_its_disk_prefix_while_the_others_run(model, monkeypatch):
     """Under wait_complete a request admitted at once still reads its disk prefix in the background:
     the running request decodes meanwhile, and the prefix then comes from host memory."""
     with tempfile.TemporaryDirectory() as tmp:
-        eng = engine(model, tmp, "wait_complete", host=host, max_batch_size=2)
+        eng = engine(model, tmp, "wait_complete", max_batch_size=2)
         base = prompt(1, 160)
         eng.generate([base], SamplingParams(max_tokens=1))
         for k in range(8):  # push it onto disk
@@ -96,10 +95,30 @@ def test_a_request_whose_turn_is_now_reads_its_disk_prefix_while_the_others_run(
             outs.update({o.request_id: o for o in eng.step()})
         out = outs[max(outs)]
         assert out.token_ids == model.reference_generate(target, 4)
-        tier = "host" if host else "primary"
-        assert out.reused_tokens_by_tier.get(tier) == 160 and not out.reused_tokens_by_tier.get("disk")
+        assert out.reused_tokens_by_tier.get("host") == 160 and not out.reused_tokens_by_tier.get("disk")
         eng.cache_manager.check_invariants()
         eng.close()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete"])
+def test_an_engine_without_a_host_tier_serves_every_request_from_its_disk(model, policy):
+    """A CPU engine with only a primary and a disk tier, restarted on the directory, serves many
+    prompts whose prefixes are on disk, a few at a time: every one finishes, equal to the oracle
+    (reads into the primary tier must never take the slots the running requests need)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        first = engine(model, tmp, policy, host=False, max_batch_size=3)
+        prefixes = [prompt(10 + k, 120) for k in range(10)]
+        for prefix in prefixes:
+            first.generate([prefix], SamplingParams(max_tokens=2))
+        first.close()
+        again = engine(model, tmp, policy, host=False, max_batch_size=3)
+        prompts = [prefix + prompt(50 + k, 7) for k, prefix in enumerate(prefixes)] + [prompt(99, 60)]
+        outs = again.generate(prompts, SamplingParams(max_tokens=4))
+        assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
+        assert [o.token_ids for o in outs] == [model.reference_generate(p, 4) for p in prompts]
+        assert sum(o.reused_tokens_by_tier.get("disk", 0) for o in outs) > 0
+        again.cache_manager.check_invariants()
+        again.close()
 
 
 def test_bad_prefetch_settings():

@@ -16,14 +16,14 @@ Policies:
   cache is closed (what it published stays in the tree) and the request is recomputed later
   from its prompt and the tokens it generated.
 
-Prefetch (``prefetch_policy``, with a disk tier and host memory above it: a host tier, or a
-primary tier on the CPU): after admission, the disk part of the cached prefixes of a few waiting
-requests is read into host memory in the background, so a request that waited behind others
-finds its prefix in host memory. When its turn comes before the read is over, the policy decides
-whether it starts at once (the read is cancelled) or lets the requests behind it go first for a
-while. Under those that let it wait (``timeout``, ``wait_complete``) the reads start before
-admission, so a request whose turn is now reads its prefix in the background too, while the
-running requests go on, rather than during its admission, which would stall them.
+Prefetch (``prefetch_policy``, with a host and a disk tier): after admission, the disk part of
+the cached prefixes of a few waiting requests is read into host memory in the background, so a
+request that waited behind others finds its prefix in host memory. When its turn comes before
+the read is over, the policy decides whether it starts at once (the read is cancelled) or lets
+the requests behind it go first for a while. Under those that let it wait (``timeout``,
+``wait_complete``) the reads start before admission, so a request whose turn is now reads its
+prefix in the background too, while the running requests go on, rather than during its
+admission, which would stall them.
 
 Nothing stalls: when no request runs and the head of the queue still cannot start, the caches
 of the other waiting requests are closed (they will be recomputed), which frees every page a
@@ -38,8 +38,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
-
-import torch
 
 from kvtier.cache import CacheState
 from kvtier.config import DiskTier, HostTier
@@ -124,8 +122,8 @@ class Scheduler:
         # Suspending frees primary pages only if a tier below can take them.
         self._swap_out = len(mgr.config.tiers) > 1
         kinds = {type(t) for t in mgr.config.tiers}
-        host_memory = HostTier in kinds or torch.device(mgr.config.device).type == "cpu"  # prefetch_to_host's target
-        self._prefetch_tiers = DiskTier in kinds and host_memory
+        # Reads land in a host tier: into the primary tier they would hold slots running requests need.
+        self._prefetch_tiers = HostTier in kinds and DiskTier in kinds
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)

@@ -58,8 +58,8 @@ class SchedulerConfig:
     - ``chunked_prefill``: split prompts longer than the step budget over several steps; without
       it a prompt longer than ``max_num_tokens`` is refused.
     - ``prefetch_policy``: requests waiting in the queue have their cached prefixes read from
-      disk into host memory in the background (with a disk tier and a host tier, or a primary
-      tier on the CPU), at most ``max_prefetches`` at a time. When such a request's turn comes
+      disk into host memory in the background (with a host and a disk tier), at most
+      ``max_prefetches`` at a time. When such a request's turn comes
       before its read is over: ``"best_effort"`` starts it at once with what was read (the read
       is cancelled); ``"timeout"`` lets the requests behind it go first for up to
       ``prefetch_timeout_s`` seconds from the read's start, then cancels it; ``"wait_complete"``
