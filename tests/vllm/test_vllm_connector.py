@@ -201,6 +201,34 @@ def test_requests_sharing_a_disk_prefix_wait_for_the_one_read(tmp_path, monkeypa
     second.shutdown()
 
 
+def test_many_disk_prefixes_through_little_host_memory(tmp_path):
+    """Twelve requests whose prefixes are on disk, with host memory for five of them at once:
+    background reads and their reserved pages compete with the leases, and every request still
+    finishes with its own KV (a prefix that finds no room is recomputed), nothing leaking."""
+    host_pages = 40
+
+    def small(tmp: Path) -> Engine:
+        extra = {"host_bytes": host_pages * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp / "disk")}
+        config = vllm_config(tmp, extra)
+        return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
+
+    first = small(tmp_path)
+    prefixes = [prompt(30 + k, 120) for k in range(12)]
+    for i, shared in enumerate(prefixes):
+        first.add(f"a{i}", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+    second = small(tmp_path)
+    second.poison()
+    for i, shared in enumerate(prefixes):
+        second.add(f"b{i}", shared + [1, 2], max_tokens=3)
+    second.run(max_steps=5000)
+    assert all(len(second.outputs[f"b{i}"]) == 3 for i in range(12))
+    assert second.kv_scheduler.manager.stats().hit_tokens["disk"] >= 5 * 112
+    second.assert_no_leaks()
+    second.shutdown()
+
+
 def damage_disk_pages(disk: Path, from_block: int) -> int:
     """Overwrite the disk pages of blocks ``from_block`` and later; the number of pages damaged."""
     (directory,) = disk.glob("kvtier-*")
