@@ -206,11 +206,7 @@ class KVCache:
         """
         lost = self._committed
         tokens = self._tokens
-        self._table.release_all(locked=True)
-        self._chain.drop()
-        self._tokens = array("Q")
-        self._num_blocks = self._capacity = self._history = self._committed = self.num_reused_tokens = 0
-        self.reused_by_tier = dict.fromkeys(self.reused_by_tier, 0)
+        self._let_go(locked=True)
         match = self._pool.match(tokens, self.scope, whole=True)
         if match is not None:
             self._adopt(match, tokens)
@@ -219,6 +215,69 @@ class KVCache:
             self._committed,
             lost,
         )
+
+    @exclusive
+    def shorten_to_memory(self) -> int:
+        """Give up the reused blocks from the first one with a page on the disk tier, for a caller
+        that must not wait for the disk now (vLLM's scheduler thread): they are recomputed instead.
+
+        Only for a SUSPENDED cache that holds nothing but its reused prefix (nothing committed
+        since creation), else ``CacheStateError``. The cache keeps the reuse a new cache over its
+        first ``reused_in_memory`` tokens would have (a sliding window or a recurrent state may end
+        it sooner), so a ``resume`` after it reads nothing from disk. Returns the reused tokens
+        given up (0: none was on disk); they leave ``reused_by_tier`` and the manager's
+        ``hit_tokens`` for ``recomputed_tokens``.
+        """
+        if self._state is not CacheState.SUSPENDED or self._committed != self.num_reused_tokens:
+            raise CacheStateError(
+                f"shorten_to_memory needs a SUSPENDED cache holding only its reused prefix; this one is "
+                f"{self._state.value} with {self._committed} committed of {self.num_reused_tokens} reused tokens"
+            )
+        before = dict(self.reused_by_tier)
+        reused = self.num_reused_tokens
+        while (kept := self.reused_in_memory) < self.num_reused_tokens:
+            tokens = self._tokens[:kept]
+            self._let_go(locked=False)
+            match = self._pool.match(tokens, self.scope, whole=True, weigh_load_cost=False)
+            if match is not None:
+                self._adopt(match, tokens)
+        given_up = reused - self.num_reused_tokens
+        if given_up:
+            counters = self._pool.counters
+            for tier, n in before.items():
+                counters.hit_tokens[tier] -= n - self.reused_by_tier[tier]
+            counters.recomputed_tokens += given_up
+            self._pool.debug_check()
+        return given_up
+
+    @property
+    def reused_in_memory(self) -> int:
+        """Of the reused tokens, those before the first block with a page on the disk tier (a
+        pending copy source counts for the block it completes): all of them when none is there,
+        so a ``resume`` reads nothing from disk for them. (A page found damaged stays on disk.)"""
+        disk = self._pool.disk_tier
+        if disk is None or self._state is _ACTIVE:
+            return self.num_reused_tokens
+        found = [
+            next((b for b, p in enumerate(blocks) if p is not None and p.tier == disk), None)
+            for blocks in self._table.blocks
+        ]
+        if any(source.tier == disk for source in self._pending):
+            found.append((self.num_reused_tokens - 1) // self._tpb)
+        first = min((b for b in found if b is not None), default=None)
+        return self.num_reused_tokens if first is None else min(first * self._tpb, self.num_reused_tokens)
+
+    def _let_go(self, locked: bool) -> None:
+        """Release every page (``locked``: the cache's locks too), pending source and the chain: the
+        cache holds nothing after, as a new cache that matched nothing."""
+        self._table.release_all(locked)
+        for source in self._pending:
+            self._res.release(source, locked=False)
+        self._pending = []
+        self._chain.drop()
+        self._tokens = array("Q")
+        self._num_blocks = self._capacity = self._history = self._committed = self.num_reused_tokens = 0
+        self.reused_by_tier = dict.fromkeys(self.reused_by_tier, 0)
 
     @exclusive
     def suspend(self) -> None:

@@ -75,6 +75,7 @@ class PagePool:
         self.load_cost = LoadCost(len(self.tiers))
         self.mover = Mover(self.tiers, self.counters, torch.device(config.device), self.load_cost)
         disk = next((t for t in self.tiers if t.is_disk), None)
+        self.disk_tier = None if disk is None else disk.index
         disk_writes = None if disk is None else DiskWritePlanner(self.residency, disk, writer=self.mover)
         self.planner = MovePlanner(self.tiers, self.residency, self.counters, disk_writes)
         host_config = next((t for t in config.tiers if isinstance(t, HostTier)), None)
@@ -115,8 +116,11 @@ class PagePool:
         """The tree root a cache of ``scope`` publishes under (None with reuse off)."""
         return self.tree.root(scope) if self.config.enable_reuse else None
 
-    def match(self, tokens: array, scope: ReuseScope, whole: bool = False) -> ReuseMatch | None:
-        """The reusable prefix of ``tokens``: up to ``len - 1`` tokens, or all of them if ``whole``."""
+    def match(
+        self, tokens: array, scope: ReuseScope, whole: bool = False, weigh_load_cost: bool = True
+    ) -> ReuseMatch | None:
+        """The reusable prefix of ``tokens``: up to ``len - 1`` tokens, or all of them if ``whole``;
+        cut where loading is slower than recomputing (``set_prefill_rate``) if ``weigh_load_cost``."""
         num_tokens = len(tokens) + 1 if whole else len(tokens)
         if not self.config.enable_reuse or num_tokens < 2:
             return None
@@ -128,7 +132,7 @@ class PagePool:
         token_bytes = encode_tokens(tokens)
         partial = self.config.enable_partial_reuse
         match = find_reuse(self.tree, root, token_bytes, num_tokens, self.rules, partial)
-        if match is None or self.load_cost.prefill_rate is None:
+        if match is None or self.load_cost.prefill_rate is None or not weigh_load_cost:
             return match
         self.mover.measure()
         cut = self.load_cost.best_cut(self._block_seconds(match), len(tokens), self.tokens_per_block)
@@ -292,8 +296,9 @@ class PagePool:
         """Start reading the pages of ``match`` that are on disk into host memory (the host tier, or
         the primary tier of a CPU manager without one) in the background
         (``kvtier.tiering.host_prefetch``), after making room there as a promotion would (the
-        coldest pages there go to disk now); None without a disk tier and host memory above it, or
-        with nothing to read."""
+        coldest pages there go to disk now); when there is room for only some, the first ones of
+        each layer group are read. None without a disk tier and host memory above it, or with
+        nothing to read."""
         prefetcher = self.prefetcher
         if prefetcher is None:
             return None
@@ -306,8 +311,10 @@ class PagePool:
             if page.tier == prefetcher.disk.index and not page.damaged and not prefetcher.pins[id(page)]:
                 need[page.group] = need.get(page.group, 0) + 1
         plan = MovePlan()
-        for group, count in need.items():
-            self.planner.make_room(prefetcher.host.index, group, count, plan)  # as far as it goes
+        host = prefetcher.host
+        for group, count in need.items():  # room for as many as can be had: the first pages of the prefix
+            room = host.storage.slots[group].num_free + len(host.evictable[group])  # an upper bound
+            self.planner.make_room(host.index, group, min(count, room), plan)
         self.apply(plan)
         self.mover.synchronize()  # host slots it may take (a copy's) can still be landing from the device
         job = prefetcher.start(pages)

@@ -201,6 +201,24 @@ class CacheMachine(RuleBasedStateMachine):
     def prefetch(self, prefix, prefix_len, scope):
         self.mgr.prefetch(PREFIXES[prefix][:prefix_len], scope=SCOPES[scope])
 
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), prefix_len=st.integers(2, 30), scope=st.integers(0, 1))
+    def shorten_to_memory(self, prefix, prefix_len, scope):
+        """A new cache given up past its first page on disk, as vLLM's scheduler half does: its
+        resume reads nothing from disk and holds the bytes of its tokens."""
+        tokens = PREFIXES[prefix][:prefix_len]
+        cache = self.mgr.create_cache(tokens, scope=SCOPES[scope])
+        kept = cache.reused_in_memory
+        cache.shorten_to_memory()
+        assert cache.num_reused_tokens == cache.reused_in_memory <= kept
+        read = self.disk_bytes_read()
+        if cache.resume():
+            assert self.disk_bytes_read() == read
+            self.oracle.check(cache, tokens)
+        cache.close()
+
+    def disk_bytes_read(self) -> int:
+        return sum(n for edge, n in self.mgr.stats().bytes_copied.items() if edge.startswith("disk->"))
+
     @invariant()
     def consistent(self) -> None:
         if not hasattr(self, "mgr"):
