@@ -14,15 +14,24 @@ from kvtier.vllm.settings import DEFAULT_HOST_BYTES, ConnectorSettings
 def test_defaults_and_a_full_configuration():
     assert ConnectorSettings.parse(None) == ConnectorSettings(DEFAULT_HOST_BYTES)
     s = ConnectorSettings.parse(
-        {"host_bytes": 1 << 30, "disk_bytes": 1 << 40, "disk_path": "/nvme/kv", "store_url": None, "model_id": "m@1"}
+        {
+            "host_bytes": 1 << 30,
+            "disk_bytes": 1 << 40,
+            "disk_path": "/nvme/kv",
+            "store_url": None,
+            "model_id": "m@1",
+            "disk_read_wait_s": 0,
+        }
     )
-    assert (s.host_bytes, s.disk_bytes, s.disk_path, s.store_url, s.model_id) == (
+    assert (s.host_bytes, s.disk_bytes, s.disk_path, s.store_url, s.model_id, s.disk_read_wait_s) == (
         1 << 30,
         1 << 40,
         "/nvme/kv",
         None,
         "m@1",
+        0.0,
     )
+    assert ConnectorSettings.parse({"disk_read_wait_s": 2.5}).disk_read_wait_s == 2.5
 
 
 @pytest.mark.parametrize(
@@ -36,6 +45,11 @@ def test_defaults_and_a_full_configuration():
         ({"disk_bytes": 1 << 30, "disk_path": ""}, TypeError, "disk_path must be a non-empty path"),
         ({"store_url": 5}, TypeError, "store_url must be a non-empty str"),
         ({"model_id": ""}, TypeError, "model_id must be a non-empty str"),
+        ({"disk_read_wait_s": "1s"}, TypeError, "disk_read_wait_s must be a number"),
+        ({"disk_read_wait_s": True}, TypeError, "disk_read_wait_s must be a number"),
+        ({"disk_read_wait_s": -1}, ValueError, "disk_read_wait_s must be >= 0"),
+        ({"disk_read_wait_s": float("inf")}, ValueError, "finite"),
+        ({"disk_read_wait_s": float("nan")}, ValueError, "finite"),
     ],
 )
 def test_bad_settings_are_refused_with_what_to_fix(extra, error, words):

@@ -8,6 +8,7 @@ waits in ``WAITING_FOR_REMOTE_KVS`` until its blocks are in), so ``wait_for_laye
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -187,4 +188,4 @@ def _per_dp_rank(settings: ConnectorSettings, vllm_config: VllmConfig) -> Connec
     if settings.disk_path is None or parallel.data_parallel_size <= 1:
         return settings
     path = os.path.join(settings.disk_path, f"dp{parallel.data_parallel_rank}")
-    return ConnectorSettings(settings.host_bytes, settings.disk_bytes, path, settings.store_url, settings.model_id)
+    return dataclasses.replace(settings, disk_path=path)

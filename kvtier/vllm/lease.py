@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class Lease:
     __slots__ = (
         "_commits",
         "cache",
+        "created",
         "loads",
         "local_tokens",
         "planned",
@@ -81,6 +83,7 @@ class Lease:
         self.store_pages: list[list[bytes]] = []  # per block, per group, the pages fetched
         self.store_tokens = 0  # tokens the store actually supplied
         self.reads: list[HostPrefetch] = []  # background reads bringing the prefix's disk pages to host memory
+        self.created = time.monotonic()
         self._commits: deque[_Commit] = deque()
 
     @property
@@ -128,6 +131,12 @@ class Lease:
             log.warning("kvtier.vllm: a store fetch failed (%r); its blocks are recomputed", failure)
         self.store_pages = [] if failure is not None else fetch.result()
         self.store_blocks = len(self.store_pages)
+
+    def drop_store_blocks(self) -> None:
+        """Forget the store's blocks: they no longer follow the prefix (it was shortened)."""
+        self.store_fetch = None
+        self.store_pages = []
+        self.store_blocks = 0
 
     def host_slots(self, group_id: int, first_block: int, end_block: int) -> np.ndarray:
         """Host slots of blocks ``[first_block, end_block)`` of a group (``BAD_PAGE_INDEX`` where none)."""

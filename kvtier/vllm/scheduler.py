@@ -5,14 +5,17 @@ vLLM computed, by a radix tree of its tokens per reuse scope (LoRA, cache salt),
 model's identity. Each request gets a ``Lease`` (``kvtier.vllm.lease``):
 
 - **ask** (``get_num_new_matched_tokens``): the lease's cache matches the longest cached prefix
-  (no memory, no copy; asking again returns the same answer); tokens past vLLM's own hit are
-  offered, loaded asynchronously. Pages of the prefix on disk are first read into host memory
-  (checksum-verified) on the manager's background thread: until then the ask answers None, and
-  vLLM asks again next step while it schedules the other requests.
-- **alloc** (``update_state_after_alloc``): the prefix is locked in host memory (a page the
-  background read could not bring is read now); a load job copies the offered blocks into vLLM's
-  new blocks. Blocks whose pages turned out damaged or that could not be brought into host memory
-  are reported failed with the job, so vLLM recomputes them.
+  (no memory, no copy); tokens past vLLM's own hit are offered, loaded asynchronously. Pages of
+  the prefix on disk are first read into host memory (checksum-verified) on the manager's
+  background thread: until then the ask answers None, and vLLM asks again next step while it
+  schedules the other requests. When host memory has no room for them, the ask waits for room up
+  to ``disk_read_wait_s`` from the request's first ask.
+- **alloc** (``update_state_after_alloc``, right after the answer): the prefix is locked in host
+  memory; a load job copies the offered blocks into vLLM's new blocks. The scheduler thread never
+  reads the disk: a page still there when the ask answers (host memory had no room for it within
+  ``disk_read_wait_s``) ends the offer (``KVCache.shorten_to_memory``), and the rest is
+  recomputed. Blocks whose pages turned out damaged are reported failed with the job, so vLLM
+  recomputes them.
 - **every step** (``build_connector_meta``): for each scheduled request the blocks that become
   full and computed by the end of the step get host pages and a save job; a page is published
   for reuse only when its job completed (``update_connector_output``).
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +83,7 @@ class KVTierScheduler:
         buffers = tuple(g.regions[0].buffer for g in layout.groups)
         host_pool.publish(engine_id, host_pool.HostPool(buffers, tuple(g.host_page_bytes for g in plan.groups)))  # type: ignore[arg-type]
         self._tpb = plan.block_size
+        self._disk_read_wait_s = settings.disk_read_wait_s
         self._leases: dict[str, Lease] = {}
         self._requests: dict[str, Request] = {}
         self._jobs: dict[int, tuple[Lease | None, Direction]] = {}
@@ -112,8 +117,6 @@ class KVTierScheduler:
             lease = Lease(self.manager.create_cache(request.all_token_ids, scope))
             self._leases[rid] = lease
             self._requests[rid] = request
-            if lease.cache.reused_by_tier.get("disk"):
-                lease.reads = self._read_from_disk(request, scope)
             if self._store is not None:
                 chain = self._chain(rid, request)
                 limit = (request.num_tokens - 1) // self._tpb  # a hit never covers the last token
@@ -125,27 +128,46 @@ class KVTierScheduler:
                     lease.store_fetch = self._store.fetch(chain, keys[: lease.store_blocks])
         if lease.state is not LeaseState.OFFERED:
             return 0, False
-        if lease.waiting:
-            return None, False  # asked again next step; vLLM schedules the other requests meanwhile
-        if lease.reads:
-            lease.reads = []
-            self.manager.maintain()  # lands the pages read: the resume at alloc reads nothing from disk
+        while True:  # the prefix's pages on disk are read into host memory in the background first
+            if lease.waiting:
+                return None, False  # asked again next step; vLLM schedules the other requests meanwhile
+            if lease.reads:
+                lease.reads = []
+                self.manager.maintain()  # lands the pages read
+            if lease.cache.reused_in_memory == lease.matched:
+                break
+            if not self._read_from_disk(request, lease):
+                if self._host_full() and time.monotonic() - lease.created < self._disk_read_wait_s:
+                    return None, False  # host memory has no room for them now: asked again next step
+                break  # what is still on disk (no room in time, or found damaged) is recomputed
         lease.fetched()  # the offer counts only the store's blocks that arrived whole
+        if lease.cache.shorten_to_memory():  # vLLM allocates right after this answer: alloc reads no disk
+            lease.drop_store_blocks()  # they followed the blocks given up
         lease.local_tokens = num_computed_tokens
         offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
 
-    def _read_from_disk(self, request: Request, scope: ReuseScope) -> list[HostPrefetch]:
+    def _read_from_disk(self, request: Request, lease: Lease) -> bool:
         """Start reading the request's cached pages on disk into host memory on the manager's
-        background thread. Returns the reads its lease waits for: this one; or, when none of its
-        pages could be taken now (another request's read has them, or host memory has no room),
-        the reads in flight."""
+        background thread; the lease waits for this read or, when none of its pages could be
+        taken now (another request's read has them, or host memory has no room), for the reads
+        in flight. Returns whether it waits for any."""
         self._reads = [read for read in self._reads if not read.done()]
-        read = self.manager.prefetch_to_host(request.all_token_ids, scope)
-        if read is None:
-            return list(self._reads)
-        self._reads.append(read)
-        return [read]
+        read = self.manager.prefetch_to_host(request.all_token_ids, scope_of(request))
+        if read is not None:
+            self._reads.append(read)
+        lease.reads = list(self._reads) if read is None else [read]
+        return bool(lease.reads)
+
+        lease.fetched()  # the offer counts only the store's blocks that arrived whole
+        if lease.cache.shorten_to_memory():  # vLLM allocates right after this answer: alloc reads no disk
+            lease.drop_store_blocks()  # they followed the blocks given up
+
+    def _host_full(self) -> bool:
+        """Whether host memory has no free page: then a read that started nothing found no room
+        (else its pages were damaged, or vLLM's layer groups differ in what is free)."""
+        tier = self.manager.stats().tiers["primary"]
+        return tier.pages_used >= tier.pages_total
 
     def update_state_after_alloc(self, request: Request, block_ids: BlockIds, num_external: int) -> None:
         rid = request.request_id

@@ -9,6 +9,9 @@ Keys of ``kv_connector_extra_config``:
   or Valkey server) or ``file:///path`` (a shared directory).
 - ``model_id`` (str or None): what names the weights in every key. By default vLLM's model name
   and revision; set it to a fingerprint of the weights when a local directory may change.
+- ``disk_read_wait_s`` (float >= 0, default 1.0): how long a request whose cached prefix is on disk
+  may wait, from its first scheduling, for host memory to have room to read it into; what is
+  still on disk then is recomputed. (A read that started is always waited for.)
 
 Anything else is a ``ValueError`` naming the known keys; a value of the wrong type a
 ``TypeError``.
@@ -22,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_HOST_BYTES = 4 << 30
-KNOWN_KEYS = ("host_bytes", "disk_bytes", "disk_path", "store_url", "model_id")
+DEFAULT_DISK_READ_WAIT_S = 1.0
+KNOWN_KEYS = ("host_bytes", "disk_bytes", "disk_path", "store_url", "model_id", "disk_read_wait_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,7 @@ class ConnectorSettings:
     disk_path: str | None = None
     store_url: str | None = None
     model_id: str | None = None
+    disk_read_wait_s: float = DEFAULT_DISK_READ_WAIT_S
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -54,7 +59,12 @@ class ConnectorSettings:
             disk_path = os.fspath(disk_path)
         store_url = _optional_text("store_url", extra.get("store_url"))
         model_id = _optional_text("model_id", extra.get("model_id"))
-        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id)
+        wait = extra.get("disk_read_wait_s", DEFAULT_DISK_READ_WAIT_S)
+        if isinstance(wait, bool) or not isinstance(wait, int | float):
+            raise TypeError(f"kvtier.vllm: disk_read_wait_s must be a number of seconds, got {wait!r}")
+        if not 0 <= wait < float("inf"):
+            raise ValueError(f"kvtier.vllm: disk_read_wait_s must be >= 0 and finite, got {wait}")
+        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id, float(wait))
 
 
 def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
