@@ -61,10 +61,10 @@ class HostTier:
 class DiskTier:
     """Preallocated page files and a persistent index under ``path``.
 
-    ``write_behind``: while the host tier is nearly full, write copies of its coldest pages to disk
+    ``write_behind``: while host memory is nearly full, write copies of its coldest pages to disk
     on a background thread (``KVCacheManager.maintain``), so that demoting them later writes
-    nothing on the caller's thread. None (the default) turns it on for CUDA devices. Needs a host
-    tier.
+    nothing on the caller's thread. Host memory is the host tier, or the primary tier of a manager
+    on the CPU without one. None (the default) turns it on for CUDA devices with a host tier.
     """
 
     bytes: int
@@ -198,12 +198,15 @@ def write_through_enabled(config: CacheConfig) -> bool:
 
 
 def write_behind_enabled(config: CacheConfig) -> bool:
-    """Whether the disk tier (if any) is written behind the host tier (which must exist)."""
+    """Whether the disk tier (if any) is written behind host memory: the host tier, or the primary
+    tier of a manager on the CPU without one (``DiskTier.write_behind``)."""
     disk = next((t for t in config.tiers if isinstance(t, DiskTier)), None)
-    if disk is None or not any(isinstance(t, HostTier) for t in config.tiers):
+    on_cuda = torch.device(config.device).type == "cuda"
+    host = any(isinstance(t, HostTier) for t in config.tiers)
+    if disk is None or not (host or not on_cuda):
         return False
     if disk.write_behind is None:
-        return torch.device(config.device).type == "cuda"
+        return on_cuda
     return disk.write_behind
 
 

@@ -86,16 +86,15 @@ class PagePool:
             config.tiers[PRIMARY].free_reserve,
             0 if host_config is None else host_config.write_through_min_priority,
         )
-        host = next((t for t in self.tiers if t.index != PRIMARY and not t.is_disk), None)
-        reads_into = host  # host memory: the host tier, or a CPU manager's primary tier
-        if host is None and torch.device(config.device).type == "cpu":
-            reads_into = self.tiers[PRIMARY]
+        host_memory = next((t for t in self.tiers if t.index != PRIMARY and not t.is_disk), None)
+        if host_memory is None and torch.device(config.device).type == "cpu":
+            host_memory = self.tiers[PRIMARY]  # a CPU manager's primary tier is host memory
         self.prefetcher = None
-        if disk is not None and reads_into is not None:
-            self.prefetcher = HostPrefetcher(disk, reads_into, self.residency, self.counters)
+        if disk is not None and host_memory is not None:
+            self.prefetcher = HostPrefetcher(disk, host_memory, self.residency, self.counters)
         self.write_behind = (
-            DiskWriteBehind(host, disk, self.residency, self.counters, self.mover.waiter)
-            if disk is not None and host is not None and write_behind_enabled(config)
+            DiskWriteBehind(host_memory, disk, self.residency, self.counters, self.mover.waiter)
+            if disk is not None and host_memory is not None and write_behind_enabled(config)
             else None
         )
         if disk is not None:

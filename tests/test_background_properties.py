@@ -90,7 +90,9 @@ def test_three_tiers_with_write_through(kind):
     m.TestCase().runTest()
 
 
-def test_reserve_without_host():
-    m = machine("llama", {"primary": 10, "disk": 20}, reserve=0.3)
+@pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])
+def test_reserve_without_host(kind):
+    """No host tier: on the CPU the primary tier is host memory, read into and written behind."""
+    m = machine(kind, {"primary": 10, "disk": 20}, reserve=0.3)
     m.TestCase.settings = FEWER
     m.TestCase().runTest()

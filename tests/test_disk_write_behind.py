@@ -115,6 +115,52 @@ def test_a_page_written_behind_is_demoted_without_a_write(tmp_path, written_page
     mgr.close()
 
 
+def test_a_cpu_manager_without_a_host_tier_writes_its_primary_tier_behind(tmp_path, written_pages):
+    """On the CPU the primary tier is host memory (as in the vLLM connector): its coldest published
+    pages get disk copies in the background, and pushing them out later writes nothing."""
+    spec = small_spec("llama")
+    page = page_bytes(spec)
+    tiers = [kvtier.PrimaryTier(12 * page), kvtier.DiskTier(64 * page, tmp_path / "disk", write_behind=True)]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+    oracle = PageOracle(mgr)
+    prompt = prompt_of(3000)
+    serve(mgr, oracle, prompt)
+    serve(mgr, oracle, prompt_of(71_000, blocks=5))  # 10 of 12 slots used: fewer free than a batch
+    pages = pages_of(mgr, prompt)
+    assert write_behind(mgr) >= 5
+    disk = mgr._pool.tiers[1]
+    assert all(p.tier == 0 and p in disk.copies for p in pages)
+    written_pages.clear()
+    for k in range(4):  # push the prompt out of the primary tier, no maintain in between
+        serve(mgr, oracle, prompt_of(81_000 + 1000 * k, blocks=4))
+    assert all(p.tier == 1 for p in pages)
+    assert not {id(p) for p in pages} & {id(p) for p in written_pages}
+    reuse_exactly(mgr, oracle, prompt, "disk")
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_pages_that_become_evictable_wake_an_idle_write_behind(tmp_path):
+    """Nothing to write while every page is held by an active cache; once it closes (no page moved)
+    its published pages are written behind."""
+    spec = small_spec("llama")
+    page = page_bytes(spec)
+    tiers = [kvtier.PrimaryTier(8 * page), kvtier.DiskTier(64 * page, tmp_path / "disk", write_behind=True)]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+    oracle = PageOracle(mgr)
+    prompt = prompt_of(5000)
+    cache = mgr.create_cache(prompt)
+    assert cache.resume() and cache.resize(len(prompt))
+    oracle.write(cache, prompt, 0, len(prompt))
+    cache.commit(prompt)
+    mgr.maintain()
+    assert mgr._pool.write_behind.active is None  # its pages are locked: nothing to write
+    cache.close()
+    assert write_behind(mgr) == 5
+    mgr.check_invariants()
+    mgr.close()
+
+
 @pytest.fixture
 def held_writes(monkeypatch):
     """Write-behind batches wait for ``release`` before they write; ``started`` is set when one waits."""
@@ -217,9 +263,12 @@ def test_write_behind_setting(tmp_path):
     assert not write_behind_enabled(cpu)  # off by default on a CPU device, on for CUDA
     on = kvtier.DiskTier(64 * page, tmp_path / "disk", write_behind=True)
     assert write_behind_enabled(kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), host, on]))
-    assert not write_behind_enabled(kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), on]))  # no host tier
-    mgr = kvtier.KVCacheManager(small_spec("llama"), kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), on]))
-    assert mgr._pool.write_behind is None
+    alone = [kvtier.PrimaryTier(8 * page), on]  # no host tier: on the CPU, the primary tier is host memory
+    assert write_behind_enabled(kvtier.CacheConfig(TPB, alone))
+    assert not write_behind_enabled(kvtier.CacheConfig(TPB, alone, device="cuda"))  # nothing above the disk to read
+    assert not write_behind_enabled(kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), disk]))  # off by default
+    mgr = kvtier.KVCacheManager(small_spec("llama"), kvtier.CacheConfig(TPB, alone))
+    assert mgr._pool.write_behind.host is mgr._pool.tiers[0]
     mgr.close()
 
 

@@ -82,7 +82,7 @@ class DiskWriteBehind:
         self.device_waiter = device_waiter
         self.active: WriteBatch | None = None
         self._group = 0  # groups take turns, one batch each
-        self._idle_at: tuple[int, int, int] | None = None  # the moves counted when nothing was found
+        self._idle_at: tuple[int, ...] | None = None  # pages moved and made evictable when nothing was found
         self._worker: ThreadPoolExecutor | None = None
 
     def start(self) -> WriteBatch | None:
@@ -91,9 +91,9 @@ class DiskWriteBehind:
         if self.active is not None or not self.disk.writable:
             return None
         c = self.counters
-        moves = (c.demotions, c.promotions, c.drops)
+        moves = (c.demotions, c.promotions, c.drops, *(index.additions for index in self.host.evictable))
         if moves == self._idle_at:
-            return None  # no page moved since nothing was found to write
+            return None  # no page moved or became evictable since nothing was found to write
         groups = len(self.host.storage.slots)
         for turn in range(groups):
             group = (self._group + turn) % groups

@@ -35,14 +35,17 @@ def check_priority(priority: object) -> int:
 
 class EvictionIndex:
     """Evictable pages of one tier and group, ordered by (priority, time they became evictable),
-    among stale entries (see the module's docstring); ``len`` counts entries, an upper bound."""
+    among stale entries (see the module's docstring); ``len`` counts entries, an upper bound.
+    ``additions`` counts the calls that (re)added pages: it changes whenever a page may have
+    become evictable."""
 
-    __slots__ = ("_levels", "_size")
+    __slots__ = ("_levels", "_size", "additions")
 
     def __init__(self) -> None:
         # level 0: redundant pages; level p + 1: pages of priority p
         self._levels: list[dict[Page, None]] = [{} for _ in range(MAX_PRIORITY + 2)]
         self._size = 0
+        self.additions = 0
 
     def __len__(self) -> int:
         return self._size
@@ -52,6 +55,7 @@ class EvictionIndex:
 
     def add(self, page: Page, redundant: bool = False) -> None:
         """Make ``page`` the most recently used of its level (idempotent); ``redundant`` pages go first."""
+        self.additions += 1
         own, spare = self._levels[page.priority + 1], self._levels[0]
         target, other = (spare, own) if redundant else (own, spare)
         if page in target:
@@ -77,6 +81,7 @@ class EvictionIndex:
         were just made), in order: appended as the most recently used of their levels."""
         if not pages:
             return
+        self.additions += 1
         levels = self._levels
         priorities = {page.priority for page in pages}
         if redundant or len(priorities) == 1:  # one level: appended in one call

@@ -2,7 +2,10 @@
 
 One ``KVCacheManager`` whose primary tier is host memory (then the disk tier) keeps every block
 vLLM computed, by a radix tree of its tokens per reuse scope (LoRA, cache salt), under the
-model's identity. Each request gets a ``Lease`` (``kvtier.vllm.lease``):
+model's identity. While host memory is nearly full, copies of its coldest pages are written to
+disk on a background thread (``DiskTier.write_behind``, driven each step), so that pushing them
+out of host memory for a save or a read writes nothing on vLLM's scheduler thread. Each request
+gets a ``Lease`` (``kvtier.vllm.lease``):
 
 - **ask** (``get_num_new_matched_tokens``): the lease's cache matches the longest cached prefix
   (no memory, no copy); tokens past vLLM's own hit are offered, loaded asynchronously. Pages of
@@ -71,7 +74,7 @@ class KVTierScheduler:
     def __init__(self, plan: ModelPlan, settings: ConnectorSettings, engine_id: str) -> None:
         tiers: list[PrimaryTier | DiskTier] = [PrimaryTier(settings.host_bytes)]
         if settings.disk_path is not None and settings.disk_bytes is not None:
-            tiers.append(DiskTier(settings.disk_bytes, settings.disk_path))
+            tiers.append(DiskTier(settings.disk_bytes, settings.disk_path, write_behind=True))
         config = CacheConfig(plan.block_size, tiers, device="cpu", enable_partial_reuse=False)
         self.plan = plan
         self.manager = KVCacheManager(plan.spec, config)
@@ -240,6 +243,7 @@ class KVTierScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         self._reap_puts()
+        self.manager.maintain()  # lands background reads and disk writes, starts the next write
         flush: set[int] = set()
         for rid in scheduler_output.preempted_req_ids or ():
             lease = self._leases.pop(rid, None)

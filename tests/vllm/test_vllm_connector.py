@@ -17,7 +17,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bas
 
 from vllm.v1.request import RequestStatus
 
-from kvtier.tiering import host_prefetch, mover
+from kvtier.tiering import disk_write_behind, host_prefetch, mover
 from kvtier.vllm.transfer import Direction
 from tests.holding import hold
 from tests.vllm.harness import (
@@ -245,6 +245,48 @@ def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, wa
         assert sorted(loaded)[-5:] == [112] * 5 and stats.recomputed_tokens > 0
     second.assert_no_leaks()
     second.shutdown()
+
+
+def test_host_memory_is_written_behind_so_pushing_blocks_out_writes_nothing_on_the_scheduler_thread(
+    tmp_path, monkeypatch
+):
+    """Host memory full of published blocks: copies of its coldest pages are written to disk in the
+    background (here by a disk that keeps up), so a request whose saves push them out of host
+    memory writes nothing to disk on vLLM's scheduler thread; its blocks come back from disk."""
+    started = disk_write_behind.DiskWriteBehind.start
+
+    def keeping_up(self):
+        batch = started(self)
+        if batch is not None:
+            batch.future.result()
+        return batch
+
+    monkeypatch.setattr(disk_write_behind.DiskWriteBehind, "start", keeping_up)
+    extra = {"host_bytes": 40 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
+    config = vllm_config(tmp_path, extra)
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
+    e.poison()
+    for i in range(5):
+        e.add(f"a{i}", prompt(60 + i, 120), max_tokens=2)
+    e.run()
+    for _ in range(3):
+        e.step()  # idle steps: the background writes land
+    writes = mover.Mover.write_pages
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the scheduler thread wrote pages to disk")
+
+    monkeypatch.setattr(mover.Mover, "write_pages", refused)
+    demotions = e.kv_scheduler.manager.stats().demotions
+    e.add("b", prompt(99, 300), max_tokens=2)
+    e.run()
+    assert e.kv_scheduler.manager.stats().demotions >= demotions + 10  # 18 blocks saved: pages went to disk
+    monkeypatch.setattr(mover.Mover, "write_pages", writes)
+    e.add("a0-again", prompt(60, 120) + [7], max_tokens=2)
+    e.run()
+    assert first_step_of(e, "a0-again")[0] == 112  # back from disk
+    e.assert_no_leaks()
+    e.shutdown()
 
 
 def damage_disk_pages(disk: Path, from_block: int) -> int:
