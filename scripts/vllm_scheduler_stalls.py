@@ -1,0 +1,112 @@
+"""Time vLLM's scheduler thread spends per step with the kvtier connector over a slow disk.
+
+vLLM 0.33's real ``Scheduler`` drives ``KVTierConnector`` (the stand-in runner of
+``tests/vllm/harness.py``, 8 layers of 8 KV heads x 128, float32: 1 MiB kvtier pages). Host
+memory holds 40 pages. A first engine serves twelve 120-token prompts, which pushes blocks out to
+disk; a second engine on the same directory serves the same prefixes again, read back from disk.
+Every disk read and write also waits ``bytes / --disk-mbps`` (a slow disk; the page cache would
+hide it). Prints, per engine, the steps, the total and the longest ``schedule()`` call (which
+includes the connector's ask, alloc and per-step work), and the tokens the second engine loaded.
+
+    bash .ci/vllm_env.sh && PYTHONPATH=. .venv-vllm/bin/python scripts/vllm_scheduler_stalls.py --disk-mbps 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import tests.vllm.harness as h
+from kvtier.storage.page_files import DiskStorage
+
+LAYERS = 8
+HOST_PAGES = 40
+PROMPTS = 12
+
+
+def slow_disk(bytes_per_second: float) -> None:
+    """Make every disk read and write of the page files also wait bytes / ``bytes_per_second``."""
+    write, read = DiskStorage.write, DiskStorage.read
+
+    def slow_write(self, group, slots, pages):
+        out = write(self, group, slots, pages)
+        time.sleep(sum(len(p) for p in pages) / bytes_per_second)
+        return out
+
+    def slow_read(self, group, slots, into, checksums):
+        out = read(self, group, slots, into, checksums)
+        time.sleep(sum(len(p) for p in into) / bytes_per_second)
+        return out
+
+    DiskStorage.write, DiskStorage.read = slow_write, slow_read
+
+
+def engine(tmp: Path, page: int) -> h.Engine:
+    extra = {"host_bytes": HOST_PAGES * page, "disk_bytes": 10 * HOST_PAGES * page, "disk_path": str(tmp / "disk")}
+    config = h.vllm_config(tmp, extra)
+    return h.Engine(config, h.kv_cache_config(config, [(h.layer_names(LAYERS), h.attention_spec())], 128))
+
+
+def timed_run(e: h.Engine) -> list[float]:
+    """Run ``e`` to the end; the seconds of each ``schedule()`` call."""
+    times = []
+    schedule = e.scheduler.schedule
+
+    def timed():
+        began = time.perf_counter()
+        out = schedule()
+        times.append(time.perf_counter() - began)
+        return out
+
+    e.scheduler.schedule = timed
+    e.run(max_steps=5000)
+    e.scheduler.schedule = schedule
+    return times
+
+
+def summary(times: list[float]) -> dict:
+    return {"steps": len(times), "total_ms": round(sum(times) * 1e3, 1), "max_ms": round(max(times) * 1e3, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--disk-mbps", type=float, default=1000.0, help="the slow disk's speed, MB/s (10^6 bytes)")
+    args = parser.parse_args()
+    h.HEADS, h.HEAD_SIZE = 8, 128
+    h.TINY_LLAMA.update(
+        num_key_value_heads=8, head_dim=128, num_attention_heads=8, hidden_size=1024, num_hidden_layers=LAYERS
+    )
+    page = LAYERS * h.BLOCK * h.HEADS * 2 * h.HEAD_SIZE * 4
+    slow_disk(args.disk_mbps * 1e6)
+    prefixes = [h.prompt(30 + k, 120) for k in range(PROMPTS)]
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        first = engine(tmp, page)
+        for i, tokens in enumerate(prefixes):
+            first.add(f"a{i}", tokens, max_tokens=2)
+        saves = timed_run(first)
+        first.shutdown()
+        second = engine(tmp, page)
+        for i, tokens in enumerate(prefixes):
+            second.add(f"b{i}", tokens + [1, 2], max_tokens=3)
+        loads = timed_run(second)
+        loaded = sum(next(s.computed[f"b{i}"][0] for s in second.log if f"b{i}" in s.computed) for i in range(PROMPTS))
+        second.shutdown()
+    print(
+        json.dumps(
+            {
+                "page_bytes": page,
+                "disk_mbps": args.disk_mbps,
+                "saving": summary(saves),
+                "loading": summary(loads),
+                "tokens_loaded": loaded,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
