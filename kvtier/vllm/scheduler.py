@@ -162,10 +162,6 @@ class KVTierScheduler:
         lease.reads = list(self._reads) if read is None else [read]
         return bool(lease.reads)
 
-        lease.fetched()  # the offer counts only the store's blocks that arrived whole
-        if lease.cache.shorten_to_memory():  # vLLM allocates right after this answer: alloc reads no disk
-            lease.drop_store_blocks()  # they followed the blocks given up
-
     def _host_full(self) -> bool:
         """Whether host memory has no free page: then a read that started nothing found no room
         (else its pages were damaged, or vLLM's layer groups differ in what is free)."""
