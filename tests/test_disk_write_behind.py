@@ -115,14 +115,20 @@ def test_a_page_written_behind_is_demoted_without_a_write(tmp_path, written_page
     mgr.close()
 
 
+def memory_and_disk(path, primary_pages: int, write_behind: bool = True):
+    """A CPU manager without a host tier (its primary tier is host memory, as in the vLLM
+    connector), its disk written behind that tier unless ``write_behind`` is False."""
+    spec = small_spec("llama")
+    page = page_bytes(spec)
+    tiers = [kvtier.PrimaryTier(primary_pages * page), kvtier.DiskTier(64 * page, path, write_behind=write_behind)]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+    return mgr, PageOracle(mgr)
+
+
 def test_a_cpu_manager_without_a_host_tier_writes_its_primary_tier_behind(tmp_path, written_pages):
     """On the CPU the primary tier is host memory (as in the vLLM connector): its coldest published
     pages get disk copies in the background, and pushing them out later writes nothing."""
-    spec = small_spec("llama")
-    page = page_bytes(spec)
-    tiers = [kvtier.PrimaryTier(12 * page), kvtier.DiskTier(64 * page, tmp_path / "disk", write_behind=True)]
-    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
-    oracle = PageOracle(mgr)
+    mgr, oracle = memory_and_disk(tmp_path / "disk", 12)
     prompt = prompt_of(3000)
     serve(mgr, oracle, prompt)
     serve(mgr, oracle, prompt_of(71_000, blocks=5))  # 10 of 12 slots used: fewer free than a batch
@@ -143,11 +149,7 @@ def test_a_cpu_manager_without_a_host_tier_writes_its_primary_tier_behind(tmp_pa
 def test_pages_that_become_evictable_wake_an_idle_write_behind(tmp_path):
     """Nothing to write while every page is held by an active cache; once it closes (no page moved)
     its published pages are written behind."""
-    spec = small_spec("llama")
-    page = page_bytes(spec)
-    tiers = [kvtier.PrimaryTier(8 * page), kvtier.DiskTier(64 * page, tmp_path / "disk", write_behind=True)]
-    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
-    oracle = PageOracle(mgr)
+    mgr, oracle = memory_and_disk(tmp_path / "disk", 8)
     prompt = prompt_of(5000)
     cache = mgr.create_cache(prompt)
     assert cache.resume() and cache.resize(len(prompt))

@@ -115,16 +115,19 @@ def test_resume_during_prefetch_reads_from_disk_itself(three_tiers, held_reads):
     mgr.close()
 
 
+def damage_on_disk(mgr, prompt, block: int) -> None:
+    """Overwrite part of the disk page of ``prompt``'s block ``block`` (group 0)."""
+    pool = mgr._pool
+    disk = next(t for t in pool.tiers if t.is_disk)
+    node = pool.match(array.array("Q", prompt + [1]), kvtier.ReuseScope()).full_nodes[block]
+    os.pwrite(disk.storage._fds[0], b"\xff" * 64, node.pages[0].slot * disk.storage.page_bytes[0])
+
+
 def test_damaged_page_is_not_reused(three_tiers):
     mgr, oracle = three_tiers()
     prompt = [3900 + i for i in range(5 * TPB + 1)]
     to_disk(mgr, oracle, prompt)
-    pool = mgr._pool
-    disk = next(t for t in pool.tiers if t.is_disk)
-    node = pool.match(array.array("Q", prompt + [1]), kvtier.ReuseScope()).full_nodes[2]
-    page = node.pages[0]
-    fd = disk.storage._fds[0]
-    os.pwrite(fd, b"\xff" * 64, page.slot * disk.storage.page_bytes[0])
+    damage_on_disk(mgr, prompt, 2)
     job = mgr.prefetch_to_host(prompt + [1])
     job.wait(10)
     mgr.maintain()

@@ -6,34 +6,16 @@ what was written.
 
 from __future__ import annotations
 
-import array
-import os
 import random
-import tempfile
 
 import pytest
 
 import kvtier
 from tests.kvdata import PageOracle, small_spec
+from tests.test_disk_write_behind import memory_and_disk
+from tests.test_host_prefetch import damage_on_disk
 from tests.test_tiers import convo, manager, prefill
 from tests.test_write_through import TPB, copied, serve
-
-
-@pytest.fixture
-def memory_and_disk():
-    """A CPU manager with host memory as its primary tier and a disk below (the vLLM layout)."""
-    spec = small_spec("llama")
-    probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
-    page = probe.page_bytes(0)
-    probe.close()
-    with tempfile.TemporaryDirectory() as tmp:
-
-        def make(primary_pages=8):
-            tiers = [kvtier.PrimaryTier(primary_pages * page), kvtier.DiskTier(64 * page, os.path.join(tmp, "disk"))]
-            mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
-            return mgr, PageOracle(mgr)
-
-        yield make
 
 
 def fillers(mgr, oracle, count, base=50_000):
@@ -47,8 +29,16 @@ def on_disk(mgr, oracle, prompt):
     fillers(mgr, oracle, 4)
 
 
-def test_a_prefix_whose_tail_is_still_on_disk_keeps_its_head(memory_and_disk):
-    mgr, oracle = memory_and_disk()
+def resume_from_memory(mgr, oracle, cache, tokens) -> None:
+    """``cache`` resumes without reading the disk and holds the bytes written for ``tokens``."""
+    read = copied(mgr, "disk->")
+    assert cache.resume()
+    assert copied(mgr, "disk->") == read
+    oracle.check(cache, tokens)
+
+
+def test_a_prefix_whose_tail_is_still_on_disk_keeps_its_head(tmp_path):
+    mgr, oracle = memory_and_disk(tmp_path / "disk", 8, write_behind=False)  # the vLLM layout
     prompt = [900 + i for i in range(5 * TPB + 1)]
     on_disk(mgr, oracle, prompt)
     cache = mgr.create_cache(prompt + [1])  # holds the 5 blocks on disk, as a lease does before its read
@@ -69,10 +59,7 @@ def test_a_prefix_whose_tail_is_still_on_disk_keeps_its_head(memory_and_disk):
     assert after.recomputed_tokens - before.recomputed_tokens == 2 * TPB
     assert cache.shorten_to_memory() == 0  # nothing left on disk
     hog.close()
-    read = copied(mgr, "disk->")
-    assert cache.resume()
-    assert copied(mgr, "disk->") == read  # nothing read from disk
-    oracle.check(cache, prompt + [1])
+    resume_from_memory(mgr, oracle, cache, prompt + [1])
     assert cache.resize(len(prompt))
     oracle.write(cache, prompt, 3 * TPB, len(prompt))  # the blocks given up, recomputed
     cache.commit(prompt[3 * TPB :])
@@ -86,32 +73,26 @@ def test_a_prefix_whose_tail_is_still_on_disk_keeps_its_head(memory_and_disk):
     mgr.close()
 
 
-def test_a_damaged_page_ends_the_prefix_in_memory(memory_and_disk):
-    mgr, oracle = memory_and_disk()
+def test_a_damaged_page_ends_the_prefix_in_memory(tmp_path):
+    mgr, oracle = memory_and_disk(tmp_path / "disk", 8, write_behind=False)  # the vLLM layout
     prompt = [3900 + i for i in range(5 * TPB + 1)]
     on_disk(mgr, oracle, prompt)
     cache = mgr.create_cache(prompt + [1])
-    pool = mgr._pool
-    disk = next(t for t in pool.tiers if t.is_disk)
-    node = pool.match(array.array("Q", prompt + [1]), kvtier.ReuseScope()).full_nodes[2]
-    os.pwrite(disk.storage._fds[0], b"\xff" * 64, node.pages[0].slot * disk.storage.page_bytes[0])
+    damage_on_disk(mgr, prompt, 2)
     job = mgr.prefetch_to_host(prompt + [1])
     assert job.num_pages == 5 and job.wait(10)
     mgr.maintain()  # blocks 0, 1, 3 and 4 land; block 2 failed its checksum
     assert mgr.stats().checksum_failures == 1
     assert cache.reused_in_memory == 2 * TPB
     assert cache.shorten_to_memory() == 3 * TPB
-    read = copied(mgr, "disk->")
-    assert cache.resume()
-    assert copied(mgr, "disk->") == read
-    oracle.check(cache, prompt + [1])
+    resume_from_memory(mgr, oracle, cache, prompt + [1])
     cache.close()
     mgr.check_invariants()
     mgr.close()
 
 
-def test_only_a_suspended_cache_holding_just_its_reuse_is_shortened(memory_and_disk):
-    mgr, oracle = memory_and_disk()
+def test_only_a_suspended_cache_holding_just_its_reuse_is_shortened(tmp_path):
+    mgr, oracle = memory_and_disk(tmp_path / "disk", 8, write_behind=False)  # the vLLM layout
     prompt = [5900 + i for i in range(3 * TPB + 1)]
     on_disk(mgr, oracle, prompt)
     cache = mgr.create_cache(prompt + [1])
@@ -166,10 +147,7 @@ def test_shortened_caches_resume_from_memory_byte_for_byte(kind, seed, tmp_path)
         kept = cache.reused_in_memory
         given_up += cache.shorten_to_memory()
         assert cache.num_reused_tokens == cache.reused_in_memory <= kept
-        read = copied(mgr, "disk->")
-        assert cache.resume()
-        assert copied(mgr, "disk->") == read
-        oracle.check(cache, back)
+        resume_from_memory(mgr, oracle, cache, back)
         cache.close()
         mgr.check_invariants()
     assert given_up > 0  # pages were on disk
