@@ -65,11 +65,17 @@ class DiskTier:
     on a background thread (``KVCacheManager.maintain``), so that demoting them later writes
     nothing on the caller's thread. Host memory is the host tier, or the primary tier of a manager
     on the CPU without one. None (the default) turns it on for CUDA devices with a host tier.
+
+    ``blocking_writes``: a page pushed out of host memory that has no disk copy yet is written on
+    the caller's thread (True, the default). False: if only the reuse tree holds it, it is dropped
+    instead, a later miss, so the caller never waits for the disk (pages a cache holds are still
+    written); with ``write_behind``, which writes copies ahead, only what it has not reached is lost.
     """
 
     bytes: int
     path: str | os.PathLike[str]
     write_behind: bool | None = None
+    blocking_writes: bool = True
 
     name = "disk"
 
@@ -79,6 +85,8 @@ class DiskTier:
             raise TypeError(f"DiskTier.path must be a non-empty path, got {self.path!r}")
         if self.write_behind is not None and not isinstance(self.write_behind, bool):
             raise TypeError(f"DiskTier.write_behind must be True, False or None, got {self.write_behind!r}")
+        if not isinstance(self.blocking_writes, bool):
+            raise TypeError(f"DiskTier.blocking_writes must be True or False, got {self.blocking_writes!r}")
 
 
 TierConfig = PrimaryTier | HostTier | DiskTier

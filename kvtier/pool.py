@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.config import CacheConfig, HostTier, ReuseScope, write_behind_enabled
+from kvtier.config import CacheConfig, DiskTier, HostTier, ReuseScope, write_behind_enabled
 from kvtier.errors import InvariantError, OutOfPagesError
 from kvtier.invariants import PageHolder, check_pages
 from kvtier.knobs import debug_enabled
@@ -76,7 +76,10 @@ class PagePool:
         self.mover = Mover(self.tiers, self.counters, torch.device(config.device), self.load_cost)
         disk = next((t for t in self.tiers if t.is_disk), None)
         self.disk_tier = None if disk is None else disk.index
-        disk_writes = None if disk is None else DiskWritePlanner(self.residency, disk, writer=self.mover)
+        disk_config = next((t for t in config.tiers if isinstance(t, DiskTier)), None)
+        disk_writes = None
+        if disk is not None and disk_config is not None:
+            disk_writes = DiskWritePlanner(self.residency, disk, self.mover, disk_config.blocking_writes)
         self.planner = MovePlanner(self.tiers, self.residency, self.counters, disk_writes)
         host_config = next((t for t in config.tiers if isinstance(t, HostTier)), None)
         self.background = BackgroundWork(

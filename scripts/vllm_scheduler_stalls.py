@@ -7,6 +7,8 @@ disk; a second engine on the same directory serves the same prefixes again, read
 Every disk read and write also waits ``bytes / --disk-mbps`` (a slow disk; the page cache would
 hide it). Prints, per engine, the steps, the total and the longest ``schedule()`` call (which
 includes the connector's ask, alloc and per-step work), and the tokens the second engine loaded.
+The second engine's directory is filled by an engine with room for every prefix (not timed), so
+that both trees start it with every prefix on disk.
 
     bash .ci/vllm_env.sh && PYTHONPATH=. .venv-vllm/bin/python scripts/vllm_scheduler_stalls.py --disk-mbps 1000
 """
@@ -44,8 +46,9 @@ def slow_disk(bytes_per_second: float) -> None:
     DiskStorage.write, DiskStorage.read = slow_write, slow_read
 
 
-def engine(tmp: Path, page: int) -> h.Engine:
-    extra = {"host_bytes": HOST_PAGES * page, "disk_bytes": 10 * HOST_PAGES * page, "disk_path": str(tmp / "disk")}
+def engine(tmp: Path, page: int, host_pages: int = HOST_PAGES) -> h.Engine:
+    tmp.mkdir(exist_ok=True)
+    extra = {"host_bytes": host_pages * page, "disk_bytes": 10 * HOST_PAGES * page, "disk_path": str(tmp / "disk")}
     config = h.vllm_config(tmp, extra)
     return h.Engine(config, h.kv_cache_config(config, [(h.layer_names(LAYERS), h.attention_spec())], 128))
 
@@ -84,12 +87,18 @@ def main() -> None:
     prefixes = [h.prompt(30 + k, 120) for k in range(PROMPTS)]
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        first = engine(tmp, page)
+        first = engine(tmp / "saving", page)
         for i, tokens in enumerate(prefixes):
             first.add(f"a{i}", tokens, max_tokens=2)
         saves = timed_run(first)
+        dropped = first.kv_scheduler.manager.stats().drops  # pages pushed out of host memory but not to disk
         first.shutdown()
-        second = engine(tmp, page)
+        setup = engine(tmp / "loading", page, host_pages=10 * HOST_PAGES)
+        for i, tokens in enumerate(prefixes):
+            setup.add(f"s{i}", tokens, max_tokens=2)
+        setup.run(max_steps=5000)
+        setup.shutdown()  # every prefix on disk
+        second = engine(tmp / "loading", page)
         for i, tokens in enumerate(prefixes):
             second.add(f"b{i}", tokens + [1, 2], max_tokens=3)
         loads = timed_run(second)
@@ -100,7 +109,7 @@ def main() -> None:
             {
                 "page_bytes": page,
                 "disk_mbps": args.disk_mbps,
-                "saving": summary(saves),
+                "saving": {**summary(saves), "pages_dropped": dropped},
                 "loading": summary(loads),
                 "tokens_loaded": loaded,
             }

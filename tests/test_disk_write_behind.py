@@ -115,12 +115,13 @@ def test_a_page_written_behind_is_demoted_without_a_write(tmp_path, written_page
     mgr.close()
 
 
-def memory_and_disk(path, primary_pages: int, write_behind: bool = True):
+def memory_and_disk(path, primary_pages: int, write_behind: bool = True, blocking_writes: bool = True):
     """A CPU manager without a host tier (its primary tier is host memory, as in the vLLM
     connector), its disk written behind that tier unless ``write_behind`` is False."""
     spec = small_spec("llama")
     page = page_bytes(spec)
-    tiers = [kvtier.PrimaryTier(primary_pages * page), kvtier.DiskTier(64 * page, path, write_behind=write_behind)]
+    disk = kvtier.DiskTier(64 * page, path, write_behind=write_behind, blocking_writes=blocking_writes)
+    tiers = [kvtier.PrimaryTier(primary_pages * page), disk]
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
     return mgr, PageOracle(mgr)
 
@@ -159,6 +160,35 @@ def test_pages_that_become_evictable_wake_an_idle_write_behind(tmp_path):
     assert mgr._pool.write_behind.active is None  # its pages are locked: nothing to write
     cache.close()
     assert write_behind(mgr) == 5
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_without_blocking_writes_a_page_not_written_behind_is_dropped_not_written(tmp_path, written_pages):
+    """``DiskTier(blocking_writes=False)``: pushed out of host memory, a page with a disk copy
+    takes it, one without is dropped (a later miss) and nothing is written on the caller's
+    thread; a page a suspended cache holds is still written (it may not be dropped)."""
+    mgr, oracle = memory_and_disk(tmp_path / "disk", 12, blocking_writes=False)
+    copied_prompt, held_prompt, dropped_prompt = prompt_of(3000), prompt_of(4000, blocks=2), prompt_of(5000, blocks=4)
+    serve(mgr, oracle, copied_prompt)
+    assert write_behind(mgr) == 5
+    held = mgr.create_cache(held_prompt)
+    assert held.resume() and held.resize(len(held_prompt))
+    oracle.write(held, held_prompt, 0, len(held_prompt))
+    held.commit(held_prompt)
+    held.suspend()
+    held_pages = {id(p) for p in held._table.live_pages()}
+    serve(mgr, oracle, dropped_prompt)  # not written behind: no maintain since
+    drops = mgr.stats().drops
+    for k in range(3):  # push everything out of the primary tier, no maintain in between
+        serve(mgr, oracle, prompt_of(81_000 + 1000 * k, blocks=4))
+    assert mgr.stats().drops >= drops + 4
+    assert written_pages and {id(p) for p in written_pages} <= held_pages  # only the held cache's were written
+    reuse_exactly(mgr, oracle, copied_prompt, "disk")
+    assert mgr.create_cache(dropped_prompt + [1]).num_reused_tokens == 0
+    assert held.resume()
+    oracle.check(held, held_prompt)
+    held.close()
     mgr.check_invariants()
     mgr.close()
 

@@ -38,18 +38,28 @@ class DiskWriter(Protocol):
 
 
 class DiskWritePlanner:
-    """Decides what is written to the disk tier and lands it there; ``writer`` writes the bytes."""
+    """Decides what is written to the disk tier and lands it there; ``writer`` writes the bytes.
 
-    def __init__(self, residency: Residency, disk: Tier, writer: DiskWriter) -> None:
+    Not ``blocking``: a demoted page without a disk copy that only the tree holds is dropped, not
+    written, and no ancestor copies are written (``DiskTier.blocking_writes``).
+    """
+
+    def __init__(self, residency: Residency, disk: Tier, writer: DiskWriter, blocking: bool = True) -> None:
         self.residency = residency
         self.disk = disk
         self.writer = writer
+        self.blocking = blocking
 
     def demote(self, victims: list[Page], plan: MovePlan) -> None:
         """Write victims (one tier, one group) to disk, then copies of their ancestors not there yet.
 
-        A victim whose copy is on disk already takes the copy's slot without a write.
+        A victim whose copy is on disk already takes the copy's slot without a write; when not
+        ``blocking``, one that only the tree holds is dropped instead of written.
         """
+        self._write_down(victims, plan, blocking=self.blocking)
+
+    def _write_down(self, victims: list[Page], plan: MovePlan, blocking: bool) -> None:
+        """``demote``, writing (``blocking``) or dropping the victims without a disk copy."""
         disk = self.disk
         if not disk.disk_index.flush():  # the rows of freed slots must be gone before slots are rewritten
             self._not_written(victims)
@@ -61,6 +71,9 @@ class DiskWritePlanner:
             copied = disk.take_copy(page)
             if copied is not None:
                 self._land(page, *copied)
+                continue
+            if not blocking and page.refs == 0:
+                self._not_written([page])  # dropped: the caller does not wait for the disk
                 continue
             slot = allocator.allocate()
             if slot is None:
@@ -76,7 +89,8 @@ class DiskWritePlanner:
                     self._not_written([page])
                 else:
                     self._land(page, slot, checksum)
-        self._copy_ancestors(victims, plan)
+        if blocking:
+            self._copy_ancestors(victims, plan)
 
     def _land(self, page: Page, slot: int, checksum: int) -> None:
         """``page`` now lives in a disk slot holding its bytes: index it there."""
@@ -177,5 +191,5 @@ class DiskWritePlanner:
                     free[page.group] -= 1
                 batches[(page.tier, page.group)].append(page)
         for pages in batches.values():
-            self.demote(pages, plan)
+            self._write_down(pages, plan, blocking=True)  # closing: every page is written
         return sum(len(p) for p in batches.values())

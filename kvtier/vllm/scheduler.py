@@ -4,8 +4,9 @@ One ``KVCacheManager`` whose primary tier is host memory (then the disk tier) ke
 vLLM computed, by a radix tree of its tokens per reuse scope (LoRA, cache salt), under the
 model's identity. While host memory is nearly full, copies of its coldest pages are written to
 disk on a background thread (``DiskTier.write_behind``, driven each step), so that pushing them
-out of host memory for a save or a read writes nothing on vLLM's scheduler thread. Each request
-gets a ``Lease`` (``kvtier.vllm.lease``):
+out of host memory for a save or a read writes nothing on vLLM's scheduler thread; a page the
+disk has not taken yet is dropped instead (``DiskTier.blocking_writes=False``): a slow disk
+costs cache, never scheduler time. Each request gets a ``Lease`` (``kvtier.vllm.lease``):
 
 - **ask** (``get_num_new_matched_tokens``): the lease's cache matches the longest cached prefix
   (no memory, no copy); tokens past vLLM's own hit are offered, loaded asynchronously. Pages of
@@ -74,7 +75,7 @@ class KVTierScheduler:
     def __init__(self, plan: ModelPlan, settings: ConnectorSettings, engine_id: str) -> None:
         tiers: list[PrimaryTier | DiskTier] = [PrimaryTier(settings.host_bytes)]
         if settings.disk_path is not None and settings.disk_bytes is not None:
-            tiers.append(DiskTier(settings.disk_bytes, settings.disk_path, write_behind=True))
+            tiers.append(DiskTier(settings.disk_bytes, settings.disk_path, write_behind=True, blocking_writes=False))
         config = CacheConfig(plan.block_size, tiers, device="cpu", enable_partial_reuse=False)
         self.plan = plan
         self.manager = KVCacheManager(plan.spec, config)

@@ -217,21 +217,20 @@ def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, wa
     finishes with its own KV, nothing leaking, and no page is read on the scheduler thread. A
     request that finds no room waits for it (``disk_read_wait_s``) while the others run, then
     loads its whole prefix; without that wait, what host memory cannot take is recomputed."""
-    host_pages = 40
 
-    def small(tmp: Path) -> Engine:
+    def small(tmp: Path, host_pages: int) -> Engine:
         extra = {"host_bytes": host_pages * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp / "disk")}
         config = vllm_config(tmp, {**extra, "disk_read_wait_s": wait_s})
         return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
 
-    first = small(tmp_path)
+    first = small(tmp_path, 200)  # room for every prefix: its shutdown writes them all to disk
     prefixes = [prompt(30 + k, 120) for k in range(12)]
     for i, shared in enumerate(prefixes):
         first.add(f"a{i}", shared, max_tokens=2)
     first.run()
     first.shutdown()
     never_read_disk_on_the_scheduler_thread(monkeypatch)
-    second = small(tmp_path)
+    second = small(tmp_path, 40)
     second.poison()
     for i, shared in enumerate(prefixes):
         second.add(f"b{i}", shared + [1, 2], max_tokens=3)
@@ -285,6 +284,33 @@ def test_host_memory_is_written_behind_so_pushing_blocks_out_writes_nothing_on_t
     e.add("a0-again", prompt(60, 120) + [7], max_tokens=2)
     e.run()
     assert first_step_of(e, "a0-again")[0] == 112  # back from disk
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_a_disk_that_cannot_keep_up_costs_cache_not_scheduler_time(tmp_path, monkeypatch):
+    """The write-behind never gets its batch written (a stalled disk): saves that push blocks out
+    of full host memory drop the ones without a disk copy instead of writing them on vLLM's
+    scheduler thread, and every request still gets its own KV."""
+    started, release = hold(monkeypatch, disk_write_behind.DiskWriteBehind, "_write")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the scheduler thread wrote pages to disk")
+
+    monkeypatch.setattr(mover.Mover, "write_pages", refused)
+    extra = {"host_bytes": 40 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
+    config = vllm_config(tmp_path, extra)
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
+    e.poison()
+    for i in range(8):
+        e.add(f"a{i}", prompt(60 + i, 120), max_tokens=2)
+    e.run()
+    assert started.is_set() and e.kv_scheduler.manager.stats().drops > 0
+    e.add("again", prompt(67, 120) + [7], max_tokens=2)  # the most recent prefix is still in host memory
+    e.run()
+    assert first_step_of(e, "again")[0] == 112
+    release.set()
+    monkeypatch.undo()  # the shutdown writes what host memory holds
     e.assert_no_leaks()
     e.shutdown()
 
