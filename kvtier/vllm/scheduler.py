@@ -12,14 +12,14 @@ costs cache, never scheduler time. Each request gets a ``Lease`` (``kvtier.vllm.
   (no memory, no copy); tokens past vLLM's own hit are offered, loaded asynchronously. Pages of
   the prefix on disk are first read into host memory (checksum-verified) on the manager's
   background thread: until then the ask answers None, and vLLM asks again next step while it
-  schedules the other requests. When host memory has no room for them, the ask waits for room up
-  to ``disk_read_wait_s`` from the request's first ask.
+  schedules the other requests. A read it cannot start itself (host memory has no room, or
+  another request's read has the pages) it waits for up to ``disk_read_wait_s`` from its first
+  ask.
 - **alloc** (``update_state_after_alloc``, right after the answer): the prefix is locked in host
   memory; a load job copies the offered blocks into vLLM's new blocks. The scheduler thread never
-  reads the disk: a page still there when the ask answers (host memory had no room for it within
-  ``disk_read_wait_s``) ends the offer (``KVCache.shorten_to_memory``), and the rest is
-  recomputed. Blocks whose pages turned out damaged are reported failed with the job, so vLLM
-  recomputes them.
+  reads the disk: a page still there when the ask answers (past that wait, or found damaged)
+  ends the offer (``KVCache.shorten_to_memory``), and the rest is recomputed. Blocks whose
+  pages turned out damaged are reported failed with the job, so vLLM recomputes them.
 - **every step** (``build_connector_meta``): for each scheduled request the blocks that become
   full and computed by the end of the step get host pages and a save job; a page is published
   for reuse only when its job completed (``update_connector_output``).
@@ -138,12 +138,10 @@ class KVTierScheduler:
             if lease.reads:
                 lease.reads = []
                 self.manager.maintain()  # lands the pages read
-            if lease.cache.reused_in_memory == lease.matched:
-                break
-            if not self._read_from_disk(request, lease):
-                if self._host_full() and time.monotonic() - lease.created < self._disk_read_wait_s:
-                    return None, False  # host memory has no room for them now: asked again next step
-                break  # what is still on disk (no room in time, or found damaged) is recomputed
+            if lease.cache.reused_in_memory == lease.matched or self._gave_up_reading(request, lease):
+                break  # what is still on disk is recomputed
+            if not lease.reads:
+                return None, False  # another read has its pages, or host memory has no room: asked again next step
         lease.fetched()  # the offer counts only the store's blocks that arrived whole
         if lease.cache.shorten_to_memory():  # vLLM allocates right after this answer: alloc reads no disk
             lease.drop_store_blocks()  # they followed the blocks given up
@@ -151,21 +149,25 @@ class KVTierScheduler:
         offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
 
-    def _read_from_disk(self, request: Request, lease: Lease) -> bool:
-        """Start reading the request's cached pages on disk into host memory on the manager's
-        background thread; the lease waits for this read or, when none of its pages could be
-        taken now (another request's read has them, or host memory has no room), for the reads
-        in flight. Returns whether it waits for any."""
+    def _gave_up_reading(self, request: Request, lease: Lease) -> bool:
+        """Start reading the request's cached pages still on disk into host memory on the manager's
+        background thread (the lease waits for that read: ``lease.reads``). False when one
+        started, or when none could and it may still wait: another read has its pages, or host
+        memory has no room, and less than ``disk_read_wait_s`` passed since its first ask. True
+        when none could and it may not: it is past that wait, or nothing stands in the way (its
+        pages were found damaged)."""
         self._reads = [read for read in self._reads if not read.done()]
         read = self.manager.prefetch_to_host(request.all_token_ids, scope_of(request))
         if read is not None:
             self._reads.append(read)
-        lease.reads = list(self._reads) if read is None else [read]
-        return bool(lease.reads)
+            lease.reads = [read]
+            return False
+        if time.monotonic() - lease.created >= self._disk_read_wait_s:
+            return True
+        return not (self._reads or self._host_full())
 
     def _host_full(self) -> bool:
-        """Whether host memory has no free page: then a read that started nothing found no room
-        (else its pages were damaged, or vLLM's layer groups differ in what is free)."""
+        """Whether host memory has no free page (with several layer groups, none in any of them)."""
         tier = self.manager.stats().tiers["primary"]
         return tier.pages_used >= tier.pages_total
 

@@ -10,8 +10,9 @@ Keys of ``kv_connector_extra_config``:
 - ``model_id`` (str or None): what names the weights in every key. By default vLLM's model name
   and revision; set it to a fingerprint of the weights when a local directory may change.
 - ``disk_read_wait_s`` (float >= 0, default 1.0): how long a request whose cached prefix is on disk
-  may wait, from its first scheduling, for host memory to have room to read it into; what is
-  still on disk then is recomputed. (A read that started is always waited for.)
+  may wait, from its first scheduling, for reads it cannot start itself (host memory has no room
+  for its pages, or another request's read has them); what is still on disk then is recomputed.
+  A read of its own pages, once started, is always waited for.
 
 Anything else is a ``ValueError`` naming the known keys; a value of the wrong type a
 ``TypeError``.

@@ -210,6 +210,30 @@ def test_requests_sharing_a_disk_prefix_wait_for_the_one_read(tmp_path, monkeypa
     second.shutdown()
 
 
+def test_a_request_waits_for_another_requests_read_only_so_long(tmp_path, monkeypatch):
+    """The read that has a request's pages is another request's and takes longer than
+    ``disk_read_wait_s``: the request stops waiting, recomputes its prefix and finishes while
+    that read still runs; the other request then loads its blocks from disk."""
+    shared = prefix_on_disk(tmp_path, 7)
+    started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
+    never_read_disk_on_the_scheduler_thread(monkeypatch)
+    e = engine(tmp_path, disk=True, disk_read_wait_s=0.2)
+    e.poison()
+    e.add("r2", shared + [1, 2, 3], max_tokens=2)
+    e.step()
+    assert started.wait(10)
+    e.add("r3", shared + [4, 5], max_tokens=2)
+    while "r3" not in e.outputs or len(e.outputs["r3"]) < 2:
+        e.step()
+        time.sleep(0.01)
+    assert first_step_of(e, "r3")[0] == 0 and not release.is_set()  # recomputed while r2's read was held
+    release.set()
+    e.run()
+    assert first_step_of(e, "r2")[0] == 112
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 @pytest.mark.parametrize("wait_s", [30.0, 0.0], ids=["waits-for-room", "no-wait"])
 def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, wait_s):
     """Twelve requests whose prefixes are on disk, with host memory for five of them at once:
