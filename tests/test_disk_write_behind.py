@@ -30,14 +30,14 @@ def page_bytes(spec) -> int:
     return size
 
 
-def make(path, write_behind=True, host_tier=True):
+def make(path, write_behind=True, host_tier=True, blocking_writes=True):
     """A CPU manager with a host tier; or, without one, a primary tier as large (host memory)."""
     spec = small_spec("llama")
     page = page_bytes(spec)
     memory = [kvtier.PrimaryTier(6 * page), kvtier.HostTier(HOST_PAGES * page, write_through=False)]
     if not host_tier:
         memory = [kvtier.PrimaryTier((6 + HOST_PAGES) * page)]
-    tiers = [*memory, kvtier.DiskTier(64 * page, path, write_behind=write_behind)]
+    tiers = [*memory, kvtier.DiskTier(64 * page, path, write_behind=write_behind, blocking_writes=blocking_writes)]
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
     return mgr, PageOracle(mgr)
 
@@ -241,9 +241,19 @@ def test_copies_written_behind_survive_a_restart(tmp_path):
     mgr.close()
 
 
-@pytest.mark.parametrize("host_tier", [True, False], ids=["host-tier", "cpu-primary"])
-@pytest.mark.parametrize("ending", ["killed", "no close"])
-def test_a_process_ending_during_a_batch_leaves_the_disk_exact(tmp_path, ending, host_tier):
+MEMORY = {  # make()'s keywords: a host tier; host memory as the primary tier; that, dropping what is not written behind
+    "host-tier": {},
+    "cpu-primary": {"host_tier": False},
+    "cpu-primary-dropping": {"host_tier": False, "blocking_writes": False},
+}
+
+
+@pytest.mark.parametrize(
+    ("ending", "memory"),
+    [("killed", "host-tier"), ("killed", "cpu-primary"), ("killed", "cpu-primary-dropping")]
+    + [("no close", "host-tier"), ("no close", "cpu-primary")],
+)
+def test_a_process_ending_during_a_batch_leaves_the_disk_exact(tmp_path, ending, memory):
     """Killed, or exiting without ``close()``, while a batch writes: the next manager serves what
     was on disk, and (no close: persisted at exit) the pages that were in memory, byte for byte."""
     from tests.test_disk_reliability import run_child
@@ -252,11 +262,11 @@ def test_a_process_ending_during_a_batch_leaves_the_disk_exact(tmp_path, ending,
     code = f"""
     import os, signal, time
     from tests.test_disk_write_behind import make, prompt_of, to_host
-    mgr, oracle = make({str(tmp_path / "disk")!r}, host_tier={host_tier})
+    mgr, oracle = make({str(tmp_path / "disk")!r}, **{MEMORY[memory]!r})
     prompt = prompt_of(6000)
     to_host(mgr, oracle, prompt)
     mgr.close()  # the prompt is on disk now
-    mgr, oracle = make({str(tmp_path / "disk")!r}, host_tier={host_tier})
+    mgr, oracle = make({str(tmp_path / "disk")!r}, **{MEMORY[memory]!r})
     for k in range(4):
         to_host(mgr, oracle, prompt_of(7000 + 1000 * k))
     mgr.maintain()
@@ -266,7 +276,7 @@ def test_a_process_ending_during_a_batch_leaves_the_disk_exact(tmp_path, ending,
     """
     out = run_child(code)
     assert out.returncode == (-9 if ending == "killed" else 0), out.stderr[-3000:]
-    mgr, oracle = make(tmp_path / "disk", host_tier=host_tier)
+    mgr, oracle = make(tmp_path / "disk", **MEMORY[memory])
     mgr.check_invariants()
     reuse_exactly(mgr, oracle, prompt_of(6000))
     if ending == "no close":
