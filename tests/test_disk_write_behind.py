@@ -193,6 +193,25 @@ def test_without_blocking_writes_a_page_not_written_behind_is_dropped_not_writte
     mgr.close()
 
 
+def test_a_batch_writes_the_locked_prefix_above_its_pages_too(tmp_path):
+    """A hot prefix held by an active cache is never in the eviction order; a batch of the pages
+    below it writes it first, so the chain lands whole (a restart after a crash reaches them)."""
+    mgr, oracle = memory_and_disk(tmp_path / "disk", 12)
+    system = prompt_of(5000, blocks=3)[:-1]
+    hot = mgr.create_cache(system + [1])
+    assert hot.resume() and hot.resize(len(system) + 1)
+    oracle.write(hot, system + [1], 0, len(system) + 1)
+    hot.commit(system + [1])
+    serve(mgr, oracle, system + prompt_of(6000, blocks=2))  # two blocks below the hot prefix
+    disk = mgr._pool.tiers[1]
+    hot_pages = hot._table.live_pages()[:3]
+    assert write_behind(mgr) >= 5
+    assert all(page in disk.copies and page.locks for page in hot_pages)
+    hot.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
 @pytest.fixture
 def held_writes(monkeypatch):
     """Write-behind batches wait for ``release`` before they write; ``started`` is set when one waits."""

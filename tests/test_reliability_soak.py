@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 import kvtier
-from tests.kvdata import PageOracle
-from tests.test_tiers import manager
+from tests.kvdata import PageOracle, small_spec
+from tests.test_tiers import TPB, manager, page_demand
 
 ROOT = Path(__file__).resolve().parents[1]
 SCOPES = [kvtier.ReuseScope(), kvtier.ReuseScope(salt="tenant-a"), kvtier.ReuseScope(lora_id=3, salt=b"\x00b")]
@@ -32,8 +32,15 @@ SYSTEM = [900 + (i % 7) for i in range(12)]  # 3 blocks shared by most requests
 TIERS = {"primary": 10, "host": 8, "disk": 48}
 
 
-def new_manager(path: Path, kind: str) -> kvtier.KVCacheManager:
-    return manager(path, kind=kind, snapshot_interval_blocks=2, **TIERS)
+def new_manager(path: Path, kind: str, layout: str = "three-tiers") -> kvtier.KVCacheManager:
+    """Three tiers; or, as in the vLLM connector, host memory as the primary tier above the disk,
+    written behind and dropping what was not written behind yet when pushed out."""
+    if layout == "three-tiers":
+        return manager(path, kind=kind, snapshot_interval_blocks=2, **TIERS)
+    d = page_demand(small_spec(kind))
+    disk = kvtier.DiskTier(int(d * TIERS["disk"]) + 1, path, write_behind=True, blocking_writes=False)
+    tiers = [kvtier.PrimaryTier(int(d * (TIERS["primary"] + TIERS["host"])) + 1), disk]
+    return kvtier.KVCacheManager(small_spec(kind), kvtier.CacheConfig(TPB, tiers, snapshot_interval_blocks=2))
 
 
 class Churn:
@@ -54,6 +61,7 @@ class Churn:
 
     def step(self) -> None:
         rng = self.rng
+        self.mgr.maintain()  # background work between steps, as an engine does
         op = rng.random()
         if op < 0.55 or not self.kept:
             self.serve()
@@ -131,10 +139,14 @@ def verify_restored(mgr: kvtier.KVCacheManager) -> int:
     return restored
 
 
-@pytest.mark.parametrize("kind, seed", [("llama", 1), ("swa", 2), ("hybrid", 3)])
-def test_random_operations_with_restarts(tmp_path, kind, seed):
+@pytest.mark.parametrize(
+    "kind, seed, layout",
+    [("llama", 1, "three-tiers"), ("swa", 2, "three-tiers"), ("hybrid", 3, "three-tiers")]
+    + [("llama", 4, "host-memory-and-disk"), ("hybrid", 5, "host-memory-and-disk")],
+)
+def test_random_operations_with_restarts(tmp_path, kind, seed, layout):
     rng = random.Random(seed)
-    mgr = new_manager(tmp_path, kind)
+    mgr = new_manager(tmp_path, kind, layout)
     churn = Churn(mgr, rng)
     restored = 0
     for step in range(240):
@@ -147,7 +159,7 @@ def test_random_operations_with_restarts(tmp_path, kind, seed):
             else:
                 del churn, mgr  # dropped without close: the next manager must still start
                 gc.collect()
-            mgr = new_manager(tmp_path, kind)
+            mgr = new_manager(tmp_path, kind, layout)
             restored += verify_restored(mgr)
             churn = Churn(mgr, rng)
         else:
@@ -160,7 +172,7 @@ CHILD = """
 import random, sys
 from pathlib import Path
 from tests.test_reliability_soak import Churn, SYSTEM, new_manager
-mgr = new_manager(Path({path!r}), "llama")
+mgr = new_manager(Path({path!r}), "llama", {layout!r})
 churn = Churn(mgr, random.Random({seed}))
 hot = mgr.create_cache(SYSTEM + [1])  # the system prompt, computed once and kept ACTIVE: never demoted
 assert hot.resume() and hot.resize(13)
@@ -175,12 +187,13 @@ while True:
 """
 
 
-def test_killed_mid_write_always_restarts_with_exact_pages(tmp_path):
+@pytest.mark.parametrize("layout", ["three-tiers", "host-memory-and-disk"])
+def test_killed_mid_write_always_restarts_with_exact_pages(tmp_path, layout):
     rng = random.Random(7)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with_system = 0
     for round_ in range(4):
-        code = textwrap.dedent(CHILD.format(path=str(tmp_path), seed=round_))
+        code = textwrap.dedent(CHILD.format(path=str(tmp_path), seed=round_, layout=layout))
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
         try:
             assert child.stdout.readline().strip() == b"ready"
@@ -188,7 +201,7 @@ def test_killed_mid_write_always_restarts_with_exact_pages(tmp_path):
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait()
-        mgr = new_manager(tmp_path, "llama")
+        mgr = new_manager(tmp_path, "llama", layout)
         assert verify_restored(mgr) > 0
         probe = mgr.create_cache(SYSTEM + [1, 2])
         with_system += probe.num_reused_tokens == len(SYSTEM)  # the hot prefix survived on disk

@@ -130,6 +130,7 @@ class DiskWriteBehind:
                     break
         if not pages:
             return None
+        pages = self._with_ancestors(pages)[:want]
         disk_slots = self._disk_slots(group, len(pages))
         if not disk_slots:
             return None
@@ -138,6 +139,16 @@ class DiskWriteBehind:
         host_slots = [page.slot for page in pages]
         times_freed = [slots.times_freed(slot) for slot in host_slots]
         return WriteBatch(group, pages, host_slots, times_freed, disk_slots)
+
+    def _with_ancestors(self, pages: list[Page]) -> list[Page]:
+        """``pages`` after their ancestors in host memory that have nothing on disk yet, parents
+        first (``Tier.uncopied_ancestors``, which also keeps the ancestors already on disk
+        the most recently used there): a chain lands whole, so a restart after a crash reaches
+        what was written. The hot prefix above cold pages stays in memory, locked, and would
+        otherwise never be written."""
+        chosen = {id(page) for page in pages}
+        ancestors = self.disk.uncopied_ancestors(pages, chosen)
+        return [page for page in ancestors if page.tier == self.host.index and not page.damaged] + pages
 
     def _disk_slots(self, group: int, count: int) -> list[int]:
         """Up to ``count`` disk slots for copies: free ones, spare copies', then ones of dropped

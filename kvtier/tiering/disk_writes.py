@@ -120,9 +120,9 @@ class DiskWritePlanner:
         disk = self.disk
         group = victims[0].group
         moving = {id(p) for p in plan.landed}
-        wanted = self._uncopied_ancestors(victims, moving)
+        wanted = disk.uncopied_ancestors(victims, moving)
         if not wanted or not self.residency.drop_for_room(disk.index, group, len(wanted)):
-            wanted = self._uncopied_ancestors(victims, moving)[: disk.storage.slots[group].num_free]
+            wanted = disk.uncopied_ancestors(victims, moving)[: disk.storage.slots[group].num_free]
         if wanted and not disk.disk_index.flush():  # the drops' rows go before their slots are rewritten
             return
         by_tier: dict[int, list[Page]] = defaultdict(list)
@@ -137,38 +137,6 @@ class DiskWritePlanner:
                     allocator.free(slot)
                 else:
                     disk.add_copy(page, slot, checksum, max(priority, page.priority))
-
-    def _uncopied_ancestors(self, victims: list[Page], moving: set[int]) -> list[Page]:
-        """Ancestor pages of the victims (their group) with nothing on disk, parents first.
-
-        Ancestors already on disk, or copied, become the most recently used there (a spare copy
-        is spare no more), and a copy takes the priority of the blocks below it if higher: a
-        chain's upper blocks outlive its lower ones on disk. The walk covers the whole chain (each block once per call).
-        """
-        disk = self.disk
-        group = victims[0].group
-        seen: set[int] = set()
-        out: list[Page] = []
-        for victim in sorted(victims, key=lambda p: p.node.block if p.node is not None else 0):
-            chain = []
-            node = victim.node.parent if victim.node is not None else None
-            while node is not None and node.parent is not None and id(node) not in seen:
-                seen.add(id(node))
-                page = node.pages[group]
-                if page is not None and id(page) not in moving:
-                    present = page if page.tier == disk.index else disk.copies.get(page)
-                    if present is None:
-                        chain.append(page)
-                    elif present in disk.originals and present.priority < victim.priority:
-                        disk.evictable[group].discard(present)
-                        present.priority = victim.priority
-                        disk.record(present)
-                    if present is not None:
-                        disk.spare_copies.discard(present)  # a chain below needs it now
-                        disk.reindex(present)
-                node = node.parent
-            out.extend(reversed(chain))
-        return out
 
     def persist(self, plan: MovePlan) -> int:
         """Write published pages held in memory tiers to free disk slots, parents first.

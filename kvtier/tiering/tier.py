@@ -261,6 +261,39 @@ class Tier:
         self.vacate(copy)
         copy.node = None
 
+    def uncopied_ancestors(self, victims: list[Page], moving: set[int]) -> list[Page]:
+        """For the disk tier: ancestor pages of the victims (their group) with nothing here, parents
+        first; pages whose ids are in ``moving`` are left out.
+
+        Ancestors already here, or copied here, become the most recently used (a spare copy is
+        spare no more), and a copy takes the priority of the blocks below it if higher: a
+        chain's upper blocks outlive its lower ones on disk. The walk covers the whole chain
+        (each block once per call).
+        """
+        group = victims[0].group
+        seen: set[int] = set()
+        out: list[Page] = []
+        for victim in sorted(victims, key=lambda p: p.node.block if p.node is not None else 0):
+            chain = []
+            node = victim.node.parent if victim.node is not None else None
+            while node is not None and node.parent is not None and id(node) not in seen:
+                seen.add(id(node))
+                page = node.pages[group]
+                if page is not None and id(page) not in moving:
+                    present = page if page.tier == self.index else self.copies.get(page)
+                    if present is None:
+                        chain.append(page)
+                    elif present in self.originals and present.priority < victim.priority:
+                        self.evictable[group].discard(present)
+                        present.priority = victim.priority
+                        self.record(present)
+                    if present is not None:
+                        self.spare_copies.discard(present)  # a chain below needs it now
+                        self.reindex(present)
+                node = node.parent
+            out.extend(reversed(chain))
+        return out
+
     # -- eviction --------------------------------------------------------------------------------
 
     def may_evict(self, page: Page) -> bool:
