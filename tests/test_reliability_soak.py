@@ -1,4 +1,6 @@
-"""Reliability soaks over three tiers (primary + host + disk), bounded to a few seconds each.
+"""Reliability soaks over three tiers (primary + host + disk), and over the vLLM connector's layout
+(host memory as the primary tier above a disk written behind, not blocking), bounded to a few
+seconds each.
 
 1. Random operations (create, prefill, keep, resume, decode, close, prefetch) under several
    scopes, with restarts: a manager closed and reopened on the same directory, or dropped

@@ -6,7 +6,8 @@ resume that has to push pages out of a full host tier waits for the disk. With w
 are nearly all used (fewer free than a batch), the pages in the cold end of that group's
 eviction order (``CLEAN_SHARE`` of its host slots, at least ``SCAN_BATCHES`` batches, at most
 ``MAX_SCAN`` pages: about what a large resume pushes out) that are published, intact and not on
-disk yet, a batch of them (``BATCH_BYTES``, at most ``BATCH_PAGES``), and a disk slot for each: a
+disk yet, a batch of them (``BATCH_BYTES``, at most ``BATCH_PAGES``) after their ancestors in host
+memory not on disk yet (parents first: a chain lands whole), and a disk slot for each: a
 free one, a spare copy's, or one freed by dropping the disk's least recently used droppable pages
 (what demoting these pages would drop anyway). The removal of the dropped pages' rows is committed before any byte is
 written into their slots. A worker thread waits for the device copies issued so far (the bytes
