@@ -52,6 +52,22 @@ def engine(
     return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], blocks))
 
 
+def host_pages_engine(tmp_path: Path, host_pages: int, **extra) -> Engine:
+    """An engine with host memory for ``host_pages`` kvtier pages and a disk, 128 vLLM blocks."""
+    base = {"host_bytes": host_pages * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
+    config = vllm_config(tmp_path, {**base, **extra})
+    return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
+
+
+def refuse_disk_writes_on_the_scheduler_thread(monkeypatch) -> None:
+    """A disk write by a plan (a demotion of pages not written behind) fails the test."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the scheduler thread wrote pages to disk")
+
+    monkeypatch.setattr(mover.Mover, "write_pages", refused)
+
+
 def run_until_computed(e: Engine, rid: str, tokens: int) -> None:
     while e.requests[rid].num_computed_tokens < tokens:
         e.step()
@@ -241,20 +257,14 @@ def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, wa
     finishes with its own KV, nothing leaking, and no page is read on the scheduler thread. A
     request that finds no room waits for it (``disk_read_wait_s``) while the others run, then
     loads its whole prefix; without that wait, what host memory cannot take is recomputed."""
-
-    def small(tmp: Path, host_pages: int) -> Engine:
-        extra = {"host_bytes": host_pages * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp / "disk")}
-        config = vllm_config(tmp, {**extra, "disk_read_wait_s": wait_s})
-        return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
-
-    first = small(tmp_path, 200)  # room for every prefix: its shutdown writes them all to disk
+    first = host_pages_engine(tmp_path, 200, disk_read_wait_s=wait_s)  # its shutdown writes every prefix to disk
     prefixes = [prompt(30 + k, 120) for k in range(12)]
     for i, shared in enumerate(prefixes):
         first.add(f"a{i}", shared, max_tokens=2)
     first.run()
     first.shutdown()
     never_read_disk_on_the_scheduler_thread(monkeypatch)
-    second = small(tmp_path, 40)
+    second = host_pages_engine(tmp_path, 40, disk_read_wait_s=wait_s)
     second.poison()
     for i, shared in enumerate(prefixes):
         second.add(f"b{i}", shared + [1, 2], max_tokens=3)
@@ -285,9 +295,7 @@ def test_host_memory_is_written_behind_so_pushing_blocks_out_writes_nothing_on_t
         return batch
 
     monkeypatch.setattr(disk_write_behind.DiskWriteBehind, "start", keeping_up)
-    extra = {"host_bytes": 40 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
-    config = vllm_config(tmp_path, extra)
-    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
+    e = host_pages_engine(tmp_path, 40)
     e.poison()
     for i in range(5):
         e.add(f"a{i}", prompt(60 + i, 120), max_tokens=2)
@@ -295,11 +303,7 @@ def test_host_memory_is_written_behind_so_pushing_blocks_out_writes_nothing_on_t
     for _ in range(3):
         e.step()  # idle steps: the background writes land
     writes = mover.Mover.write_pages
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the scheduler thread wrote pages to disk")
-
-    monkeypatch.setattr(mover.Mover, "write_pages", refused)
+    refuse_disk_writes_on_the_scheduler_thread(monkeypatch)
     demotions = e.kv_scheduler.manager.stats().demotions
     e.add("b", prompt(99, 300), max_tokens=2)
     e.run()
@@ -317,14 +321,8 @@ def test_a_disk_that_cannot_keep_up_costs_cache_not_scheduler_time(tmp_path, mon
     of full host memory drop the ones without a disk copy instead of writing them on vLLM's
     scheduler thread, and every request still gets its own KV."""
     started, release = hold(monkeypatch, disk_write_behind.DiskWriteBehind, "_write")
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the scheduler thread wrote pages to disk")
-
-    monkeypatch.setattr(mover.Mover, "write_pages", refused)
-    extra = {"host_bytes": 40 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
-    config = vllm_config(tmp_path, extra)
-    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
+    refuse_disk_writes_on_the_scheduler_thread(monkeypatch)
+    e = host_pages_engine(tmp_path, 40)
     e.poison()
     for i in range(8):
         e.add(f"a{i}", prompt(60 + i, 120), max_tokens=2)
