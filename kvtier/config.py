@@ -210,9 +210,8 @@ def write_behind_enabled(config: CacheConfig) -> bool:
     tier of a manager on the CPU without one (``DiskTier.write_behind``)."""
     disk = next((t for t in config.tiers if isinstance(t, DiskTier)), None)
     on_cuda = torch.device(config.device).type == "cuda"
-    host = any(isinstance(t, HostTier) for t in config.tiers)
-    if disk is None or not (host or not on_cuda):
-        return False
+    if disk is None or (on_cuda and not any(isinstance(t, HostTier) for t in config.tiers)):
+        return False  # no disk, or no host memory above it
     if disk.write_behind is None:
         return on_cuda
     return disk.write_behind
