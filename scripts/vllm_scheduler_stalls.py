@@ -10,6 +10,11 @@ includes the connector's ask, alloc and per-step work), and the tokens the secon
 The second engine's directory is filled by an engine with room for every prefix (not timed), so
 that both trees start it with every prefix on disk.
 
+With ``--store-prompts N``, a third phase: an engine writes N prompts of ``STORE_PROMPT_TOKENS``
+tokens through to a shared-directory store (not timed), and a fresh engine with no disk tier and
+room in host memory serves them again from the store (``store_loading``): its ``schedule()``
+calls include putting the fetched pages into host memory.
+
     bash .ci/vllm_env.sh && PYTHONPATH=. .venv-vllm/bin/python scripts/vllm_scheduler_stalls.py --disk-mbps 1000
 """
 
@@ -27,6 +32,7 @@ from kvtier.storage.page_files import DiskStorage
 LAYERS = 8
 HOST_PAGES = 40
 PROMPTS = 12
+STORE_PROMPT_TOKENS = 1000
 
 
 def slow_disk(bytes_per_second: float) -> None:
@@ -53,6 +59,33 @@ def engine(tmp: Path, page: int, host_pages: int = HOST_PAGES) -> h.Engine:
     return h.Engine(config, h.kv_cache_config(config, [(h.layer_names(LAYERS), h.attention_spec())], 128))
 
 
+def store_engine(tmp: Path, page: int, prompts: int, name: str) -> h.Engine:
+    """An engine over a shared-directory store, with host memory for every block of ``prompts`` prompts."""
+    host_pages = prompts * (STORE_PROMPT_TOKENS // h.BLOCK + 2)
+    extra = {"host_bytes": host_pages * page, "store_url": f"file://{tmp / 'store'}"}
+    config = h.vllm_config(tmp, extra)
+    config.kv_transfer_config.engine_id = name
+    return h.Engine(config, h.kv_cache_config(config, [(h.layer_names(LAYERS), h.attention_spec())], host_pages))
+
+
+def store_phase(tmp: Path, page: int, prompts: int) -> dict:
+    """Serve ``prompts`` long prompts from the store in a fresh engine; its ``schedule()`` times."""
+    tmp.mkdir(exist_ok=True)
+    texts = [h.prompt(60 + k, STORE_PROMPT_TOKENS) for k in range(prompts)]
+    first = store_engine(tmp, page, prompts, "store-writer")
+    for i, tokens in enumerate(texts):
+        first.add(f"w{i}", tokens, max_tokens=2)
+    first.run(max_steps=5000)
+    first.shutdown()  # waits for the store writes
+    second = store_engine(tmp, page, prompts, "store-reader")
+    for i, tokens in enumerate(texts):
+        second.add(f"r{i}", tokens + [1, 2], max_tokens=3)
+    times = timed_run(second)
+    loaded = sum(next(s.computed[f"r{i}"][0] for s in second.log if f"r{i}" in s.computed) for i in range(prompts))
+    second.shutdown()
+    return {**summary(times), "tokens_loaded": loaded}
+
+
 def timed_run(e: h.Engine) -> list[float]:
     """Run ``e`` to the end; the seconds of each ``schedule()`` call."""
     times = []
@@ -77,6 +110,7 @@ def summary(times: list[float]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--disk-mbps", type=float, default=1000.0, help="the slow disk's speed, MB/s (10^6 bytes)")
+    parser.add_argument("--store-prompts", type=int, default=0, help="prompts served from a store (0: no store phase)")
     args = parser.parse_args()
     h.HEADS, h.HEAD_SIZE = 8, 128
     h.TINY_LLAMA.update(
@@ -104,6 +138,7 @@ def main() -> None:
         loads = timed_run(second)
         loaded = sum(next(s.computed[f"b{i}"][0] for s in second.log if f"b{i}" in s.computed) for i in range(PROMPTS))
         second.shutdown()
+        store = store_phase(tmp / "store", page, args.store_prompts) if args.store_prompts else None
     print(
         json.dumps(
             {
@@ -112,6 +147,7 @@ def main() -> None:
                 "saving": {**summary(saves), "pages_dropped": dropped},
                 "loading": summary(loads),
                 "tokens_loaded": loaded,
+                **({"store_loading": store} if store else {}),
             }
         )
     )

@@ -5,7 +5,8 @@ States, in order:
     OFFERED   a SUSPENDED cache holding the longest cached prefix (on any tier, no memory yet);
               its pages on disk may be on their way to host memory in the background (``reads``)
     ACTIVE    resumed: every page locked in the host tier. Loads read its pages; saves give it
-              new pages (``grow``) that a worker job fills.
+              new pages (``grow``) that a worker job fills (or, for blocks fetched from the
+              store, a background write into host memory, planned and committed as a save).
     CLOSING   vLLM let go of the request (finished, aborted, preempted); closed once no job of
               it (nor a store write of its pages) is in flight, so no page is unlocked
               (demotable, reusable) under a copy
@@ -149,11 +150,6 @@ class Lease:
             self.saving = False
             return False
         return True
-
-    def fill(self, tokens: list[int]) -> None:
-        """The pages of ``tokens`` (the next ones after ``committed``) were filled in place: commit them."""
-        self.cache.commit(tokens)
-        self.planned = self.committed
 
     def plan_save(self, job_id: int, tokens: list[int]) -> None:
         """A job fills the pages of ``tokens`` (the next ones after ``planned``)."""

@@ -28,8 +28,10 @@ costs cache, never scheduler time. Each request gets a ``Lease`` (``kvtier.vllm.
 
 With a store (``store_url``) the ask also counts the blocks past the tree that the store holds
 and fetches them on a background thread (verified; the run stops at the first miss, the rest is
-recomputed), answering None until they arrived; alloc puts them into host pages. Every completed
-save is written through to the store in the background.
+recomputed), answering None until they arrived. Alloc gives them new host pages, which another
+background thread fills (``StoreTier.place``); the load job goes to the worker, and the pages
+are committed, at the first step after that. Every completed save is written through to the
+store in the background.
 
 Preempted requests flush their in-flight saves before the next forward (their blocks are freed
 at once), and so does every save of a model with sliding-window layers (vLLM frees blocks that
@@ -42,6 +44,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -67,6 +70,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BlockIds = tuple[list[int], ...]  # vLLM block ids per KV cache group, positional per block
+
+
+@dataclass(slots=True)
+class _Placement:
+    """Store pages being written into a lease's new host pages (a fill the lease commits in order,
+    ``fill_id``), and the load job that reads them, held back until they are written."""
+
+    future: Future[None]
+    lease: Lease
+    fill_id: int
+    load: TransferJob | None = None
 
 
 class KVTierScheduler:
@@ -101,6 +115,7 @@ class KVTierScheduler:
         self._put_plans: dict[int, tuple[BlockChain, list[bytes], list[np.ndarray]]] = {}
         self._puts: list[tuple[Future, Lease]] = []
         self._reads: list[HostPrefetch] = []  # background reads from disk that may still run
+        self._placements: list[_Placement] = []  # store pages being written into host pages
         if settings.store_url is not None:
             if plan.has_sliding_window:
                 self.shutdown()
@@ -182,22 +197,49 @@ class KVTierScheduler:
             )
             self._leases.pop(rid)
             lease = None
-        elif lease.store_pages and lease.committed == lease.matched:
-            self._place_store_pages(request, lease)
+        placement = None
+        if lease is not None and lease.store_pages and lease.committed == lease.matched:
+            placement = self._place_store_pages(request, lease)
         if num_external > 0:
-            self._add_load(rid, lease, block_ids, num_external)
+            job = self._add_load(rid, lease, block_ids, num_external)
+            if placement is not None:
+                placement.load = job  # it reads the pages being written: it goes once they are
+            else:
+                self._step_jobs.append(job)
 
-    def _place_store_pages(self, request: Request, lease: Lease) -> None:
-        """Put the blocks fetched from the store into new host pages and commit them."""
+    def _place_store_pages(self, request: Request, lease: Lease) -> _Placement | None:
+        """Give the blocks fetched from the store new host pages and start writing them there in
+        the background; the lease commits them once written (``_land_placements``). None when the
+        host tier has no room for them (they are recomputed)."""
         assert self._store is not None
         pages, lease.store_pages = lease.store_pages, []
         first = lease.committed // self._tpb
         end = first + len(pages)
         if not lease.grow(end * self._tpb):
-            return
-        self._store.place(pages, [lease.host_slots(plan.group_id, first, end) for plan in self.plan.groups])
-        lease.fill(list(request.all_token_ids[first * self._tpb : end * self._tpb]))
+            return None
+        future = self._store.place(pages, [lease.host_slots(plan.group_id, first, end) for plan in self.plan.groups])
+        placement = _Placement(future, lease, next(self._job_ids))
+        lease.plan_save(placement.fill_id, list(request.all_token_ids[first * self._tpb : end * self._tpb]))
         lease.store_tokens = len(pages) * self._tpb
+        self._placements.append(placement)
+        return placement
+
+    def _land_placements(self) -> None:
+        """Commit the store pages written into host pages, and send the loads that waited for them;
+        a failed write fails its load (vLLM recomputes it) and ends its lease's saving."""
+        running = []
+        for placement in self._placements:
+            if not placement.future.done():
+                running.append(placement)
+                continue
+            failure = placement.future.exception()
+            if failure is not None:
+                log.warning("kvtier.vllm: writing store pages into host memory failed (%r); recomputed", failure)
+            if placement.load is not None:
+                placement.load.failed = placement.load.failed or failure is not None
+                self._step_jobs.append(placement.load)
+            placement.lease.save_done(placement.fill_id, failure is None)
+        self._placements = running
 
     def hit_sources(self, request: Request, num_external: int) -> tuple[int, int, int]:
         """(host, disk, store) tokens of an external hit (the store's, then the disk's counted first)."""
@@ -208,7 +250,8 @@ class KVTierScheduler:
         disk = min(num_external - store, lease.cache.reused_by_tier.get("disk", 0))
         return num_external - store - disk, disk, store
 
-    def _add_load(self, rid: str, lease: Lease | None, block_ids: BlockIds, num_external: int) -> None:
+    def _add_load(self, rid: str, lease: Lease | None, block_ids: BlockIds, num_external: int) -> TransferJob:
+        """The job loading the offered blocks (registered here; the caller sends it)."""
         tpb = self._tpb
         start = 0 if lease is None else lease.local_tokens
         first, end = start // tpb, -(-(start + num_external) // tpb)
@@ -226,13 +269,14 @@ class KVTierScheduler:
                 job.failed_block_ids = [b for b in block_ids[0][good_end:end] if b != self.null_block_id]
             job.failed = job.failed or good_end == first
         self._jobs[job.job_id] = (lease, Direction.LOAD)
-        self._step_jobs.append(job)
+        return job
 
     def _intact_end(self, lease: Lease, plan: GroupPlan, block_ids: BlockIds, first: int, end: int) -> int:
-        """The first block in ``[first, end)`` that vLLM wants and this group cannot supply (or ``end``)."""
+        """The first block in ``[first, end)`` that vLLM wants and this group cannot supply (or ``end``).
+        Pages the store's blocks are being written into count: the load waits for them."""
         slots = _padded(lease.host_slots(plan.group_id, first, end), end - first)
         wanted = self._device_blocks(plan, block_ids, first, end) != self.null_block_id
-        intact_blocks = lease.committed // self._tpb
+        intact_blocks = lease.planned // self._tpb
         for i in range(end - first):
             if wanted[i].any() and (slots[i] == BAD_PAGE_INDEX or first + i >= intact_blocks):
                 return first + i
@@ -241,13 +285,14 @@ class KVTierScheduler:
     # -- every step ----------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
+        self._land_placements()
         self._reap_puts()
         self.manager.maintain()  # lands background reads and disk writes, starts the next write
         flush: set[int] = set()
         for rid in scheduler_output.preempted_req_ids or ():
             lease = self._leases.pop(rid, None)
             if lease is not None:
-                flush.update(lease.saves)
+                flush.update(self._worker_saves(lease))
                 lease.release()
         if self.plan.has_sliding_window:
             flush.update(j for j, (_, d) in self._jobs.items() if d is Direction.SAVE)
@@ -355,17 +400,22 @@ class KVTierScheduler:
         lease = self._leases.pop(rid, None)
         if lease is None:
             return False
-        delay = bool(lease.saves) and not lease.loads  # during a load vLLM waits for the load itself
+        delay = bool(self._worker_saves(lease)) and not lease.loads  # during a load vLLM waits for the load itself
         lease.release()
         if delay:
             self._delayed.append(rid)
         return delay
 
+    def _worker_saves(self, lease: Lease) -> list[int]:
+        """The lease's save jobs on the worker (its fills from the store are host-side only)."""
+        return [job_id for job_id in lease.saves if job_id in self._jobs]
+
     def shutdown(self) -> None:
         """Close every lease and the manager (published pages still in host memory go to disk)."""
         if self._store is not None:
-            self._store.close()  # waits for the writes in flight
+            self._store.close()  # waits for the placements and writes in flight
             self._store = None
+            self._placements.clear()
         leases = {id(lease): lease for lease in self._leases.values()}
         leases.update({id(lease): lease for lease, _ in self._jobs.values() if lease is not None})
         for lease in leases.values():

@@ -8,7 +8,8 @@ miss, and a store that is down, slow or full answers misses within its timeout, 
 
 - ``present``: how many consecutive blocks the store holds whole, one batched existence check.
 - ``fetch``: the verified payloads of blocks, read on a background thread; the run stops at the
-  first miss. ``place`` then writes them into host pages.
+  first miss. ``place`` then writes them into host pages, on another background thread: the
+  caller keeps the pages locked and reads nothing of them until the returned future is done.
 - ``put``: pages written on a background thread, skipping keys the store has; the caller keeps
   the pages unchanged (locked) until the returned future is done.
 """
@@ -82,6 +83,7 @@ class StoreTier:
         self._page_bytes = list(page_bytes)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-read")
+        self._placer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-place")
 
     def keys(self, chain: BlockChain, blocks: Sequence[bytes]) -> list[str]:
         """Per block, per group, the store key (block-major)."""
@@ -114,8 +116,12 @@ class StoreTier:
             run.append(row)  # type: ignore[arg-type]  (no None left)
         return run
 
-    def place(self, pages: Sequence[Sequence[bytes]], slots: Sequence[np.ndarray]) -> None:
-        """Write fetched pages (``pages[i][g]``, a ``fetch`` result) into host slots ``slots[g][i]``."""
+    def place(self, pages: Sequence[Sequence[bytes]], slots: Sequence[np.ndarray]) -> Future[None]:
+        """Write fetched pages (``pages[i][g]``, a ``fetch`` result) into host slots ``slots[g][i]``, in
+        the background (a copy of the whole hit: hundreds of milliseconds for a long prefix)."""
+        return self._placer.submit(self._place, pages, slots)
+
+    def _place(self, pages: Sequence[Sequence[bytes]], slots: Sequence[np.ndarray]) -> None:
         for i, row in enumerate(pages):
             for g, payload in enumerate(row):
                 page, slot = self._page_bytes[g], int(slots[g][i])
@@ -139,7 +145,8 @@ class StoreTier:
             self.store.put_many(items)
 
     def close(self) -> None:
-        """Finish the reads and writes in flight, then close the store."""
+        """Finish the reads, placements and writes in flight, then close the store."""
         self._reader.shutdown(wait=True)
+        self._placer.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.store.close()

@@ -349,7 +349,7 @@ class Engine:
         assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
         k = self.kv_scheduler
         k.wait_for_store_writes()
-        assert not k._leases and not k._jobs and not k._requests
+        assert not k._leases and not k._jobs and not k._requests and not k._placements
         assert not k.manager._pool.holders, "a kvtier cache is still open"
         w = self.worker.worker
         assert not w._jobs and not w._saves_of and not w._delayed

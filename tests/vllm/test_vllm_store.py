@@ -1,8 +1,11 @@
 """KVTierConnector's store below the disk tier (``store_url``): another engine finds the pages
-there, a damaged value is recomputed, and Redis serves like a shared directory."""
+there, puts them into host memory off vLLM's scheduler thread, a damaged value is recomputed, and
+Redis serves like a shared directory."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from pathlib import Path
 
@@ -87,6 +90,102 @@ def test_a_fetch_from_the_store_runs_while_the_others_do(tmp_path, file_url, mon
     release.set()
     second.run()
     assert first_computed(second, "r2") == 112
+    second.assert_no_leaks()
+    second.shutdown()
+
+
+def hold_placements(monkeypatch) -> tuple[threading.Event, threading.Event, list[str]]:
+    """Make the writes of store pages into host memory wait for ``release``; ``started`` is set when
+    one waits, and the names of the threads they ran on are listed. Returns (started, release, threads)."""
+    started, release, threads = threading.Event(), threading.Event(), []
+    real = StoreTier._place
+
+    def held(self, pages, slots):
+        threads.append(threading.current_thread().name)
+        started.set()
+        release.wait(10)
+        return real(self, pages, slots)
+
+    monkeypatch.setattr(StoreTier, "_place", held)
+    return started, release, threads
+
+
+def test_store_pages_go_into_host_memory_off_the_scheduler_thread_and_the_load_waits_for_them(
+    tmp_path, file_url, monkeypatch
+):
+    """While the fetched pages are written into host pages the request waits and the others run;
+    its load and its commit wait for the write: a request asking meanwhile matches nothing in host
+    memory, and both load the prefix byte for byte (the runner checks every loaded value)."""
+    shared = prompt(25, 120)
+    save_through(tmp_path, file_url, shared)
+    started, release, threads = hold_placements(monkeypatch)
+    second = engine(tmp_path, file_url, "second")
+    second.poison()
+    r2 = second.add("r2", [*shared, 1, 2], max_tokens=2)
+    second.add("r3", prompt(26, 40), max_tokens=6)  # nothing stored: it needs nothing from the store
+    for _ in range(1000):
+        second.step()
+        if started.is_set():
+            break
+        time.sleep(0.001)
+    assert started.is_set() and threads == ["kvtier-vllm-store-place_0"]
+    r4 = second.add("r4", [*shared, 3], max_tokens=2)  # the same prefix, asked while the pages are written
+    for _ in range(5):
+        second.step()
+    assert r2.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert not any("r2" in step.loaded for step in second.log)
+    assert any("r3" in step.computed for step in second.log[-5:])  # scheduled meanwhile
+    assert second.kv_scheduler._leases["r4"].matched == 0  # not committed before it is written
+    release.set()
+    second.run()
+    assert first_computed(second, "r2") == 112
+    assert first_computed(second, "r4") == 112
+    assert r4.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    second.assert_no_leaks()
+    second.shutdown()
+
+
+def test_a_request_aborted_while_its_store_pages_are_written_leaks_nothing(tmp_path, file_url, monkeypatch):
+    shared = prompt(27, 120)
+    save_through(tmp_path, file_url, shared)
+    started, release, _ = hold_placements(monkeypatch)
+    second = engine(tmp_path, file_url, "second")
+    second.poison()
+    second.add("r2", [*shared, 1, 2], max_tokens=2)
+    for _ in range(1000):
+        second.step()
+        if started.is_set():
+            break
+        time.sleep(0.001)
+    assert started.is_set()
+    second.abort("r2")
+    second.step()
+    release.set()
+    second.run()
+    second.assert_no_leaks()
+    second.add("r3", [*shared, 4], max_tokens=2)  # what the aborted request wrote is reused, intact
+    second.run()
+    assert first_computed(second, "r3") == 112
+    second.assert_no_leaks()
+    second.shutdown()
+
+
+def test_a_failed_write_of_store_pages_is_recomputed(tmp_path, file_url, monkeypatch, caplog):
+    shared = prompt(28, 120)
+    save_through(tmp_path, file_url, shared)
+
+    def fail(self, pages, slots):
+        raise MemoryError("no room to copy")
+
+    monkeypatch.setattr(StoreTier, "_place", fail)
+    second = engine(tmp_path, file_url, "second")
+    second.poison()
+    second.add("r2", [*shared, 1, 2], max_tokens=2)
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm.scheduler"):
+        second.run()
+    assert "writing store pages into host memory failed" in caplog.text
+    assert first_computed(second, "r2") == 0  # the whole load failed: vLLM recomputed it
+    assert second.kv_scheduler.manager.stats().tiers["primary"].pages_used == 0  # nothing committed
     second.assert_no_leaks()
     second.shutdown()
 
