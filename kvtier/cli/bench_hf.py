@@ -8,7 +8,10 @@ second turn's prompt is the history plus a new suffix, timed five ways:
     gpu        ``pc.generate`` with the history's pages in the primary tier
     host       ``pc.generate`` with the history pushed out to pinned host memory
     disk       ``pc.generate`` on a cache without a host tier, the history pushed out to disk (the
-               OS page cache dropped where the system allows it)
+               OS page cache dropped where the system allows it); it weighs loading against
+               recomputing (``recompute_when_faster``), so once the disk's speed is measured (the
+               warm-up call) a slow disk's blocks are recomputed
+    disk-load  the same with ``recompute_when_faster=False``: every cached block is loaded
 
 TTFT runs from the call to the first generated token handed to a streamer (``generate`` copies
 it to the host, so the device is done with it); each timed call uses a suffix no call has used.
@@ -113,6 +116,7 @@ class _Bench:
         primary = kvtier.PrimaryTier(int(args.primary_gib * gib))
         host_tiers = [primary, kvtier.HostTier(int(args.host_gib * gib))]
         disk_tiers = [primary, kvtier.DiskTier(int(args.disk_gib * gib), os.path.join(path, "disk"))]
+        load_tiers = [primary, kvtier.DiskTier(int(args.disk_gib * gib), os.path.join(path, "disk-load"))]
         tpb = args.tokens_per_block
         self.host_pc = PrefixCache(
             self.model, kvtier.CacheConfig(tpb, host_tiers, device=args.device), model_id=model_id
@@ -120,12 +124,19 @@ class _Bench:
         self.disk_pc = PrefixCache(
             self.model, kvtier.CacheConfig(tpb, disk_tiers, device=args.device), model_id=model_id
         )
+        self.disk_load_pc = PrefixCache(
+            self.model,
+            kvtier.CacheConfig(tpb, load_tiers, device=args.device),
+            model_id=model_id,
+            recompute_when_faster=False,
+        )
         mgr = self.host_pc.manager
         self.bytes_per_token = sum(mgr.page_bytes(g.group_id) for g in mgr.layer_groups) // tpb
 
     def close(self) -> None:
         self.host_pc.close()
         self.disk_pc.close()
+        self.disk_load_pc.close()
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -184,7 +195,8 @@ class _Bench:
         resident = statistics.median(times[1:])
         rows.append(self._row(length, "resident", times[1:], recompute))
 
-        for case, pc in (("gpu", self.host_pc), ("host", self.host_pc), ("disk", self.disk_pc)):
+        pcs = {"gpu": self.host_pc, "host": self.host_pc, "disk": self.disk_pc, "disk-load": self.disk_load_pc}
+        for case, pc in pcs.items():
             push = case != "gpu"
             if case != "host":  # the host case finds the history the gpu case saved
                 pc.generate(torch.tensor([history], device=self.device), max_new_tokens=1)
@@ -219,7 +231,7 @@ class _Bench:
         assert filler.resize(pages * mgr.tokens_per_block), "the primary tier could not be emptied"
         filler.close()
         self.sync()
-        if pc is self.disk_pc:
+        if pc is not self.host_pc:
             drop_page_cache()
 
     def _build(self, pc, prompt: list[int], push: bool) -> tuple[dict, dict]:
@@ -262,7 +274,7 @@ class _Bench:
         return row
 
 
-_CASES = ("recompute", "resident", "gpu", "host", "disk")
+_CASES = ("recompute", "resident", "gpu", "host", "disk", "disk-load")
 
 
 def _print_table(rows: list[dict], ceiling: float) -> None:

@@ -13,6 +13,10 @@ One call, for a batch of left-padded rows:
 4. save: every computed token of every row goes into its pages and is committed, publishing full
    blocks for the next call (``prefix_save``).
 
+The prompt forward of each call is timed (``prefill_rate``) and the rate given to the manager:
+a cached prefix is then reused only as far as loading it is estimated faster than recomputing
+it (``recompute_when_faster``), so blocks on a slow disk are recomputed.
+
 Outputs are those of ``model.generate`` with the same arguments. What is reused in a batch:
 ``last_reused_tokens[i]`` prompt tokens of row i, where the batch takes the same number of
 leading columns from kvtier for every row (see ``batch_rows``). A batch whose attention mask is
@@ -31,6 +35,7 @@ from kvtier.errors import CacheStateError
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
 from kvtier.hf.hf_cache import RecordingCache, StateRecorder
 from kvtier.hf.model_layers import ModelLayers, read_model
+from kvtier.hf.prefill_rate import PrefillTiming
 from kvtier.hf.prefix_load import load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
 from kvtier.manager import KVCacheManager
@@ -51,8 +56,11 @@ class PrefixCache:
 
     ``cache_config.device`` must be the model's device. ``model_id`` names the weights (default:
     ``kvtier.weights_fingerprint(model)``), so pages are only ever served to the same weights.
-    Raises ``NotImplementedError`` naming what kvtier cannot represent (see ``model_layers``).
-    Not thread-safe. Also a context manager; ``close`` persists a disk tier's pages.
+    ``recompute_when_faster`` (default True): time each call's prompt forward and reuse a cached
+    prefix below the GPU only as far as loading it is estimated faster than recomputing it (the
+    tokens left are counted in ``manager.stats().recomputed_tokens``); False loads every cached
+    block. Raises ``NotImplementedError`` naming what kvtier cannot represent (see
+    ``model_layers``). Not thread-safe. Also a context manager; ``close`` persists a disk tier's pages.
     """
 
     def __init__(
@@ -61,11 +69,14 @@ class PrefixCache:
         cache_config: CacheConfig,
         scope: ReuseScope = DEFAULT_SCOPE,
         model_id: str | None = None,
+        recompute_when_faster: bool = True,
     ) -> None:
         if not isinstance(cache_config, CacheConfig):
             raise TypeError(f"cache_config must be a kvtier.CacheConfig, got {type(cache_config).__name__}")
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
+        if not isinstance(recompute_when_faster, bool):
+            raise TypeError(f"recompute_when_faster must be a bool, got {recompute_when_faster!r}")
         device = next(model.parameters()).device
         if not _same_device(device, cache_config.device):
             raise ValueError(f"cache_config.device is {cache_config.device}, the model is on {device}: use the same")
@@ -76,6 +87,7 @@ class PrefixCache:
         self._packing = state_packing(self._layers, self.manager)
         self._forward_arguments = set(inspect.signature(model.forward).parameters)
         self.last_reused_tokens: list[int] = []
+        self._prefill = PrefillTiming(device) if recompute_when_faster else None
         self._closed = False
 
     @property
@@ -116,15 +128,23 @@ class PrefixCache:
             release_reads(rows)
             self.last_reused_tokens = [row.reused for row in rows]
             recorder = self._recorder(cache, rows)
-            hook = self.model.register_forward_hook(recorder) if recorder is not None else None
+            hooks = [self.model.register_forward_hook(recorder)] if recorder is not None else []
+            timing = self._prefill
             try:
+                if timing is not None:
+                    timing.begin(len(rows) * (input_ids.shape[1] - width))  # positions the prompt forwards compute
                 if recorder is not None:
                     self._prefill_to_snapshots(input_ids, mask, pads, width, cache)
+                if timing is not None:
+                    hooks.append(self.model.register_forward_hook(timing.hook))  # generate's first forward
                 arguments = {self._layers.cache_argument: cache, **kwargs}
                 out = self.model.generate(input_ids, attention_mask=attention_mask, **arguments)
             finally:
-                if hook is not None:
+                for hook in hooks:
                     hook.remove()
+            rate = timing.end() if timing is not None else None
+            if rate is not None:
+                mgr.set_prefill_rate(rate)
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
             records = recorder.records if recorder is not None else None
             save_rows(mgr, self._layers, rows, cache, sequences, width, records, stream)
