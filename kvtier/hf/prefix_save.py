@@ -11,6 +11,13 @@ into the live state page, so kvtier keeps a snapshot there.
 
 Rows are saved together while the primary tier holds them all; the rest in later rounds. A row
 that does not fit the primary tier on its own is not saved (a warning says so).
+
+Only what the model computed as finite numbers is saved: a row's tokens end before the first
+column where a key or value of any attention layer (or, with linear-attention layers, a recorded
+state) is NaN or infinite, cut back to a recorded snapshot point in a model with linear-attention
+layers. Some transformers models produce NaNs in a left-padded batch (Gemma 2's eager attention
+over pad columns, spreading into the row's real columns): ``generate`` answers garbage for that
+row, and saving its pages would hand the garbage to every later prompt sharing its prefix.
 """
 
 from __future__ import annotations
@@ -44,6 +51,15 @@ def save_rows(
     columns = min(cache.get_seq_length(), sequences.shape[1])
     tokens = [sequences[row.index, row.pad : columns].tolist() for row in rows]
     sources = _sources(cache, layers, width)
+    for row, end in zip(rows, _finite_ends(sources, rows, tokens, width, records), strict=True):
+        if end < len(tokens[row.index]):
+            log.warning(
+                "kvtier.hf: row %d computed NaN or infinite keys, values or states; its tokens from %d on "
+                "are not saved",
+                row.index,
+                end,
+            )
+            tokens[row.index] = tokens[row.index][:end]
     pending = list(rows)
     while pending:
         batch = _take_round(pending, tokens, stream)
@@ -82,6 +98,46 @@ def _take_round(pending: list[Row], tokens: list[list[int]], stream) -> list[Row
             break
         batch.append(row)
     return batch
+
+
+def _finite_ends(sources: dict[int, tuple], rows: list[Row], tokens: list[list[int]], width: int, records) -> list[int]:
+    """Per row, how many of its tokens to save: up to its first column (from ``width`` on, past its
+    pads) where a key or value is not finite; with recurrent states, cut back to the last recorded
+    point whose state and every earlier one are finite. Never below what it has committed."""
+    bad = None  # [batch, columns from width]: a key or value there is not finite in some layer
+    for keys, values, first_column in sources.values():
+        k, v = keys[:, :, width - first_column :], values[:, :, width - first_column :]
+        layer_bad = ~(torch.isfinite(k).all(dim=3).all(dim=1) & torch.isfinite(v).all(dim=3).all(dim=1))
+        n = layer_bad.shape[1] if bad is None else min(bad.shape[1], layer_bad.shape[1])
+        bad = layer_bad[:, :n] if bad is None else bad[:, :n] | layer_bad[:, :n]
+    bad_rows = bad.nonzero().tolist() if bad is not None else []
+    first_bad: dict[int, int] = {}
+    pads = {row.index: row.pad for row in rows}
+    for i, column in bad_rows:
+        column += width
+        if column >= pads[i] and column - pads[i] < first_bad.get(i, len(tokens[i])):
+            first_bad[i] = column - pads[i]
+    ends = []
+    for row in rows:
+        committed = row.write.num_committed_tokens
+        end = first_bad.get(row.index, len(tokens[row.index]))
+        if records is not None:
+            end = _finite_state_end(records[row.index], end, len(tokens[row.index]), committed)
+        ends.append(max(end, committed))
+    return ends
+
+
+def _finite_state_end(states: dict[int, torch.Tensor], end: int, length: int, committed: int) -> int:
+    """``end`` for a row with recurrent states: unchanged when nothing is cut (``end == length`` and
+    every state finite), else the last recorded point ``<= end`` with every state up to it finite
+    (or ``committed``): the recurrent page is only ever committed holding a recorded state."""
+    points = sorted(p for p in states if p > committed)
+    good = committed
+    for point in points:
+        if point > end or not bool(torch.isfinite(states[point]).all()):
+            return good
+        good = point
+    return end if end == length else good
 
 
 def _sources(cache: RecordingCache, layers: ModelLayers, width: int) -> dict[int, tuple]:

@@ -1,0 +1,76 @@
+"""``PrefixCache`` saves only what the model computed as finite numbers: a row whose forward went
+NaN (a model's own bug, as Gemma 2's eager attention over left padding) is cut where it did, so
+no later prompt is served its garbage."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvtier.hf import PrefixCache
+from tests.hf.tiny import left_padded, tiers_config, tiny_model, tokens
+
+POISON_AT = 20  # the first token of the poisoned row whose keys are NaN
+
+
+def poison_keys(model, row: int, first_column: int) -> torch.utils.hooks.RemovableHandle:
+    """NaN keys in the last layer (an attention layer) for one row of a batch, from a column on.
+
+    The forwards of a call cover consecutive columns: the hook counts them."""
+    seen = [0]
+
+    def hook(module, args, output):
+        columns = output.shape[1]
+        poisoned = output.clone()
+        start = max(first_column - seen[0], 0)
+        if start < columns:
+            poisoned[row, start:] = float("nan")
+        seen[0] += columns
+        return poisoned
+
+    return model.model.layers[-1].self_attn.k_proj.register_forward_hook(hook)
+
+
+def greedy(fn, prompt: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt])
+    return fn(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+
+
+@pytest.mark.parametrize(("arch", "cut"), [("llama", POISON_AT), ("qwen3_next", 16)])  # 16: a snapshot point
+def test_a_row_that_went_nan_is_saved_only_up_to_where_it_did(arch, cut, caplog):
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(31)
+    rows = [tokens(g, n) for n in (40, 33, 47)]
+    ids, mask = left_padded(rows)
+    with PrefixCache(model, tiers_config(model, blocks=60)) as pc:
+        hook = poison_keys(model, 0, ids.shape[1] - len(rows[0]) + POISON_AT)
+        try:
+            with caplog.at_level(logging.WARNING, logger="kvtier.hf.prefix_save"):
+                pc.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        finally:
+            hook.remove()
+        assert f"row 0 computed NaN or infinite keys, values or states; its tokens from {cut} on" in caplog.text
+        assert "row 1" not in caplog.text and "row 2" not in caplog.text
+        for i, prompt in enumerate(rows):  # the model healthy again: every answer is plain generate's
+            assert torch.equal(greedy(pc.generate, prompt), greedy(model.generate, prompt))
+            if i == 0:
+                assert pc.last_reused_tokens == [16]  # the whole blocks before the cut
+            else:
+                assert pc.last_reused_tokens[0] >= 32  # the healthy rows were saved whole (to a snapshot point)
+
+
+def test_gemma2_nans_over_left_padding_do_not_reach_a_row_sharing_the_prefix():
+    """Gemma 2's eager attention turns pad columns into NaNs that reach the real columns of the
+    padded rows: plain ``generate`` answers garbage for them. The full-length row sharing their
+    system prompt must still get its own answer on the next call."""
+    model = tiny_model("gemma2")
+    g = torch.Generator().manual_seed(3)
+    system = tokens(g, 30)
+    rows = [system + tokens(g, 9), system + tokens(g, 17), tokens(g, 12)]
+    with PrefixCache(model, tiers_config(model, blocks=40)) as pc:
+        ids, mask = left_padded(rows)
+        pc.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(greedy(pc.generate, rows[1]), greedy(model.generate, rows[1]))
+        assert pc.last_reused_tokens[0] >= 40
