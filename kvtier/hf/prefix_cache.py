@@ -38,6 +38,7 @@ from kvtier.hf.model_layers import ModelLayers, read_model
 from kvtier.hf.prefill_rate import PrefillTiming
 from kvtier.hf.prefix_load import load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
+from kvtier.hf.weight_watch import WeightWatch
 from kvtier.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,10 @@ class PrefixCache:
     """Prefix reuse for ``model.generate`` over kvtier's tiers (GPU, host, disk).
 
     ``cache_config.device`` must be the model's device. ``model_id`` names the weights (default:
-    ``kvtier.weights_fingerprint(model)``), so pages are only ever served to the same weights.
+    ``kvtier.weights_fingerprint(model)``), so pages are only ever served to the same weights; a
+    later change of the model's weights in place (an optimizer step, ``load_state_dict``) makes
+    ``generate`` raise ``CacheStateError`` (``kvtier.hf.weight_watch``): build a new PrefixCache
+    for the new weights.
     ``recompute_when_faster`` (default True): time each call's prompt forward and reuse a cached
     prefix below the GPU only as far as loading it is estimated faster than recomputing it (the
     tokens left are counted in ``manager.stats().recomputed_tokens``); False loads every cached
@@ -83,6 +87,7 @@ class PrefixCache:
         self.model = model
         self.scope = scope
         self._layers: ModelLayers = read_model(model, model_id)
+        self._weights = WeightWatch(model, self._layers.spec.model_id if model_id is None else None)
         self.manager = KVCacheManager(self._layers.spec, cache_config)
         self._packing = state_packing(self._layers, self.manager)
         self._forward_arguments = set(inspect.signature(model.forward).parameters)
@@ -104,6 +109,12 @@ class PrefixCache:
         if self._closed:
             raise CacheStateError("the PrefixCache is closed")
         self._check_arguments(input_ids, attention_mask, kwargs)
+        if not self._weights.unchanged():
+            raise CacheStateError(
+                "the model's weights changed since this PrefixCache was built (an optimizer step, "
+                "load_state_dict): its pages hold keys and values of the old weights. Build a new "
+                "PrefixCache for the new weights (close this one first to free its memory)"
+            )
         mask = attention_mask if attention_mask is not None else self._inferred_mask(input_ids, kwargs)
         pads = left_pads(mask)
         if pads is None:

@@ -1,0 +1,65 @@
+"""Weights changed in place under a ``PrefixCache`` (a training loop that generates between
+optimizer steps) are noticed: ``generate`` refuses to serve pages of the old weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.errors import CacheStateError
+from kvtier.hf import PrefixCache
+from tests.hf.tiny import tiers_config, tiny_model, tokens
+
+
+def greedy(fn, prompt: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt])
+    return fn(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+
+
+def optimizer_step(model) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.arange(3, 40).reshape(1, -1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("model_id", [None, "my-checkpoint"])
+def test_an_optimizer_step_makes_generate_refuse_and_a_new_prefix_cache_serves_the_new_weights(model_id):
+    model = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(5), 40)
+    pc = PrefixCache(model, tiers_config(model, blocks=20), model_id=model_id)
+    greedy(pc.generate, prompt)
+    assert torch.equal(greedy(pc.generate, prompt), greedy(model.generate, prompt))
+    optimizer_step(model)
+    with pytest.raises(CacheStateError, match="weights changed since this PrefixCache was built"):
+        greedy(pc.generate, prompt)
+    pc.close()
+    with PrefixCache(model, tiers_config(model, blocks=20)) as fresh:
+        assert torch.equal(greedy(fresh.generate, prompt), greedy(model.generate, prompt))
+        assert fresh.last_reused_tokens == [0]
+
+
+def test_loading_the_same_weights_again_is_not_a_change():
+    model = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(6), 40)
+    with PrefixCache(model, tiers_config(model, blocks=20)) as pc:
+        greedy(pc.generate, prompt)
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+        assert torch.equal(greedy(pc.generate, prompt), greedy(model.generate, prompt))
+        assert pc.last_reused_tokens[0] > 0
+        model.load_state_dict(tiny_model("llama", seed=1).state_dict())  # another checkpoint
+        with pytest.raises(CacheStateError, match="weights changed"):
+            greedy(pc.generate, prompt)
+
+
+def test_a_rotary_cache_rebuilt_by_a_forward_is_not_a_change():
+    """Non-persistent buffers (a rotary cache that dynamic scaling rebuilds) are not weights."""
+    model = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(7), 40)
+    with PrefixCache(model, tiers_config(model, blocks=20), model_id="named") as pc:
+        greedy(pc.generate, prompt)
+        rotary = model.model.rotary_emb
+        rotary.register_buffer("inv_freq", rotary.inv_freq.clone(), persistent=False)
+        assert torch.equal(greedy(pc.generate, prompt), greedy(model.generate, prompt))
+        assert pc.last_reused_tokens[0] > 0
