@@ -12,6 +12,8 @@ does. The data path (``batch_rows``, ``page_io``) does not, and is tested withou
     page copies    kvtier/hf/page_io.py       batched gather/scatter between pages and dense tensors
     hf cache       kvtier/hf/hf_cache.py      the DynamicCache handed to generate, what it records
     load / save    kvtier/hf/prefix_load.py, prefix_save.py
+    prefill rate   kvtier/hf/prefill_rate.py  each call's prompt forward timed: load or recompute
+    weight watch   kvtier/hf/weight_watch.py  weights changed in place after construction are refused
     the adapter    kvtier/hf/prefix_cache.py  PrefixCache
 """
 
