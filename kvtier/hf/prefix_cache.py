@@ -158,7 +158,7 @@ class PrefixCache:
                 mgr.set_prefill_rate(rate)
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
             records = recorder.records if recorder is not None else None
-            save_rows(mgr, self._layers, rows, cache, sequences, width, records, stream)
+            save_rows(mgr, self._layers, rows, cache, sequences, width, records, self._packing, stream)
             cache.forget_written()
             return out
         finally:

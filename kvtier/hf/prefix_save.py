@@ -30,7 +30,7 @@ from kvtier.errors import InvariantError
 from kvtier.hf.batch_rows import Row
 from kvtier.hf.hf_cache import RecordingCache, RecordingSlidingWindowLayer
 from kvtier.hf.model_layers import LayerKind, ModelLayers
-from kvtier.hf.page_io import TokenMapBuilder, scatter
+from kvtier.hf.page_io import StatePacking, TokenMapBuilder, scatter
 from kvtier.manager import KVCacheManager
 from kvtier.spec import GroupKind
 
@@ -45,13 +45,15 @@ def save_rows(
     sequences: torch.Tensor,
     width: int,
     records: list[dict[int, torch.Tensor]] | None,
+    packing: StatePacking | None,
     stream=None,
 ) -> None:
-    """Write and commit every row's computed tokens, then close its write cache."""
+    """Write and commit every row's computed tokens, then close its write cache. ``records`` are the
+    rows' recorded state pages (packed by ``packing``) with linear-attention layers, else None."""
     columns = min(cache.get_seq_length(), sequences.shape[1])
     tokens = [sequences[row.index, row.pad : columns].tolist() for row in rows]
     sources = _sources(cache, layers, width)
-    for row, end in zip(rows, _finite_ends(sources, rows, tokens, width, records), strict=True):
+    for row, end in zip(rows, _finite_ends(sources, rows, tokens, width, records, packing), strict=True):
         if end < len(tokens[row.index]):
             log.warning(
                 "kvtier.hf: row %d computed NaN or infinite keys, values or states; its tokens from %d on "
@@ -100,7 +102,14 @@ def _take_round(pending: list[Row], tokens: list[list[int]], stream) -> list[Row
     return batch
 
 
-def _finite_ends(sources: dict[int, tuple], rows: list[Row], tokens: list[list[int]], width: int, records) -> list[int]:
+def _finite_ends(
+    sources: dict[int, tuple],
+    rows: list[Row],
+    tokens: list[list[int]],
+    width: int,
+    records: list[dict[int, torch.Tensor]] | None,
+    packing: StatePacking | None,
+) -> list[int]:
     """Per row, how many of its tokens to save: up to its first column (from ``width`` on, past its
     pads) where a key or value is not finite; with recurrent states, cut back to the last recorded
     point whose state and every earlier one are finite. Never below what it has committed."""
@@ -121,23 +130,31 @@ def _finite_ends(sources: dict[int, tuple], rows: list[Row], tokens: list[list[i
     for row in rows:
         committed = row.write.num_committed_tokens
         end = first_bad.get(row.index, len(tokens[row.index]))
-        if records is not None:
-            end = _finite_state_end(records[row.index], end, len(tokens[row.index]), committed)
+        if records is not None and packing is not None:
+            end = _finite_state_end(records[row.index], packing, end, len(tokens[row.index]), committed)
         ends.append(max(end, committed))
     return ends
 
 
-def _finite_state_end(states: dict[int, torch.Tensor], end: int, length: int, committed: int) -> int:
-    """``end`` for a row with recurrent states: unchanged when nothing is cut (``end == length`` and
-    every state finite), else the last recorded point ``<= end`` with every state up to it finite
-    (or ``committed``): the recurrent page is only ever committed holding a recorded state."""
-    points = sorted(p for p in states if p > committed)
+def _finite_state_end(
+    pages: dict[int, torch.Tensor], packing: StatePacking, end: int, length: int, committed: int
+) -> int:
+    """``end`` for a row with recurrent states (``pages``: recorded state pages by point): unchanged
+    when nothing is cut (``end == length`` and every state finite), else the last recorded point
+    ``<= end`` with every state up to it finite (or ``committed``): the recurrent page is only ever
+    committed holding a recorded state."""
     good = committed
-    for point in points:
-        if point > end or not bool(torch.isfinite(states[point]).all()):
+    for point in sorted(p for p in pages if p > committed):
+        if point > end or not _finite_states(packing, pages[point]):
             return good
         good = point
     return end if end == length else good
+
+
+def _finite_states(packing: StatePacking, page: torch.Tensor) -> bool:
+    """Whether every floating-point state packed in ``page`` is finite."""
+    states = packing.unpack(page[None]).values()
+    return all(bool(torch.isfinite(state).all()) for state in states if state.is_floating_point())
 
 
 def _sources(cache: RecordingCache, layers: ModelLayers, width: int) -> dict[int, tuple]:

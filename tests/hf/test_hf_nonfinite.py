@@ -8,15 +8,17 @@ import logging
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from kvtier.hf import PrefixCache
+from tests.hf import tiny
 from tests.hf.tiny import left_padded, tiers_config, tiny_model, tokens
 
 POISON_AT = 20  # the first token of the poisoned row whose keys are NaN
 
 
-def poison_keys(model, row: int, first_column: int) -> torch.utils.hooks.RemovableHandle:
-    """NaN keys in the last layer (an attention layer) for one row of a batch, from a column on.
+def poison_output(module: torch.nn.Module, row: int, first_column: int) -> torch.utils.hooks.RemovableHandle:
+    """NaN in ``module``'s output for one row of a batch, from a column on.
 
     The forwards of a call cover consecutive columns: the hook counts them."""
     seen = [0]
@@ -30,7 +32,18 @@ def poison_keys(model, row: int, first_column: int) -> torch.utils.hooks.Removab
         seen[0] += columns
         return poisoned
 
-    return model.model.layers[-1].self_attn.k_proj.register_forward_hook(hook)
+    return module.register_forward_hook(hook)
+
+
+def attention_first_hybrid():
+    """A Qwen3-Next whose one full-attention layer comes first: NaNs after it reach only states."""
+    config = tiny.config("qwen3_next")
+    config.layer_types = ["full_attention", "linear_attention", "linear_attention", "linear_attention"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    model.generation_config.pad_token_id = tiny.PAD
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def greedy(fn, prompt: list[int]) -> torch.Tensor:
@@ -38,14 +51,22 @@ def greedy(fn, prompt: list[int]) -> torch.Tensor:
     return fn(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
 
 
-@pytest.mark.parametrize(("arch", "cut"), [("llama", POISON_AT), ("qwen3_next", 16)])  # 16: a snapshot point
-def test_a_row_that_went_nan_is_saved_only_up_to_where_it_did(arch, cut, caplog):
-    model = tiny_model(arch)
+CASES = {  # NaN keys in the last layer (attention) / NaN states after the only attention layer
+    "llama": (lambda: tiny_model("llama"), lambda model: model.model.layers[-1].self_attn.k_proj, POISON_AT),
+    "qwen3_next": (lambda: tiny_model("qwen3_next"), lambda model: model.model.layers[-1].self_attn.k_proj, 16),
+    "states": (attention_first_hybrid, lambda model: model.model.layers[1].linear_attn, 16),
+}  # the cut: the first NaN token, or back to the snapshot point before it
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_row_that_went_nan_is_saved_only_up_to_where_it_did(case, caplog):
+    build, poisoned_module, cut = CASES[case]
+    model = build()
     g = torch.Generator().manual_seed(31)
     rows = [tokens(g, n) for n in (40, 33, 47)]
     ids, mask = left_padded(rows)
     with PrefixCache(model, tiers_config(model, blocks=60)) as pc:
-        hook = poison_keys(model, 0, ids.shape[1] - len(rows[0]) + POISON_AT)
+        hook = poison_output(poisoned_module(model), 0, ids.shape[1] - len(rows[0]) + POISON_AT)
         try:
             with caplog.at_level(logging.WARNING, logger="kvtier.hf.prefix_save"):
                 pc.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
