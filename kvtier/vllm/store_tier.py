@@ -6,7 +6,10 @@ machines that run the same model find them, and nobody else does. The store fram
 checksums every value (``kvtier.connector.store``): a missing, damaged or foreign value is a
 miss, and a store that is down, slow or full answers misses within its timeout, never raises.
 
-- ``present``: how many consecutive blocks the store holds whole, one batched existence check.
+- ``present``: how many consecutive blocks the store holds whole: a batched existence check of
+  the first ``FIRST_PROBE`` blocks, then, if the store holds them all, one of the rest. A prompt
+  the store has never seen (most of them) costs one small check, not one per block: on a shared
+  directory each check is a file's metadata round trip (a network one over NFS).
 - ``fetch``: the verified payloads of blocks, read on a background thread; the run stops at the
   first miss. ``place`` then writes them into host pages, on another background thread: the
   caller keeps the pages locked and reads nothing of them until the returned future is done.
@@ -33,6 +36,7 @@ from kvtier.reuse.block_keys import block_key, scope_key
 from kvtier.reuse.tokens import as_token_array, encode_tokens
 
 REDIS_SCHEMES = ("redis", "rediss", "redis-cluster", "redis-sentinel")
+FIRST_PROBE = 8  # blocks checked before the rest of a request's blocks are
 
 
 def open_store(url: str) -> BlockStore:
@@ -91,7 +95,15 @@ class StoreTier:
         return [self.keyspace.key(chain.scope, key, g) for key in blocks for g in groups]
 
     def present(self, chain: BlockChain, blocks: Sequence[bytes]) -> int:
-        """How many of ``blocks``, from the first, the store holds for every group."""
+        """How many of ``blocks``, from the first, the store holds for every group (the first
+        ``FIRST_PROBE`` checked first, the rest only if the store holds all of those)."""
+        head = self._run(chain, blocks[:FIRST_PROBE])
+        if head < FIRST_PROBE or len(blocks) <= FIRST_PROBE:
+            return head
+        return head + self._run(chain, blocks[FIRST_PROBE:])
+
+    def _run(self, chain: BlockChain, blocks: Sequence[bytes]) -> int:
+        """How many of ``blocks``, from the first, the store holds for every group: one batched check."""
         if not blocks:
             return 0
         found = self.store.contains_many(self.keys(chain, blocks))

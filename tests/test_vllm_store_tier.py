@@ -1,0 +1,63 @@
+"""``kvtier.vllm.store_tier`` without vLLM: how many of a request's blocks a shared-directory store
+holds, checked without a file lookup per block for a prompt the store has never seen."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvtier.config import ReuseScope
+from kvtier.connector.fs_store import FileSystemStore
+from kvtier.connector.keys import BlockKeyspace
+from kvtier.vllm.store_tier import FIRST_PROBE, BlockChain, StoreTier
+
+TPB = 4
+PAGES = (64, 32)  # bytes of a page of each of two layer groups
+
+
+class CountingStore(FileSystemStore):
+    """A real shared-directory store that also counts the keys its existence checks look up."""
+
+    looked_up = 0
+
+    def contains_many(self, keys):
+        self.looked_up += len(keys)
+        return super().contains_many(keys)
+
+
+def store_tier(tmp_path, slots: int) -> tuple[StoreTier, CountingStore]:
+    store = CountingStore(str(tmp_path / "store"))
+    hosts = [torch.randint(1, 255, (slots * page,), dtype=torch.uint8) for page in PAGES]
+    keyspace = BlockKeyspace("ab12", TPB)
+    return StoreTier(store, keyspace, hosts, PAGES), store
+
+
+def test_a_run_of_stored_blocks_is_counted_and_a_cold_prompt_costs_one_small_check(tmp_path):
+    tier, store = store_tier(tmp_path, slots=32)
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, 50_000, 2000 * TPB).tolist()
+    chain = BlockChain(ReuseScope())
+    keys = chain.upto(tokens, TPB, 2000)
+    slots = [np.arange(20, dtype=np.int64)] * len(PAGES)
+    tier.put(chain, keys[:20], slots).result()  # the first 20 blocks are stored
+
+    store.looked_up = 0
+    assert tier.present(chain, keys[:30]) == 20
+    assert store.looked_up == 30 * len(PAGES)  # the first probe, then the rest at once
+
+    cold = BlockChain(ReuseScope(salt="never stored"))
+    store.looked_up = 0
+    assert tier.present(cold, cold.upto(tokens, TPB, 2000)) == 0
+    assert store.looked_up == FIRST_PROBE * len(PAGES)  # not 2,000 blocks' worth
+
+    store.looked_up = 0
+    assert tier.present(chain, keys[:5]) == 5
+    assert store.looked_up == 5 * len(PAGES)
+
+    missing = store.path_of(tier.keyspace.key(chain.scope, keys[3], 1))  # block 3 of group 1 gone
+    missing.unlink()
+    store.looked_up = 0
+    assert tier.present(chain, keys[:30]) == 3
+    assert store.looked_up == FIRST_PROBE * len(PAGES)
+    assert tier.present(chain, keys[:0]) == 0
+    tier.close()
