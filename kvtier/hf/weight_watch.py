@@ -5,12 +5,13 @@ its weights once, at construction (a fingerprint of every byte, or the caller's 
 a training loop that generates between optimizer steps changes them in place afterwards. Every
 in-place write to a parameter or buffer through autograd's view of it (``optimizer.step()``,
 ``load_state_dict``, ``tensor.copy_`` under ``no_grad``) bumps the tensor's version counter,
-and replacing a parameter changes its identity: ``WeightWatch`` keeps both for every parameter
+replacing a parameter changes its identity, and converting one (``model.half()``, ``.to()``)
+gives it new memory: ``WeightWatch`` keeps all three for every parameter
 and persistent buffer (what the fingerprint covers: not a rotary cache a forward may rebuild) of
 the model's modules, listed once at construction, and compares them at each call: a pass over
 the tensors' handles, not their bytes (about 0.15 ms for a Llama-3-8B-shaped model on the
 development CPU, against 0.6 ms for walking the module tree each time). Not noticed: writes
-through ``tensor.data`` (torch does not count them) and modules added or swapped in after
+in place through ``tensor.data`` (torch does not count them) and modules added or swapped in after
 construction (an adapter injected later): build the ``PrefixCache`` after those.
 """
 
@@ -45,10 +46,10 @@ class WeightWatch:
         self._seen = seen
         return True
 
-    def _handles(self) -> tuple[tuple[int, int], ...]:
-        """(identity, version) of every parameter and persistent buffer of the modules."""
+    def _handles(self) -> tuple[tuple[int, int, int], ...]:
+        """(identity, version, address) of every parameter and persistent buffer of the modules."""
         return tuple(
-            (id(t), t._version)
+            (id(t), t._version, t.data_ptr())
             for module in self._modules
             for name, t in (*module._parameters.items(), *module._buffers.items())
             if t is not None and name not in module._non_persistent_buffers_set

@@ -63,3 +63,13 @@ def test_a_rotary_cache_rebuilt_by_a_forward_is_not_a_change():
         rotary.register_buffer("inv_freq", rotary.inv_freq.clone(), persistent=False)
         assert torch.equal(greedy(pc.generate, prompt), greedy(model.generate, prompt))
         assert pc.last_reused_tokens[0] > 0
+
+
+def test_a_model_converted_to_another_dtype_is_a_change():
+    model = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(8), 40)
+    with PrefixCache(model, tiers_config(model, blocks=20)) as pc:
+        greedy(pc.generate, prompt)
+        model.float()  # replaces every parameter's data, which torch does not count as a write
+        with pytest.raises(CacheStateError, match="weights changed"):
+            greedy(pc.generate, prompt)
