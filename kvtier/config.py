@@ -61,6 +61,10 @@ class HostTier:
 class DiskTier:
     """Preallocated page files and a persistent index under ``path``.
 
+    Each model (its ``model_id``: by default a fingerprint of the weights, so each checkpoint),
+    block size and page layout gets a directory of its own under ``path``, each up to ``bytes``;
+    kvtier never removes one. Opening a tier warns when the others there use more than ``bytes``.
+
     ``write_behind``: while host memory is nearly full, write copies of its coldest pages to disk
     on a background thread (``KVCacheManager.maintain``), so that demoting them later writes
     nothing on the caller's thread. Host memory is the host tier, or the primary tier of a manager

@@ -118,3 +118,30 @@ def test_another_checkpoint_never_loads_through_a_connector(tmp_path):
     assert sum(o.reused_tokens_by_tier["connector"] for o in outs) == 0
     for prompt, out in zip(ps, outs, strict=True):
         assert out.token_ids == second.reference_generate(prompt, 4)
+
+
+def test_checkpoints_served_in_turn_on_one_path_are_reported_once_their_directories_outgrow_a_tier(tmp_path, caplog):
+    """Each checkpoint gets a directory of its own, each up to the tier's capacity, and none is
+    removed: once the others use more than that, opening a tier says so, naming the oldest."""
+    page = 2 * TPB * 64 * 2
+    tiers = [kvtier.PrimaryTier(page * 200), kvtier.DiskTier(page * 256, tmp_path)]
+    g = torch.Generator().manual_seed(9)
+    warned = []
+    for checkpoint in ("ckpt-a", "ckpt-b", "ckpt-c"):
+        spec = kvtier.ModelSpec.uniform(1, 1, 64, torch.float16, model_id=checkpoint)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvtier.tiering.build"):
+            mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+        warned.append(caplog.text)
+        tokens = torch.randint(1, 30_000, (150 * TPB,), generator=g).tolist()
+        cache = mgr.create_cache(tokens)
+        assert cache.resume() and cache.resize(len(tokens))
+        cache.commit(tokens)
+        cache.close()
+        mgr.close()  # writes its 150 pages to its own directory
+    assert warned[0] == "" and warned[1] == ""  # one other directory: 150 pages, within 256
+    assert "2 other directories under" in warned[2] and "none is removed" in warned[2]
+    a = kvtier.ModelSpec.uniform(1, 1, 64, torch.float16, model_id="ckpt-a")
+    assert "kvtier-" in warned[2] and len(list(tmp_path.glob("kvtier-*"))) == 3
+    with kvtier.KVCacheManager(a, kvtier.CacheConfig(TPB, tiers)) as again:  # nothing was deleted
+        assert again.stats().tiers["disk"].pages_used == 150

@@ -30,6 +30,7 @@ import os
 import socket
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import DiskTierBusyError
@@ -148,6 +149,31 @@ class DiskDirectory:
         """Release the lock (idempotent)."""
         if self._finalizer is not None:
             self._finalizer()
+
+
+@dataclass(frozen=True, slots=True)
+class OtherDirectory:
+    """Another model's or layout's disk tier directory under the same ``DiskTier.path``."""
+
+    name: str
+    bytes_used: int  # allocated on disk (page files are sparse: what was written)
+    last_used: float  # the newest change to any of its files (seconds since the epoch)
+
+
+def other_directories(path: Path) -> list[OtherDirectory]:
+    """The ``kvtier-*`` directories beside ``path`` (a disk tier's own), oldest use first; those that
+    cannot be read are left out."""
+    out = []
+    for other in sorted(path.parent.glob("kvtier-*")):
+        if other == path or not other.is_dir():
+            continue
+        try:
+            stats = [f.stat() for f in other.iterdir() if f.is_file()]
+        except OSError:
+            continue
+        used = sum(st.st_blocks * 512 for st in stats)
+        out.append(OtherDirectory(other.name, used, max((st.st_mtime for st in stats), default=0.0)))
+    return sorted(out, key=lambda d: d.last_used)
 
 
 def open_private(path: Path, flags: int) -> int:

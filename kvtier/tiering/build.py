@@ -8,7 +8,9 @@ allocated, and a failure to allocate memory releases the directory again.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,13 +19,15 @@ import torch
 from kvtier.config import CacheConfig, DiskTier, HostTier, PrimaryTier, write_through_enabled
 from kvtier.layout import PageGeometry
 from kvtier.spec import ModelSpec
-from kvtier.storage.disk_dir import DiskDirectory
+from kvtier.storage.disk_dir import DiskDirectory, other_directories
 from kvtier.storage.disk_index import DiskIndex
 from kvtier.storage.memory import MemoryStorage
 from kvtier.storage.page_files import DiskStorage
 from kvtier.storage.pinned import allocate_host_buffer
 from kvtier.tiering.sizing import slots_per_group
 from kvtier.tiering.tier import Tier
+
+log = logging.getLogger(__name__)
 
 
 def build_tiers(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageGeometry]) -> list[Tier]:
@@ -64,6 +68,7 @@ def build_tiers(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageG
 def _disk_tier(config: DiskTier, index: int, fingerprint: str, page_bytes: list[int], slots: list[int]) -> Tier:
     """The disk tier in ``<path>/kvtier-<fingerprint>``: its directory, index and page files."""
     directory = DiskDirectory(Path(os.fspath(config.path)) / f"kvtier-{fingerprint}")
+    _warn_of_other_directories(directory.path, config.bytes)
     try:
         disk_index = DiskIndex(directory, fingerprint)
         storage = DiskStorage(directory, page_bytes, slots)
@@ -71,6 +76,28 @@ def _disk_tier(config: DiskTier, index: int, fingerprint: str, page_bytes: list[
         directory.close()
         raise
     return Tier(config.name, index, storage, is_last=True, disk_index=disk_index)
+
+
+def _warn_of_other_directories(path: Path, capacity: int) -> None:
+    """One WARNING when the other models' and layouts' directories beside ``path`` use more than a
+    tier's capacity: each has a capacity of its own, so a path served to many checkpoints (a new
+    fingerprint each) grows without bound; kvtier never deletes them."""
+    others = other_directories(path)
+    used = sum(d.bytes_used for d in others)
+    if used <= capacity:
+        return
+    oldest = others[0]
+    log.warning(
+        "kvtier disk tier: %d other directories under %s (other models, checkpoints or layouts) use %.1f GiB, "
+        "more than this tier's %.1f GiB; each keeps its own capacity and none is removed: delete those no longer "
+        "served (the least recently used: %s, %s)",
+        len(others),
+        path.parent,
+        used / 2**30,
+        capacity / 2**30,
+        oldest.name,
+        time.strftime("%Y-%m-%d %H:%M", time.localtime(oldest.last_used)),
+    )
 
 
 def layout_fingerprint(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageGeometry]) -> str:
