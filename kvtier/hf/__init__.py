@@ -1,11 +1,12 @@
 """``kvtier.hf``: prefix reuse across ``generate()`` calls for Hugging Face transformers models.
 
 ``PrefixCache(model, cache_config, scope=...)`` wraps a decoder-only model whose cache layers are
-full attention, sliding-window attention or linear attention (hybrid models), and serves its
-``generate()`` calls from kvtier's tiers: the longest cached prefix of each row is loaded instead
-of recomputed, and every computed block is saved for the next call (or the next process, through
-a disk tier). Importing ``kvtier`` does not import transformers; using ``kvtier.hf.PrefixCache``
-does. The data path (``batch_rows``, ``page_io``) does not, and is tested without it.
+full attention, sliding-window attention, linear attention (hybrid models) or full attention and
+a state space model in one layer (Falcon-H1, Zamba2), and serves its ``generate()`` calls from
+kvtier's tiers: the longest cached prefix of each row is loaded instead of recomputed, and every
+computed block is saved for the next call (or the next process, through a disk tier). Importing
+``kvtier`` does not import transformers; using ``kvtier.hf.PrefixCache`` does. The data path
+(``batch_rows``, ``page_io``) does not, and is tested without it.
 
     model layers   kvtier/hf/model_layers.py  the model's cache layers as a ModelSpec; refusals
     batch rows     kvtier/hf/batch_rows.py    left padding; how many columns each row reuses

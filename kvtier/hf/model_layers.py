@@ -6,6 +6,8 @@ The layer kinds come from the cache classes transformers builds for the model
     DynamicLayer               full attention           -> kvtier.AttentionLayer
     DynamicSlidingWindowLayer  sliding window W          -> kvtier.AttentionLayer(window=W)
     LinearAttentionLayer       conv + recurrent states   -> kvtier.RecurrentLayer (states packed)
+    LinearAttentionAndFull...  both in one decoder layer -> an AttentionLayer and a RecurrentLayer
+      (Falcon-H1, Zamba2, Zaya: attention beside a state space model; the states' entry first)
     DummyLayer                 holds nothing             -> no kvtier layer (transformers >= 5.23)
 
 Any other class (an indexed, quantized, static or custom layer) raises ``NotImplementedError``
@@ -35,6 +37,7 @@ class LayerKind(str, enum.Enum):
     FULL = "full_attention"
     SLIDING = "sliding_attention"
     LINEAR = "linear_attention"
+    BOTH = "attention_and_linear"  # a decoder layer with both: read as a FULL and a LINEAR entry
     EMPTY = "empty"  # a DummyLayer: nothing cached
 
 
@@ -55,7 +58,8 @@ class StateTensor:
 
 @dataclass(frozen=True, slots=True)
 class ModelLayer:
-    """One decoder layer's cache: its kind, attention geometry or packed states, its kvtier layer id."""
+    """One decoder layer's cache (or its attention or its states, for a layer with both): its kind,
+    attention geometry or packed states, its kvtier layer id."""
 
     index: int
     kind: LayerKind
@@ -68,7 +72,8 @@ class ModelLayer:
 
 @dataclass(frozen=True, slots=True)
 class ModelLayers:
-    """Every decoder layer in transformers order, and the ``ModelSpec`` of those that cache something."""
+    """Every decoder layer in transformers order (one with attention and states as two entries of
+    one ``index``, the states first), and the ``ModelSpec`` of those that cache something."""
 
     layers: tuple[ModelLayer, ...]
     spec: ModelSpec
@@ -91,6 +96,8 @@ _KINDS = {
 }
 if hasattr(cache_utils, "DummyLayer"):  # added in transformers 5.23 for layers that cache nothing
     _KINDS[cache_utils.DummyLayer] = LayerKind.EMPTY
+if hasattr(cache_utils, "LinearAttentionAndFullAttentionLayer"):
+    _KINDS[cache_utils.LinearAttentionAndFullAttentionLayer] = LayerKind.BOTH
 
 
 def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLayers:
@@ -113,7 +120,7 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
         if kind is None:
             raise NotImplementedError(f"layer {i} has a {type(layer).__name__} cache, which kvtier cannot represent")
         kinds.append(kind)
-    if not any(k in _ATTENTION for k in kinds):
+    if not any(k in _ATTENTION or k is LayerKind.BOTH for k in kinds):
         raise NotImplementedError(
             f"{type(model).__name__} has no attention layer (only {sorted({k.value for k in kinds})}); "
             "generate() cannot resume such a cache from a prefix"
@@ -127,11 +134,13 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
         if kind is LayerKind.EMPTY:
             layers.append(ModelLayer(i, kind))
             continue
-        if kind is LayerKind.LINEAR:
+        if kind in (LayerKind.LINEAR, LayerKind.BOTH):
             states = _state_tensors(i, layer)
-            layers.append(ModelLayer(i, kind, len(spec_layers), states=states))
+            layers.append(ModelLayer(i, LayerKind.LINEAR, len(spec_layers), states=states))
             spec_layers.append(RecurrentLayer(sum(_align(s.nbytes) for s in states)))
-            continue
+            if kind is LayerKind.LINEAR:
+                continue
+            kind = LayerKind.FULL  # and its attention, as a layer of its own
         keys, values = layer.keys, layer.values
         if not layer.is_initialized or keys is None or keys.numel() == 0:
             raise NotImplementedError(f"layer {i} ({kind.value}) was not written by a forward pass")

@@ -30,6 +30,11 @@ def test_layers_and_groups_of_each_architecture():
     assert qwen.spec.layers[0].state_bytes == 64 * 4 * 8 + 4 * 8 * 8 * 4
     assert qwen.spec.layers[3] == kvtier.AttentionLayer(2, 8)
     assert qwen.spec.dtype == torch.float64
+    falcon = read_model(tiny_model("falcon_h1"))  # each decoder layer: its states, then its attention
+    assert [(x.index, x.kind) for x in falcon.layers] == [
+        (i, kind) for i in range(2) for kind in (LayerKind.LINEAR, LayerKind.FULL)
+    ]
+    assert [(g.kind.value, g.layer_ids) for g in falcon.spec.groups] == [("recurrent", (0, 2)), ("attention", (1, 3))]
 
 
 def test_model_id_is_a_fingerprint_of_the_weights_unless_given():
@@ -55,11 +60,9 @@ def test_a_model_without_attention_layers_is_refused():
 
 
 def test_a_cache_layer_kvtier_cannot_represent_is_refused_by_name():
-    config = transformers.ZayaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(NotImplementedError, match="LinearAttentionAndFullAttentionLayer"):
+    model = tiny_model("llama")
+    model.config.layer_types = ["full_attention", "indexed_attention"]  # a sparse-attention indexer's cache
+    with pytest.raises(NotImplementedError, match="layer 1 has a DynamicIndexedLayer cache"):
         PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
 
 

@@ -3,13 +3,21 @@
 ``llama`` (full attention), ``mistral`` (sliding window of 24 tokens, smaller than the prompts),
 ``gemma2`` (sliding and full attention alternating), ``qwen3_next`` (linear attention hybrid: three
 linear-attention layers per full-attention one; dense MLPs, since the mixture-of-experts kernel
-has no float64 path on the CPU).
+has no float64 path on the CPU), ``falcon_h1`` (attention and a state space model side by side in
+every decoder layer: one cache layer holding keys, values and states).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen3NextConfig
+from transformers import (
+    AutoModelForCausalLM,
+    FalconH1Config,
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen3NextConfig,
+)
 
 import kvtier
 from kvtier.hf.model_layers import read_model
@@ -19,7 +27,7 @@ from kvtier.spec import GroupKind
 VOCAB = 97
 PAD = 0  # the pad token: prompts draw their tokens from [FIRST_TOKEN, VOCAB)
 FIRST_TOKEN = 3
-ARCHS = ("llama", "mistral", "gemma2", "qwen3_next")
+ARCHS = ("llama", "mistral", "gemma2", "qwen3_next", "falcon_h1")
 WINDOW = 24
 TOKENS_PER_BLOCK = 8
 SNAPSHOT_INTERVAL_BLOCKS = 2
@@ -55,6 +63,8 @@ def config(arch: str):
             mlp_only_layers=[0, 1, 2, 3],
             **_COMMON,
         )
+    if arch == "falcon_h1":
+        return FalconH1Config(num_hidden_layers=2, head_dim=8, mamba_d_state=8, mamba_d_head=8, **_COMMON)
     raise ValueError(arch)
 
 
