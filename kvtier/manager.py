@@ -61,6 +61,9 @@ class KVCacheManager:
                 "same shape after a restart; set model_id to the checkpoint's name or kvtier.weights_fingerprint(model)"
             )
         self._pool = PagePool(spec, config, self._geometries)
+        disk = self._pool.tiers[self._pool.disk_tier] if self._pool.disk_tier is not None else None
+        if disk is not None and disk.disk_index is not None:  # dropped without close(): say so to its directory
+            weakref.finalize(self, disk.disk_index.directory.abandon)
         self._guard = self._pool.guard  # claimed by calls that change the pool (kvtier.exclusive)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._closed = False

@@ -9,7 +9,9 @@ leaves the disk exact.
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
 import pytest
 
@@ -349,3 +351,27 @@ def test_failed_writes_leave_no_copy_and_free_their_slots(tmp_path, monkeypatch)
     monkeypatch.undo()
     reuse_exactly(mgr, oracle, prompt)
     mgr.close()
+
+
+def test_a_manager_dropped_during_a_batch_lets_the_next_one_open_its_directory(tmp_path, held_writes):
+    """A manager dropped without close() while a batch is written stays alive, holding the
+    directory, until the batch is done: the next manager of the process waits for that, not for a
+    manager still in use, which it refuses at once."""
+    started, release = held_writes
+    mgr, oracle = memory_and_disk(tmp_path / "disk", 12)
+    serve(mgr, oracle, prompt_of(3000))
+    serve(mgr, oracle, prompt_of(71_000, blocks=5))
+    mgr.maintain()
+    assert started.wait(10)
+    del mgr, oracle  # no close()
+    gc.collect()
+    threading.Timer(0.3, release.set).start()
+    again, oracle = memory_and_disk(tmp_path / "disk", 12)  # waits for the batch, then opens the directory
+    serve(again, oracle, prompt_of(5000))
+    reuse_exactly(again, oracle, prompt_of(5000))
+    again.check_invariants()
+    began = time.monotonic()
+    with pytest.raises(kvtier.DiskTierBusyError):  # a manager in use: refused without waiting
+        memory_and_disk(tmp_path / "disk", 12)
+    assert time.monotonic() - began < 5
+    again.close()

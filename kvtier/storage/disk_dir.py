@@ -17,7 +17,10 @@ A directory is in one of three modes, decided once when it is opened:
 The lock is taken before anything in the directory is read or changed, so a second manager on
 the directory raises ``DiskTierBusyError`` having changed nothing. It is released by ``close``,
 or by the operating system when the process dies, or when the ``DiskDirectory`` is collected (a
-manager dropped without ``close``).
+manager dropped without ``close``). A dropped manager whose background work (a disk write, a
+read) is still running stays alive until that work ends, holding the directory: a new manager
+of the same process waits for it (up to ``ABANDONED_WAIT_S``), but refuses at once a directory
+whose manager is still in use (``abandon`` tells them apart).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ SECRET_FILE = "secret"
 SECRET_BYTES = 32
 PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
+ABANDONED_WAIT_S = 30.0  # how long a new manager waits for a dropped one's background work to end
+
+_HELD: weakref.WeakValueDictionary[Path, DiskDirectory] = weakref.WeakValueDictionary()  # this process's, by path
 
 
 def check_disk_path(path: Path) -> None:
@@ -69,6 +75,7 @@ class DiskDirectory:
         self.readable = False
         self.why_not_writable = ""
         self.had_pages = False  # page files were there before: a lost index then means lost pages
+        self.abandoned = False  # its manager was dropped without close(): only background work holds it
         self.secret: bytes | None = None
         self._lock_fd: int | None = None
         self._finalizer: weakref.finalize | None = None
@@ -109,9 +116,7 @@ class DiskDirectory:
                 return  # a read-only directory that never had a lock file: nothing here will be written
         if not _try_lock(fd):
             holder = _read_holder(fd)
-            if holder.startswith(f"pid {os.getpid()} "):
-                gc.collect()  # a manager of this process dropped without close() releases it when collected
-            if not _try_lock(fd):
+            if not (holder.startswith(f"pid {os.getpid()} ") and self._released_by_abandoned(fd)):
                 os.close(fd)
                 raise DiskTierBusyError(
                     f"the disk tier directory {self.path} is in use by another KVCacheManager ({holder or 'unknown'}); "
@@ -121,7 +126,27 @@ class DiskDirectory:
         self._lock_fd = fd
         self._finalizer = weakref.finalize(self, os.close, fd)
         self._finalizer.atexit = False  # the process's end releases it, after managers closed at exit
+        _HELD[self.path] = self
         _write_holder(fd)
+
+    def _released_by_abandoned(self, fd: int) -> bool:
+        """Whether the lock, held in this process, could be taken once a manager dropped without
+        close() was collected; waits while its background work still holds it (``abandoned``)."""
+        deadline = time.monotonic() + ABANDONED_WAIT_S
+        while True:
+            gc.collect()  # a dropped manager releases the lock when it is collected
+            if _try_lock(fd):
+                return True
+            holder = _HELD.get(self.path)
+            waiting = holder is not None and holder.abandoned
+            del holder  # not kept alive by this wait
+            if not waiting or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def abandon(self) -> None:
+        """Its manager was dropped without close(): a new manager may wait for its release."""
+        self.abandoned = True
 
     def _load_secret(self) -> bytes | None:
         """The directory's secret; a new one when there is none (the index then no longer matches)."""
