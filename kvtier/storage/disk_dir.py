@@ -47,7 +47,7 @@ PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
 ABANDONED_WAIT_S = 30.0  # how long a new manager waits for a dropped one's background work to end
 
-_HELD: weakref.WeakValueDictionary[Path, DiskDirectory] = weakref.WeakValueDictionary()  # this process's, by path
+_HELD: weakref.WeakValueDictionary[str, DiskDirectory] = weakref.WeakValueDictionary()  # this process's, by real path
 
 
 def check_disk_path(path: Path) -> None:
@@ -126,7 +126,7 @@ class DiskDirectory:
         self._lock_fd = fd
         self._finalizer = weakref.finalize(self, os.close, fd)
         self._finalizer.atexit = False  # the process's end releases it, after managers closed at exit
-        _HELD[self.path] = self
+        _HELD[_key(self.path)] = self
         _write_holder(fd)
 
     def _released_by_abandoned(self, fd: int) -> bool:
@@ -137,10 +137,10 @@ class DiskDirectory:
             gc.collect()  # a dropped manager releases the lock when it is collected
             if _try_lock(fd):
                 return True
-            holder = _HELD.get(self.path)
-            waiting = holder is not None and holder.abandoned
+            holder = _HELD.get(_key(self.path))  # None: collected just now (its work ended), try again
+            in_use = holder is not None and not holder.abandoned
             del holder  # not kept alive by this wait
-            if not waiting or time.monotonic() >= deadline:
+            if in_use or time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
 
@@ -199,6 +199,11 @@ def other_directories(path: Path) -> list[OtherDirectory]:
         used = sum(st.st_blocks * 512 for st in stats)
         out.append(OtherDirectory(other.name, used, max((st.st_mtime for st in stats), default=0.0)))
     return sorted(out, key=lambda d: d.last_used)
+
+
+def _key(path: Path) -> str:
+    """The path of a directory as every spelling of it resolves."""
+    return os.path.realpath(path)
 
 
 def open_private(path: Path, flags: int) -> int:

@@ -4,6 +4,7 @@ Redis serves like a shared directory."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.config import ReuseScope
 from kvtier.connector.fs_store import FileSystemStore
-from kvtier.vllm import KVTierConnector
+from kvtier.vllm import KVTierConnector, host_pool
 from kvtier.vllm.store_tier import BlockChain, StoreTier
 from tests.holding import hold
 from tests.vllm.harness import BLOCK, Engine, attention_spec, kv_cache_config, layer_names, prompt, vllm_config
@@ -27,10 +28,35 @@ from tests.vllm.harness import BLOCK, Engine, attention_spec, kv_cache_config, l
 MiB = 1 << 20
 
 
+_created: list[Engine] = []
+
+
 def engine(tmp_path: Path, store_url: str, name: str) -> Engine:
     config = vllm_config(tmp_path, {"host_bytes": 4 * MiB, "store_url": store_url}, name="model")
     config.kv_transfer_config.engine_id = name
-    return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 64))
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 64))
+    _created.append(e)
+    return e
+
+
+@pytest.fixture(autouse=True)
+def shut_down_engines():
+    """An engine a failed test left running is shut down, so the next test can use its id."""
+    yield
+    while _created:
+        e = _created.pop()
+        if host_pool.lookup(e.config.kv_transfer_config.engine_id) is not None:
+            with contextlib.suppress(Exception):
+                e.shutdown()
+
+
+def wait_until(event: threading.Event, e: Engine, seconds: float = 60) -> None:
+    """Step ``e`` until ``event`` is set (a background thread reached a held point)."""
+    deadline = time.monotonic() + seconds
+    while not event.is_set() and time.monotonic() < deadline:
+        e.step()
+        time.sleep(0.001)
+    assert event.is_set()
 
 
 def first_computed(e: Engine, rid: str) -> int:
@@ -122,13 +148,9 @@ def test_store_pages_go_into_host_memory_off_the_scheduler_thread_and_the_load_w
     second = engine(tmp_path, file_url, "second")
     second.poison()
     r2 = second.add("r2", [*shared, 1, 2], max_tokens=2)
+    wait_until(started, second)
+    assert threads == ["kvtier-vllm-store-place_0"]
     second.add("r3", prompt(26, 40), max_tokens=6)  # nothing stored: it needs nothing from the store
-    for _ in range(1000):
-        second.step()
-        if started.is_set():
-            break
-        time.sleep(0.001)
-    assert started.is_set() and threads == ["kvtier-vllm-store-place_0"]
     r4 = second.add("r4", [*shared, 3], max_tokens=2)  # the same prefix, asked while the pages are written
     for _ in range(5):
         second.step()
@@ -152,12 +174,7 @@ def test_a_request_aborted_while_its_store_pages_are_written_leaks_nothing(tmp_p
     second = engine(tmp_path, file_url, "second")
     second.poison()
     second.add("r2", [*shared, 1, 2], max_tokens=2)
-    for _ in range(1000):
-        second.step()
-        if started.is_set():
-            break
-        time.sleep(0.001)
-    assert started.is_set()
+    wait_until(started, second)
     second.abort("r2")
     second.step()
     release.set()
