@@ -159,6 +159,13 @@ class KVCacheManager:
         self._check_open()
         self._pool.set_prefill_rate(tokens_per_second)
 
+    @property
+    def remembered_prefill_rate(self) -> float | None:
+        """The prefill rate (tokens/s) last told to a manager on this disk tier's directory and kind of
+        device, as its index kept it; None without a disk tier or such a rate. Not used by itself:
+        an engine that trusts it passes it to ``set_prefill_rate`` until it measured its own."""
+        return self._pool.load_cost.remembered_prefill_rate
+
     # -- views -----------------------------------------------------------------------------------
 
     def kv_views(self, layer_id: int) -> dict[str, torch.Tensor]:

@@ -72,9 +72,10 @@ class PagePool:
         self.counters = Counters()
         self.tree = RadixTree(len(self.rules), tpb, spec.fingerprint().encode())
         self.residency = Residency(self.tiers, self.tree, self.counters)
-        self.load_cost = LoadCost(len(self.tiers))
-        self.mover = Mover(self.tiers, self.counters, torch.device(config.device), self.load_cost)
         disk = next((t for t in self.tiers if t.is_disk), None)
+        remembered = None if disk is None or disk.disk_index is None else (disk.index, disk.disk_index)
+        self.load_cost = LoadCost(len(self.tiers), remembered, torch.device(config.device).type)
+        self.mover = Mover(self.tiers, self.counters, torch.device(config.device), self.load_cost)
         self.disk_tier = None if disk is None else disk.index
         disk_config = next((t for t in config.tiers if isinstance(t, DiskTier)), None)
         disk_writes = None

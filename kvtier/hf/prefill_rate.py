@@ -8,7 +8,8 @@ reused columns (every row, pads included) over the time from just before the fir
 that computes them to the end of ``generate``'s first forward (the prefill). On CUDA the time is
 read from two events once ``generate`` returned (it waits for the device every step), elsewhere
 it is the wall time. A call computing fewer than ``MIN_TOKENS`` positions adds no sample, and
-until one has, every cached block is loaded (``kvtier.engine.prefill_meter``).
+until one has, every cached block is loaded (``kvtier.engine.prefill_meter``), unless the rate
+starts from the one remembered on the disk tier's directory.
 """
 
 from __future__ import annotations
@@ -23,9 +24,15 @@ class PrefillTiming:
     as a forward hook on the model during ``generate`` (it ends the sample at its first call),
     ``end`` after it."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, rate: float | None = None) -> None:
         self._meter = PrefillMeter(device)
+        self._meter.rate = rate  # a remembered rate: samples move it as they would a measured one
         self._mark: tuple[int, object] | None = None
+
+    @property
+    def rate(self) -> float | None:
+        """The current estimate (tokens/s), None before the first sample and without a remembered rate."""
+        return self._meter.rate
 
     def begin(self, positions: int) -> None:
         """The prompt forwards that compute ``positions`` token positions start now."""

@@ -62,7 +62,8 @@ class PrefixCache:
     for the new weights.
     ``recompute_when_faster`` (default True): time each call's prompt forward and reuse a cached
     prefix below the GPU only as far as loading it is estimated faster than recomputing it (the
-    tokens left are counted in ``manager.stats().recomputed_tokens``); False loads every cached
+    tokens left are counted in ``manager.stats().recomputed_tokens``); with a disk tier, the rates
+    measured by the last user of its directory apply from the first call. False loads every cached
     block. Raises ``NotImplementedError`` naming what kvtier cannot represent (see
     ``model_layers``). Not thread-safe. Also a context manager; ``close`` persists a disk tier's pages.
     """
@@ -92,7 +93,11 @@ class PrefixCache:
         self._packing = state_packing(self._layers, self.manager)
         self._forward_arguments = set(inspect.signature(model.forward).parameters)
         self.last_reused_tokens: list[int] = []
-        self._prefill = PrefillTiming(device) if recompute_when_faster else None
+        self._prefill = None
+        if recompute_when_faster:  # from the first call on, with the rate a manager on its disk tier measured last
+            self._prefill = PrefillTiming(device, self.manager.remembered_prefill_rate)
+            if self._prefill.rate is not None:
+                self.manager.set_prefill_rate(self._prefill.rate)
         self._closed = False
 
     @property

@@ -9,6 +9,11 @@ Two tables:
 - ``pages``: one row per page on disk: (block key, group, snapshot offset) -> slot, checksum,
   priority, and a seal (a hash of the row's other fields): a row changed by damage is rejected.
 
+A third table, ``measured``, keeps rates measured by the managers that used the directory (the
+disk's read bandwidth, the engine's prefill rate; ``remember``), so that a manager started later
+weighs its first disk load as the last one did. A missing, damaged or foreign value is ignored:
+it is an estimate, never data. Measures are committed with the next batch of changes and at close.
+
 A scope is stored only as a keyed hash (a *tag*, keyed by the directory's secret), in the rows of
 depth 0; token ids are stored as they are (the files are private to their user).
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shutil
 import sqlite3
@@ -62,6 +68,7 @@ CREATE TABLE IF NOT EXISTS pages (
     PRIMARY KEY (block_key, grp, snapshot_offset)
 );
 """
+_MEASURED_TABLE = "CREATE TABLE IF NOT EXISTS measured (name TEXT PRIMARY KEY, value REAL NOT NULL)"
 # What a damaged or foreign file can raise while it is read.
 _UNREADABLE = (sqlite3.Error, OSError, ValueError, TypeError, UnicodeError, OverflowError, struct.error)
 
@@ -108,6 +115,7 @@ class DiskIndex:
         self.rejected = 0  # rows dropped when read: wrong types or a broken seal
         self.nodes: list[NodeRow] = []  # as read at open, shallowest first
         self.pages: list[PageRow] = []
+        self.measured: dict[str, float] = {}  # as read at open: finite values > 0 only
         self._secret = directory.secret or b""
         self._meta = {
             b"fingerprint": fingerprint.encode(),
@@ -118,6 +126,7 @@ class DiskIndex:
         self._pending_node_deletes: set[bytes] = set()
         self._pending_put: dict[tuple[bytes, int, int], PageRow] = {}
         self._pending_delete: set[tuple[bytes, int, int]] = set()
+        self._pending_measured: dict[str, float] = {}
         self._failures = RateLimitedWarning(log, "disk tier index update failed")
         self._db: sqlite3.Connection | None = None
         if not directory.readable:
@@ -136,6 +145,7 @@ class DiskIndex:
             return self._reset(None, f"it cannot be opened ({exc})")
         try:
             if self._load(db):
+                db.execute(_MEASURED_TABLE)  # an index from before the table was added
                 return db
             if self.directory.had_pages:  # missing or empty, while page files remain from an earlier manager
                 self._report("it is missing or empty while page files remain", "every page in them")
@@ -189,6 +199,8 @@ class DiskIndex:
         self.nodes = sorted((r for r in map(_node_row, nodes) if r is not None), key=lambda r: r.depth)
         self.pages = [r for r in map(_page_row, pages) if r is not None]
         self.rejected = len(nodes) + len(pages) - len(self.nodes) - len(self.pages)
+        if b"measured" in tables:
+            self.measured = _measures(db.execute("SELECT name, value FROM measured").fetchall())
         return True
 
     def _reset(self, db: sqlite3.Connection | None, why: str) -> sqlite3.Connection:
@@ -246,20 +258,29 @@ class DiskIndex:
         self._pending_put.pop(key, None)
         self._pending_delete.add(key)
 
-    def flush(self) -> bool:
+    def remember(self, name: str, value: float) -> None:
+        """Keep a measured rate for managers started later (committed with the next changes)."""
+        self._pending_measured[name] = value
+
+    def flush(self, measures_alone: bool = False) -> bool:
         """Commit buffered changes in one transaction; False (logged, rate-limited) if it failed.
 
         A failed commit keeps every change for the next call: a delete is never lost, so a row
         never names a slot that the writer (which flushes before it rewrites slots) reused.
+        Remembered measures go with the changes; alone, only if ``measures_alone`` (at close).
         """
-        if not (self._pending_put or self._pending_delete or self._pending_nodes or self._pending_node_deletes):
+        changes = self._pending_put or self._pending_delete or self._pending_nodes or self._pending_node_deletes
+        if not changes and not (measures_alone and self._pending_measured):
             return True
         if self._db is None:  # read-only: nothing is written to the directory, so nothing can disagree
             self._clear()
+            self._pending_measured.clear()
             return True
+        measures, self._pending_measured = self._pending_measured, {}  # a measure taken meanwhile waits
         try:
             with self._db:
                 self._db.execute("BEGIN")
+                self._db.executemany("INSERT OR REPLACE INTO measured VALUES (?, ?)", list(measures.items()))
                 self._db.executemany(
                     "DELETE FROM pages WHERE block_key = ? AND grp = ? AND snapshot_offset = ?", self._pending_delete
                 )
@@ -278,6 +299,7 @@ class DiskIndex:
                     ],
                 )
         except sqlite3.Error as exc:
+            self._pending_measured = measures | self._pending_measured
             self._failures(f"{self.path}: {exc}; the changes are kept and retried, disk writes wait for them")
             return False
         self._clear()
@@ -292,7 +314,7 @@ class DiskIndex:
     def close(self) -> None:
         """Commit what is pending, close the file and release the directory. Idempotent."""
         if self._db is not None:
-            self.flush()
+            self.flush(measures_alone=True)
             self._db.close()
             self._db = None
         self._failures.flush()
@@ -317,7 +339,20 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 def _create(db: sqlite3.Connection, meta: dict[bytes, bytes]) -> None:
     db.executescript(_SCHEMA)
+    db.execute(_MEASURED_TABLE)
     db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [(k.decode(), v.decode()) for k, v in meta.items()])
+
+
+def _measures(rows: list[tuple]) -> dict[str, float]:
+    """The readable measures: a name of text and a finite value > 0 (anything else is skipped)."""
+    found = {}
+    for name, value in rows:
+        if isinstance(name, bytes) and type(value) is float and math.isfinite(value) and value > 0:
+            try:
+                found[name.decode()] = value
+            except UnicodeError:
+                continue
+    return found
 
 
 def _count_pages(db: sqlite3.Connection | None) -> str:

@@ -11,8 +11,12 @@ Bandwidths are measured online, per source tier, from the mover's own copies: a 
 slower than the estimate replaces it at once, a faster one moves it by a weighted mean (a disk
 read from the OS page cache is fast, the same read cold is not: loads err toward recomputing,
 which costs at most the gain of a load). A tier never measured yet is assumed to win (its first
-load measures it). With
-no prefill rate (nothing told the pool one) every cached block is loaded.
+load measures it). With no prefill rate (nothing told the pool one) every cached block is loaded.
+
+A disk tier remembers the measures in its index (``DiskIndex.measured``): a manager started
+later on the same directory, and device kind, starts from the disk bandwidth the last one
+measured, so its first disk load after a restart is weighed too; the last prefill rate is offered
+to the caller (``remembered_prefill_rate``), which decides whether to use it.
 """
 
 from __future__ import annotations
@@ -20,15 +24,30 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from kvtier.storage.disk_index import DiskIndex
+
 SMOOTHING = 0.3  # weight of the newest measurement
 
 
 class LoadCost:
-    """Measured bandwidths per tier (bytes/s into the primary tier) and the prefill rate (tokens/s)."""
+    """Measured bandwidths per tier (bytes/s into the primary tier) and the prefill rate (tokens/s).
 
-    def __init__(self, num_tiers: int) -> None:
+    With ``disk`` (the disk tier's number and index), the disk's bandwidth starts from the value
+    remembered there for primary tiers on ``device_kind`` ("cuda", "cpu"), and new measures of
+    both rates are remembered.
+    """
+
+    def __init__(self, num_tiers: int, disk: tuple[int, DiskIndex] | None = None, device_kind: str = "cpu") -> None:
         self.bandwidth: list[float | None] = [math.inf] + [None] * (num_tiers - 1)
         self.prefill_rate: float | None = None
+        self.remembered_prefill_rate: float | None = None
+        self._disk = disk
+        self._bandwidth_name = f"disk_to_{device_kind}_bytes_per_s"
+        self._prefill_name = f"prefill_{device_kind}_tokens_per_s"
+        if disk is not None:
+            tier, index = disk
+            self.bandwidth[tier] = index.measured.get(self._bandwidth_name)
+            self.remembered_prefill_rate = index.measured.get(self._prefill_name)
 
     def observe(self, tier: int, nbytes: int, seconds: float) -> None:
         """A copy of ``nbytes`` from ``tier`` into the primary tier took ``seconds``."""
@@ -40,11 +59,15 @@ class LoadCost:
             self.bandwidth[tier] = rate  # a slower read counts at once (the OS page cache went cold)
         else:
             self.bandwidth[tier] = (1 - SMOOTHING) * old + SMOOTHING * rate
+        if self._disk is not None and tier == self._disk[0]:
+            self._disk[1].remember(self._bandwidth_name, self.bandwidth[tier])
 
     def set_prefill_rate(self, tokens_per_second: float) -> None:
         if not tokens_per_second > 0 or not math.isfinite(tokens_per_second):
             raise ValueError(f"a prefill rate is a finite number of tokens per second > 0, got {tokens_per_second!r}")
         self.prefill_rate = float(tokens_per_second)
+        if self._disk is not None:
+            self._disk[1].remember(self._prefill_name, self.prefill_rate)
 
     def block_seconds(self, tier_bytes: Sequence[tuple[int, int]]) -> float:
         """Estimated seconds to load one block whose pages are ``(tier, bytes)``; 0 where unknown."""

@@ -37,7 +37,7 @@ def turn(model, pc: PrefixCache, prompt: list[int]) -> int:
 
 
 @pytest.mark.parametrize("weigh", [True, False])
-def test_a_prefix_on_a_slow_disk_is_recomputed_once_both_rates_are_measured(weigh, tmp_path, monkeypatch):
+def test_a_slow_disk_is_recomputed_once_both_rates_are_measured_and_after_a_restart(weigh, tmp_path, monkeypatch):
     slow_disk_reads(monkeypatch, 2e6)
     model = tiny_model("llama")
     config = tiers_config(model, blocks=50, disk_blocks=2000, disk_path=tmp_path / "disk")
@@ -55,6 +55,13 @@ def test_a_prefix_on_a_slow_disk_is_recomputed_once_both_rates_are_measured(weig
         recomputed = pc.manager.stats().recomputed_tokens
     if weigh:
         assert reused == 0 and recomputed >= PROMPT - 8  # reading it back is slower than computing it
+    else:
+        assert reused >= PROMPT - 8 and recomputed == 0
+    with PrefixCache(model, config, recompute_when_faster=weigh) as pc:  # a restart: both rates remembered
+        reused = turn(model, pc, [*kept, *tokens(g, 5)])
+        recomputed = pc.manager.stats().recomputed_tokens
+    if weigh:
+        assert reused == 0 and recomputed >= PROMPT - 8  # the first call is weighed too
     else:
         assert reused >= PROMPT - 8 and recomputed == 0
 
