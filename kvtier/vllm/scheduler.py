@@ -136,7 +136,7 @@ class KVTierScheduler:
             lease = Lease(self.manager.create_cache(request.all_token_ids, scope))
             self._leases[rid] = lease
             self._requests[rid] = request
-            if self._store is not None:
+            if self._store is not None and not _skips_cache(request):
                 chain = self._chain(rid, request)
                 limit = (request.num_tokens - 1) // self._tpb  # a hit never covers the last token
                 keys = chain.upto(request.all_token_ids, self._tpb, limit)[lease.matched // self._tpb :]
@@ -146,6 +146,9 @@ class KVTierScheduler:
                 if lease.store_blocks:
                     lease.store_fetch = self._store.fetch(chain, keys[: lease.store_blocks])
         if lease.state is not LeaseState.OFFERED:
+            return 0, False
+        if _skips_cache(request):  # vLLM computes all of it (prompt logprobs): no read, no wait; saved as usual
+            lease.cache.shorten_to_memory()
             return 0, False
         while True:  # the prefix's pages on disk are read into host memory in the background first
             if lease.waiting:
@@ -440,6 +443,12 @@ def _keyable(request: Request) -> bool:
         and getattr(request, "prompt_embeds", None) is None
         and not getattr(request, "mm_features", None)
     )
+
+
+def _skips_cache(request: Request) -> bool:
+    """Whether vLLM recomputes every cached token of the request (``skip_reading_prefix_cache``: set for
+    prompt logprobs, whose positions it must compute); kvtier then reads nothing for it."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
 
 
 def _padded(slots: np.ndarray, length: int) -> np.ndarray:

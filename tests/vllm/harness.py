@@ -174,8 +174,16 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int = 4, salt: str | None = None) -> Request:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    def add(
+        self,
+        rid: str,
+        prompt: list[int],
+        max_tokens: int = 4,
+        salt: str | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> Request:
+        """Queue a request (``prompt_logprobs`` makes vLLM compute every prompt token: it reads no cache)."""
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs)
         params.update_from_generation_config({}, EOS)
         request = Request(
             request_id=rid,

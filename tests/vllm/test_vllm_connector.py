@@ -126,6 +126,29 @@ def prefix_on_disk(tmp_path: Path, seed: int) -> list[int]:
     return shared
 
 
+def disk_bytes_read(e: Engine) -> int:
+    return sum(n for edge, n in e.kv_scheduler.manager.stats().bytes_copied.items() if edge.startswith("disk->"))
+
+
+def test_a_request_for_prompt_logprobs_reads_nothing_waits_for_nothing_and_is_saved(tmp_path):
+    """vLLM computes every prompt token of such a request: kvtier must not read its prefix from disk
+    (nor make it wait for that); its new blocks are saved as any request's."""
+    shared = prefix_on_disk(tmp_path, 4)
+    e = engine(tmp_path, disk=True)
+    longer = shared + prompt(5, 40)
+    e.add("r2", longer, max_tokens=2, prompt_logprobs=1)
+    e.step()
+    assert e.log[-1].computed["r2"][0] == 0  # scheduled at once, from its first token
+    e.run()
+    assert disk_bytes_read(e) == 0
+    e.add("r3", longer + [1], max_tokens=2)
+    e.run()
+    assert first_step_of(e, "r3")[0] == 160  # 7 blocks from disk, 3 that r2 saved
+    assert disk_bytes_read(e) > 0
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def never_read_disk_on_the_scheduler_thread(monkeypatch) -> None:
     """A disk read by a plan (a resume of pages still on disk) fails the test: the scheduler half
     must leave them to its background reads."""

@@ -96,6 +96,29 @@ def test_another_engine_loads_the_prefix_from_the_store(tmp_path, file_url):
     second.shutdown()
 
 
+def test_a_request_for_prompt_logprobs_asks_the_store_nothing(tmp_path, file_url, monkeypatch):
+    """vLLM computes every prompt token of it: no lookup, no fetch; the next request still loads."""
+    shared = prompt(21, 120)
+    save_through(tmp_path, file_url, shared)
+    asked = []
+    present = StoreTier.present
+
+    def counted(self, chain, keys):
+        asked.append(len(keys))
+        return present(self, chain, keys)
+
+    monkeypatch.setattr(StoreTier, "present", counted)
+    second = engine(tmp_path, file_url, "second")
+    second.add("r2", [*shared, 1, 2], max_tokens=2, prompt_logprobs=1)
+    second.run()
+    assert first_computed(second, "r2") == 0 and asked == []
+    second.add("r3", [*shared, 1, 3], max_tokens=2)
+    second.run()
+    assert first_computed(second, "r3") == 112 and asked  # r2's own blocks went to host memory
+    second.assert_no_leaks()
+    second.shutdown()
+
+
 def test_a_fetch_from_the_store_runs_while_the_others_do(tmp_path, file_url, monkeypatch):
     """While the store's pages are fetched on a background thread the request waits and another
     runs; an aborted one leaks nothing; then the prefix loads byte for byte."""
