@@ -93,6 +93,7 @@ class PrefixCache:
         self._packing = state_packing(self._layers, self.manager)
         self._forward_arguments = set(inspect.signature(model.forward).parameters)
         self.last_reused_tokens: list[int] = []
+        self._told_of_preset = False  # a generation config's cache_implementation, set aside (logged once)
         self._prefill = None
         if recompute_when_faster:  # from the first call on, with the rate a manager on its disk tier measured last
             self._prefill = PrefillTiming(device, self.manager.remembered_prefill_rate)
@@ -110,6 +111,8 @@ class PrefixCache:
 
         Sets ``last_reused_tokens``. Greedy and sampling with one sequence per row; beam search,
         several sequences per row, assisted decoding and static caches raise ``NotImplementedError``.
+        A ``cache_implementation`` preset by the model's generation config (Gemma's "hybrid") is set
+        aside: kvtier's dynamic cache serves the call, with the same tokens.
         """
         if self._closed:
             raise CacheStateError("the PrefixCache is closed")
@@ -153,7 +156,7 @@ class PrefixCache:
                     self._prefill_to_snapshots(input_ids, mask, pads, width, cache)
                 if timing is not None:
                     hooks.append(self.model.register_forward_hook(timing.hook))  # generate's first forward
-                arguments = {self._layers.cache_argument: cache, **kwargs}
+                arguments = {**kwargs, self._layers.cache_argument: cache, "cache_implementation": None}
                 out = self.model.generate(input_ids, attention_mask=attention_mask, **arguments)
             finally:
                 for hook in hooks:
@@ -238,9 +241,17 @@ class PrefixCache:
             raise NotImplementedError("num_return_sequences > 1 is not supported by PrefixCache.generate")
         if setting("use_cache") is False:
             raise ValueError("PrefixCache.generate needs use_cache=True")
-        if setting("cache_implementation") is not None:
-            name = setting("cache_implementation")
-            raise NotImplementedError(f"cache_implementation={name!r} is not supported (kvtier fills a DynamicCache)")
+        asked = kwargs.get("cache_implementation")
+        if asked not in (None, "dynamic"):
+            raise NotImplementedError(f"cache_implementation={asked!r} is not supported (kvtier fills a DynamicCache)")
+        preset = getattr(config, "cache_implementation", None)
+        if "cache_implementation" not in kwargs and preset not in (None, "dynamic") and not self._told_of_preset:
+            self._told_of_preset = True
+            log.info(
+                "the model's generation config asks for cache_implementation=%r; PrefixCache.generate runs "
+                "with its own dynamic cache instead (the same tokens; a static cache serves torch.compile)",
+                preset,
+            )
 
     def _inferred_mask(self, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """The mask ``generate`` infers without one: padding wherever ``pad_token_id`` appears, if it is

@@ -110,3 +110,25 @@ def test_chat_with_write_through_copies(arch):
         stats = pc.manager.stats()
         assert stats.demotions > 0 and stats.hit_tokens["host"] > 0
         pc.manager.check_invariants()
+
+
+@pytest.mark.parametrize(("arch", "preset"), [("gemma2", "hybrid"), ("llama", "static")])
+def test_a_static_cache_preset_by_the_generation_config_is_set_aside(arch, preset, caplog):
+    """Gemma checkpoints ship ``cache_implementation="hybrid"`` in their generation config: the calls
+    run on kvtier's cache, give plain ``generate``'s tokens (on its static cache) and reuse; an
+    explicit ``cache_implementation="dynamic"`` is the same request."""
+    model = tiny_model(arch)
+    model.generation_config.cache_implementation = preset
+    g = torch.Generator().manual_seed(9)
+    history = tokens(g, 40)
+    with PrefixCache(model, tiers_config(model, blocks=60)) as pc, caplog.at_level("INFO", "kvtier.hf"):
+        for turn in range(3):
+            history = [*history, *tokens(g, 9)]
+            ids = torch.tensor([history])
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+            extra = {"cache_implementation": "dynamic"} if turn == 2 else {}
+            got = pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, **extra)
+            assert torch.equal(got, expected)
+            assert (pc.last_reused_tokens[0] > 0) == (turn > 0)
+            history = got[0].tolist()
+    assert sum(f"cache_implementation={preset!r}" in r.getMessage() for r in caplog.records) == 1
