@@ -15,6 +15,7 @@ computed block is saved for the next call (or the next process, through a disk t
     load / save    kvtier/hf/prefix_load.py, prefix_save.py
     prefill rate   kvtier/hf/prefill_rate.py  each call's prompt forward timed: load or recompute
     weight watch   kvtier/hf/weight_watch.py  weights changed in place after construction are refused
+    token bound    kvtier/hf/token_bound.py   where images, token types or own positions reach a row's KV
     the adapter    kvtier/hf/prefix_cache.py  PrefixCache
 """
 

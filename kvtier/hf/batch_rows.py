@@ -34,6 +34,7 @@ class Row:
     write: KVCache  # created on the whole prompt: holds the matched prefix, receives the new blocks
     read: KVCache | None = None  # resumed, holds exactly ``reused`` tokens' pages: write itself or a shorter match
     reused: int = 0  # prompt tokens taken from kvtier
+    bound: int | None = None  # prompt tokens whose KV depends on token ids alone (``token_bound``); None: all
 
 
 def left_pads(mask: torch.Tensor) -> list[int] | None:

@@ -17,6 +17,9 @@ The prompt forward of each call is timed (``prefill_rate``) and the rate given t
 a cached prefix is then reused only as far as loading it is estimated faster than recomputing
 it (``recompute_when_faster``), so blocks on a slow disk are recomputed.
 
+A row is reused and saved only as far as its keys and values depend on its token ids alone
+(``token_bound``): a multimodal call shares the text before its first image, not the image.
+
 Outputs are those of ``model.generate`` with the same arguments. What is reused in a batch:
 ``last_reused_tokens[i]`` prompt tokens of row i, where the batch takes the same number of
 leading columns from kvtier for every row (see ``batch_rows``). A batch whose attention mask is
@@ -38,6 +41,7 @@ from kvtier.hf.model_layers import ModelLayers, read_model
 from kvtier.hf.prefill_rate import PrefillTiming
 from kvtier.hf.prefix_load import load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
+from kvtier.hf.token_bound import placeholder_ids, row_bounds
 from kvtier.hf.weight_watch import WeightWatch
 from kvtier.manager import KVCacheManager
 
@@ -93,6 +97,7 @@ class PrefixCache:
         self._packing = state_packing(self._layers, self.manager)
         self._forward_arguments = set(inspect.signature(model.forward).parameters)
         self.last_reused_tokens: list[int] = []
+        self._placeholders = placeholder_ids(model.config)  # multimodal placeholder tokens (``token_bound``)
         self._told_of_preset = False  # a generation config's cache_implementation, set aside (logged once)
         self._prefill = None
         if recompute_when_faster:  # from the first call on, with the rate a manager on its disk tier measured last
@@ -136,9 +141,12 @@ class PrefixCache:
         host_ids = input_ids.detach().to("cpu")
         rows = []
         try:
-            for i, pad in enumerate(pads):
+            config = kwargs.get("generation_config") or self.model.generation_config
+            bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
+            for i, (pad, bound) in enumerate(zip(pads, bounds, strict=True)):
                 prompt = host_ids[i, pad:].tolist()
-                rows.append(Row(i, pad, prompt, mgr.create_cache(prompt, self.scope)))
+                keyed = prompt if bound is None else prompt[: bound + 1]  # a match never covers its last token
+                rows.append(Row(i, pad, prompt, mgr.create_cache(keyed, self.scope), bound=bound))
             stream = torch.cuda.current_stream(mgr.device) if mgr.device.type == "cuda" else None
             cache = RecordingCache(self.model.config)
             cache.initialize_attention(mgr.spec.dtype, mgr.device)
@@ -153,7 +161,7 @@ class PrefixCache:
                 if timing is not None:
                     timing.begin(len(rows) * (input_ids.shape[1] - width))  # positions the prompt forwards compute
                 if recorder is not None:
-                    self._prefill_to_snapshots(input_ids, mask, pads, width, cache)
+                    self._prefill_to_snapshots(input_ids, mask, rows, width, cache)
                 if timing is not None:
                     hooks.append(self.model.register_forward_hook(timing.hook))  # generate's first forward
                 arguments = {**kwargs, self._layers.cache_argument: cache, "cache_implementation": None}
@@ -186,13 +194,16 @@ class PrefixCache:
 
         return StateRecorder(cache, self._layers, [row.pad for row in rows], self._packing.pack, wanted)
 
-    def _prefill_to_snapshots(self, input_ids, mask, pads: list[int], width: int, cache: RecordingCache) -> None:
+    def _prefill_to_snapshots(self, input_ids, mask, rows: list[Row], width: int, cache: RecordingCache) -> None:
         """Run the prompt columns ``[width, L)`` up to every snapshot point a row has there, one forward
-        per stretch, as ``generate`` would (same mask and positions); ``generate`` runs the last stretch."""
+        per stretch, as ``generate`` would (same mask and positions); ``generate`` runs the last stretch.
+        No stretch goes past a row's bound: the inputs that reach beyond it are ``generate``'s alone."""
         num_columns = input_ids.shape[1]
         interval = self.manager.config.snapshot_interval_blocks * self.manager.tokens_per_block
+        pads = {row.pad for row in rows}
+        last = min((row.pad + row.bound for row in rows if row.bound is not None), default=num_columns)
         ends = sorted(
-            {pad + m for pad in set(pads) for m in range(interval, num_columns - pad, interval) if pad + m > width}
+            {pad + m for pad in pads for m in range(interval, num_columns - pad, interval) if width < pad + m <= last}
         )
         if not ends:
             return

@@ -12,7 +12,9 @@ into the live state page, so kvtier keeps a snapshot there.
 Rows are saved together while the primary tier holds them all; the rest in later rounds. A row
 that does not fit the primary tier on its own is not saved (a warning says so).
 
-Only what the model computed as finite numbers is saved: a row's tokens end before the first
+Only tokens whose keys and values depend on token ids alone are saved (a row's ``bound``, see
+``token_bound``: multimodal inputs, token types, positions of the caller's). Only what the model
+computed as finite numbers is saved: a row's tokens end before the first
 column where a key or value of any attention layer (or, with linear-attention layers, a recorded
 state) is NaN or infinite, cut back to a recorded snapshot point in a model with linear-attention
 layers. Some transformers models produce NaNs in a left-padded batch (Gemma 2's eager attention
@@ -53,15 +55,16 @@ def save_rows(
     columns = min(cache.get_seq_length(), sequences.shape[1])
     tokens = [sequences[row.index, row.pad : columns].tolist() for row in rows]
     sources = _sources(cache, layers, width)
-    for row, end in zip(rows, _finite_ends(sources, rows, tokens, width, records, packing), strict=True):
-        if end < len(tokens[row.index]):
+    ends, nonfinite = _finite_ends(sources, rows, tokens, width, records, packing)
+    for row, end in zip(rows, ends, strict=True):
+        if row.index in nonfinite:
             log.warning(
                 "kvtier.hf: row %d computed NaN or infinite keys, values or states; its tokens from %d on "
                 "are not saved",
                 row.index,
                 end,
             )
-            tokens[row.index] = tokens[row.index][:end]
+        tokens[row.index] = tokens[row.index][:end]
     pending = list(rows)
     while pending:
         batch = _take_round(pending, tokens, stream)
@@ -109,10 +112,11 @@ def _finite_ends(
     width: int,
     records: list[dict[int, torch.Tensor]] | None,
     packing: StatePacking | None,
-) -> list[int]:
+) -> tuple[list[int], set[int]]:
     """Per row, how many of its tokens to save: up to its first column (from ``width`` on, past its
-    pads) where a key or value is not finite; with recurrent states, cut back to the last recorded
-    point whose state and every earlier one are finite. Never below what it has committed."""
+    pads) where a key or value is not finite, and at most its ``bound``; with recurrent states, cut
+    back to the last recorded point whose state and every earlier one are finite. Never below what
+    it has committed. Also the rows cut for a value that is not finite."""
     bad = None  # [batch, columns from width]: a key or value there is not finite in some layer
     for keys, values, first_column in sources.values():
         k, v = keys[:, :, width - first_column :], values[:, :, width - first_column :]
@@ -127,25 +131,37 @@ def _finite_ends(
         if column >= pads[i] and column - pads[i] < first_bad.get(i, len(tokens[i])):
             first_bad[i] = column - pads[i]
     ends = []
+    nonfinite = set(first_bad)
     for row in rows:
         committed = row.write.num_committed_tokens
         end = first_bad.get(row.index, len(tokens[row.index]))
+        if row.bound is not None:  # past it, the KV depends on more than the tokens (``token_bound``)
+            end = min(end, row.bound)
         if records is not None and packing is not None:
-            end = _finite_state_end(records[row.index], packing, end, len(tokens[row.index]), committed)
+            length = len(tokens[row.index])
+            finite_end = _finite_state_end(records[row.index], packing, end, length, committed)
+            if finite_end < _finite_state_end(records[row.index], packing, end, length, committed, check_finite=False):
+                nonfinite.add(row.index)
+            end = finite_end
         ends.append(max(end, committed))
-    return ends
+    return ends, nonfinite
 
 
 def _finite_state_end(
-    pages: dict[int, torch.Tensor], packing: StatePacking, end: int, length: int, committed: int
+    pages: dict[int, torch.Tensor],
+    packing: StatePacking,
+    end: int,
+    length: int,
+    committed: int,
+    check_finite: bool = True,
 ) -> int:
     """``end`` for a row with recurrent states (``pages``: recorded state pages by point): unchanged
     when nothing is cut (``end == length`` and every state finite), else the last recorded point
     ``<= end`` with every state up to it finite (or ``committed``): the recurrent page is only ever
-    committed holding a recorded state."""
+    committed holding a recorded state. ``check_finite=False``: the states are not looked at."""
     good = committed
     for point in sorted(p for p in pages if p > committed):
-        if point > end or not _finite_states(packing, pages[point]):
+        if point > end or (check_finite and not _finite_states(packing, pages[point])):
             return good
         good = point
     return end if end == length else good
@@ -195,6 +211,8 @@ def _commit(mgr: KVCacheManager, row: Row, tokens: list[int], records: dict[int,
     """Commit ``tokens[committed:]``; with a recurrent group, in segments ending at recorded snapshots."""
     start = row.write.num_committed_tokens
     end = len(tokens)
+    if end <= start:  # cut back to what it holds already (a bound, a value not finite)
+        return
     if records is None:
         row.write.commit(tokens[start:end])
         return

@@ -1,0 +1,115 @@
+"""How far each row's keys and values are decided by its token ids alone: what kvtier may reuse and save.
+
+kvtier keys a prefix by its tokens. A ``generate`` call can give a model more than tokens, and
+from the first position those inputs reach, the keys and values are no longer a function of the
+tokens: a row is then neither reused nor saved past that position (its *bound*):
+
+- multimodal inputs (``pixel_values``, ``image_grid_thw``, ``input_features``, ... : any tensor
+  argument of the model that is not a generation setting, a mask or positions): the first
+  placeholder token where the model puts their features, named by the model's configuration
+  (``image_token_id``, ``video_token_index``, ...). Without such a name the whole row is bound
+  (nothing reused or saved). The text before the first image (a system prompt) is still
+  shared; ``generate`` also needs every placeholder in the input it computes, which a reuse up
+  to the bound keeps there;
+- ``token_type_ids``: the first position where it is not 0 (segments, image spans);
+- ``position_ids``: the first position that differs from the ones the attention mask gives
+  (the ones kvtier's pages were computed with).
+
+A row with none of these is unbounded (None).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+_PLACEHOLDER = re.compile(r"^(image|video|audio|vision)_token_(id|index)$")
+_NOT_CONTENT = frozenset({"attention_mask", "position_ids", "token_type_ids", "cache_position", "logits_to_keep"})
+
+
+def placeholder_ids(config) -> frozenset[int]:
+    """Token ids a multimodal model replaces with features, from its configuration and sub-configurations."""
+    found: set[int] = set()
+    seen: set[int] = set()
+
+    def visit(cfg) -> None:
+        if cfg is None or id(cfg) in seen:
+            return
+        seen.add(id(cfg))
+        for name, value in vars(cfg).items():
+            if _PLACEHOLDER.match(name) and isinstance(value, int) and not isinstance(value, bool):
+                found.add(value)
+            elif hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-configuration
+                visit(value)
+
+    visit(config)
+    return frozenset(found)
+
+
+def content_arguments(kwargs: dict, generation_config) -> list[str]:
+    """Names of ``generate`` arguments that carry model inputs other than tokens (multimodal)."""
+    return sorted(
+        name
+        for name, value in kwargs.items()
+        if name not in _NOT_CONTENT and not hasattr(generation_config, name) and _has_tensor(value)
+    )
+
+
+def row_bounds(
+    host_ids: torch.Tensor,
+    mask: torch.Tensor,
+    pads: list[int],
+    kwargs: dict,
+    generation_config,
+    placeholders: frozenset[int],
+) -> list[int | None]:
+    """Per row, the number of its prompt tokens (after its pads) whose keys and values depend on
+    token ids only, or None when all of them do."""
+    bounds: list[int | None] = [None] * len(pads)
+
+    def cut(i: int, at: int) -> None:
+        bounds[i] = at if bounds[i] is None else min(bounds[i], at)
+
+    if content_arguments(kwargs, generation_config):
+        marks = torch.tensor(sorted(placeholders), dtype=host_ids.dtype)
+        for i, pad in enumerate(pads):
+            hits = torch.isin(host_ids[i, pad:], marks).nonzero()
+            if not placeholders:
+                cut(i, 0)  # where the features go is unknown: nothing of the row is keyed by tokens alone
+            elif len(hits):
+                cut(i, int(hits[0, 0]))
+    types = kwargs.get("token_type_ids")
+    if isinstance(types, torch.Tensor) and types.shape == host_ids.shape:
+        _first_differing(types.detach().to("cpu"), torch.zeros_like(types, device="cpu"), pads, cut)
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape == host_ids.shape:
+        host_mask = mask.detach().to("cpu", torch.long)
+        standard = (host_mask.cumsum(-1) - 1).masked_fill(host_mask == 0, 1)
+        _first_differing(positions.detach().to("cpu", torch.long), standard, pads, cut)
+    elif positions is not None:  # another layout (3-D rotary positions): not compared, not trusted
+        for i in range(len(pads)):
+            cut(i, 0)
+    return bounds
+
+
+def _first_differing(given: torch.Tensor, expected: torch.Tensor, pads: list[int], cut) -> None:
+    for i, pad in enumerate(pads):
+        differs = (given[i, pad:] != expected[i, pad:]).nonzero()
+        if len(differs):
+            cut(i, int(differs[0, 0]))
+
+
+def _has_tensor(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return _any_tensor(value.values())
+    if isinstance(value, (list, tuple)):
+        return _any_tensor(value)
+    return False
+
+
+def _any_tensor(values: Iterable[object]) -> bool:
+    return any(_has_tensor(v) for v in values)

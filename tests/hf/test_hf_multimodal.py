@@ -1,0 +1,141 @@
+"""Inputs other than tokens: kvtier reuses and saves a row only up to where they reach its keys and
+values (``kvtier.hf.token_bound``): a multimodal model's first image placeholder, the caller's own
+positions; every call gives plain ``generate``'s tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+from kvtier.hf import PrefixCache
+from kvtier.hf.token_bound import placeholder_ids, row_bounds
+from tests.hf.tiny import PAD, tiers_config, tiny_model, tokens
+
+IMAGE, BEGIN, END = 299, 297, 298
+PICTURE = [BEGIN, IMAGE, IMAGE, IMAGE, IMAGE, END]  # 4 features per image
+SYSTEM = list(range(10, 30))
+
+
+def tiny_vlm() -> Gemma3ForConditionalGeneration:
+    text = dict(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=2,
+        sliding_window=24,
+        max_position_embeddings=1024,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=IMAGE,
+        boi_token_index=BEGIN,
+        eoi_token_index=END,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float64).eval()
+    with torch.no_grad():  # initialized to zeros: every image would give the same features
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.5)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def image(seed: int) -> torch.Tensor:
+    return 3 * torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def both(model, pc: PrefixCache, prompt: list[int], picture: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
+    """One call through both paths (the same tokens, the same scores); the sequence and the scores."""
+    ids = torch.tensor([prompt])
+    extra = {} if picture is None else {"pixel_values": picture, "token_type_ids": (ids == IMAGE).long()}
+    extra.update(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), **extra)
+    got = pc.generate(ids, attention_mask=torch.ones_like(ids), **extra)
+    assert torch.equal(got.sequences, expected.sequences), f"reused {pc.last_reused_tokens}"
+    scores = torch.stack(got.scores)
+    torch.testing.assert_close(scores, torch.stack(expected.scores), rtol=0, atol=1e-9)
+    return got.sequences[0].tolist(), scores
+
+
+def test_calls_with_images_share_the_text_before_the_first_image_only():
+    model = tiny_vlm()
+    question = [*SYSTEM, *PICTURE, 40, 41, 42]
+    with PrefixCache(model, tiers_config(model, blocks=60)) as pc:
+        both(model, pc, [*SYSTEM, 5, 6], None)
+        first, first_scores = both(model, pc, question, image(1))
+        assert pc.last_reused_tokens == [len(SYSTEM)]
+        both(model, pc, [*first, 43, 44], image(1))  # the next turn about the same image
+        assert pc.last_reused_tokens == [len(SYSTEM)]
+        _, other_scores = both(model, pc, question, image(2))  # another image, the same tokens
+        assert (other_scores - first_scores).abs().max() > 1e-3  # the image counts: its pages were not served
+        assert pc.last_reused_tokens == [len(SYSTEM)]
+        both(model, pc, [*SYSTEM, 5, 7, 8, 9], None)
+        assert pc.last_reused_tokens == [len(SYSTEM) + 1]  # "5" was saved by the first call
+
+
+class _Settings:
+    """A stand-in generation config: its attributes are generation settings."""
+
+    max_new_tokens = 5
+    eos_token_id = None
+
+
+def test_bounds_where_more_than_tokens_reach_the_keys_and_values():
+    ids = torch.tensor([[PAD, PAD, 5, 6, IMAGE, 7], [8, 9, 10, 11, 12, 13]])
+    mask = (ids != PAD).long()
+    pads = [2, 0]
+    settings = _Settings()
+    images = frozenset({IMAGE})
+    assert row_bounds(ids, mask, pads, {}, settings, images) == [None, None]
+    assert row_bounds(ids, mask, pads, {"max_new_tokens": 3, "eos_token_id": torch.tensor([2])}, settings, images) == [
+        None,
+        None,
+    ]
+    assert row_bounds(ids, mask, pads, {"pixel_values": torch.ones(1)}, settings, images) == [2, None]
+    assert row_bounds(ids, mask, pads, {"pixel_values": [torch.ones(1)]}, settings, frozenset()) == [0, 0]
+    types = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]])
+    assert row_bounds(ids, mask, pads, {"token_type_ids": types}, settings, images) == [1, None]
+    standard = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    assert row_bounds(ids, mask, pads, {"position_ids": standard}, settings, images) == [None, None]
+    shifted = standard.clone()
+    shifted[1, 3:] += 100
+    assert row_bounds(ids, mask, pads, {"position_ids": shifted}, settings, images) == [None, 3]
+    assert row_bounds(ids, mask, pads, {"position_ids": torch.zeros(3, 2, 6)}, settings, images) == [0, 0]
+
+
+def test_placeholder_names_are_read_from_the_configuration_and_its_parts():
+    assert placeholder_ids(tiny_vlm().config) == {IMAGE}
+    assert placeholder_ids(tiny_model("llama").config) == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("arch", "reuses"),
+    [("llama", (0, 16, 20, 29)), ("qwen3_next", (0, 16, 16, 16))],  # linear attention: from snapshots only
+)
+def test_a_call_with_positions_of_its_own_reuses_only_where_they_are_the_usual_ones(arch, reuses):
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(4)
+    prompt = tokens(g, 30)
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    shifted = torch.arange(30)[None].clone()
+    shifted[0, 20:] += 7  # a gap in the positions from token 20 on
+    with PrefixCache(model, tiers_config(model, blocks=60)) as pc:
+        for positions, reused in zip((shifted, None, shifted, None), reuses, strict=True):  # 16: 20's full blocks
+            extra = {} if positions is None else {"position_ids": positions}
+            expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **extra)
+            got = pc.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **extra)
+            assert torch.equal(got, expected)
+            assert pc.last_reused_tokens == [reused]
