@@ -66,6 +66,13 @@ def test_a_cache_layer_kvtier_cannot_represent_is_refused_by_name():
         PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
 
 
+def test_a_model_spread_over_devices_is_refused():
+    model = tiny_model("llama")
+    model.model.layers[1].to("meta")  # as accelerate leaves a layer offloaded to disk
+    with pytest.raises(NotImplementedError, match="spread over cpu, meta"):
+        PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
+
+
 def test_the_cache_must_live_on_the_models_device():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="same"):
