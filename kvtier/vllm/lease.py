@@ -54,6 +54,7 @@ class Lease:
 
     __slots__ = (
         "_commits",
+        "bound",
         "cache",
         "created",
         "loads",
@@ -70,8 +71,9 @@ class Lease:
         "store_tokens",
     )
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, bound: int | None = None) -> None:
         self.cache = cache
+        self.bound = bound  # tokens whose KV the token ids decide (before the first image); None: all
         self.state = LeaseState.OFFERED
         self.local_tokens = 0  # tokens vLLM had computed itself when the offer was made
         self.planned = 0

@@ -133,12 +133,15 @@ class KVTierScheduler:
         lease = self._leases.get(rid)
         if lease is None:
             scope = scope_of(request)
-            lease = Lease(self.manager.create_cache(request.all_token_ids, scope))
+            bound = token_bound(request)
+            lease = Lease(self.manager.create_cache(_keyed_tokens(request), scope), bound)
             self._leases[rid] = lease
             self._requests[rid] = request
             if self._store is not None and not _skips_cache(request):
                 chain = self._chain(rid, request)
                 limit = (request.num_tokens - 1) // self._tpb  # a hit never covers the last token
+                if bound is not None:
+                    limit = min(limit, bound // self._tpb)
                 keys = chain.upto(request.all_token_ids, self._tpb, limit)[lease.matched // self._tpb :]
                 lease.store_blocks = self._store.present(chain, keys)
                 if lease.matched + lease.store_blocks * self._tpb <= num_computed_tokens:
@@ -175,7 +178,7 @@ class KVTierScheduler:
         when none could and it may not: it is past that wait, or nothing stands in the way (its
         pages were found damaged)."""
         self._reads = [read for read in self._reads if not read.done()]
-        read = self.manager.prefetch_to_host(request.all_token_ids, scope_of(request))
+        read = self.manager.prefetch_to_host(_keyed_tokens(request), scope_of(request))
         if read is not None:
             self._reads.append(read)
             lease.reads = [read]
@@ -304,7 +307,10 @@ class KVTierScheduler:
             if lease is None or lease.state is not LeaseState.ACTIVE or not lease.saving:
                 continue
             request = self._requests[rid]
-            end = min(request.num_computed_tokens + num_tokens, request.num_tokens) // self._tpb * self._tpb
+            end = min(request.num_computed_tokens + num_tokens, request.num_tokens)
+            if lease.bound is not None:  # past it the KV depends on more than tokens: never saved
+                end = min(end, lease.bound)
+            end = end // self._tpb * self._tpb
             if end > lease.planned:
                 self._add_save(rid, lease, request, end)
         meta = KVTierMetadata(self._step_jobs, sorted(flush), self._delayed)
@@ -437,12 +443,26 @@ def scope_of(request: Request) -> ReuseScope:
 
 
 def _keyable(request: Request) -> bool:
-    """Whether a request's KV is decided by its token ids alone (no embeddings, no multimodal inputs)."""
-    return (
-        request.prompt_token_ids is not None
-        and getattr(request, "prompt_embeds", None) is None
-        and not getattr(request, "mm_features", None)
-    )
+    """Whether a request's KV starts out decided by its token ids (it has them, not prompt embeddings)."""
+    return request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+
+
+def token_bound(request: Request) -> int | None:
+    """How many leading tokens of a request have KV decided by the token ids alone: those before its
+    first multimodal placeholder (an image's KV is not keyed by its placeholder tokens); None: all.
+    Only these are matched, loaded and saved."""
+    features = getattr(request, "mm_features", None)
+    if not features:
+        return None
+    return min(int(feature.mm_position.offset) for feature in features)
+
+
+def _keyed_tokens(request: Request) -> list[int]:
+    """The tokens a request's cache is matched on: all, or up to its bound and one more (a match never
+    covers its last token)."""
+    bound = token_bound(request)
+    tokens = request.all_token_ids
+    return list(tokens) if bound is None else list(tokens[: bound + 1])
 
 
 def _skips_cache(request: Request) -> bool:

@@ -22,7 +22,9 @@ import torch
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.utils.hashing import sha256
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -39,6 +41,7 @@ HEADS = 2
 HEAD_SIZE = 16
 EOS = 999
 IDLE_PAUSE_S = 0.002  # after a step that moved nothing
+ENCODER_BUDGET = 4096  # image placeholder tokens the scheduler may schedule
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -181,10 +184,22 @@ class Engine:
         max_tokens: int = 4,
         salt: str | None = None,
         prompt_logprobs: int | None = None,
+        images: Sequence[tuple[str, int, int]] = (),
     ) -> Request:
-        """Queue a request (``prompt_logprobs`` makes vLLM compute every prompt token: it reads no cache)."""
+        """Queue a request (``prompt_logprobs`` makes vLLM compute every prompt token: it reads no cache).
+
+        ``images``: (identifier, offset, length) of each image's placeholder tokens in ``prompt``; the
+        scheduler gets an encoder budget for them (the stand-in runner computes no image features).
+        """
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs)
         params.update_from_generation_config({}, EOS)
+        features = [
+            MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(at, n))
+            for ident, at, n in images
+        ]
+        if features and not self.scheduler.max_num_encoder_input_tokens:
+            self.scheduler.max_num_encoder_input_tokens = ENCODER_BUDGET
+            self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=ENCODER_BUDGET)
         request = Request(
             request_id=rid,
             prompt_token_ids=list(prompt),
@@ -192,6 +207,7 @@ class Engine:
             pooling_params=None,
             cache_salt=salt,
             block_hasher=self._hasher,
+            mm_features=features or None,
         )
         self.requests[rid] = request
         self.outputs[rid] = []

@@ -149,6 +149,26 @@ def test_a_request_for_prompt_logprobs_reads_nothing_waits_for_nothing_and_is_sa
     e.shutdown()
 
 
+def test_a_multimodal_request_shares_the_text_before_its_first_image_only(tmp_path):
+    """An image's KV is not decided by its placeholder tokens: kvtier keeps and serves only the blocks
+    before a request's first image; a request with the same tokens and no image gets no more."""
+    e = engine(tmp_path)
+    text, picture = prompt(11, 40), [900] * 20
+    e.add("r1", [*text, *picture, *prompt(12, 30)], max_tokens=2, images=[("a", 40, 20)])
+    e.run()
+    assert e.kv_scheduler.manager.stats().tiers["primary"].pages_used == 2  # the 2 full blocks before token 40
+    e.reset_prefix_cache()
+    e.add("r2", [*text, *picture, *prompt(13, 30)], max_tokens=2, images=[("b", 40, 20)])
+    e.run()
+    assert first_step_of(e, "r2")[0] == 32
+    e.reset_prefix_cache()
+    e.add("r3", [*text, *picture, *prompt(12, 30)], max_tokens=2)  # r1's tokens, without its image
+    e.run()
+    assert first_step_of(e, "r3")[0] == 32
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def never_read_disk_on_the_scheduler_thread(monkeypatch) -> None:
     """A disk read by a plan (a resume of pages still on disk) fails the test: the scheduler half
     must leave them to its background reads."""
