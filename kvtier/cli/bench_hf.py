@@ -12,6 +12,9 @@ second turn's prompt is the history plus a new suffix, timed five ways:
                recomputing (``recompute_when_faster``), so once the disk's speed is measured (the
                warm-up call) a slow disk's blocks are recomputed
     disk-load  the same with ``recompute_when_faster=False``: every cached block is loaded
+    restart    the first call of a new ``PrefixCache`` on the disk case's directory (the OS page cache
+               dropped), as a restarted process makes it: it weighs its loads with the rates the
+               last one kept in the directory (before they were kept, it loaded every block)
 
 TTFT runs from the call to the first generated token handed to a streamer (``generate`` copies
 it to the host, so the device is done with it); each timed call uses a suffix no call has used.
@@ -121,9 +124,9 @@ class _Bench:
         self.host_pc = PrefixCache(
             self.model, kvtier.CacheConfig(tpb, host_tiers, device=args.device), model_id=model_id
         )
-        self.disk_pc = PrefixCache(
-            self.model, kvtier.CacheConfig(tpb, disk_tiers, device=args.device), model_id=model_id
-        )
+        self.disk_config = kvtier.CacheConfig(tpb, disk_tiers, device=args.device)
+        self.model_id = model_id
+        self.disk_pc = PrefixCache(self.model, self.disk_config, model_id=model_id)
         self.disk_load_pc = PrefixCache(
             self.model,
             kvtier.CacheConfig(tpb, load_tiers, device=args.device),
@@ -218,7 +221,28 @@ class _Bench:
             if case == "host" and ceiling:
                 row["target_ms"] = (1.3 * row["history_bytes"] / (ceiling * 1e9) + resident) * 1e3
             rows.append(row)
+        rows.append(self._restart(history, suffixes["restart"], recompute))
         return rows
+
+    def _restart(self, history: list[int], suffixes: list[list[int]], recompute: float) -> dict:
+        """The first call of a new ``PrefixCache`` on the disk case's directory, ``repeats`` times."""
+        from kvtier.hf import PrefixCache
+
+        times, reused, out = [], [], None
+        for suffix in suffixes[: self.args.repeats]:
+            self.disk_pc.close()  # its pages and measured rates stay in the directory
+            self.disk_pc = PrefixCache(self.model, self.disk_config, model_id=self.model_id)
+            drop_page_cache()
+            t, out = self._ttft(self.disk_pc.generate, history + suffix)
+            times.append(t)
+            reused.append(self.disk_pc.last_reused_tokens[0])
+        logits = out.logits[0][0].float()
+        expected = self._ttft(self.model.generate, history + suffixes[self.args.repeats - 1])[1].logits[0][0].float()
+        row = self._row(len(history), "restart", times, recompute)
+        row["reused_tokens"] = reused[-1]
+        row["logit_rel_err"] = float((logits - expected).norm() / expected.norm())
+        row["same_argmax"] = int(logits.argmax()) == int(expected.argmax())
+        return row
 
     def _push(self, pc, push: bool) -> None:
         """Fill the primary tier with a cache of its own, as other traffic would: the history moves down."""
@@ -274,7 +298,7 @@ class _Bench:
         return row
 
 
-_CASES = ("recompute", "resident", "gpu", "host", "disk", "disk-load")
+_CASES = ("recompute", "resident", "gpu", "host", "disk", "disk-load", "restart")
 
 
 def _print_table(rows: list[dict], ceiling: float) -> None:
