@@ -17,6 +17,7 @@ of a small development machine (a tiny test model: milliseconds).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import torch
 
@@ -29,9 +30,15 @@ _MASK64 = (1 << 64) - 1
 
 def weights_fingerprint(module: torch.nn.Module) -> str:
     """A hex digest of every parameter and buffer of ``module``: names, shapes, dtypes and bytes."""
+    return tensors_fingerprint(module.state_dict(keep_vars=False).items())
+
+
+def tensors_fingerprint(named: Iterable[tuple[str, object]]) -> str:
+    """A hex digest of named tensors (their names, shapes, dtypes and bytes), in name order; entries
+    that are not tensors are skipped."""
     h = hashlib.blake2b(digest_size=16, person=b"kvtier-weights1")
     coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-    for name, tensor in sorted(module.state_dict(keep_vars=False).items()):
+    for name, tensor in sorted(named, key=lambda item: item[0]):
         if not isinstance(tensor, torch.Tensor):
             continue
         h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())

@@ -18,7 +18,8 @@ a cached prefix is then reused only as far as loading it is estimated faster tha
 it (``recompute_when_faster``), so blocks on a slow disk are recomputed.
 
 A row is reused and saved only as far as its keys and values depend on its token ids alone
-(``token_bound``): a multimodal call shares the text before its first image, not the image.
+(``token_bound``): a multimodal call shares the text before its first image, not the image. The
+PEFT adapters active in a call are part of its scope (``adapters``).
 
 Outputs are those of ``model.generate`` with the same arguments. What is reused in a batch:
 ``last_reused_tokens[i]`` prompt tokens of row i, where the batch takes the same number of
@@ -35,6 +36,7 @@ import torch
 
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
 from kvtier.errors import CacheStateError
+from kvtier.hf.adapters import AdapterScope
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
 from kvtier.hf.hf_cache import RecordingCache, StateRecorder
 from kvtier.hf.model_layers import ModelLayers, read_model
@@ -97,6 +99,7 @@ class PrefixCache:
             raise ValueError(f"cache_config.device is {cache_config.device}, the model is on {device}: use the same")
         self.model = model
         self.scope = scope
+        self._scopes = AdapterScope(model, scope)  # each call's: with the PEFT adapters active then
         self._layers: ModelLayers = read_model(model, model_id)
         self._weights = WeightWatch(model, self._layers.spec.model_id if model_id is None else None)
         self.manager = KVCacheManager(self._layers.spec, cache_config)
@@ -147,16 +150,17 @@ class PrefixCache:
         host_ids = input_ids.detach().to("cpu")
         rows = []
         try:
+            scope = self._scopes.current()
             config = kwargs.get("generation_config") or self.model.generation_config
             bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
             for i, (pad, bound) in enumerate(zip(pads, bounds, strict=True)):
                 prompt = host_ids[i, pad:].tolist()
                 keyed = prompt if bound is None else prompt[: bound + 1]  # a match never covers its last token
-                rows.append(Row(i, pad, prompt, mgr.create_cache(keyed, self.scope), bound=bound))
+                rows.append(Row(i, pad, prompt, mgr.create_cache(keyed, scope), bound=bound))
             stream = torch.cuda.current_stream(mgr.device) if mgr.device.type == "cuda" else None
             cache = RecordingCache(self.model.config)
             cache.initialize_attention(mgr.spec.dtype, mgr.device)
-            width = choose_width(mgr, rows, input_ids.shape[1], self.scope, stream)
+            width = choose_width(mgr, rows, input_ids.shape[1], scope, stream)
             load_prefix(cache, self._layers, mgr, rows, width, self._packing)
             release_reads(rows)
             self.last_reused_tokens = [row.reused for row in rows]

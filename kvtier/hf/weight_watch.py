@@ -12,7 +12,8 @@ the model's modules, listed once at construction, and compares them at each call
 the tensors' handles, not their bytes (about 0.15 ms for a Llama-3-8B-shaped model on the
 development CPU, against 0.6 ms for walking the module tree each time). Not noticed: writes
 in place through ``tensor.data`` (torch does not count them) and modules added or swapped in after
-construction (an adapter injected later): build the ``PrefixCache`` after those.
+construction: build the ``PrefixCache`` after those (a PEFT adapter injected later is not a
+change of weights: its calls get a scope of their own, ``adapters``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,100 @@
+"""The PEFT adapters (LoRA, ...) active in a model: part of a call's reuse scope.
+
+An adapter changes the keys and values its layers compute, while the model's own weights stay
+as they were: pages computed with adapter ``a`` active must never be served with ``b`` active,
+or with adapters disabled. ``AdapterScope`` gives each call the ``PrefixCache``'s scope with the
+active adapters added to its ``lora_id``: each adapter by name and by a fingerprint of its
+weights and settings (a name given to other weights later is another scope; the same adapter
+loaded in another process is the same scope, so a disk tier serves it after a restart).
+
+PEFT's tuner layers are found by what they expose (``active_adapters``, ``disable_adapters``,
+``adapter_layer_names``), so peft is never imported. The layers are listed at construction and
+again whenever the model's ``peft_config`` names other adapters (``add_adapter``,
+``load_adapter``, ``delete_adapter``). A fingerprint is computed once per set of tensors (their
+identity, version and address), so training an adapter between calls makes a new scope too.
+Adapters merged into the weights are the base weights' business (``weight_watch``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from kvtier.config import ReuseScope
+from kvtier.weights import tensors_fingerprint
+
+
+class AdapterScope:
+    """The reuse scope of a call on ``model``: ``base`` plus the adapters active now."""
+
+    def __init__(self, model: torch.nn.Module, base: ReuseScope) -> None:
+        self._model = model
+        self._base = base
+        self._names = _configured(model)
+        self._layers = _tuner_layers(model)
+        self._fingerprints: dict[tuple, str] = {}
+
+    def current(self) -> ReuseScope:
+        """``base`` when no adapter is active, else ``base`` with the active adapters in its ``lora_id``."""
+        names = _configured(self._model)
+        if names != self._names:
+            self._names, self._layers = names, _tuner_layers(self._model)
+        if not self._layers:
+            return self._base
+        states = tuple(_active(layer) for layer in self._layers)
+        active = sorted(set().union(*states))
+        if not active:
+            return self._base
+        parts = [f"{name}@{self._fingerprint(name)}" for name in active]
+        if len(set(states)) > 1:  # layers disagree on what is active: the whole pattern is the key
+            parts.append(hashlib.blake2b(repr(states).encode(), digest_size=8).hexdigest())
+        key = "peft:" + "+".join(parts)
+        lora_id = key if self._base.lora_id is None else f"{self._base.lora_id}|{key}"
+        return ReuseScope(lora_id=lora_id, salt=self._base.salt)
+
+    def _fingerprint(self, name: str) -> str:
+        """A fingerprint of adapter ``name``'s tensors and settings in every tuner layer (cached)."""
+        tensors: list[tuple[str, torch.Tensor]] = []
+        settings: list[str] = []
+        for i, layer in enumerate(self._layers):
+            for attribute in layer.adapter_layer_names:
+                container = getattr(layer, attribute, None)
+                if container is not None and name in container:
+                    part = container[name]
+                    found = part.named_parameters() if isinstance(part, torch.nn.Module) else [("", part)]
+                    tensors += [(f"{i}.{attribute}.{n}", t) for n, t in found if isinstance(t, torch.Tensor)]
+            for attribute in getattr(layer, "other_param_names", ()):
+                values = getattr(layer, attribute, None)
+                if isinstance(values, dict) and name in values:
+                    settings.append(f"{i}.{attribute}={values[name]!r}")
+        handles = tuple((id(t), t._version, t.data_ptr()) for _, t in tensors)
+        key = (name, handles, tuple(settings))
+        if key not in self._fingerprints:
+            digest = tensors_fingerprint(tensors)
+            self._fingerprints[key] = hashlib.blake2b((digest + "|".join(settings)).encode(), digest_size=8).hexdigest()
+        return self._fingerprints[key]
+
+
+def _configured(model: torch.nn.Module) -> tuple[str, ...]:
+    """The adapter names the model's ``peft_config`` holds (PeftModel, transformers' adapter API)."""
+    config = getattr(model, "peft_config", None)
+    return tuple(sorted(config)) if isinstance(config, dict) else ()
+
+
+def _tuner_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "adapter_layer_names") and hasattr(m, "active_adapters") and hasattr(m, "disable_adapters")
+    ]
+
+
+def _active(layer: torch.nn.Module) -> tuple[str, ...]:
+    """The adapters a tuner layer applies now: active, present in it, and not disabled."""
+    if layer.disable_adapters:
+        return ()
+    active = layer.active_adapters
+    names = [active] if isinstance(active, str) else list(active)
+    present = [n for n in names if any(n in getattr(layer, a, {}) for a in layer.adapter_layer_names)]
+    return tuple(sorted(present))

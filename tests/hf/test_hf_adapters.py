@@ -1,0 +1,80 @@
+"""PEFT adapters (LoRA) on a ``PrefixCache``'s model: pages computed with one adapter active are
+never served with another, or with none (``kvtier.hf.adapters``); every call gives ``generate``'s
+tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.errors import CacheStateError
+from kvtier.hf import PrefixCache
+from tests.hf.tiny import tiers_config, tiny_model, tokens
+
+peft = pytest.importorskip("peft")
+
+
+def lora(seed: int) -> peft.LoraConfig:
+    torch.manual_seed(seed)
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+
+
+def both(model, pc: PrefixCache, prompt: list[int]) -> int:
+    """One call through both paths (the same tokens); the tokens it reused."""
+    ids = torch.tensor([prompt])
+    expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    got = pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected), f"reused {pc.last_reused_tokens}"
+    return pc.last_reused_tokens[0]
+
+
+def test_each_adapter_and_the_base_model_reuse_only_their_own_pages(tmp_path):
+    model = peft.get_peft_model(tiny_model("llama"), lora(1), adapter_name="first")
+    model.add_adapter("second", lora(2))
+    model.eval()
+    prompt = tokens(torch.Generator().manual_seed(3), 40)
+    config = tiers_config(model.base_model.model, blocks=60, disk_blocks=200, disk_path=tmp_path)
+    with PrefixCache(model, config) as pc:
+        model.set_adapter("first")
+        assert both(model, pc, prompt) == 0
+        model.set_adapter("second")
+        assert both(model, pc, prompt) == 0  # not the first adapter's pages
+        with model.disable_adapter():
+            assert both(model, pc, prompt) == 0  # nor either adapter's for the base model
+            assert both(model, pc, [*prompt, 5]) == 40
+        model.set_adapter("first")
+        assert both(model, pc, [*prompt, 6]) == 40
+    with PrefixCache(model, config) as pc:  # a restart: the same adapter is the same scope
+        model.set_adapter("second")
+        assert both(model, pc, [*prompt, 7]) == 40
+
+
+def test_an_adapter_added_after_construction_and_one_trained_in_between_get_scopes_of_their_own():
+    base = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(4), 40)
+    with PrefixCache(base, tiers_config(base, blocks=60)) as pc:
+        assert both(base, pc, prompt) == 0
+        peft.inject_adapter_in_model(lora(5), base, adapter_name="late")  # new layers, active at once
+        assert both(base, pc, [*prompt, 1]) == 0  # not the base model's pages
+        assert both(base, pc, [*prompt, 2]) == 40
+        with torch.no_grad():  # a training step on the adapter
+            for name, param in base.named_parameters():
+                if "lora_B" in name:
+                    param.add_(0.05)
+        assert both(base, pc, [*prompt, 3]) == 0
+        for module in base.modules():
+            if isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer):
+                module.enable_adapters(False)
+        assert both(base, pc, [*prompt, 4]) == 40  # the base model's pages again
+
+
+def test_training_an_adapter_present_at_construction_is_a_weight_change():
+    model = peft.get_peft_model(tiny_model("llama"), lora(6), adapter_name="only")
+    model.eval()
+    prompt = tokens(torch.Generator().manual_seed(5), 30)
+    with PrefixCache(model, tiers_config(model.base_model.model, blocks=60)) as pc:
+        both(model, pc, prompt)
+        with torch.no_grad():
+            next(p for n, p in model.named_parameters() if "lora_A" in n).mul_(1.5)
+        with pytest.raises(CacheStateError, match="weights changed"):
+            pc.generate(torch.tensor([prompt]), max_new_tokens=2)
