@@ -271,12 +271,12 @@ class _Bench:
         mgr = pc.manager
         self.sync()
         t0 = time.perf_counter()
-        rows = [Row(0, 0, prompt, mgr.create_cache(prompt, pc.scope))]
+        rows = [Row(0, 0, prompt, mgr.create_cache(prompt, pc.scope), pc.scope)]
         cache = RecordingCache(pc.model.config)
         cache.initialize_attention(mgr.spec.dtype, mgr.device)
         t1 = time.perf_counter()
         by_tier = dict(rows[0].write.reused_by_tier)
-        width = choose_width(mgr, rows, len(prompt), pc.scope, stream)
+        width = choose_width(mgr, rows, len(prompt), stream)
         self.sync()
         t2 = time.perf_counter()
         load_prefix(cache, pc._layers, mgr, rows, width, pc._packing)  # the adapter's own stages, timed apart

@@ -35,21 +35,39 @@ class AdapterScope:
         self._layers = _tuner_layers(model)
         self._fingerprints: dict[tuple, str] = {}
 
+    def for_rows(self, count: int, kwargs: dict) -> list[ReuseScope]:
+        """The scope of each of ``count`` batch rows: with PEFT's per-row ``adapter_names`` argument
+        (``"__base__"``: none), each row's adapter; else the adapters active now, for every row."""
+        names = kwargs.get("adapter_names")
+        if names is None:
+            return [self.current()] * count
+        if isinstance(names, str) or len(names) != count:
+            raise ValueError(f"adapter_names must name one adapter per batch row ({count}), got {names!r}")
+        self._refresh()
+        return [self._base if name == "__base__" else self._scope([name]) for name in names]
+
     def current(self) -> ReuseScope:
         """``base`` when no adapter is active, else ``base`` with the active adapters in its ``lora_id``."""
-        names = _configured(self._model)
-        if names != self._names:
-            self._names, self._layers = names, _tuner_layers(self._model)
+        self._refresh()
         if not self._layers:
             return self._base
         states = tuple(_active(layer) for layer in self._layers)
         active = sorted(set().union(*states))
         if not active:
             return self._base
-        parts = [f"{name}@{self._fingerprint(name)}" for name in active]
-        if len(set(states)) > 1:  # layers disagree on what is active: the whole pattern is the key
-            parts.append(hashlib.blake2b(repr(states).encode(), digest_size=8).hexdigest())
-        key = "peft:" + "+".join(parts)
+        scope = self._scope(active)
+        if len(set(states)) > 1:  # layers disagree on what is active: the whole pattern is part of the key
+            pattern = hashlib.blake2b(repr(states).encode(), digest_size=8).hexdigest()
+            scope = ReuseScope(lora_id=f"{scope.lora_id}+{pattern}", salt=scope.salt)
+        return scope
+
+    def _refresh(self) -> None:
+        names = _configured(self._model)
+        if names != self._names:
+            self._names, self._layers = names, _tuner_layers(self._model)
+
+    def _scope(self, active: list[str]) -> ReuseScope:
+        key = "peft:" + "+".join(f"{name}@{self._fingerprint(name)}" for name in active)
         lora_id = key if self._base.lora_id is None else f"{self._base.lora_id}|{key}"
         return ReuseScope(lora_id=lora_id, salt=self._base.salt)
 

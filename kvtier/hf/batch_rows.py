@@ -32,6 +32,7 @@ class Row:
     pad: int
     prompt: list[int]
     write: KVCache  # created on the whole prompt: holds the matched prefix, receives the new blocks
+    scope: ReuseScope  # the row's reuse scope (its adapter's, with per-row adapters)
     read: KVCache | None = None  # resumed, holds exactly ``reused`` tokens' pages: write itself or a shorter match
     reused: int = 0  # prompt tokens taken from kvtier
     bound: int | None = None  # prompt tokens whose KV depends on token ids alone (``token_bound``); None: all
@@ -50,7 +51,7 @@ def left_pads(mask: torch.Tensor) -> list[int] | None:
     return pads.tolist()
 
 
-def choose_width(mgr: KVCacheManager, rows: list[Row], num_columns: int, scope: ReuseScope, stream=None) -> int:
+def choose_width(mgr: KVCacheManager, rows: list[Row], num_columns: int, stream=None) -> int:
     """The number of leading columns every row takes from kvtier; each row's ``read`` cache is then
     ACTIVE and holds exactly ``row.reused`` tokens (or is None when the row reuses nothing)."""
     only_full = all(g.kind is GroupKind.ATTENTION for g in mgr.layer_groups)
@@ -65,7 +66,7 @@ def choose_width(mgr: KVCacheManager, rows: list[Row], num_columns: int, scope: 
                 continue
             read = row.write
             if reused != read.num_reused_tokens and not only_full:
-                read = mgr.create_cache(row.prompt[: reused + 1], scope)
+                read = mgr.create_cache(row.prompt[: reused + 1], row.scope)
                 if read.num_reused_tokens < reused:
                     failed = (i, read.num_reused_tokens)
                     read.close()

@@ -150,17 +150,17 @@ class PrefixCache:
         host_ids = input_ids.detach().to("cpu")
         rows = []
         try:
-            scope = self._scopes.current()
+            scopes = self._scopes.for_rows(len(pads), kwargs)
             config = kwargs.get("generation_config") or self.model.generation_config
             bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
-            for i, (pad, bound) in enumerate(zip(pads, bounds, strict=True)):
+            for i, (pad, bound, scope) in enumerate(zip(pads, bounds, scopes, strict=True)):
                 prompt = host_ids[i, pad:].tolist()
                 keyed = prompt if bound is None else prompt[: bound + 1]  # a match never covers its last token
-                rows.append(Row(i, pad, prompt, mgr.create_cache(keyed, scope), bound=bound))
+                rows.append(Row(i, pad, prompt, mgr.create_cache(keyed, scope), scope, bound=bound))
             stream = torch.cuda.current_stream(mgr.device) if mgr.device.type == "cuda" else None
             cache = RecordingCache(self.model.config)
             cache.initialize_attention(mgr.spec.dtype, mgr.device)
-            width = choose_width(mgr, rows, input_ids.shape[1], scope, stream)
+            width = choose_width(mgr, rows, input_ids.shape[1], stream)
             load_prefix(cache, self._layers, mgr, rows, width, self._packing)
             release_reads(rows)
             self.last_reused_tokens = [row.reused for row in rows]

@@ -78,3 +78,25 @@ def test_training_an_adapter_present_at_construction_is_a_weight_change():
             next(p for n, p in model.named_parameters() if "lora_A" in n).mul_(1.5)
         with pytest.raises(CacheStateError, match="weights changed"):
             pc.generate(torch.tensor([prompt]), max_new_tokens=2)
+
+
+def test_a_batch_with_an_adapter_per_row_reuses_each_rows_own_pages():
+    model = peft.get_peft_model(tiny_model("llama"), lora(7), adapter_name="first")
+    model.add_adapter("second", lora(8))
+    model.eval()
+    g = torch.Generator().manual_seed(6)
+    shared = tokens(g, 32)
+    rows = [[*shared, *tokens(g, 4)] for _ in range(3)]
+    ids = torch.tensor(rows)
+    mask = torch.ones_like(ids)
+    with PrefixCache(model, tiers_config(model.base_model.model, blocks=80)) as pc:
+        calls = ((["first", "second", "__base__"], [0, 0, 0]), (["second", "__base__", "first"], [32] * 3))
+        for names, reused in calls:
+            expected = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=names
+            )
+            got = pc.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=names)
+            assert torch.equal(got, expected)
+            assert pc.last_reused_tokens == reused
+        with pytest.raises(ValueError, match="one adapter per batch row"):
+            pc.generate(ids, attention_mask=mask, max_new_tokens=3, adapter_names=["first"])

@@ -121,7 +121,7 @@ def test_left_pads():
 
 
 def _rows(mgr, prompts: list[list[int]], width: int) -> list[Row]:
-    return [Row(i, width - len(p), p, mgr.create_cache(p)) for i, p in enumerate(prompts)]
+    return [Row(i, width - len(p), p, mgr.create_cache(p), kvtier.DEFAULT_SCOPE) for i, p in enumerate(prompts)]
 
 
 def test_the_width_is_set_by_the_longest_uncached_part_and_each_row_gets_exactly_its_share():
@@ -131,7 +131,7 @@ def test_the_width_is_set_by_the_longest_uncached_part_and_each_row_gets_exactly
     _committed(mgr, b[:28])
     rows = _rows(mgr, [a, b[:29] + [7, 8, 9, 10]], 40)  # b: 33 tokens, 7 padding columns
     assert [r.write.num_reused_tokens for r in rows] == [32, 28]
-    width = choose_width(mgr, rows, 40, kvtier.DEFAULT_SCOPE)
+    width = choose_width(mgr, rows, 40)
     assert width == 32 and [r.reused for r in rows] == [32, 25]
     assert rows[0].read is rows[0].write and rows[1].read is not rows[1].write
     assert rows[1].read.num_committed_tokens == 25 and rows[1].read.state is kvtier.CacheState.ACTIVE
@@ -149,7 +149,7 @@ def test_the_width_shrinks_until_every_row_gets_exactly_its_share():
     rows = _rows(mgr, [a, b[:29] + [7, 8, 9, 10]], 40)
     # b cannot give 25 (only block boundaries): width 7 + 24 = 31; a cannot give 31: 28; b cannot
     # give 21: 27; ... the padding (7) is not a multiple of the block (4), so it ends at 4 and 0.
-    assert choose_width(mgr, rows, 40, kvtier.DEFAULT_SCOPE) == 4
+    assert choose_width(mgr, rows, 40) == 4
     assert [r.reused for r in rows] == [4, 0] and rows[1].read is None
     close_rows(rows)
     mgr.close()
@@ -161,7 +161,7 @@ def test_only_full_attention_takes_a_shorter_share_from_the_same_pages():
     _committed(mgr, a[:32])
     _committed(mgr, b[:28])
     rows = _rows(mgr, [a, b[:29] + [7, 8, 9, 10]], 40)
-    assert choose_width(mgr, rows, 40, kvtier.DEFAULT_SCOPE) == 32
+    assert choose_width(mgr, rows, 40) == 32
     assert rows[1].read is rows[1].write and rows[1].reused == 25
     assert np.all(rows[1].read.page_indices(0)[:7] != kvtier.BAD_PAGE_INDEX)
     close_rows(rows)
