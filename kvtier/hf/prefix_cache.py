@@ -88,12 +88,6 @@ class PrefixCache:
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
         if not isinstance(recompute_when_faster, bool):
             raise TypeError(f"recompute_when_faster must be a bool, got {recompute_when_faster!r}")
-        devices = sorted({str(p.device) for p in model.parameters()})
-        if len(devices) > 1:
-            raise NotImplementedError(
-                f"the model's weights are spread over {', '.join(devices)} (a device_map or offloading): "
-                "PrefixCache serves a model whose weights are on one device"
-            )
         device = next(model.parameters()).device
         if not _same_device(device, cache_config.device):
             raise ValueError(f"cache_config.device is {cache_config.device}, the model is on {device}: use the same")
