@@ -2,7 +2,8 @@
 
 ``PrefixCache(model, cache_config, scope=...)`` wraps a decoder-only model whose cache layers are
 full attention, sliding-window attention, linear attention (hybrid models) or full attention and
-a state space model in one layer (Falcon-H1, Zamba2), and serves its ``generate()`` calls from
+a state space model in one layer (Falcon-H1, Zamba2), keys and values of one shape or two
+(multi-head latent attention: DeepSeek-V3), and serves its ``generate()`` calls from
 kvtier's tiers: the longest cached prefix of each row is loaded instead of recomputed, and every
 computed block is saved for the next call (or the next process, through a disk tier). Importing
 ``kvtier`` does not import transformers; using ``kvtier.hf.PrefixCache`` does. The data path

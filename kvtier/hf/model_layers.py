@@ -8,6 +8,8 @@ The layer kinds come from the cache classes transformers builds for the model
     LinearAttentionLayer       conv + recurrent states   -> kvtier.RecurrentLayer (states packed)
     LinearAttentionAndFull...  both in one decoder layer -> an AttentionLayer and a RecurrentLayer
       (Falcon-H1, Zamba2, Zaya: attention beside a state space model; the states' entry first)
+    keys and values of two shapes (multi-head latent attention: DeepSeek-V2/V3, Kimi K2)
+                               -> two AttentionLayers of the same window, roles ("k",) and ("v",)
     DummyLayer                 holds nothing             -> no kvtier layer (transformers >= 5.23)
 
 Any other class (an indexed, quantized, static or custom layer) raises ``NotImplementedError``
@@ -68,6 +70,7 @@ class ModelLayer:
     num_kv_heads: int = 0
     head_dim: int = 0
     states: tuple[StateTensor, ...] = ()
+    roles: tuple[str, ...] = ("k", "v")  # an attention entry's tensors: both, or one of a layer split in two
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,16 +147,17 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
         keys, values = layer.keys, layer.values
         if not layer.is_initialized or keys is None or keys.numel() == 0:
             raise NotImplementedError(f"layer {i} ({kind.value}) was not written by a forward pass")
-        if keys.shape != values.shape or keys.dtype != values.dtype:
+        if keys.dtype != values.dtype:
             raise NotImplementedError(
-                f"layer {i} keeps keys {tuple(keys.shape)} {keys.dtype} and values {tuple(values.shape)} "
-                f"{values.dtype}; kvtier pages need one shape and dtype for both"
+                f"layer {i} keeps keys of {keys.dtype} and values of {values.dtype}; kvtier pages need one dtype"
             )
         kv_dtypes.add(keys.dtype)
         window = layer.sliding_window if kind is LayerKind.SLIDING else None
-        heads, dim = keys.shape[1], keys.shape[3]
-        layers.append(ModelLayer(i, kind, len(spec_layers), window, heads, dim))
-        spec_layers.append(AttentionLayer(heads, dim, window=window))
+        split = keys.shape[1:] != values.shape[1:]  # multi-head latent attention keeps two shapes
+        for roles, tensor in ((("k",), keys), (("v",), values)) if split else ((("k", "v"), keys),):
+            heads, dim = tensor.shape[1], tensor.shape[3]
+            layers.append(ModelLayer(i, kind, len(spec_layers), window, heads, dim, roles=roles))
+            spec_layers.append(AttentionLayer(heads, dim, window=window, roles=roles))
     if len(kv_dtypes) != 1:
         raise NotImplementedError(f"attention layers keep different dtypes {sorted(map(str, kv_dtypes))}")
     model_id = model_id if model_id is not None else weights_fingerprint(model)

@@ -72,15 +72,18 @@ def load_prefix(
                 blocks.append(row_blocks(row.index, slots, start, row.reused, column, mgr.tokens_per_block, device))
         covered = all(row.pad == 0 and row.reused == width for row in rows)  # no column left unwritten
         allocate = torch.empty if covered else torch.zeros
+        loaded: dict[int, dict[str, torch.Tensor]] = {}  # a layer split in two fills once both are read
         for layer_id in group.layer_ids:
             layer = layers.by_kvtier_id[layer_id]
             views = mgr.kv_views(layer_id)
             shape = (batch, spare + kept + spare, layer.num_kv_heads, layer.head_dim)
-            keys, values = (allocate(shape, dtype=mgr.spec.dtype, device=device) for _ in range(2))
-            gather_blocks(views["k"], blocks, keys)
-            gather_blocks(views["v"], blocks, values)
-            keys, values = (t[:, spare : spare + kept].transpose(1, 2) for t in (keys, values))
-            fill_attention(cache.layers[layer.index], layer.kind, keys, values, width)
+            tensors = loaded.setdefault(layer.index, {})
+            for role in layer.roles:
+                storage = allocate(shape, dtype=mgr.spec.dtype, device=device)
+                gather_blocks(views[role], blocks, storage)
+                tensors[role] = storage[:, spare : spare + kept].transpose(1, 2)
+            if len(tensors) == 2:
+                fill_attention(cache.layers[layer.index], layer.kind, tensors["k"], tensors["v"], width)
 
 
 def _load_states(

@@ -203,8 +203,8 @@ def _write_pages(
             layer = layers.by_kvtier_id[layer_id]
             keys, values, first_column = sources[layer.index]
             views = mgr.kv_views(layer_id)
-            scatter(keys, views["k"], token_map, first_column)
-            scatter(values, views["v"], token_map, first_column)
+            for role in layer.roles:
+                scatter(keys if role == "k" else values, views[role], token_map, first_column)
 
 
 def _commit(mgr: KVCacheManager, row: Row, tokens: list[int], records: dict[int, torch.Tensor] | None) -> None:

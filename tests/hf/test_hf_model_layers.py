@@ -35,6 +35,11 @@ def test_layers_and_groups_of_each_architecture():
         (i, kind) for i in range(2) for kind in (LayerKind.LINEAR, LayerKind.FULL)
     ]
     assert [(g.kind.value, g.layer_ids) for g in falcon.spec.groups] == [("recurrent", (0, 2)), ("attention", (1, 3))]
+    latent = read_model(tiny_model("deepseek_v3"))  # two latents of different sizes: a kvtier layer each
+    assert [(x.index, x.roles, x.num_kv_heads, x.head_dim) for x in latent.layers] == [
+        (i, roles, 1, dim) for i in range(2) for roles, dim in ((("k",), 16), (("v",), 8))
+    ]
+    assert [(g.kind.value, g.layer_ids) for g in latent.spec.groups] == [("attention", (0, 1, 2, 3))]
 
 
 def test_model_id_is_a_fingerprint_of_the_weights_unless_given():

@@ -4,7 +4,8 @@
 ``gemma2`` (sliding and full attention alternating), ``qwen3_next`` (linear attention hybrid: three
 linear-attention layers per full-attention one; dense MLPs, since the mixture-of-experts kernel
 has no float64 path on the CPU), ``falcon_h1`` (attention and a state space model side by side in
-every decoder layer: one cache layer holding keys, values and states).
+every decoder layer: one cache layer holding keys, values and states), ``deepseek_v3`` (multi-head
+latent attention: the cache keeps two latents of different sizes per token; dense MLPs).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     FalconH1Config,
     Gemma2Config,
     LlamaConfig,
@@ -27,7 +29,7 @@ from kvtier.spec import GroupKind
 VOCAB = 97
 PAD = 0  # the pad token: prompts draw their tokens from [FIRST_TOKEN, VOCAB)
 FIRST_TOKEN = 3
-ARCHS = ("llama", "mistral", "gemma2", "qwen3_next", "falcon_h1")
+ARCHS = ("llama", "mistral", "gemma2", "qwen3_next", "falcon_h1", "deepseek_v3")
 WINDOW = 24
 TOKENS_PER_BLOCK = 8
 SNAPSHOT_INTERVAL_BLOCKS = 2
@@ -65,6 +67,10 @@ def config(arch: str):
         )
     if arch == "falcon_h1":
         return FalconH1Config(num_hidden_layers=2, head_dim=8, mamba_d_state=8, mamba_d_head=8, **_COMMON)
+    if arch == "deepseek_v3":
+        latent = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+        heads = {**_COMMON, "num_key_value_heads": _COMMON["num_attention_heads"]}  # MLA: one KV head per query head
+        return DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=2, **latent, **heads)
     raise ValueError(arch)
 
 
