@@ -116,22 +116,23 @@ class KVCacheManager:
         to read (no disk tier or no host memory above it, no match, nothing of it on disk). Pages
         read are moved into host memory by the manager's next call (``maintain``,
         ``create_cache``); those not read by a cancel stay on disk. ``close`` cancels what is still
-        running.
+        running. The whole cached prefix is read, however slow the disk: the request waits anyway
+        (``create_cache`` weighs loads against recomputing; pass fewer tokens to read less).
         """
-        match = self._match(tokens, scope)
+        match = self._match(tokens, scope, weigh_load_cost=False)
         if match is None:
             return None
         job = self._pool.prefetch_to_host(match)
         self._pool.debug_check()
         return job
 
-    def _match(self, tokens, scope: ReuseScope) -> ReuseMatch | None:
+    def _match(self, tokens, scope: ReuseScope, weigh_load_cost: bool = True) -> ReuseMatch | None:
         """The reusable prefix of ``tokens`` in ``scope`` (checked first: open manager, tokens, scope)."""
         self._check_open()
         token_array = as_token_array(tokens)
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
-        return self._pool.match(token_array, scope)
+        return self._pool.match(token_array, scope, weigh_load_cost=weigh_load_cost)
 
     @exclusive
     def maintain(self) -> int:

@@ -95,7 +95,7 @@ class PagePool:
             host_memory = self.tiers[PRIMARY]  # a CPU manager's primary tier is host memory
         self.prefetcher = None
         if disk is not None and host_memory is not None:
-            self.prefetcher = HostPrefetcher(disk, host_memory, self.residency, self.counters)
+            self.prefetcher = HostPrefetcher(disk, host_memory, self.residency, self.counters, self.load_cost)
         self.write_behind = (
             DiskWriteBehind(host_memory, disk, self.residency, self.counters, self.mover.waiter)
             if disk is not None and host_memory is not None and write_behind_enabled(config)

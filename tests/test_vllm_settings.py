@@ -32,6 +32,8 @@ def test_defaults_and_a_full_configuration():
         0.0,
     )
     assert ConnectorSettings.parse({"disk_read_wait_s": 2.5}).disk_read_wait_s == 2.5
+    assert ConnectorSettings.parse({}).prefill_tokens_per_s is None
+    assert ConnectorSettings.parse({"prefill_tokens_per_s": 20_000}).prefill_tokens_per_s == 20_000.0
 
 
 @pytest.mark.parametrize(
@@ -50,6 +52,9 @@ def test_defaults_and_a_full_configuration():
         ({"disk_read_wait_s": -1}, ValueError, "disk_read_wait_s must be >= 0"),
         ({"disk_read_wait_s": float("inf")}, ValueError, "finite"),
         ({"disk_read_wait_s": float("nan")}, ValueError, "finite"),
+        ({"prefill_tokens_per_s": "fast"}, TypeError, "prefill_tokens_per_s must be a number"),
+        ({"prefill_tokens_per_s": 0}, ValueError, "prefill_tokens_per_s must be > 0"),
+        ({"prefill_tokens_per_s": float("inf")}, ValueError, "finite"),
     ],
 )
 def test_bad_settings_are_refused_with_what_to_fix(extra, error, words):

@@ -14,6 +14,9 @@ A page that meanwhile left its disk slot (a resume promoted it straight to the p
 was found damaged elsewhere, or was not read (cancelled), is not moved: its host slot is freed.
 A page whose bytes fail their checksum is marked damaged, as any disk read would.
 
+The reads are timed: their bytes over their seconds tell the pool's load cost how fast the disk
+reads (``LoadCost.observe``; the copy up from host memory, if any, is not counted).
+
 Invariants: a reserved host slot is allocated and owned by no page until its prefetch lands
 (``Tier.reserved``); each page of an unlanded prefetch holds one pin (``pins``).
 """
@@ -28,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.pages import Page
 from kvtier.stats import Counters
+from kvtier.tiering.load_cost import LoadCost
 from kvtier.tiering.residency import Residency
 from kvtier.tiering.tier import Tier
 
@@ -43,6 +47,8 @@ class HostPrefetch:
         self.host_slots = host_slots
         self.checksums = [p.checksum for p in pages]
         self.intact: list[bool | None] = [None] * len(pages)  # None: not read
+        self.read_bytes = 0  # what the worker read, and the seconds its reads took
+        self.read_seconds = 0.0
         self.started = time.monotonic()
         self.future: Future | None = None
         self._cancelled = threading.Event()
@@ -74,11 +80,12 @@ class HostPrefetch:
 class HostPrefetcher:
     """Starts, runs and lands prefetches from the disk tier into the host tier."""
 
-    def __init__(self, disk: Tier, host: Tier, residency: Residency, counters: Counters) -> None:
+    def __init__(self, disk: Tier, host: Tier, residency: Residency, counters: Counters, load_cost: LoadCost) -> None:
         self.disk = disk
         self.host = host
         self.residency = residency
         self.counters = counters
+        self.load_cost = load_cost  # told the disk's read speed, as a load from disk would tell it
         self.active: list[HostPrefetch] = []
         self.pins: Counter[int] = Counter()  # id(page) -> pins held by unlanded prefetches
         self._worker: ThreadPoolExecutor | None = None
@@ -124,9 +131,12 @@ class HostPrefetcher:
                     return
                 part = indexes[start : start + step]
                 views = [buffer[job.host_slots[i] * page_bytes : (job.host_slots[i] + 1) * page_bytes] for i in part]
+                began = time.perf_counter()
                 intact = disk.storage.read(
                     group, [job.disk_slots[i] for i in part], views, [job.checksums[i] for i in part]
                 )
+                job.read_seconds += time.perf_counter() - began
+                job.read_bytes += len(part) * page_bytes
                 for i, ok in zip(part, intact, strict=True):
                     job.intact[i] = ok
 
@@ -156,6 +166,8 @@ class HostPrefetcher:
         disk, host, residency = self.disk, self.host, self.residency
         if job.future is not None and job.future.exception() is not None:
             job.intact = [None] * len(job.pages)  # a failed worker: nothing it read is trusted
+        elif job.read_bytes:
+            self.load_cost.observe(disk.index, job.read_bytes, job.read_seconds)
         moved = 0
         for page, disk_slot, host_slot, intact in zip(
             job.pages, job.disk_slots, job.host_slots, job.intact, strict=True

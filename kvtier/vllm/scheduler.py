@@ -102,6 +102,8 @@ class KVTierScheduler:
         host_pool.publish(engine_id, host_pool.HostPool(buffers, tuple(g.host_page_bytes for g in plan.groups)))  # type: ignore[arg-type]
         self._tpb = plan.block_size
         self._disk_read_wait_s = settings.disk_read_wait_s
+        if settings.prefill_tokens_per_s is not None:  # blocks on a disk slower than that are recomputed
+            self.manager.set_prefill_rate(settings.prefill_tokens_per_s)
         self._leases: dict[str, Lease] = {}
         self._requests: dict[str, Request] = {}
         self._jobs: dict[int, tuple[Lease | None, Direction]] = {}
@@ -178,7 +180,8 @@ class KVTierScheduler:
         when none could and it may not: it is past that wait, or nothing stands in the way (its
         pages were found damaged)."""
         self._reads = [read for read in self._reads if not read.done()]
-        read = self.manager.prefetch_to_host(_keyed_tokens(request), scope_of(request))
+        tokens = _keyed_tokens(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
+        read = self.manager.prefetch_to_host(tokens, scope_of(request))
         if read is not None:
             self._reads.append(read)
             lease.reads = [read]

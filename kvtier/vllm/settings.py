@@ -13,6 +13,10 @@ Keys of ``kv_connector_extra_config``:
   may wait, from its first scheduling, for reads it cannot start itself (host memory has no room
   for its pages, or another request's read has them); what is still on disk then is recomputed.
   A read of its own pages, once started, is always waited for.
+- ``prefill_tokens_per_s`` (float > 0 or None, default None): the engine's prefill throughput. Given,
+  a request reads from disk only the blocks whose read (at the disk's speed, measured on the
+  connector's own reads and kept in the disk directory across restarts) beats recomputing them at
+  this rate, and recomputes the rest without waiting for the disk. None: every cached block is read.
 
 Anything else is a ``ValueError`` naming the known keys; a value of the wrong type a
 ``TypeError``.
@@ -27,7 +31,15 @@ from typing import Any
 
 DEFAULT_HOST_BYTES = 4 << 30
 DEFAULT_DISK_READ_WAIT_S = 1.0
-KNOWN_KEYS = ("host_bytes", "disk_bytes", "disk_path", "store_url", "model_id", "disk_read_wait_s")
+KNOWN_KEYS = (
+    "host_bytes",
+    "disk_bytes",
+    "disk_path",
+    "store_url",
+    "model_id",
+    "disk_read_wait_s",
+    "prefill_tokens_per_s",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +50,7 @@ class ConnectorSettings:
     store_url: str | None = None
     model_id: str | None = None
     disk_read_wait_s: float = DEFAULT_DISK_READ_WAIT_S
+    prefill_tokens_per_s: float | None = None
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -65,7 +78,14 @@ class ConnectorSettings:
             raise TypeError(f"kvtier.vllm: disk_read_wait_s must be a number of seconds, got {wait!r}")
         if not 0 <= wait < float("inf"):
             raise ValueError(f"kvtier.vllm: disk_read_wait_s must be >= 0 and finite, got {wait}")
-        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id, float(wait))
+        rate = extra.get("prefill_tokens_per_s")
+        if rate is not None:
+            if isinstance(rate, bool) or not isinstance(rate, int | float):
+                raise TypeError(f"kvtier.vllm: prefill_tokens_per_s must be a number, got {rate!r}")
+            if not 0 < rate < float("inf"):
+                raise ValueError(f"kvtier.vllm: prefill_tokens_per_s must be > 0 and finite, got {rate}")
+            rate = float(rate)
+        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id, float(wait), rate)
 
 
 def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:

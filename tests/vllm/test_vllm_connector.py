@@ -17,6 +17,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bas
 
 from vllm.v1.request import RequestStatus
 
+from kvtier.storage.page_files import DiskStorage
 from kvtier.tiering import disk_write_behind, host_prefetch, mover
 from kvtier.vllm.transfer import Direction
 from tests.holding import hold
@@ -43,9 +44,10 @@ def engine(
     blocks: int = 64,
     name: str = "model",
     disk_read_wait_s: float = 1.0,
+    prefill_tokens_per_s: float | None = None,
     **kwargs,
 ) -> Engine:
-    extra: dict = {"host_bytes": 4 * MiB}
+    extra: dict = {"host_bytes": 4 * MiB, "prefill_tokens_per_s": prefill_tokens_per_s}
     if disk:
         extra.update(disk_bytes=8 * MiB, disk_path=str(tmp_path / "disk"), disk_read_wait_s=disk_read_wait_s)
     config = vllm_config(tmp_path, extra, name=name, **kwargs)
@@ -124,6 +126,39 @@ def prefix_on_disk(tmp_path: Path, seed: int) -> list[int]:
     first.run()
     first.shutdown()
     return shared
+
+
+def test_with_a_prefill_rate_a_prefix_on_a_disk_slower_than_recomputing_is_recomputed_at_once(tmp_path, monkeypatch):
+    """``prefill_tokens_per_s`` given: the first read measures the disk (and the directory keeps
+    the speed); from then on, and after a restart, its blocks are recomputed without a wait."""
+    shared = prefix_on_disk(tmp_path, 8)
+    read = DiskStorage.read
+
+    def slow(self, group, slots, into, checksums):
+        out = read(self, group, slots, into, checksums)
+        time.sleep(sum(len(page) for page in into) / 1e6)  # 1 MB/s
+        return out
+
+    monkeypatch.setattr(DiskStorage, "read", slow)
+    fast_model = 1e9  # tokens a second: anything on this disk is slower
+    second = engine(tmp_path, disk=True, prefill_tokens_per_s=fast_model)
+    second.add("r2", [*shared, 1, 2], max_tokens=2)
+    second.run()
+    assert first_step_of(second, "r2")[0] == 112  # the disk's speed was not known: read, and measured
+    second.shutdown()
+    third = engine(tmp_path, disk=True, prefill_tokens_per_s=fast_model)  # a restart
+    third.add("r3", [*shared, 1, 3], max_tokens=2)
+    third.step()
+    assert third.log[-1].computed["r3"][0] == 0  # scheduled at once, recomputed from its first token
+    third.run()
+    assert disk_bytes_read(third) == 0
+    third.assert_no_leaks()
+    third.shutdown()
+    fourth = engine(tmp_path, disk=True)  # no rate: every cached block is read
+    fourth.add("r4", [*shared, 1, 4], max_tokens=2)
+    fourth.run()
+    assert first_step_of(fourth, "r4")[0] == 112
+    fourth.shutdown()
 
 
 def disk_bytes_read(e: Engine) -> int:
