@@ -33,7 +33,9 @@ def test_defaults_and_a_full_configuration():
     )
     assert ConnectorSettings.parse({"disk_read_wait_s": 2.5}).disk_read_wait_s == 2.5
     assert ConnectorSettings.parse({}).prefill_tokens_per_s is None
-    assert ConnectorSettings.parse({"prefill_tokens_per_s": 20_000}).prefill_tokens_per_s == 20_000.0
+    assert not ConnectorSettings.parse({}).recompute_when_faster
+    weighed = ConnectorSettings.parse({"recompute_when_faster": True, "prefill_tokens_per_s": 20_000})
+    assert weighed.recompute_when_faster and weighed.prefill_tokens_per_s == 20_000.0
 
 
 @pytest.mark.parametrize(
@@ -52,9 +54,11 @@ def test_defaults_and_a_full_configuration():
         ({"disk_read_wait_s": -1}, ValueError, "disk_read_wait_s must be >= 0"),
         ({"disk_read_wait_s": float("inf")}, ValueError, "finite"),
         ({"disk_read_wait_s": float("nan")}, ValueError, "finite"),
+        ({"recompute_when_faster": "yes"}, TypeError, "recompute_when_faster must be a bool"),
         ({"prefill_tokens_per_s": "fast"}, TypeError, "prefill_tokens_per_s must be a number"),
         ({"prefill_tokens_per_s": 0}, ValueError, "prefill_tokens_per_s must be > 0"),
         ({"prefill_tokens_per_s": float("inf")}, ValueError, "finite"),
+        ({"prefill_tokens_per_s": 1e4}, ValueError, "only with recompute_when_faster=True"),
     ],
 )
 def test_bad_settings_are_refused_with_what_to_fix(extra, error, words):

@@ -102,8 +102,14 @@ class KVTierScheduler:
         host_pool.publish(engine_id, host_pool.HostPool(buffers, tuple(g.host_page_bytes for g in plan.groups)))  # type: ignore[arg-type]
         self._tpb = plan.block_size
         self._disk_read_wait_s = settings.disk_read_wait_s
-        if settings.prefill_tokens_per_s is not None:  # blocks on a disk slower than that are recomputed
-            self.manager.set_prefill_rate(settings.prefill_tokens_per_s)
+        # With recompute_when_faster, blocks on a disk slower than the prefill rate are recomputed: the
+        # rate given, or the worker's measured one (the one kept in the disk directory until then).
+        self._measure_prefill = settings.recompute_when_faster and settings.prefill_tokens_per_s is None
+        rate = settings.prefill_tokens_per_s if settings.recompute_when_faster else None
+        if self._measure_prefill:
+            rate = self.manager.remembered_prefill_rate
+        if rate is not None:
+            self.manager.set_prefill_rate(rate)
         self._leases: dict[str, Lease] = {}
         self._requests: dict[str, Request] = {}
         self._jobs: dict[int, tuple[Lease | None, Direction]] = {}
@@ -316,7 +322,10 @@ class KVTierScheduler:
             end = end // self._tpb * self._tpb
             if end > lease.planned:
                 self._add_save(rid, lease, request, end)
-        meta = KVTierMetadata(self._step_jobs, sorted(flush), self._delayed)
+        prefill = 0
+        if self._measure_prefill:  # chunks of prompts: a decode step schedules one token a request
+            prefill = sum(n for n in scheduler_output.num_scheduled_tokens.values() if n > 1)
+        meta = KVTierMetadata(self._step_jobs, sorted(flush), self._delayed, prefill)
         self._step_jobs, self._delayed = [], []
         return meta
 
@@ -368,6 +377,8 @@ class KVTierScheduler:
     def update_connector_output(self, worker_meta: object) -> None:
         if not isinstance(worker_meta, KVTierWorkerMeta):
             return
+        if self._measure_prefill and worker_meta.prefill_rate is not None:
+            self.manager.set_prefill_rate(worker_meta.prefill_rate)
         for job_id, ok in worker_meta.done.items():
             lease, direction = self._jobs.pop(job_id, (None, Direction.LOAD))
             if lease is None:

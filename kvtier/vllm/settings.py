@@ -13,10 +13,15 @@ Keys of ``kv_connector_extra_config``:
   may wait, from its first scheduling, for reads it cannot start itself (host memory has no room
   for its pages, or another request's read has them); what is still on disk then is recomputed.
   A read of its own pages, once started, is always waited for.
-- ``prefill_tokens_per_s`` (float > 0 or None, default None): the engine's prefill throughput. Given,
-  a request reads from disk only the blocks whose read (at the disk's speed, measured on the
-  connector's own reads and kept in the disk directory across restarts) beats recomputing them at
-  this rate, and recomputes the rest without waiting for the disk. None: every cached block is read.
+- ``recompute_when_faster`` (bool, default False): a request reads from disk only the blocks whose
+  read (at the disk's speed, measured on the connector's own reads and kept in the disk directory
+  across restarts) beats recomputing them, and recomputes the rest without waiting for the disk.
+  Off, every cached block is read: a wait costs only the request, a recompute costs every request
+  the GPU's time.
+- ``prefill_tokens_per_s`` (float > 0 or None, default None): the prefill rate to weigh with. None:
+  the rate the worker measures on steps that compute prompt tokens (a forward timed by CUDA
+  events from bind to ``wait_for_save``; until then, the rate kept in the disk directory). Only
+  with ``recompute_when_faster``.
 
 Anything else is a ``ValueError`` naming the known keys; a value of the wrong type a
 ``TypeError``.
@@ -38,6 +43,7 @@ KNOWN_KEYS = (
     "store_url",
     "model_id",
     "disk_read_wait_s",
+    "recompute_when_faster",
     "prefill_tokens_per_s",
 )
 
@@ -50,6 +56,7 @@ class ConnectorSettings:
     store_url: str | None = None
     model_id: str | None = None
     disk_read_wait_s: float = DEFAULT_DISK_READ_WAIT_S
+    recompute_when_faster: bool = False
     prefill_tokens_per_s: float | None = None
 
     @classmethod
@@ -78,14 +85,19 @@ class ConnectorSettings:
             raise TypeError(f"kvtier.vllm: disk_read_wait_s must be a number of seconds, got {wait!r}")
         if not 0 <= wait < float("inf"):
             raise ValueError(f"kvtier.vllm: disk_read_wait_s must be >= 0 and finite, got {wait}")
+        weigh = extra.get("recompute_when_faster", False)
+        if not isinstance(weigh, bool):
+            raise TypeError(f"kvtier.vllm: recompute_when_faster must be a bool, got {weigh!r}")
         rate = extra.get("prefill_tokens_per_s")
         if rate is not None:
             if isinstance(rate, bool) or not isinstance(rate, int | float):
                 raise TypeError(f"kvtier.vllm: prefill_tokens_per_s must be a number, got {rate!r}")
             if not 0 < rate < float("inf"):
                 raise ValueError(f"kvtier.vllm: prefill_tokens_per_s must be > 0 and finite, got {rate}")
+            if not weigh:
+                raise ValueError("kvtier.vllm: prefill_tokens_per_s is used only with recompute_when_faster=True")
             rate = float(rate)
-        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id, float(wait), rate)
+        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id, float(wait), weigh, rate)
 
 
 def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:

@@ -3,15 +3,19 @@
 Works only from its metadata and the caches given to ``register_kv_caches`` (never from attention
 metadata or the forward context). Per step, in vLLM's order:
 
-    bind                   the step's jobs; finished requests whose blocks wait for their saves
+    bind                   the step's jobs; finished requests whose blocks wait for their saves;
+                           the forward's timing starts (a step with prompt tokens to time)
     handle_preemptions     the forward waits (on the GPU) for saves whose blocks were freed
     start_load_kv          loads start on the transfer stream (after the forward, as vLLM calls it)
-    wait_for_save          saves start on the transfer stream, after the forward wrote the blocks
+    wait_for_save          the forward's timing ends; saves start on the transfer stream, after
+                           the forward wrote the blocks
     get_transfer_results   completed loads (``finished_recving``; failed ones also in
                            ``failed_recving`` when block ids are per group), and finished requests
                            whose saves are all done (``finished_sending``)
     load errors            vLLM block ids of failed loads, reported in the same step
-    worker meta            every completed job and whether it succeeded, for the scheduler half
+    worker meta            every completed job and whether it succeeded, and the prefill rate when
+                           a timed forward moved it (``kvtier.engine.prefill_meter``), for the
+                           scheduler half
 
 The host pages are found by the engine id (``kvtier.vllm.host_pool``) on the first job.
 """
@@ -23,6 +27,7 @@ import logging
 import torch
 
 from kvtier.copy import CopyPolicy, PageCopier
+from kvtier.engine.prefill_meter import PrefillMeter
 from kvtier.vllm import host_pool
 from kvtier.vllm.kv_groups import ModelPlan
 from kvtier.vllm.meta import KVTierMetadata, KVTierWorkerMeta
@@ -49,12 +54,19 @@ class KVTierWorker:
         self._done: dict[int, bool] = {}
         self._load_errors: set[int] = set()
         self._failed_requests: set[str] = set()
+        self._meter: PrefillMeter | None = None
+        self._mark: tuple[int, object] | None = None
+        self._rate: float | None = None  # measured since the last report
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._allocation, self._routes = route_groups(self.plan.groups, kv_caches, self._num_blocks)
 
     def bind(self, meta: KVTierMetadata) -> None:
         self._delayed.update(meta.delayed_free_req_ids)
+        if meta.prefill_tokens and self._allocation is not None:
+            if self._meter is None:
+                self._meter = PrefillMeter(self._allocation.device)
+            self._mark = self._meter.start(meta.prefill_tokens)
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         if meta.flush_job_ids and self._transfer is not None:
@@ -64,6 +76,11 @@ class KVTierWorker:
         self._submit([job for job in meta.jobs if job.direction is Direction.LOAD])
 
     def start_saves(self, meta: KVTierMetadata) -> None:
+        if self._meter is not None:  # the forward is done on the host: its timing ends here
+            rate = self._meter.finish(self._mark)
+            self._mark = None
+            if rate is not None:
+                self._rate = rate
         saves = [job for job in meta.jobs if job.direction is Direction.SAVE]
         for job in saves:
             self._saves_of.setdefault(job.req_id, set()).add(job.job_id)
@@ -99,10 +116,11 @@ class KVTierWorker:
         return errors
 
     def worker_meta(self) -> KVTierWorkerMeta | None:
-        if not self._done:
+        if not self._done and self._rate is None:
             return None
         done, self._done = self._done, {}
-        return KVTierWorkerMeta(done)
+        rate, self._rate = self._rate, None
+        return KVTierWorkerMeta(done, rate)
 
     def shutdown(self) -> None:
         if self._transfer is not None:

@@ -44,10 +44,15 @@ def engine(
     blocks: int = 64,
     name: str = "model",
     disk_read_wait_s: float = 1.0,
+    recompute_when_faster: bool = False,
     prefill_tokens_per_s: float | None = None,
     **kwargs,
 ) -> Engine:
-    extra: dict = {"host_bytes": 4 * MiB, "prefill_tokens_per_s": prefill_tokens_per_s}
+    extra: dict = {
+        "host_bytes": 4 * MiB,
+        "recompute_when_faster": recompute_when_faster,
+        "prefill_tokens_per_s": prefill_tokens_per_s,
+    }
     if disk:
         extra.update(disk_bytes=8 * MiB, disk_path=str(tmp_path / "disk"), disk_read_wait_s=disk_read_wait_s)
     config = vllm_config(tmp_path, extra, name=name, **kwargs)
@@ -128,25 +133,31 @@ def prefix_on_disk(tmp_path: Path, seed: int) -> list[int]:
     return shared
 
 
-def test_with_a_prefill_rate_a_prefix_on_a_disk_slower_than_recomputing_is_recomputed_at_once(tmp_path, monkeypatch):
-    """``prefill_tokens_per_s`` given: the first read measures the disk (and the directory keeps
-    the speed); from then on, and after a restart, its blocks are recomputed without a wait."""
-    shared = prefix_on_disk(tmp_path, 8)
+def slow_disk(monkeypatch, bytes_per_second: float) -> None:
+    """Every read of the disk tier's page files also waits bytes / ``bytes_per_second``."""
     read = DiskStorage.read
 
     def slow(self, group, slots, into, checksums):
         out = read(self, group, slots, into, checksums)
-        time.sleep(sum(len(page) for page in into) / 1e6)  # 1 MB/s
+        time.sleep(sum(len(page) for page in into) / bytes_per_second)
         return out
 
     monkeypatch.setattr(DiskStorage, "read", slow)
-    fast_model = 1e9  # tokens a second: anything on this disk is slower
-    second = engine(tmp_path, disk=True, prefill_tokens_per_s=fast_model)
+
+
+def test_recompute_when_faster_recomputes_a_prefix_on_a_slow_disk_at_once(tmp_path, monkeypatch):
+    """With ``recompute_when_faster`` and a given rate: the first read measures the disk (and the
+    directory keeps its speed); from then on, and after a restart, its blocks are recomputed
+    without a wait."""
+    shared = prefix_on_disk(tmp_path, 8)
+    slow_disk(monkeypatch, 1e6)
+    fast_model = {"recompute_when_faster": True, "prefill_tokens_per_s": 1e9}  # slower than any disk here
+    second = engine(tmp_path, disk=True, **fast_model)
     second.add("r2", [*shared, 1, 2], max_tokens=2)
     second.run()
     assert first_step_of(second, "r2")[0] == 112  # the disk's speed was not known: read, and measured
     second.shutdown()
-    third = engine(tmp_path, disk=True, prefill_tokens_per_s=fast_model)  # a restart
+    third = engine(tmp_path, disk=True, **fast_model)  # a restart
     third.add("r3", [*shared, 1, 3], max_tokens=2)
     third.step()
     assert third.log[-1].computed["r3"][0] == 0  # scheduled at once, recomputed from its first token
@@ -154,11 +165,34 @@ def test_with_a_prefill_rate_a_prefix_on_a_disk_slower_than_recomputing_is_recom
     assert disk_bytes_read(third) == 0
     third.assert_no_leaks()
     third.shutdown()
-    fourth = engine(tmp_path, disk=True)  # no rate: every cached block is read
+    fourth = engine(tmp_path, disk=True)  # not weighed: every cached block is read
     fourth.add("r4", [*shared, 1, 4], max_tokens=2)
     fourth.run()
     assert first_step_of(fourth, "r4")[0] == 112
     fourth.shutdown()
+
+
+def test_recompute_when_faster_weighs_with_the_prefill_rate_the_worker_measures(tmp_path, monkeypatch):
+    """Without a given rate the worker times the forwards of steps computing prompt tokens; the
+    scheduler half weighs disk reads with that rate (kept in the directory for the next start)."""
+    first = engine(tmp_path, disk=True, recompute_when_faster=True, max_batched=512)
+    prompts = [prompt(20 + i, 300) for i in range(2)]
+    for i, tokens in enumerate(prompts):
+        first.add(f"p{i}", tokens, max_tokens=2)
+        first.run()
+    assert first.kv_scheduler.manager._pool.load_cost.prefill_rate is not None  # measured, reported
+    first.shutdown()
+    slow_disk(monkeypatch, 1e6)
+    second = engine(tmp_path, disk=True, recompute_when_faster=True, max_batched=512)
+    second.add("r0", [*prompts[0], 1], max_tokens=2)
+    second.run()
+    assert first_step_of(second, "r0")[0] == 288  # the disk's speed was not known: read, and measured
+    second.add("r1", [*prompts[1], 1], max_tokens=2)
+    second.step()
+    assert second.log[-1].computed["r1"][0] == 0  # slower than this model computes: recomputed at once
+    second.run()
+    second.assert_no_leaks()
+    second.shutdown()
 
 
 def disk_bytes_read(e: Engine) -> int:
