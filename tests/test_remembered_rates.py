@@ -14,6 +14,7 @@ import kvtier
 from kvtier.storage.disk_dir import DiskDirectory
 from kvtier.storage.disk_index import INDEX_FILE, DiskIndex
 from tests.kvdata import PageOracle, small_spec
+from tests.test_write_through import serve
 
 TPB = 16
 BANDWIDTH = "disk_to_cpu_bytes_per_s"
@@ -27,18 +28,6 @@ def disk_manager(path, primary_pages: int = 6, disk_pages: int = 64) -> kvtier.K
     probe.close()
     tiers = [kvtier.PrimaryTier(primary_pages * page), kvtier.DiskTier(disk_pages * page, path)]
     return kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
-
-
-def serve(mgr, oracle, prompt) -> int:
-    cache = mgr.create_cache(prompt)
-    assert cache.resume()
-    oracle.check(cache, prompt)
-    start = cache.num_committed_tokens
-    assert cache.resize(len(prompt))
-    oracle.write(cache, prompt, start, len(prompt))
-    cache.commit(prompt[start:])
-    cache.close()
-    return cache.num_reused_tokens
 
 
 def push_down(mgr, oracle, base: int) -> None:

@@ -10,7 +10,7 @@ from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
 from kvtier.hf import PrefixCache
 from kvtier.hf.token_bound import placeholder_ids, row_bounds
-from tests.hf.tiny import PAD, tiers_config, tiny_model, tokens
+from tests.hf.tiny import PAD, TINY_TEXT, tiers_config, tiny_model, tokens
 
 IMAGE, BEGIN, END = 299, 297, 298
 PICTURE = [BEGIN, IMAGE, IMAGE, IMAGE, IMAGE, END]  # 4 features per image
@@ -18,20 +18,7 @@ SYSTEM = list(range(10, 30))
 
 
 def tiny_vlm() -> Gemma3ForConditionalGeneration:
-    text = dict(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=2,
-        sliding_window=24,
-        max_position_embeddings=1024,
-        pad_token_id=PAD,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    text = {**TINY_TEXT, "vocab_size": 300, "head_dim": 8, "num_hidden_layers": 2, "sliding_window": 24}
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
     )

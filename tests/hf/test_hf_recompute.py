@@ -3,28 +3,14 @@ than that (``recompute_when_faster``): a slow disk's blocks are recomputed, with
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from kvtier.hf import PrefixCache
-from kvtier.storage.page_files import DiskStorage
+from tests.disk_speed import slow_disk_reads
 from tests.hf.tiny import tiers_config, tiny_model, tokens
 
 PROMPT = 300  # tokens: a prompt forward long enough to be timed (kvtier.engine.prefill_meter.MIN_TOKENS)
-
-
-def slow_disk_reads(monkeypatch, bytes_per_second: float) -> None:
-    """Every read of the disk tier's page files also waits bytes / ``bytes_per_second``."""
-    read = DiskStorage.read
-
-    def slow(self, group, slots, into, checksums):
-        out = read(self, group, slots, into, checksums)
-        time.sleep(sum(len(page) for page in into) / bytes_per_second)
-        return out
-
-    monkeypatch.setattr(DiskStorage, "read", slow)
 
 
 def turn(model, pc: PrefixCache, prompt: list[int]) -> int:

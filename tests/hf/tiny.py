@@ -34,7 +34,7 @@ WINDOW = 24
 TOKENS_PER_BLOCK = 8
 SNAPSHOT_INTERVAL_BLOCKS = 2
 
-_COMMON = dict(
+TINY_TEXT = dict(  # what every tiny model's text part shares
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=64,
@@ -49,11 +49,11 @@ _COMMON = dict(
 
 def config(arch: str):
     if arch == "llama":
-        return LlamaConfig(num_hidden_layers=2, **_COMMON)
+        return LlamaConfig(num_hidden_layers=2, **TINY_TEXT)
     if arch == "mistral":
-        return MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **_COMMON)
+        return MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **TINY_TEXT)
     if arch == "gemma2":
-        return Gemma2Config(num_hidden_layers=4, head_dim=8, sliding_window=WINDOW, **_COMMON)
+        return Gemma2Config(num_hidden_layers=4, head_dim=8, sliding_window=WINDOW, **TINY_TEXT)
     if arch == "qwen3_next":
         return Qwen3NextConfig(
             num_hidden_layers=4,
@@ -63,13 +63,13 @@ def config(arch: str):
             linear_key_head_dim=8,
             linear_value_head_dim=8,
             mlp_only_layers=[0, 1, 2, 3],
-            **_COMMON,
+            **TINY_TEXT,
         )
     if arch == "falcon_h1":
-        return FalconH1Config(num_hidden_layers=2, head_dim=8, mamba_d_state=8, mamba_d_head=8, **_COMMON)
+        return FalconH1Config(num_hidden_layers=2, head_dim=8, mamba_d_state=8, mamba_d_head=8, **TINY_TEXT)
     if arch == "deepseek_v3":
         latent = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
-        heads = {**_COMMON, "num_key_value_heads": _COMMON["num_attention_heads"]}  # MLA: one KV head per query head
+        heads = {**TINY_TEXT, "num_key_value_heads": TINY_TEXT["num_attention_heads"]}  # MLA: a KV head per query head
         return DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=2, **latent, **heads)
     raise ValueError(arch)
 

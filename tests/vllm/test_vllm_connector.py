@@ -17,9 +17,9 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bas
 
 from vllm.v1.request import RequestStatus
 
-from kvtier.storage.page_files import DiskStorage
 from kvtier.tiering import disk_write_behind, host_prefetch, mover
 from kvtier.vllm.transfer import Direction
+from tests.disk_speed import slow_disk_reads
 from tests.holding import hold
 from tests.vllm.harness import (
     BLOCK,
@@ -133,24 +133,12 @@ def prefix_on_disk(tmp_path: Path, seed: int) -> list[int]:
     return shared
 
 
-def slow_disk(monkeypatch, bytes_per_second: float) -> None:
-    """Every read of the disk tier's page files also waits bytes / ``bytes_per_second``."""
-    read = DiskStorage.read
-
-    def slow(self, group, slots, into, checksums):
-        out = read(self, group, slots, into, checksums)
-        time.sleep(sum(len(page) for page in into) / bytes_per_second)
-        return out
-
-    monkeypatch.setattr(DiskStorage, "read", slow)
-
-
 def test_recompute_when_faster_recomputes_a_prefix_on_a_slow_disk_at_once(tmp_path, monkeypatch):
     """With ``recompute_when_faster`` and a given rate: the first read measures the disk (and the
     directory keeps its speed); from then on, and after a restart, its blocks are recomputed
     without a wait."""
     shared = prefix_on_disk(tmp_path, 8)
-    slow_disk(monkeypatch, 1e6)
+    slow_disk_reads(monkeypatch, 1e6)
     fast_model = {"recompute_when_faster": True, "prefill_tokens_per_s": 1e9}  # slower than any disk here
     second = engine(tmp_path, disk=True, **fast_model)
     second.add("r2", [*shared, 1, 2], max_tokens=2)
@@ -182,7 +170,7 @@ def test_recompute_when_faster_weighs_with_the_prefill_rate_the_worker_measures(
         first.run()
     assert first.kv_scheduler.manager._pool.load_cost.prefill_rate is not None  # measured, reported
     first.shutdown()
-    slow_disk(monkeypatch, 1e6)
+    slow_disk_reads(monkeypatch, 1e6)
     second = engine(tmp_path, disk=True, recompute_when_faster=True, max_batched=512)
     second.add("r0", [*prompts[0], 1], max_tokens=2)
     second.run()
