@@ -138,7 +138,13 @@ class PagePool:
         if match is None or self.load_cost.prefill_rate is None or not weigh_load_cost:
             return match
         self.mover.measure()
-        cut = self.load_cost.best_cut(self._block_seconds(match), len(tokens), self.tokens_per_block)
+        cost = self.load_cost
+        block_pages = self._block_pages(match)
+        seconds = [cost.block_seconds(pages) for pages in block_pages]
+        best = cost.best_cut(seconds, len(tokens), self.tokens_per_block)
+        cut = cost.with_probe(best, block_pages)
+        if cut > best:
+            log.debug("loading %d cached blocks past the cut at %d: a tier's speed is measured again", cut - best, best)
         if cut == len(match.full_nodes):
             return match
         skipped = match.tokens - cut * self.tokens_per_block
@@ -156,15 +162,13 @@ class PagePool:
             return None
         return find_reuse(self.tree, root, token_bytes, cut * self.tokens_per_block + 1, self.rules, partial)
 
-    def _block_seconds(self, match: ReuseMatch) -> list[float]:
-        """Estimated seconds to bring each full block of ``match`` into the primary tier."""
+    def _block_pages(self, match: ReuseMatch) -> list[list[tuple[int, int]]]:
+        """(tier, bytes) of each full block's pages below the primary tier, block by block."""
         page_bytes = self.tiers[PRIMARY].storage.page_bytes
-        cost = self.load_cost
-        seconds = []
-        for node in match.full_nodes:
-            pages = [(p.tier, page_bytes[p.group]) for p in node.pages if p is not None and p.tier != PRIMARY]
-            seconds.append(cost.block_seconds(pages) if pages else 0.0)
-        return seconds
+        return [
+            [(p.tier, page_bytes[p.group]) for p in node.pages if p is not None and p.tier != PRIMARY]
+            for node in match.full_nodes
+        ]
 
     def set_prefill_rate(self, tokens_per_second: float) -> None:
         """The engine's measured prefill rate: from now on, cached blocks that would load slower than

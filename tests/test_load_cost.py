@@ -10,7 +10,10 @@ import torch
 
 import kvtier
 from kvtier.engine.prefill_meter import PrefillMeter
+from kvtier.tiering import load_cost
 from kvtier.tiering.load_cost import LoadCost
+from tests.kvdata import PageOracle
+from tests.test_remembered_rates import TPB as TPB_DISK
 from tests.test_write_through import TPB, fill_primary, manager, serve
 
 
@@ -140,3 +143,38 @@ def test_recompute_when_faster_must_be_a_bool(value):
 
     with pytest.raises(ValueError, match="recompute_when_faster must be a bool"):
         SchedulerConfig(recompute_when_faster=value)
+
+
+def test_a_stale_estimate_is_probed_past_the_cut_once_an_interval(monkeypatch):
+    cost = LoadCost(3)
+    cost.observe(2, 1 << 20, 10.0)  # the disk (tier 2) read 100 KB/s
+    blocks = [[(1, 1 << 20), (2, 1 << 20)]] * 10  # each block: 1 MiB on host, 1 MiB on disk
+    assert cost.with_probe(0, blocks) == 0  # just sampled
+    monkeypatch.setattr(load_cost, "PROBE_INTERVAL_S", 0.0)
+    assert cost.with_probe(0, blocks) == 4  # stale: 4 MiB of the disk's past the cut
+    assert cost.with_probe(10, blocks) == 10  # nothing past the cut
+    assert cost.with_probe(2, [[(1, 1 << 20)]] * 5) == 2  # host pages only: never measured, nothing to probe
+    monkeypatch.setattr(load_cost, "PROBE_INTERVAL_S", 3600.0)
+    assert cost.with_probe(0, blocks) == 0  # the probe counts as a sample
+
+
+def test_a_disk_measured_slow_once_is_measured_again_and_loads_resume(tmp_path, monkeypatch):
+    """The cut stops the loads that would measure the disk: a stale estimate is probed, and a disk
+    that reads fast now is loaded from again."""
+    from tests.test_remembered_rates import disk_manager, push_down
+
+    mgr = disk_manager(tmp_path)
+    oracle = PageOracle(mgr)
+    prompt = [900 + i for i in range(4 * TPB_DISK + 1)]
+    serve(mgr, oracle, prompt)
+    push_down(mgr, oracle, 30_000)
+    mgr.set_prefill_rate(1e4)
+    mgr._pool.load_cost.observe(1, 1, 1.0)  # a read once took a second a byte (a cold page cache)
+    assert serve(mgr, oracle, [*prompt, 1]) == 0
+    push_down(mgr, oracle, 40_000)
+    monkeypatch.setattr(load_cost, "PROBE_INTERVAL_S", 0.0)
+    assert serve(mgr, oracle, [*prompt, 2]) > 0  # the probe loads past the cut and measures the disk
+    push_down(mgr, oracle, 50_000)
+    monkeypatch.setattr(load_cost, "PROBE_INTERVAL_S", 3600.0)
+    assert serve(mgr, oracle, [*prompt, 3]) == 4 * TPB_DISK  # fast now: the whole prefix loads
+    mgr.close()

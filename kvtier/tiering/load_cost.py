@@ -17,16 +17,26 @@ A disk tier remembers the measures in its index (``DiskIndex.measured``): a mana
 later on the same directory, and device kind, starts from the disk bandwidth the last one
 measured, so its first disk load after a restart is weighed too; the last prefill rate is offered
 to the caller (``remembered_prefill_rate``), which decides whether to use it.
+
+An estimate is refreshed only by reads from its tier, and an estimate that says "recompute" stops
+the loads that would read: it would never be revisited (a cold page cache measured once, a
+remembered value from another day). So when a cut leaves blocks on a tier whose last sample is
+older than ``PROBE_INTERVAL_S`` (a remembered value counts as sampled when the manager opened), the
+cut is moved past ``PROBE_BYTES`` more of that tier's bytes (``with_probe``): at most one request
+a minute loads a few MiB more than it would, and the tier is measured again.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 from kvtier.storage.disk_index import DiskIndex
 
 SMOOTHING = 0.3  # weight of the newest measurement
+PROBE_INTERVAL_S = 60.0  # a tier's estimate older than this is measured again by the next cut it makes
+PROBE_BYTES = 4 << 20  # what such a probe loads past the cut: enough that latency does not dominate
 
 
 class LoadCost:
@@ -42,11 +52,14 @@ class LoadCost:
         self.prefill_rate: float | None = None
         self.remembered_prefill_rate: float | None = None
         self._disk = disk
+        self._sampled_at = [-math.inf] * num_tiers  # monotonic time of each tier's last sample or probe
         self._bandwidth_name = f"disk_to_{device_kind}_bytes_per_s"
         self._prefill_name = f"prefill_{device_kind}_tokens_per_s"
         if disk is not None:
             tier, index = disk
             self.bandwidth[tier] = index.measured.get(self._bandwidth_name)
+            if self.bandwidth[tier] is not None:
+                self._sampled_at[tier] = time.monotonic()
             self.remembered_prefill_rate = index.measured.get(self._prefill_name)
 
     def observe(self, tier: int, nbytes: int, seconds: float) -> None:
@@ -54,6 +67,7 @@ class LoadCost:
         if tier == 0 or nbytes <= 0 or seconds <= 0:
             return
         rate = nbytes / seconds
+        self._sampled_at[tier] = time.monotonic()
         old = self.bandwidth[tier]
         if old is None or rate < old:
             self.bandwidth[tier] = rate  # a slower read counts at once (the OS page cache went cold)
@@ -77,6 +91,28 @@ class LoadCost:
             if bandwidth is not None:
                 total += nbytes / bandwidth
         return total
+
+    def with_probe(self, cut: int, block_pages: Sequence[Sequence[tuple[int, int]]]) -> int:
+        """``cut`` moved past ``PROBE_BYTES`` of a tier that the first block after it has pages on,
+        if that tier has an estimate last sampled ``PROBE_INTERVAL_S`` ago or more (the probe counts
+        as its sample until a read lands); else ``cut``. ``block_pages``: (tier, bytes) per block."""
+        if cut >= len(block_pages):
+            return cut
+        now = time.monotonic()
+        stale = [
+            t
+            for t, _ in block_pages[cut]
+            if self.bandwidth[t] is not None and now - self._sampled_at[t] >= PROBE_INTERVAL_S
+        ]
+        if not stale:
+            return cut
+        tier = stale[0]
+        self._sampled_at[tier] = now
+        probed = 0
+        while cut < len(block_pages) and probed < PROBE_BYTES:
+            probed += sum(nbytes for t, nbytes in block_pages[cut] if t == tier)
+            cut += 1
+        return cut
 
     def best_cut(self, block_seconds: Sequence[float], prompt_tokens: int, tokens_per_block: int) -> int:
         """The number of leading cached blocks worth loading for a prompt of ``prompt_tokens``."""
