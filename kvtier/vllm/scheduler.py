@@ -43,6 +43,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -471,12 +472,12 @@ def token_bound(request: Request) -> int | None:
     return min(int(feature.mm_position.offset) for feature in features)
 
 
-def _keyed_tokens(request: Request) -> list[int]:
-    """The tokens a request's cache is matched on: all, or up to its bound and one more (a match never
-    covers its last token)."""
+def _keyed_tokens(request: Request) -> Sequence[int]:
+    """The tokens a request's cache is matched on: all (vLLM's own list, not copied), or up to its
+    bound and one more (a match never covers its last token)."""
     bound = token_bound(request)
     tokens = request.all_token_ids
-    return list(tokens) if bound is None else list(tokens[: bound + 1])
+    return tokens if bound is None else list(tokens[: bound + 1])
 
 
 def _skips_cache(request: Request) -> bool:
