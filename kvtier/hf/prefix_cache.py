@@ -43,7 +43,7 @@ from kvtier.hf.model_layers import ModelLayers, read_model
 from kvtier.hf.prefill_rate import PrefillTiming
 from kvtier.hf.prefix_load import load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
-from kvtier.hf.token_bound import placeholder_ids, row_bounds
+from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bounds
 from kvtier.hf.weight_watch import WeightWatch
 from kvtier.manager import KVCacheManager
 
@@ -101,6 +101,7 @@ class PrefixCache:
         self._forward_arguments = set(inspect.signature(model.forward).parameters)
         self.last_reused_tokens: list[int] = []
         self._placeholders = placeholder_ids(model.config)  # multimodal placeholder tokens (``token_bound``)
+        self._rope_limit = dynamic_rope_limit(model)  # calls this long reuse and save nothing (``token_bound``)
         self._told_of_preset = False  # a generation config's cache_implementation, set aside (logged once)
         self._prefill = None
         if recompute_when_faster:  # from the first call on, with the rate a manager on its disk tier measured last
@@ -146,7 +147,7 @@ class PrefixCache:
         try:
             scopes = self._scopes.for_rows(len(pads), kwargs)
             config = kwargs.get("generation_config") or self.model.generation_config
-            bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
+            bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders, self._rope_limit)
             for i, (pad, bound, scope) in enumerate(zip(pads, bounds, scopes, strict=True)):
                 prompt = host_ids[i, pad:].tolist()
                 keyed = prompt if bound is None else prompt[: bound + 1]  # a match never covers its last token

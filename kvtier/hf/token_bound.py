@@ -13,7 +13,11 @@ tokens: a row is then neither reused nor saved past that position (its *bound*):
   to the bound keeps there;
 - ``token_type_ids``: the first position where it is not 0 (segments, image spans);
 - ``position_ids``: the first position that differs from the ones the attention mask gives
-  (the ones kvtier's pages were computed with).
+  (the ones kvtier's pages were computed with);
+- a rotary embedding whose frequencies follow the length of the forward (``rope_type``
+  "dynamic": NTK scaling once a forward reaches its original length): a call that long computes
+  every key with frequencies of its own length, so none of its rows reuses or saves anything.
+  Shorter calls compute with the original frequencies, as every page kvtier holds was.
 
 A row with none of these is unbounded (None).
 """
@@ -48,6 +52,17 @@ def placeholder_ids(config) -> frozenset[int]:
     return frozenset(found)
 
 
+def dynamic_rope_limit(model: torch.nn.Module) -> int | None:
+    """The forward length from which the model's rotary embedding rescales its frequencies (the
+    smallest, if several), or None when none of them depends on the length."""
+    limits = [
+        int(module.original_max_seq_len)
+        for module in model.modules()
+        if "dynamic" in str(getattr(module, "rope_type", "")) and hasattr(module, "original_max_seq_len")
+    ]
+    return min(limits) if limits else None
+
+
 def content_arguments(kwargs: dict, generation_config) -> list[str]:
     """Names of ``generate`` arguments that carry model inputs other than tokens (multimodal)."""
     return sorted(
@@ -64,10 +79,13 @@ def row_bounds(
     kwargs: dict,
     generation_config,
     placeholders: frozenset[int],
+    rope_limit: int | None = None,
 ) -> list[int | None]:
     """Per row, the number of its prompt tokens (after its pads) whose keys and values depend on
-    token ids only, or None when all of them do."""
+    token ids only, or None when all of them do. ``rope_limit``: ``dynamic_rope_limit``'s."""
     bounds: list[int | None] = [None] * len(pads)
+    if rope_limit is not None and host_ids.shape[1] - min(pads) >= rope_limit:  # the longest row's length
+        return [0] * len(pads)
 
     def cut(i: int, at: int) -> None:
         bounds[i] = at if bounds[i] is None else min(bounds[i], at)

@@ -9,7 +9,7 @@ import torch
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
 from kvtier.hf import PrefixCache
-from kvtier.hf.token_bound import placeholder_ids, row_bounds
+from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bounds
 from tests.hf.tiny import PAD, TINY_TEXT, tiers_config, tiny_model, tokens
 
 IMAGE, BEGIN, END = 299, 297, 298
@@ -126,3 +126,48 @@ def test_a_call_with_positions_of_its_own_reuses_only_where_they_are_the_usual_o
             got = pc.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **extra)
             assert torch.equal(got, expected)
             assert pc.last_reused_tokens == [reused]
+
+
+def dynamic_ntk_llama():
+    """A tiny Llama whose rotary frequencies rescale once a forward reaches 32 positions."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        **{**TINY_TEXT, "max_position_embeddings": 32},
+        rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def fresh_rotary(model) -> None:
+    """The rotary embedding as built: transformers keeps the frequencies of the longest forward since
+    the last short one, so two equal calls agree only from the same state."""
+    for module in model.modules():
+        if getattr(module, "rope_type", None) == "dynamic":
+            module.register_buffer("inv_freq", module.original_inv_freq, persistent=False)
+            module.max_seq_len_cached = module.original_max_seq_len
+
+
+def test_a_call_as_long_as_a_dynamic_rotary_embedding_rescales_reuses_and_saves_nothing():
+    model = dynamic_ntk_llama()
+    assert dynamic_rope_limit(model) == 32 and dynamic_rope_limit(tiny_model("llama")) is None
+    g = torch.Generator().manual_seed(3)
+    history = tokens(g, 20)
+    with PrefixCache(model, tiers_config(model, blocks=60)) as pc:
+        for length, reused in ((27, 0), (30, 24), (38, 0), (45, 0)):  # from 32 on, every key is rescaled
+            history = [*history, *tokens(g, length - len(history))][:length]
+            ids = torch.tensor([history])
+            extra = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+            fresh_rotary(model)
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), **extra)
+            fresh_rotary(model)
+            got = pc.generate(ids, attention_mask=torch.ones_like(ids), **extra)
+            assert torch.equal(got.sequences, expected.sequences)
+            torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores), rtol=0, atol=1e-12)
+            assert pc.last_reused_tokens == [reused]
+            history = got.sequences[0].tolist()
