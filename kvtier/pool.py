@@ -35,6 +35,7 @@ from kvtier.stats import CacheStats, Counters, TierStats
 from kvtier.tiering.background import BackgroundWork
 from kvtier.tiering.build import build_tiers
 from kvtier.tiering.disk_restore import restore_disk_tier
+from kvtier.tiering.disk_speed import sample_disk_speed
 from kvtier.tiering.disk_write_behind import DiskWriteBehind
 from kvtier.tiering.disk_writes import DiskWritePlanner
 from kvtier.tiering.host_prefetch import HostPrefetch, HostPrefetcher
@@ -103,6 +104,7 @@ class PagePool:
         )
         if disk is not None:
             restore_disk_tier(disk, self.tree, self.rules, self.counters)
+            sample_disk_speed(disk, self.load_cost)  # its speed is weighed from the first disk hit on
         self.holders: set[PageHolder] = set()
         self.guard = threading.RLock()
         self.debug = debug_enabled()

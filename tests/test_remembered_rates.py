@@ -168,3 +168,27 @@ def test_an_engine_restarted_on_a_slow_disk_recomputes_its_first_disk_hit(tmp_pa
                 assert eng.cache_manager.stats().recomputed_tokens >= 64
             else:
                 assert out[0].reused_tokens_by_tier["disk"] == len(prompt) - 1
+
+
+def test_a_directory_with_pages_and_no_kept_speed_is_sampled_when_opened(tmp_path, monkeypatch):
+    """A directory written by a process that never read from it: the next manager reads a few of its
+    pages when it opens it, so its first disk hit is weighed too; an empty directory is not read."""
+    from tests.disk_speed import slow_disk_reads
+
+    empty = disk_manager(tmp_path)
+    assert empty._pool.load_cost.bandwidth[1] is None
+    prompt = [600 + i for i in range(4 * TPB + 1)]
+    oracle = PageOracle(empty)
+    serve(empty, oracle, prompt)
+    push_down(empty, oracle, 60_000)
+    empty.close()
+    assert BANDWIDTH not in measured(tmp_path)  # nothing was read from this disk
+    slow_disk_reads(monkeypatch, 1e6)
+    mgr = disk_manager(tmp_path)
+    assert mgr._pool.load_cost.bandwidth[1] < 2e6  # sampled at open: about what this disk reads
+    mgr.set_prefill_rate(1e6)
+    cache = mgr.create_cache([*prompt, 1])
+    assert cache.num_reused_tokens == 0  # the first disk hit is weighed: recomputed
+    cache.close()
+    mgr.close()
+    assert measured(tmp_path)[BANDWIDTH] < 2e6

@@ -11,7 +11,9 @@ Bandwidths are measured online, per source tier, from the mover's own copies: a 
 slower than the estimate replaces it at once, a faster one moves it by a weighted mean (a disk
 read from the OS page cache is fast, the same read cold is not: loads err toward recomputing,
 which costs at most the gain of a load). A tier never measured yet is assumed to win (its first
-load measures it). With no prefill rate (nothing told the pool one) every cached block is loaded.
+load measures it); a disk tier holding pages is sampled when its manager opens it, if nothing
+measured it before (``disk_speed``). With no prefill rate (nothing told the pool one) every
+cached block is loaded.
 
 A disk tier remembers the measures in its index (``DiskIndex.measured``): a manager started
 later on the same directory, and device kind, starts from the disk bandwidth the last one

@@ -134,30 +134,27 @@ def prefix_on_disk(tmp_path: Path, seed: int) -> list[int]:
 
 
 def test_recompute_when_faster_recomputes_a_prefix_on_a_slow_disk_at_once(tmp_path, monkeypatch):
-    """With ``recompute_when_faster`` and a given rate: the first read measures the disk (and the
-    directory keeps its speed); from then on, and after a restart, its blocks are recomputed
-    without a wait."""
+    """With ``recompute_when_faster`` and a given rate: the disk's speed is sampled when the engine
+    opens its directory (and kept there), so its blocks are recomputed without a wait; without the
+    setting they are read."""
     shared = prefix_on_disk(tmp_path, 8)
     slow_disk_reads(monkeypatch, 1e6)
     fast_model = {"recompute_when_faster": True, "prefill_tokens_per_s": 1e9}  # slower than any disk here
-    second = engine(tmp_path, disk=True, **fast_model)
-    second.add("r2", [*shared, 1, 2], max_tokens=2)
-    second.run()
-    assert first_step_of(second, "r2")[0] == 112  # the disk's speed was not known: read, and measured
-    second.shutdown()
-    third = engine(tmp_path, disk=True, **fast_model)  # a restart
-    third.add("r3", [*shared, 1, 3], max_tokens=2)
-    third.step()
-    assert third.log[-1].computed["r3"][0] == 0  # scheduled at once, recomputed from its first token
-    third.run()
-    assert disk_bytes_read(third) == 0
-    third.assert_no_leaks()
-    third.shutdown()
-    fourth = engine(tmp_path, disk=True)  # not weighed: every cached block is read
-    fourth.add("r4", [*shared, 1, 4], max_tokens=2)
-    fourth.run()
-    assert first_step_of(fourth, "r4")[0] == 112
-    fourth.shutdown()
+    for _ in range(2):  # a start that samples the disk, then one that finds its speed kept
+        e = engine(tmp_path, disk=True, **fast_model)
+        assert e.kv_scheduler.manager._pool.load_cost.bandwidth[1] is not None
+        e.add("r", [*shared, 1, 2], max_tokens=2)
+        e.step()
+        assert e.log[-1].computed["r"][0] == 0  # scheduled at once, recomputed from its first token
+        e.run()
+        assert disk_bytes_read(e) == 0
+        e.assert_no_leaks()
+        e.shutdown()
+    unweighed = engine(tmp_path, disk=True)  # not weighed: every cached block is read
+    unweighed.add("r4", [*shared, 1, 4], max_tokens=2)
+    unweighed.run()
+    assert first_step_of(unweighed, "r4")[0] == 112
+    unweighed.shutdown()
 
 
 def test_recompute_when_faster_weighs_with_the_prefill_rate_the_worker_measures(tmp_path, monkeypatch):
@@ -172,15 +169,19 @@ def test_recompute_when_faster_weighs_with_the_prefill_rate_the_worker_measures(
     first.shutdown()
     slow_disk_reads(monkeypatch, 1e6)
     second = engine(tmp_path, disk=True, recompute_when_faster=True, max_batched=512)
-    second.add("r0", [*prompts[0], 1], max_tokens=2)
-    second.run()
-    assert first_step_of(second, "r0")[0] == 288  # the disk's speed was not known: read, and measured
-    second.add("r1", [*prompts[1], 1], max_tokens=2)
-    second.step()
-    assert second.log[-1].computed["r1"][0] == 0  # slower than this model computes: recomputed at once
-    second.run()
+    for i, tokens in enumerate(prompts):
+        second.add(f"r{i}", [*tokens, 1], max_tokens=2)
+        second.step()
+        assert second.log[-1].computed[f"r{i}"][0] == 0  # slower than this model computes: recomputed at once
+        second.run()
+    assert disk_bytes_read(second) == 0
     second.assert_no_leaks()
     second.shutdown()
+    unweighed = engine(tmp_path, disk=True, max_batched=512)
+    unweighed.add("r", [*prompts[0], 2], max_tokens=2)
+    unweighed.run()
+    assert first_step_of(unweighed, "r")[0] == 288
+    unweighed.shutdown()
 
 
 def disk_bytes_read(e: Engine) -> int:
