@@ -33,7 +33,7 @@ class AdapterScope:
         self._base = base
         self._names = _configured(model)
         self._layers = _tuner_layers(model)
-        self._fingerprints: dict[tuple, str] = {}
+        self._fingerprints: dict[str, tuple[tuple, str]] = {}  # per adapter: its tensors' handles, fingerprint
 
     def for_rows(self, count: int, kwargs: dict) -> list[ReuseScope]:
         """The scope of each of ``count`` batch rows: with PEFT's per-row ``adapter_names`` argument
@@ -72,7 +72,8 @@ class AdapterScope:
         return ReuseScope(lora_id=lora_id, salt=self._base.salt)
 
     def _fingerprint(self, name: str) -> str:
-        """A fingerprint of adapter ``name``'s tensors and settings in every tuner layer (cached)."""
+        """A fingerprint of adapter ``name``'s tensors and settings in every tuner layer (cached while
+        its tensors and settings stay as they were: one entry per adapter, however often it is trained)."""
         tensors: list[tuple[str, torch.Tensor]] = []
         settings: list[str] = []
         for i, layer in enumerate(self._layers):
@@ -87,11 +88,13 @@ class AdapterScope:
                 if isinstance(values, dict) and name in values:
                     settings.append(f"{i}.{attribute}={values[name]!r}")
         handles = tuple((id(t), t._version, t.data_ptr()) for _, t in tensors)
-        key = (name, handles, tuple(settings))
-        if key not in self._fingerprints:
+        key = (handles, tuple(settings))
+        cached = self._fingerprints.get(name)
+        if cached is None or cached[0] != key:
             digest = tensors_fingerprint(tensors)
-            self._fingerprints[key] = hashlib.blake2b((digest + "|".join(settings)).encode(), digest_size=8).hexdigest()
-        return self._fingerprints[key]
+            cached = key, hashlib.blake2b((digest + "|".join(settings)).encode(), digest_size=8).hexdigest()
+            self._fingerprints[name] = cached
+        return cached[1]
 
 
 def _configured(model: torch.nn.Module) -> tuple[str, ...]:

@@ -25,7 +25,6 @@ A row with none of these is unbounded (None).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import torch
 
@@ -63,12 +62,12 @@ def dynamic_rope_limit(model: torch.nn.Module) -> int | None:
     return min(limits) if limits else None
 
 
-def content_arguments(kwargs: dict, generation_config) -> list[str]:
-    """Names of ``generate`` arguments that carry model inputs other than tokens (multimodal)."""
-    return sorted(
-        name
+def takes_content(kwargs: dict, generation_config) -> bool:
+    """Whether ``generate`` arguments carry model inputs other than tokens (multimodal): a tensor, or
+    a container of tensors, under a name that is not a generation setting, a mask or positions."""
+    return any(
+        name not in _NOT_CONTENT and not hasattr(generation_config, name) and _has_tensor(value)
         for name, value in kwargs.items()
-        if name not in _NOT_CONTENT and not hasattr(generation_config, name) and _has_tensor(value)
     )
 
 
@@ -90,7 +89,7 @@ def row_bounds(
     def cut(i: int, at: int) -> None:
         bounds[i] = at if bounds[i] is None else min(bounds[i], at)
 
-    if content_arguments(kwargs, generation_config):
+    if takes_content(kwargs, generation_config):
         marks = torch.tensor(sorted(placeholders), dtype=host_ids.dtype)
         for i, pad in enumerate(pads):
             hits = torch.isin(host_ids[i, pad:], marks).nonzero()
@@ -120,14 +119,8 @@ def _first_differing(given: torch.Tensor, expected: torch.Tensor, pads: list[int
 
 
 def _has_tensor(value: object) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
     if isinstance(value, dict):
-        return _any_tensor(value.values())
+        value = list(value.values())
     if isinstance(value, (list, tuple)):
-        return _any_tensor(value)
-    return False
-
-
-def _any_tensor(values: Iterable[object]) -> bool:
-    return any(_has_tensor(v) for v in values)
+        return any(_has_tensor(v) for v in value)
+    return isinstance(value, torch.Tensor)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -143,7 +142,9 @@ class KVTierScheduler:
         if lease is None:
             scope = scope_of(request)
             bound = token_bound(request)
-            lease = Lease(self.manager.create_cache(_keyed_tokens(request), scope), bound)
+            tokens = request.all_token_ids  # vLLM's own list, not copied; up to the bound and one more
+            keyed = tokens if bound is None else tokens[: bound + 1]  # (a match never covers its last token)
+            lease = Lease(self.manager.create_cache(keyed, scope), bound)
             self._leases[rid] = lease
             self._requests[rid] = request
             if self._store is not None and not _skips_cache(request):
@@ -187,7 +188,7 @@ class KVTierScheduler:
         when none could and it may not: it is past that wait, or nothing stands in the way (its
         pages were found damaged)."""
         self._reads = [read for read in self._reads if not read.done()]
-        tokens = _keyed_tokens(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
+        tokens = request.all_token_ids[: lease.matched + 1]  # what the offer covers: read no block beyond
         read = self.manager.prefetch_to_host(tokens, scope_of(request))
         if read is not None:
             self._reads.append(read)
@@ -470,14 +471,6 @@ def token_bound(request: Request) -> int | None:
     if not features:
         return None
     return min(int(feature.mm_position.offset) for feature in features)
-
-
-def _keyed_tokens(request: Request) -> Sequence[int]:
-    """The tokens a request's cache is matched on: all (vLLM's own list, not copied), or up to its
-    bound and one more (a match never covers its last token)."""
-    bound = token_bound(request)
-    tokens = request.all_token_ids
-    return tokens if bound is None else list(tokens[: bound + 1])
 
 
 def _skips_cache(request: Request) -> bool:
