@@ -98,8 +98,7 @@ def check_request(src: object, dst: object, pairs: object, page_bytes: object) -
 
 def _scan_small(table: np.ndarray) -> tuple[int, int, int, bool]:
     """``_scan`` in plain Python: cheaper than numpy's per-call overhead for a few pairs."""
-    src = table[:, 0].tolist()
-    dst = table[:, 1].tolist()
+    src, dst = table.T.tolist()
     return min(min(src), min(dst)), max(src), max(dst), len(set(dst)) < len(dst)
 
 
@@ -115,10 +114,8 @@ def _scan(table: np.ndarray) -> tuple[int, int, int, bool]:
 
 def _check_overlap(src: torch.Tensor, dst: torch.Tensor, pairs: np.ndarray, page: int) -> None:
     """Copies inside one buffer must not read a slot that the same call writes (no order holds)."""
-    if src.device != dst.device:
-        return
     s0, d0 = src.data_ptr(), dst.data_ptr()
-    if s0 + src.numel() <= d0 or d0 + dst.numel() <= s0:
+    if s0 + src.numel() <= d0 or d0 + dst.numel() <= s0 or src.device != dst.device:
         return
     if s0 != d0:
         raise ValueError("src and dst overlap at different offsets; pass two distinct buffers or the same one")

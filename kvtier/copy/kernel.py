@@ -23,6 +23,7 @@ This module imports Triton; ``kvtier.copy`` imports it only when a call takes th
 
 from __future__ import annotations
 
+import functools
 from typing import Final, NamedTuple
 
 import torch
@@ -44,12 +45,14 @@ class Split(NamedTuple):
     programs_per_page: int
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_split(page_bytes: int, pages: int, target_programs: int, rows: int = ROWS) -> Split:
     """The split that gives a call of ``pages`` pages about ``target_programs`` programs in all.
 
     A program copies at least one step of ``rows`` rows (or a whole page, when smaller) and never
     more than a page: so a call of many small pages gets one program a page, and a single large
-    page ``target_programs`` programs. Plain integer arithmetic, no allocation.
+    page ``target_programs`` programs. Plain integer arithmetic, remembered for the sizes a copier
+    sees again and again.
     """
     page_rows = page_bytes // ALIGN
     total = page_rows * pages

@@ -70,8 +70,10 @@ def count_runs(pairs: np.ndarray, limit: int) -> int:
     ``limit``. A call of scattered slots is told after its first ``limit + 1`` steps, in plain
     Python; one that may have few runs is counted with numpy over the whole call.
     """
-    pairs = copy_order(pairs)
     head = pairs[: limit + 2].tolist()
+    if len(head) > 1 and head[1][0] == head[0][0] - 1 and head[1][1] == head[0][1] - 1:
+        pairs = pairs[::-1]  # ``copy_order``, read off the head already in hand
+        head = pairs[: limit + 2].tolist()
     breaks = sum(1 for a, b in itertools.pairwise(head) if b[0] != a[0] + 1 or b[1] != a[1] + 1)
     if breaks >= limit or pairs.shape[0] <= limit + 2:
         return breaks + 1
