@@ -277,11 +277,6 @@ class BlockTransfer:
         if self.stream is not None:
             self.stream.synchronize()
 
-    @property
-    def in_flight(self) -> int:
-        """Jobs submitted and not yet returned by ``poll``."""
-        return sum(len(ids) for _, ids in self._batches)
-
     def _run(self, jobs: list[TransferJob], direction: Direction) -> None:
         if not jobs:
             return
