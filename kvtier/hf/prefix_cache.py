@@ -29,10 +29,12 @@ not left padding runs as plain ``model.generate``, reusing and saving nothing.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 
 import torch
+from transformers.generation import GenerationMode
 
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
 from kvtier.errors import CacheStateError
@@ -51,11 +53,12 @@ log = logging.getLogger(__name__)
 
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
 _UNSUPPORTED = {
-    "assistant_model": "assisted decoding",
-    "prompt_lookup_num_tokens": "prompt lookup decoding",
     "custom_generate": "a custom generate",
     "negative_prompt_ids": "classifier-free guidance with a negative prompt",
 }
+# Decoding that writes only the tokens it keeps into the cache. Assisted decoding writes drafts and
+# cuts the rejected ones back out, which the recording of sliding-window layers does not follow.
+_SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.DOLA_GENERATION)
 
 
 class PrefixCache:
@@ -255,6 +258,14 @@ class PrefixCache:
             raise NotImplementedError("beam search (num_beams > 1) is not supported by PrefixCache.generate")
         if (setting("num_return_sequences") or 1) > 1:
             raise NotImplementedError("num_return_sequences > 1 is not supported by PrefixCache.generate")
+        mode = _generation_mode(config, kwargs)
+        if mode is GenerationMode.ASSISTED_GENERATION:
+            raise NotImplementedError(
+                "assisted decoding (assistant_model=, prompt_lookup_num_tokens=, assistant_early_exit= or use_mtp=, "
+                "as an argument or in the generation config) is not supported by PrefixCache.generate"
+            )
+        if mode not in _SUPPORTED_MODES:
+            raise NotImplementedError(f"{mode.value} is not supported by PrefixCache.generate")
         if setting("use_cache") is False:
             raise ValueError("PrefixCache.generate needs use_cache=True")
         asked = kwargs.get("cache_implementation")
@@ -292,6 +303,14 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _generation_mode(config, kwargs: dict) -> GenerationMode:
+    """The decoding ``generate`` runs for these arguments, by transformers' own rule, on a copy of
+    ``config`` updated with them (arguments that are not settings are left out)."""
+    effective = copy.copy(config)
+    effective.update(**{name: value for name, value in kwargs.items() if hasattr(effective, name)})
+    return effective.get_generation_mode(kwargs.get("assistant_model"))
 
 
 def _same_device(model_device: torch.device, cache_device: torch.device) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from transformers import GenerationConfig
 
 import kvtier
 from kvtier.hf import PrefixCache
@@ -89,6 +90,12 @@ def test_the_cache_must_live_on_the_models_device():
     [
         ({"num_beams": 2}, NotImplementedError, "beam search"),
         ({"num_return_sequences": 2, "do_sample": True}, NotImplementedError, "num_return_sequences"),
+        # assisted decoding writes drafts into the cache and cuts them back: refused however it is asked for
+        ({"prompt_lookup_num_tokens": 3}, NotImplementedError, "assisted decoding"),
+        ({"generation_config": GenerationConfig(prompt_lookup_num_tokens=3)}, NotImplementedError, "assisted decoding"),
+        ({"assistant_early_exit": 1}, NotImplementedError, "assisted decoding"),
+        ({"use_mtp": True}, NotImplementedError, "assisted decoding"),
+        ({"penalty_alpha": 0.6, "top_k": 4}, NotImplementedError, "contrastive_search"),
         ({"use_cache": False}, ValueError, "use_cache"),
         ({"cache_implementation": "static"}, NotImplementedError, "cache_implementation"),
         ({"past_key_values": None}, ValueError, "supplies the cache"),
