@@ -8,7 +8,8 @@ Keys of ``kv_connector_extra_config``:
   ``redis://...``, ``rediss://...``, ``redis-cluster://...``, ``redis-sentinel://...`` (a Redis
   or Valkey server) or ``file:///path`` (a shared directory).
 - ``model_id`` (str or None): what names the weights in every key. By default vLLM's model name
-  and revision; set it to a fingerprint of the weights when a local directory may change.
+  and revision and a digest of the model's configuration as vLLM runs it (``model_identity``);
+  set it to a fingerprint of the weights when a local directory may change.
 - ``disk_read_wait_s`` (float >= 0, default 1.0): how long a request whose cached prefix is on disk
   may wait, from its first scheduling, for reads it cannot start itself (host memory has no room
   for its pages, or another request's read has them); what is still on disk then is recomputed.
@@ -29,6 +30,8 @@ Anything else is a ``ValueError`` naming the known keys; a value of the wrong ty
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -102,12 +105,15 @@ class ConnectorSettings:
 
 def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
     """What decides the bytes of a page besides its tokens: the weights (model and revision), the
-    KV cache dtype, quantization and physical layout, and the tensor-parallel shard."""
+    model's configuration as vLLM runs it (``hf_overrides`` applied: the rotary embedding's base
+    and scaling decide every key), the KV cache dtype, quantization and physical layout, and the
+    tensor-parallel shard."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
     parts = [
         f"vllm:{model.model}@{model.revision or 'default'}",
+        f"config={_config_digest(model.hf_config)}",
         f"dtype={model.dtype}",
         f"kv={cache.cache_dtype}",
         f"quant={model.quantization}",
@@ -115,6 +121,13 @@ def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
         f"tp={getattr(parallel, 'rank', 0)}/{parallel.tensor_parallel_size}",
     ]
     return "|".join(parts)
+
+
+def _config_digest(config: Any) -> str:
+    """A short digest of a transformers configuration's settings, every one of them."""
+    settings = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _positive_int(name: str, value: object) -> int:

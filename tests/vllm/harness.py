@@ -63,13 +63,26 @@ class WrongKV(AssertionError):
 
 
 def vllm_config(
-    tmp_path: Path, extra: dict, *, max_batched: int = 64, async_scheduling: bool = False, name: str = "model"
+    tmp_path: Path,
+    extra: dict,
+    *,
+    max_batched: int = 64,
+    async_scheduling: bool = False,
+    name: str = "model",
+    hf_overrides: dict | None = None,
 ) -> VllmConfig:
     """A ``VllmConfig`` for a tiny Llama from a local config.json (no weights, no tokenizer)."""
     model_dir = tmp_path / name
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
-    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=2048)
+    model = ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=2048,
+        hf_overrides=hf_overrides or {},
+    )
     scheduler = SchedulerConfig(
         max_num_seqs=8,
         max_num_batched_tokens=max_batched,

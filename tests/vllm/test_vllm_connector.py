@@ -562,6 +562,31 @@ def test_another_model_never_reads_these_pages(tmp_path):
     second.shutdown()
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [{"rope_theta": 1234.0}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}],
+    ids=["rope_theta", "rope_scaling"],
+)
+def test_the_same_weights_with_other_rotary_settings_never_read_these_pages(tmp_path, overrides):
+    """Keys depend on the rotary embedding's settings too: a restart on the same directory with
+    ``hf_overrides`` that change them (a longer context by rope scaling) starts from nothing."""
+    first = engine(tmp_path, disk=True)
+    shared = prompt(7, 64)
+    first.add("r1", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+    again = engine(tmp_path, disk=True)  # the same settings: served from disk
+    again.add("r2", shared + [1], max_tokens=2)
+    again.run()
+    assert first_step_of(again, "r2")[0] == 64
+    again.shutdown()
+    other = engine(tmp_path, disk=True, hf_overrides=overrides)
+    other.add("r3", shared + [1], max_tokens=2)
+    other.run()
+    assert first_step_of(other, "r3")[0] == 0
+    other.shutdown()
+
+
 def test_a_sliding_window_model_keeps_its_hybrid_groups(tmp_path):
     config = vllm_config(tmp_path, {"host_bytes": 4 * MiB})
     groups = [(layer_names(2), attention_spec()), (layer_names(2, first=2), attention_spec(window=32))]
