@@ -30,7 +30,7 @@ from transformers import cache_utils
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from kvtier.spec import AttentionLayer, ModelSpec, RecurrentLayer
-from kvtier.weights import weights_fingerprint
+from kvtier.weights import config_fingerprint, weights_fingerprint
 
 STATE_ALIGN = 64  # bytes; every packed state starts on this boundary (any dtype can view it)
 
@@ -81,6 +81,7 @@ class ModelLayers:
     layers: tuple[ModelLayer, ...]
     spec: ModelSpec
     cache_argument: str  # the name the model's forward takes its cache by
+    weights: str | None = None  # the weights' fingerprint in the spec's default model_id (None: the caller's)
     attention: tuple[ModelLayer, ...] = field(init=False)
     linear: tuple[ModelLayer, ...] = field(init=False)
     by_kvtier_id: dict[int, ModelLayer] = field(init=False)
@@ -104,7 +105,8 @@ if hasattr(cache_utils, "LinearAttentionAndFullAttentionLayer"):
 
 
 def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLayers:
-    """The cache layers of ``model`` and their ``ModelSpec``; ``model_id`` defaults to a weights fingerprint.
+    """The cache layers of ``model`` and their ``ModelSpec``; ``model_id`` defaults to the weights'
+    fingerprint with the configuration's (rotary settings decide keys too, and are not weights).
 
     Raises ``NotImplementedError`` naming what kvtier cannot represent.
     """
@@ -160,9 +162,11 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
             spec_layers.append(AttentionLayer(heads, dim, window=window, roles=roles))
     if len(kv_dtypes) != 1:
         raise NotImplementedError(f"attention layers keep different dtypes {sorted(map(str, kv_dtypes))}")
-    model_id = model_id if model_id is not None else weights_fingerprint(model)
+    weights = weights_fingerprint(model) if model_id is None else None
+    if model_id is None:
+        model_id = f"{weights}+config-{config_fingerprint(config)}"
     spec = ModelSpec(spec_layers, dtype=kv_dtypes.pop(), model_id=model_id)
-    return ModelLayers(tuple(layers), spec, argument)
+    return ModelLayers(tuple(layers), spec, argument, weights)
 
 
 def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str) -> None:

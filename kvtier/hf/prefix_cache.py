@@ -65,7 +65,8 @@ class PrefixCache:
     """Prefix reuse for ``model.generate`` over kvtier's tiers (GPU, host, disk).
 
     ``cache_config.device`` must be the model's device. ``model_id`` names the weights (default:
-    ``kvtier.weights_fingerprint(model)``), so pages are only ever served to the same weights; a
+    ``kvtier.weights_fingerprint(model)`` with a fingerprint of the model's configuration, whose
+    rotary settings decide keys too), so pages are only ever served to the same model; a
     later change of the model's weights in place (an optimizer step, ``load_state_dict``) makes
     ``generate`` raise ``CacheStateError`` (``kvtier.hf.weight_watch``): build a new PrefixCache
     for the new weights.
@@ -98,7 +99,7 @@ class PrefixCache:
         self.scope = scope
         self._scopes = AdapterScope(model, scope)  # each call's: with the PEFT adapters active then
         self._layers: ModelLayers = read_model(model, model_id)
-        self._weights = WeightWatch(model, self._layers.spec.model_id if model_id is None else None)
+        self._weights = WeightWatch(model, self._layers.weights)
         self.manager = KVCacheManager(self._layers.spec, cache_config)
         self._packing = state_packing(self._layers, self.manager)
         self._forward_arguments = set(inspect.signature(model.forward).parameters)

@@ -26,8 +26,9 @@ from kvtier.weights import weights_fingerprint
 class WeightWatch:
     """Whether ``model``'s weights are still those a ``PrefixCache`` was built for.
 
-    ``fingerprint``: the weights' fingerprint at construction (the pages' ``model_id``), or None
-    when the caller named the weights: then any counted write is taken as a change.
+    ``fingerprint``: the weights' fingerprint at construction (the first part of the pages' default
+    ``model_id``), or None when the caller named the weights: then any counted write is taken as a
+    change.
     """
 
     def __init__(self, model: torch.nn.Module, fingerprint: str | None) -> None:

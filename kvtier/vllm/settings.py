@@ -30,12 +30,12 @@ Anything else is a ``ValueError`` naming the known keys; a value of the wrong ty
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvtier.weights import config_fingerprint
 
 DEFAULT_HOST_BYTES = 4 << 30
 DEFAULT_DISK_READ_WAIT_S = 1.0
@@ -113,7 +113,7 @@ def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
     cache = vllm_config.cache_config
     parts = [
         f"vllm:{model.model}@{model.revision or 'default'}",
-        f"config={_config_digest(model.hf_config)}",
+        f"config={config_fingerprint(model.hf_config)}",
         f"dtype={model.dtype}",
         f"kv={cache.cache_dtype}",
         f"quant={model.quantization}",
@@ -121,13 +121,6 @@ def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
         f"tp={getattr(parallel, 'rank', 0)}/{parallel.tensor_parallel_size}",
     ]
     return "|".join(parts)
-
-
-def _config_digest(config: Any) -> str:
-    """A short digest of a transformers configuration's settings, every one of them."""
-    settings = config.to_dict() if hasattr(config, "to_dict") else vars(config)
-    text = json.dumps(settings, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _positive_int(name: str, value: object) -> int:

@@ -43,10 +43,13 @@ def test_layers_and_groups_of_each_architecture():
     assert [(g.kind.value, g.layer_ids) for g in latent.spec.groups] == [("attention", (0, 1, 2, 3))]
 
 
-def test_model_id_is_a_fingerprint_of_the_weights_unless_given():
+def test_model_id_is_a_fingerprint_of_the_weights_and_the_configuration_unless_given():
     model = tiny_model("llama")
-    assert read_model(model).spec.model_id == kvtier.weights_fingerprint(model)
-    assert read_model(tiny_model("llama", seed=1)).spec.model_id != kvtier.weights_fingerprint(model)
+    model_id = read_model(model).spec.model_id
+    assert model_id.startswith(kvtier.weights_fingerprint(model) + "+config-")
+    assert read_model(tiny_model("llama", seed=1)).spec.model_id != model_id
+    model.config.output_hidden_states = True  # a runtime switch: the same keys and values
+    assert read_model(model).spec.model_id == model_id
     with PrefixCache(model, tiers_config(model, blocks=8), model_id="llama-tiny@1") as pc:
         assert pc.manager.spec.model_id == "llama-tiny@1"
 

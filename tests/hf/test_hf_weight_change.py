@@ -73,3 +73,32 @@ def test_a_model_converted_to_another_dtype_is_a_change():
         model.float()  # replaces every parameter's data, which torch does not count as a write
         with pytest.raises(CacheStateError, match="weights changed"):
             greedy(pc.generate, prompt)
+
+
+def test_the_same_weights_with_another_rotary_base_never_read_the_pages_on_disk(tmp_path):
+    """Rotary tables are not saved with the weights: a model rebuilt with another ``rope_theta`` (a
+    checkpoint stretched to a longer context) on the same disk directory starts from nothing, and
+    its scores are plain ``generate``'s."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf.tiny import config
+
+    first = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(8), 48)
+    with PrefixCache(first, tiers_config(first, 20, disk_blocks=20, disk_path=tmp_path)) as pc:
+        greedy(pc.generate, prompt)
+    stretched = config("llama")
+    stretched.rope_parameters = {"rope_type": "default", "rope_theta": 1234.0}
+    second = AutoModelForCausalLM.from_config(stretched, dtype=torch.float64).eval()
+    second.load_state_dict(first.state_dict())
+    second.generation_config.pad_token_id = first.generation_config.pad_token_id
+    second.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt + [5, 6, 7]])
+    expected = second.generate(ids, max_new_tokens=1, output_logits=True, return_dict_in_generate=True).logits[0]
+    with PrefixCache(second, tiers_config(second, 20, disk_blocks=20, disk_path=tmp_path)) as pc:
+        logits = pc.generate(ids, max_new_tokens=1, output_logits=True, return_dict_in_generate=True).logits[0]
+        assert pc.last_reused_tokens == [0]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-10)
+    with PrefixCache(first, tiers_config(first, 20, disk_blocks=20, disk_path=tmp_path)) as pc:
+        greedy(pc.generate, prompt + [5])
+        assert pc.last_reused_tokens == [48]  # the first model's own pages are still there
