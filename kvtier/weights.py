@@ -22,6 +22,7 @@ of a small development machine (a tiny test model: milliseconds).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable
@@ -68,9 +69,15 @@ def weights_fingerprint(module: torch.nn.Module) -> str:
 
 def config_fingerprint(config: object) -> str:
     """A hex digest of a model configuration's settings (a transformers ``PretrainedConfig``, as its
-    ``to_dict()`` gives them, nested configurations included), leaving out the runtime settings
-    that cannot change a key or value. Configurations differing in anything else differ here."""
-    settings = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    ``to_dict()`` gives them, nested configurations included; or a dataclass, as the reference
+    engine's ``Architecture``), leaving out the runtime settings that cannot change a key or value.
+    Configurations differing in anything else differ here."""
+    if hasattr(config, "to_dict"):
+        settings = config.to_dict()
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        settings = dataclasses.asdict(config)
+    else:
+        settings = vars(config)
     text = json.dumps(_without_runtime(settings), sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=8, person=b"kvtier-config1").hexdigest()
 

@@ -7,13 +7,16 @@ connector's keys, and the second model was served the first one's KV.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import kvtier
 from kvtier.connector import FileSystemConnector
 from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
-from kvtier.models import build_model
+from kvtier.models import build_model, named_config
+from kvtier.models.random_init import random_model
 from kvtier.weights import weights_fingerprint
 
 TPB = 16
@@ -81,7 +84,7 @@ def test_a_disk_tier_without_model_id_warns(tmp_path, caplog):
     assert sum("model_id=None" in r.getMessage() for r in caplog.records) == 1
 
 
-@pytest.mark.parametrize("change", ["seed", "fine_tune"])
+@pytest.mark.parametrize("change", ["seed", "fine_tune", "rope_theta"])
 def test_another_checkpoint_on_the_same_disk_directory_reuses_nothing(tmp_path, change):
     first = build_model("tiny-llama", "cpu", torch.float64, seed=0)
     ps = prompts(first.vocab_size)
@@ -89,6 +92,10 @@ def test_another_checkpoint_on_the_same_disk_directory_reuses_nothing(tmp_path, 
         eng.generate(ps, SamplingParams(max_tokens=4))
     if change == "seed":
         second = build_model("tiny-llama", "cpu", torch.float64, seed=1)
+    elif change == "rope_theta":  # the same weights, another rotary base: other keys
+        stretched = dataclasses.replace(named_config("tiny-llama"), rope_theta=1234.0)
+        second = random_model(stretched, "cpu", torch.float64, seed=0)
+        assert weights_fingerprint(second) == weights_fingerprint(first)
     else:
         second = build_model("tiny-llama", "cpu", torch.float64, seed=0)
         fine_tune(second)

@@ -24,7 +24,7 @@ from kvtier.errors import CacheStateError
 from kvtier.manager import KVCacheManager
 from kvtier.models import DecoderModel
 from kvtier.tiering.eviction import check_priority
-from kvtier.weights import weights_fingerprint
+from kvtier.weights import config_fingerprint, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,9 @@ class LLMEngine:
             raise TypeError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         self.model = model
         spec = model.spec
-        if spec.model_id is None:  # name the weights, so pages never outlive a change of checkpoint
-            spec = dataclasses.replace(spec, model_id=f"weights:{weights_fingerprint(model)}")
+        if spec.model_id is None:  # name the model, so pages never outlive a change of checkpoint or rotary settings
+            identity = f"weights:{weights_fingerprint(model)}+config-{config_fingerprint(model.config)}"
+            spec = dataclasses.replace(spec, model_id=identity)
         self.cache_manager = KVCacheManager(spec, cache_config)
         self.connector = None if connector is None else ConnectorDriver(connector, self.cache_manager)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache_manager, hooks=self.connector)
