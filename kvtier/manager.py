@@ -58,8 +58,8 @@ class KVCacheManager:
         if spec.model_id is None and any(isinstance(t, DiskTier) for t in config.tiers):
             log.warning(
                 "kvtier: a DiskTier with ModelSpec.model_id=None: its pages would be served to any model of the "
-                "same shape after a restart; set model_id to the checkpoint's name or kvtier.weights_fingerprint(model), with any rotary settings "
-                "changed from the checkpoint's"
+                "same shape after a restart; set model_id to the checkpoint's name or "
+                "kvtier.weights_fingerprint(model), with any rotary settings changed from the checkpoint's"
             )
         self._pool = PagePool(spec, config, self._geometries)
         disk = self._pool.tiers[self._pool.disk_tier] if self._pool.disk_tier is not None else None
