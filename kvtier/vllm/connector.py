@@ -169,6 +169,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request), None
 
+    def reset_cache(self) -> bool:
+        """``reset_prefix_cache(reset_connector=True)``: nothing saved so far is served again (the
+        worker keeps no blocks of its own)."""
+        return self._scheduler.reset_cache() if self._scheduler is not None else True
+
 
 def check_one_process(vllm_config: VllmConfig) -> None:
     """``NotImplementedError`` unless vLLM runs its scheduler and its one worker in one process."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -124,6 +125,7 @@ class KVTierScheduler:
         self._puts: list[tuple[Future, Lease]] = []
         self._reads: list[HostPrefetch] = []  # background reads from disk that may still run
         self._placements: list[_Placement] = []  # store pages being written into host pages
+        self._epoch: str | None = None  # the weights epoch since the last ``reset_cache`` (None: none yet)
         if settings.store_url is not None:
             if plan.has_sliding_window:
                 self.shutdown()
@@ -140,7 +142,7 @@ class KVTierScheduler:
         rid = request.request_id
         lease = self._leases.get(rid)
         if lease is None:
-            scope = scope_of(request)
+            scope = self._scope(request)
             bound = token_bound(request)
             tokens = request.all_token_ids  # vLLM's own list, not copied; up to the bound and one more
             keyed = tokens if bound is None else tokens[: bound + 1]  # (a match never covers its last token)
@@ -189,7 +191,7 @@ class KVTierScheduler:
         pages were found damaged)."""
         self._reads = [read for read in self._reads if not read.done()]
         tokens = request.all_token_ids[: lease.matched + 1]  # what the offer covers: read no block beyond
-        read = self.manager.prefetch_to_host(tokens, scope_of(request))
+        read = self.manager.prefetch_to_host(tokens, self._scope(request))
         if read is not None:
             self._reads.append(read)
             lease.reads = [read]
@@ -414,8 +416,34 @@ class KVTierScheduler:
     def _chain(self, rid: str, request: Request) -> BlockChain:
         chain = self._chains.get(rid)
         if chain is None:
-            chain = self._chains[rid] = BlockChain(scope_of(request))
+            chain = self._chains[rid] = BlockChain(self._scope(request))
         return chain
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after its weights were updated in
+        place: no block saved so far is served again.
+
+        Later requests match and save in a fresh weights epoch (a random id in their scope), so
+        blocks computed before are never matched again here, while they stay, for other processes
+        of the old weights, in a shared disk directory or store, and leave by eviction. Offers made
+        before are withdrawn (asked again, a request gets a new one), and requests still running
+        save nothing more. False while a load is in flight: vLLM cannot take it back."""
+        self._epoch = secrets.token_hex(8)
+        for rid, lease in list(self._leases.items()):
+            if lease.state is LeaseState.OFFERED:
+                del self._leases[rid]
+                self._chains.pop(rid, None)
+                lease.release()
+            else:
+                lease.stop_saving()
+        return not any(direction is Direction.LOAD for _, direction in self._jobs.values())
+
+    def _scope(self, request: Request) -> ReuseScope:
+        """The request's reuse scope (``scope_of``) in the current weights epoch."""
+        scope = scope_of(request)
+        if self._epoch is None:
+            return scope
+        return ReuseScope(scope.lora_id, f"{scope.salt or ''}\x00weights-epoch:{self._epoch}")
 
     def request_finished(self, request: Request) -> bool:
         """True when vLLM must keep the request's blocks until the worker reports its saves done."""

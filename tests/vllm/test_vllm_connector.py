@@ -587,6 +587,28 @@ def test_the_same_weights_with_other_rotary_settings_never_read_these_pages(tmp_
     other.shutdown()
 
 
+def test_a_connector_reset_after_a_weight_update_never_serves_a_block_saved_before(tmp_path):
+    """RL loops update vLLM's weights in place, then ``reset_prefix_cache(reset_connector=True)``: no
+    block saved before the reset is served after it, from host memory or disk, nor through an offer
+    made before it; blocks saved after the reset are served as usual."""
+    e = engine(tmp_path, disk=True)
+    shared = prompt(7, 64)
+    e.add("r1", shared, max_tokens=2)
+    e.run()
+    e.add("r2", shared + [1], max_tokens=2)
+    waiting = e.scheduler.requests["r2"]
+    assert e.kv_scheduler.get_num_new_matched_tokens(waiting, 0) == (64, True)  # an offer made before the reset
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    e.run()
+    assert first_step_of(e, "r2")[0] == 0
+    e.reset_prefix_cache()  # vLLM's own cache only: r2's blocks now come from kvtier
+    e.add("r3", shared + [2], max_tokens=2)
+    e.run()
+    assert first_step_of(e, "r3")[0] == 64
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_a_sliding_window_model_keeps_its_hybrid_groups(tmp_path):
     config = vllm_config(tmp_path, {"host_bytes": 4 * MiB})
     groups = [(layer_names(2), attention_spec()), (layer_names(2, first=2), attention_spec(window=32))]
