@@ -152,3 +152,26 @@ def test_checkpoints_served_in_turn_on_one_path_are_reported_once_their_director
     assert "kvtier-" in warned[2] and len(list(tmp_path.glob("kvtier-*"))) == 3
     with kvtier.KVCacheManager(a, kvtier.CacheConfig(TPB, tiers)) as again:  # nothing was deleted
         assert again.stats().tiers["disk"].pages_used == 150
+
+
+def test_weights_changed_in_place_under_an_engine_are_refused_and_a_new_engine_serves_them():
+    """A training loop that generates between optimizer steps: the engine's cached pages are of the
+    old weights, so the next call raises instead of serving them; a new engine serves the new
+    weights. Loading the same weights again is not a change."""
+    model = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+    ps = prompts(model.vocab_size)
+    small = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)])
+    engine = LLMEngine(model, small, SchedulerConfig(max_num_tokens=256))
+    engine.generate(ps[:1], SamplingParams(max_tokens=2))
+    model.load_state_dict(model.state_dict())  # the same bytes written again
+    assert engine.generate(ps[1:2], SamplingParams(max_tokens=2))[0].reused_tokens_by_tier["primary"] > 0
+    fine_tune(model)
+    with pytest.raises(kvtier.CacheStateError, match="weights changed"):
+        engine.generate(ps[:1], SamplingParams(max_tokens=2))
+    with pytest.raises(kvtier.CacheStateError, match="weights changed"):
+        engine.add_request(ps[0], SamplingParams())
+    engine.close()
+    with LLMEngine(model, small, SchedulerConfig(max_num_tokens=256)) as fresh:
+        outs = fresh.generate(ps, SamplingParams(max_tokens=4))
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.token_ids == model.reference_generate(prompt, 4)

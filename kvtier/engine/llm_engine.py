@@ -24,7 +24,7 @@ from kvtier.errors import CacheStateError
 from kvtier.manager import KVCacheManager
 from kvtier.models import DecoderModel
 from kvtier.tiering.eviction import check_priority
-from kvtier.weights import config_fingerprint, weights_fingerprint
+from kvtier.weights import WeightWatch, config_fingerprint, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,11 @@ class LLMEngine:
             raise TypeError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         self.model = model
         spec = model.spec
+        weights = None
         if spec.model_id is None:  # name the model, so pages never outlive a change of checkpoint or rotary settings
-            identity = f"weights:{weights_fingerprint(model)}+config-{config_fingerprint(model.config)}"
-            spec = dataclasses.replace(spec, model_id=identity)
+            weights = weights_fingerprint(model)
+            spec = dataclasses.replace(spec, model_id=f"weights:{weights}+config-{config_fingerprint(model.config)}")
+        self._weights = WeightWatch(model, weights)  # and notice weights changed in place later
         self.cache_manager = KVCacheManager(spec, cache_config)
         self.connector = None if connector is None else ConnectorDriver(connector, self.cache_manager)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache_manager, hooks=self.connector)
@@ -85,8 +87,10 @@ class LLMEngine:
     def add_request(
         self, prompt: Sequence[int], params: SamplingParams, scope: ReuseScope = DEFAULT_SCOPE, priority: int = 35
     ) -> int:
-        """Queue a prompt; returns its request id. Refuses a request that can never be served."""
+        """Queue a prompt; returns its request id. Refuses a request that can never be served, and
+        any once the model's weights changed in place (``CacheStateError``)."""
         self._check_open()
+        self._check_weights()
         _check_scope_and_priority(scope, priority)
         tokens = self.limits.check(prompt, params)
         return self._queue(list(tokens), params, scope, priority)
@@ -107,9 +111,11 @@ class LLMEngine:
         fails while served is in the outputs with ``finish_reason="error"``. Returns once the
         requests have finished and every save they started through the connector is complete.
         ``on_finish`` sees each output as it finishes, also those of requests queued earlier
-        with ``add_request`` (which run alongside).
+        with ``add_request`` (which run alongside). ``CacheStateError`` once the model's weights
+        changed in place since the engine was built.
         """
         self._check_open()
+        self._check_weights()
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -260,6 +266,15 @@ class LLMEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise CacheStateError("the engine is closed")
+
+    def _check_weights(self) -> None:
+        """``CacheStateError`` once the model's weights changed in place (an optimizer step,
+        ``load_state_dict``): the cached pages are of the old weights."""
+        if not self._weights.unchanged():
+            raise CacheStateError(
+                "the model's weights changed since this engine was built (its cached pages are of the old "
+                "weights): build a new LLMEngine for the new weights"
+            )
 
 
 def _check_scope_and_priority(scope: object, priority: object) -> None:

@@ -15,10 +15,10 @@ computed block is saved for the next call (or the next process, through a disk t
     hf cache       kvtier/hf/hf_cache.py      the DynamicCache handed to generate, what it records
     load / save    kvtier/hf/prefix_load.py, prefix_save.py
     prefill rate   kvtier/hf/prefill_rate.py  each call's prompt forward timed: load or recompute
-    weight watch   kvtier/hf/weight_watch.py  weights changed in place after construction are refused
     token bound    kvtier/hf/token_bound.py   where images, token types or own positions reach a row's KV
     adapters       kvtier/hf/adapters.py      the PEFT adapters active in a call: part of its scope
-    the adapter    kvtier/hf/prefix_cache.py  PrefixCache
+    the adapter    kvtier/hf/prefix_cache.py  PrefixCache (weights changed in place after construction
+                                              are refused: kvtier.weights.WeightWatch)
 """
 
 from __future__ import annotations

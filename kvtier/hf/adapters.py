@@ -12,7 +12,7 @@ PEFT's tuner layers are found by what they expose (``active_adapters``, ``disabl
 again whenever the model's ``peft_config`` names other adapters (``add_adapter``,
 ``load_adapter``, ``delete_adapter``). A fingerprint is computed once per set of tensors (their
 identity, version and address), so training an adapter between calls makes a new scope too.
-Adapters merged into the weights are the base weights' business (``weight_watch``).
+Adapters merged into the weights are the base weights' business (``kvtier.weights.WeightWatch``).
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ from kvtier.hf.prefill_rate import PrefillTiming
 from kvtier.hf.prefix_load import load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
 from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bounds
-from kvtier.hf.weight_watch import WeightWatch
 from kvtier.manager import KVCacheManager
+from kvtier.weights import WeightWatch
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class PrefixCache:
     ``kvtier.weights_fingerprint(model)`` with a fingerprint of the model's configuration, whose
     rotary settings decide keys too), so pages are only ever served to the same model; a
     later change of the model's weights in place (an optimizer step, ``load_state_dict``) makes
-    ``generate`` raise ``CacheStateError`` (``kvtier.hf.weight_watch``): build a new PrefixCache
+    ``generate`` raise ``CacheStateError`` (``kvtier.weights.WeightWatch``): build a new PrefixCache
     for the new weights.
     ``recompute_when_faster`` (default True): time each call's prompt forward and reuse a cached
     prefix below the GPU only as far as loading it is estimated faster than recomputing it (the
