@@ -71,7 +71,7 @@ def _host_full(bench, ref, write_through: bool) -> dict:
     args = bench.args
     one = SamplingParams(max_tokens=1)
     tiers = bench.memory_tiers(args.pressure_primary_gib, args.pressure_host_gib, write_through)
-    with bench.engine(tiers) as eng:
+    with bench.engine(tiers, recompute_when_faster=False) as eng:  # from host every block loads: the disk case weighs
         mgr = eng.cache_manager
         full = functools.partial(_host_full_state, bench, eng, ref.prefix)
         eng.generate([ref.prefix], one)
