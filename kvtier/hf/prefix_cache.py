@@ -310,7 +310,9 @@ def _generation_mode(config, kwargs: dict) -> GenerationMode:
     """The decoding ``generate`` runs for these arguments, by transformers' own rule, on a copy of
     ``config`` updated with them (arguments that are not settings are left out)."""
     effective = copy.copy(config)
-    effective.update(**{name: value for name, value in kwargs.items() if hasattr(effective, name)})
+    for name, value in kwargs.items():  # set, not ``update``: its validation would warn twice
+        if hasattr(effective, name) and not callable(getattr(effective, name)):
+            setattr(effective, name, value)
     return effective.get_generation_mode(kwargs.get("assistant_model"))
 
 
