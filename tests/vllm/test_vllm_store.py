@@ -96,6 +96,26 @@ def test_another_engine_loads_the_prefix_from_the_store(tmp_path, file_url):
     second.shutdown()
 
 
+def test_after_a_connector_reset_the_store_serves_this_engine_nothing_saved_before(tmp_path, file_url):
+    """``reset_prefix_cache(reset_connector=True)`` after a weight update: this engine fetches no block
+    the store had before, while an engine of the old weights still does."""
+    shared = prompt(21, 120)
+    save_through(tmp_path, file_url, shared)
+    e = engine(tmp_path, file_url, "reset")
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    e.add("r2", [*shared, 1], max_tokens=2)
+    e.run()
+    assert first_computed(e, "r2") == 0
+    e.assert_no_leaks()
+    e.shutdown()
+    old = engine(tmp_path, file_url, "old")
+    old.add("r3", [*shared, 2], max_tokens=2)
+    old.run()
+    assert first_computed(old, "r3") == 112
+    old.assert_no_leaks()
+    old.shutdown()
+
+
 def test_a_request_for_prompt_logprobs_asks_the_store_nothing(tmp_path, file_url, monkeypatch):
     """vLLM computes every prompt token of it: no lookup, no fetch; the next request still loads."""
     shared = prompt(21, 120)
