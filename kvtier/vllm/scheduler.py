@@ -25,6 +25,9 @@ costs cache, never scheduler time. Each request gets a ``Lease`` (``kvtier.vllm.
   for reuse only when its job completed (``update_connector_output``).
 - **finish** (``request_finished``): with saves in flight vLLM keeps the blocks until the worker
   reports them done; the lease closes when its last job completes.
+- **reset** (``reset_cache``, vLLM's ``reset_prefix_cache(reset_connector=True)`` after a weight
+  update): later requests match and save in a fresh weights epoch of every scope; offers made
+  before are withdrawn and running requests save nothing more.
 
 With a store (``store_url``) the ask also counts the blocks past the tree that the store holds
 and fetches them on a background thread (verified; the run stops at the first miss, the rest is
