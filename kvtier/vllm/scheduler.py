@@ -43,8 +43,10 @@ leave the window).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+import os
 import secrets
 import time
 from concurrent.futures import Future
@@ -483,10 +485,38 @@ class KVTierScheduler:
 
 
 def scope_of(request: Request) -> ReuseScope:
-    """The reuse scope of a request: its LoRA adapter (name and path) and its cache salt."""
+    """The reuse scope of a request: its LoRA adapter (name, path and, for an adapter on local
+    disk, a stamp of its files) and its cache salt."""
     lora = getattr(request, "lora_request", None)
-    lora_id = None if lora is None else f"{lora.lora_name}:{getattr(lora, 'lora_path', '')}"
+    lora_id = None
+    if lora is not None:
+        path = getattr(lora, "lora_path", "") or ""
+        lora_id = f"{lora.lora_name}:{path}"
+        stamp = _files_stamp(path)
+        if stamp is not None:
+            lora_id += f"@{stamp}"
     return ReuseScope(lora_id=lora_id, salt=getattr(request, "cache_salt", None))
+
+
+def _files_stamp(path: str) -> str | None:
+    """A digest of the names, sizes and modification times of the files of a local adapter (a
+    directory, or one file), so that an adapter written again at the same path (retrained) is
+    another scope, across restarts too; None where ``path`` is no local file or directory (a hub
+    name, or a path that cannot be read)."""
+    if not path:
+        return None
+    try:
+        if os.path.isdir(path):
+            with os.scandir(path) as entries:
+                files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+        elif os.path.isfile(path):
+            stat = os.stat(path)
+            files = [("", stat.st_size, stat.st_mtime_ns)]
+        else:
+            return None
+    except OSError:
+        return None
+    return hashlib.blake2b(repr(files).encode(), digest_size=8).hexdigest()
 
 
 def _keyable(request: Request) -> bool:

@@ -609,6 +609,32 @@ def test_a_connector_reset_after_a_weight_update_never_serves_a_block_saved_befo
     e.shutdown()
 
 
+def test_a_lora_adapter_written_again_at_its_path_is_another_scope(tmp_path):
+    """An adapter retrained and saved at the same path computes other keys: its requests get
+    another scope (across restarts too); the same files give the same scope."""
+    from types import SimpleNamespace
+
+    from vllm.lora.request import LoRARequest
+
+    from kvtier.vllm.scheduler import scope_of
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(b"a" * 64)
+
+    def scope(path: str = str(adapter)):
+        return scope_of(SimpleNamespace(lora_request=LoRARequest("sql", 1, path), cache_salt=None))
+
+    first = scope()
+    assert scope() == first
+    weights.write_bytes(b"b" * 80)  # retrained in place
+    assert scope() != first
+    assert scope("org/sql-lora").lora_id == "sql:org/sql-lora"  # a hub name: no files to stamp
+    assert scope(str(weights)) != scope(str(adapter))
+
+
 def test_a_sliding_window_model_keeps_its_hybrid_groups(tmp_path):
     config = vllm_config(tmp_path, {"host_bytes": 4 * MiB})
     groups = [(layer_names(2), attention_spec()), (layer_names(2, first=2), attention_spec(window=32))]
