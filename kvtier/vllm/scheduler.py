@@ -43,6 +43,7 @@ leave the window).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -485,24 +486,29 @@ class KVTierScheduler:
 
 
 def scope_of(request: Request) -> ReuseScope:
-    """The reuse scope of a request: its LoRA adapter (name, path and, for an adapter on local
-    disk, a stamp of its files) and its cache salt."""
+    """The reuse scope of a request: its LoRA adapter (``lora_identity``) and its cache salt."""
     lora = getattr(request, "lora_request", None)
     lora_id = None
     if lora is not None:
-        path = getattr(lora, "lora_path", "") or ""
-        lora_id = f"{lora.lora_name}:{path}"
-        stamp = _files_stamp(path)
-        if stamp is not None:
-            lora_id += f"@{stamp}"
+        lora_id = lora_identity(lora.lora_name, lora.lora_int_id, getattr(lora, "lora_path", "") or "")
     return ReuseScope(lora_id=lora_id, salt=getattr(request, "cache_salt", None))
+
+
+@functools.lru_cache(maxsize=1024)
+def lora_identity(name: str, int_id: int, path: str) -> str:
+    """A LoRA adapter's part of a scope: its name and path, and for an adapter on local disk a stamp
+    of its files, taken once per adapter id (the weights vLLM loaded under that id): an adapter
+    retrained and saved at the same path is another scope in a later process, or under a new id.
+    (vLLM's ``load_inplace`` swaps the weights under an id: ``reset_prefix_cache(reset_connector=True)``
+    then, as for vLLM's own cache.)"""
+    stamp = _files_stamp(path)
+    return f"{name}:{path}" if stamp is None else f"{name}:{path}@{stamp}"
 
 
 def _files_stamp(path: str) -> str | None:
     """A digest of the names, sizes and modification times of the files of a local adapter (a
-    directory, or one file), so that an adapter written again at the same path (retrained) is
-    another scope, across restarts too; None where ``path`` is no local file or directory (a hub
-    name, or a path that cannot be read)."""
+    directory, or one file); None where ``path`` is no local file or directory (a hub name, or a
+    path that cannot be read)."""
     if not path:
         return None
     try:

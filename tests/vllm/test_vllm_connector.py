@@ -616,7 +616,7 @@ def test_a_lora_adapter_written_again_at_its_path_is_another_scope(tmp_path):
 
     from vllm.lora.request import LoRARequest
 
-    from kvtier.vllm.scheduler import scope_of
+    from kvtier.vllm.scheduler import lora_identity, scope_of
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -624,12 +624,15 @@ def test_a_lora_adapter_written_again_at_its_path_is_another_scope(tmp_path):
     weights = adapter / "adapter_model.safetensors"
     weights.write_bytes(b"a" * 64)
 
-    def scope(path: str = str(adapter)):
-        return scope_of(SimpleNamespace(lora_request=LoRARequest("sql", 1, path), cache_salt=None))
+    def scope(path: str = str(adapter), int_id: int = 1):
+        return scope_of(SimpleNamespace(lora_request=LoRARequest("sql", int_id, path), cache_salt=None))
 
     first = scope()
     assert scope() == first
     weights.write_bytes(b"b" * 80)  # retrained in place
+    assert scope() == first  # the weights vLLM loaded under id 1 are still the old ones
+    assert scope(int_id=2) != first  # loaded again under a new id
+    lora_identity.cache_clear()  # as a process started later
     assert scope() != first
     assert scope("org/sql-lora").lora_id == "sql:org/sql-lora"  # a hub name: no files to stamp
     assert scope(str(weights)) != scope(str(adapter))
