@@ -89,9 +89,17 @@ def config_fingerprint(config: object) -> str:
     elif dataclasses.is_dataclass(config) and not isinstance(config, type):
         settings = dataclasses.asdict(config)
     else:
-        settings = vars(config)
+        raise TypeError(f"a model configuration has to_dict() or is a dataclass, got {type(config).__name__}")
     text = json.dumps(_without_runtime(settings), sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=8, person=b"kvtier-config1").hexdigest()
+
+
+def default_model_id(module: torch.nn.Module, config: object) -> tuple[str, str]:
+    """(the weights' fingerprint, the ``model_id`` a model gets when the user names none): the
+    weights and the configuration, so pages outlive neither a change of checkpoint nor of rotary
+    settings. The fingerprint alone is what ``WeightWatch`` compares."""
+    weights = weights_fingerprint(module)
+    return weights, f"weights:{weights}+config-{config_fingerprint(config)}"
 
 
 def _without_runtime(value: object) -> object:

@@ -24,7 +24,7 @@ from kvtier.errors import CacheStateError
 from kvtier.manager import KVCacheManager
 from kvtier.models import DecoderModel
 from kvtier.tiering.eviction import check_priority
-from kvtier.weights import WeightWatch, config_fingerprint, weights_fingerprint
+from kvtier.weights import WeightWatch, default_model_id
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,9 @@ class LLMEngine:
         self.model = model
         spec = model.spec
         weights = None
-        if spec.model_id is None:  # name the model, so pages never outlive a change of checkpoint or rotary settings
-            weights = weights_fingerprint(model)
-            spec = dataclasses.replace(spec, model_id=f"weights:{weights}+config-{config_fingerprint(model.config)}")
+        if spec.model_id is None:
+            weights, model_id = default_model_id(model, model.config)
+            spec = dataclasses.replace(spec, model_id=model_id)
         self._weights = WeightWatch(model, weights)  # and notice weights changed in place later
         self.cache_manager = KVCacheManager(spec, cache_config)
         self.connector = None if connector is None else ConnectorDriver(connector, self.cache_manager)

@@ -30,7 +30,7 @@ from transformers import cache_utils
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from kvtier.spec import AttentionLayer, ModelSpec, RecurrentLayer
-from kvtier.weights import config_fingerprint, weights_fingerprint
+from kvtier.weights import default_model_id
 
 STATE_ALIGN = 64  # bytes; every packed state starts on this boundary (any dtype can view it)
 
@@ -162,9 +162,9 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
             spec_layers.append(AttentionLayer(heads, dim, window=window, roles=roles))
     if len(kv_dtypes) != 1:
         raise NotImplementedError(f"attention layers keep different dtypes {sorted(map(str, kv_dtypes))}")
-    weights = weights_fingerprint(model) if model_id is None else None
+    weights = None
     if model_id is None:
-        model_id = f"{weights}+config-{config_fingerprint(config)}"
+        weights, model_id = default_model_id(model, config)
     spec = ModelSpec(spec_layers, dtype=kv_dtypes.pop(), model_id=model_id)
     return ModelLayers(tuple(layers), spec, argument, weights)
 
