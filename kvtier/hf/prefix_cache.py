@@ -24,7 +24,8 @@ PEFT adapters active in a call are part of its scope (``adapters``).
 Outputs are those of ``model.generate`` with the same arguments. What is reused in a batch:
 ``last_reused_tokens[i]`` prompt tokens of row i, where the batch takes the same number of
 leading columns from kvtier for every row (see ``batch_rows``). A batch whose attention mask is
-not left padding runs as plain ``model.generate``, reusing and saving nothing.
+not left padding, and a call while a module of the model applies dropout or noise in training
+mode (``training_noise``), run as plain ``model.generate``, reusing and saving nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kvtier.hf.prefill_rate import PrefillTiming
 from kvtier.hf.prefix_load import load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
 from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bounds
+from kvtier.hf.training_noise import random_module
 from kvtier.manager import KVCacheManager
 from kvtier.weights import WeightWatch
 
@@ -107,6 +109,7 @@ class PrefixCache:
         self._placeholders = placeholder_ids(model.config)  # multimodal placeholder tokens (``token_bound``)
         self._rope_limit = dynamic_rope_limit(model)  # calls this long reuse and save nothing (``token_bound``)
         self._told_of_preset = False  # a generation config's cache_implementation, set aside (logged once)
+        self._told_of_noise = False  # a call in training mode with dropout or noise (logged once)
         self._prefill = None
         if recompute_when_faster:  # from the first call on, with the rate a manager on its disk tier measured last
             self._prefill = PrefillTiming(device, self.manager.remembered_prefill_rate)
@@ -138,7 +141,15 @@ class PrefixCache:
             )
         mask = attention_mask if attention_mask is not None else self._inferred_mask(input_ids, kwargs)
         pads = left_pads(mask)
-        if pads is None:
+        noisy = random_module(self.model)
+        if noisy is not None and not self._told_of_noise:
+            self._told_of_noise = True
+            log.warning(
+                "%s is in training mode: its keys and values are random draws, so PrefixCache.generate "
+                "reuses and saves nothing while it is (call model.eval() to reuse)",
+                noisy,
+            )
+        if pads is None or noisy is not None:
             self.last_reused_tokens = [0] * input_ids.shape[0]
             return self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
         with torch.no_grad():
