@@ -44,10 +44,8 @@ leave the window).
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import logging
-import os
 import secrets
 import time
 from concurrent.futures import Future
@@ -63,6 +61,7 @@ from kvtier.manager import KVCacheManager
 from kvtier.pages import BAD_PAGE_INDEX
 from kvtier.tiering.host_prefetch import HostPrefetch
 from kvtier.vllm import host_pool
+from kvtier.vllm.file_stamp import files_stamp
 from kvtier.vllm.kv_groups import ModelPlan
 from kvtier.vllm.lease import Lease, LeaseState
 from kvtier.vllm.meta import KVTierMetadata, KVTierWorkerMeta
@@ -501,28 +500,8 @@ def lora_identity(name: str, int_id: int, path: str) -> str:
     retrained and saved at the same path is another scope in a later process, or under a new id.
     (vLLM's ``load_inplace`` swaps the weights under an id: ``reset_prefix_cache(reset_connector=True)``
     then, as for vLLM's own cache.)"""
-    stamp = _files_stamp(path)
+    stamp = files_stamp(path)
     return f"{name}:{path}" if stamp is None else f"{name}:{path}@{stamp}"
-
-
-def _files_stamp(path: str) -> str | None:
-    """A digest of the names, sizes and modification times of the files of a local adapter (a
-    directory, or one file); None where ``path`` is no local file or directory (a hub name, or a
-    path that cannot be read)."""
-    if not path:
-        return None
-    try:
-        if os.path.isdir(path):
-            with os.scandir(path) as entries:
-                files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
-        elif os.path.isfile(path):
-            stat = os.stat(path)
-            files = [("", stat.st_size, stat.st_mtime_ns)]
-        else:
-            return None
-    except OSError:
-        return None
-    return hashlib.blake2b(repr(files).encode(), digest_size=8).hexdigest()
 
 
 def _keyable(request: Request) -> bool:

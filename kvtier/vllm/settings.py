@@ -8,8 +8,11 @@ Keys of ``kv_connector_extra_config``:
   ``redis://...``, ``rediss://...``, ``redis-cluster://...``, ``redis-sentinel://...`` (a Redis
   or Valkey server) or ``file:///path`` (a shared directory).
 - ``model_id`` (str or None): what names the weights in every key. By default vLLM's model name
-  and revision and a digest of the model's configuration as vLLM runs it (``model_identity``);
-  set it to a fingerprint of the weights when a local directory may change.
+  and revision, which weights those are (a stamp of a local directory's weight files: names,
+  sizes, modification times; the commit of a hub model's snapshot in the local Hugging Face
+  cache) and a digest of the model's configuration as vLLM runs it (``model_identity``). Set it
+  when processes on other machines share a store and load a local directory copied without its
+  files' times: by default they share nothing.
 - ``disk_read_wait_s`` (float >= 0, default 1.0): how long a request whose cached prefix is on disk
   may wait, from its first scheduling, for reads it cannot start itself (host memory has no room
   for its pages, or another request's read has them); what is still on disk then is recomputed.
@@ -35,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.vllm.file_stamp import model_weights_stamp
 from kvtier.weights import config_fingerprint
 
 DEFAULT_HOST_BYTES = 4 << 30
@@ -104,8 +108,9 @@ class ConnectorSettings:
 
 
 def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
-    """What decides the bytes of a page besides its tokens: the weights (model and revision), the
-    model's configuration as vLLM runs it (``hf_overrides`` applied: the rotary embedding's base
+    """What decides the bytes of a page besides its tokens: the weights (model and revision, and a
+    stamp of the weight files where they are on local disk: weights saved again at the same path
+    are another model), the model's configuration as vLLM runs it (``hf_overrides`` applied: the rotary embedding's base
     and scaling decide every key), the KV cache dtype, quantization and physical layout, and the
     tensor-parallel shard."""
     model = vllm_config.model_config
@@ -113,6 +118,7 @@ def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
     cache = vllm_config.cache_config
     parts = [
         f"vllm:{model.model}@{model.revision or 'default'}",
+        f"files={model_weights_stamp(model.model, model.revision)}",
         f"config={config_fingerprint(model.hf_config)}",
         f"dtype={model.dtype}",
         f"kv={cache.cache_dtype}",

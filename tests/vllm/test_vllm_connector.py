@@ -6,6 +6,7 @@ own prefix's KV (``WrongKV`` otherwise), so a test passes only if nothing wrong 
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -636,6 +637,52 @@ def test_a_lora_adapter_written_again_at_its_path_is_another_scope(tmp_path):
     assert scope() != first
     assert scope("org/sql-lora").lora_id == "sql:org/sql-lora"  # a hub name: no files to stamp
     assert scope(str(weights)) != scope(str(adapter))
+
+
+def test_weights_saved_again_at_the_model_path_never_read_these_pages(tmp_path):
+    """A model fine-tuned and saved over its directory computes other keys: a restart on the same
+    disk directory starts from nothing; the same files again are served from disk."""
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(b"a" * 64)
+    shared = prompt(7, 64)
+    first = engine(tmp_path, disk=True)
+    first.add("r1", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+    again = engine(tmp_path, disk=True)
+    again.add("r2", shared + [1], max_tokens=2)
+    again.run()
+    assert first_step_of(again, "r2")[0] == 64
+    again.shutdown()
+    weights.write_bytes(b"b" * 64)  # trained again: the same size, a later modification time
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    other = engine(tmp_path, disk=True)
+    other.add("r3", shared + [1], max_tokens=2)
+    other.run()
+    assert first_step_of(other, "r3")[0] == 0
+    other.shutdown()
+
+
+def test_a_hub_model_is_named_by_the_commit_of_its_cached_snapshot(tmp_path, monkeypatch):
+    """A hub model's weights are those of the snapshot the local Hugging Face cache holds for its
+    revision: a new commit is another model, the same commit the same on every machine."""
+    from huggingface_hub import constants
+
+    from kvtier.vllm.file_stamp import model_weights_stamp
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--tiny"
+    assert model_weights_stamp("org/tiny", None) is None  # not downloaded: nothing to name
+    for commit in ("c0ffee", "decade"):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    assert model_weights_stamp("org/tiny", None) == "commit:c0ffee"
+    (repo / "refs" / "main").write_text("decade")  # the hub moved on, and this machine downloaded it
+    assert model_weights_stamp("org/tiny", None) == "commit:decade"
+    assert model_weights_stamp("org/tiny", "c0ffee") == "commit:c0ffee"
 
 
 def test_a_sliding_window_model_keeps_its_hybrid_groups(tmp_path):
