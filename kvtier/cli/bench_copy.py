@@ -27,6 +27,8 @@ import subprocess
 import time
 from typing import Any
 
+from kvtier.cli.arguments import at_least
+
 GiB = 1 << 30
 MiB = 1 << 20
 KiB = 1 << 10
@@ -43,8 +45,8 @@ PATHS = ("copy_engine", "kernel", "auto")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median of these)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each measurement")
+    parser.add_argument("--iters", type=at_least(1), default=20, help="timed calls per measurement (median of these)")
+    parser.add_argument("--warmup", type=at_least(0), default=3, help="untimed calls before each measurement")
     parser.add_argument("--no-load", action="store_true", help="skip the measurements under a compute load")
 
 

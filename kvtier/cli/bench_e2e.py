@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.cli import bench_e2e_pressure as pressure
+from kvtier.cli.arguments import at_least, device, positive
 from kvtier.cli.bench_e2e_report import add_targets, print_table
 from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
 
@@ -45,18 +46,20 @@ GIB = 1 << 30
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-8b-shape")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", type=device, default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
     parser.add_argument("--prefixes", default="4096,16384,32768", help="prefix lengths in tokens")
-    parser.add_argument("--suffix", type=int, default=128, help="new tokens after the prefix")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--greedy-tokens", type=int, default=4, help="tokens compared with the dense path")
-    parser.add_argument("--tokens-per-block", type=int, default=32)
-    parser.add_argument("--primary-gib", type=float, default=24.0)
-    parser.add_argument("--host-gib", type=float, default=8.0)
-    parser.add_argument("--disk-gib", type=float, default=8.0)
+    parser.add_argument("--suffix", type=at_least(1), default=128, help="new tokens after the prefix")
+    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--greedy-tokens", type=at_least(1), default=4, help="tokens compared with the dense path")
+    parser.add_argument("--tokens-per-block", type=at_least(1), default=32)
+    parser.add_argument("--primary-gib", type=positive, default=24.0)
+    parser.add_argument("--host-gib", type=positive, default=8.0)
+    parser.add_argument("--disk-gib", type=positive, default=8.0)
     parser.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp dir)")
-    parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (max_num_tokens) when populating")
+    parser.add_argument(
+        "--chunk", type=at_least(1), default=8192, help="prefill chunk (max_num_tokens) when populating"
+    )
     pressure.add_arguments(parser)
 
 

@@ -34,6 +34,7 @@ import statistics
 import tempfile
 from collections.abc import Iterator
 
+from kvtier.cli.arguments import at_least, positive
 from kvtier.cli.bench_machine import drop_page_cache
 
 FILLER_PRIORITY = 100  # suspended fillers outrank every published page: the others go down first
@@ -42,12 +43,17 @@ MAX_ROUNDS = 10_000  # a bound on filler prompts and write-through batches; reac
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=True, help="host-full cases")
-    parser.add_argument("--pressure-primary-gib", type=float, default=12.0, help="primary tier of host-full")
+    parser.add_argument("--pressure-primary-gib", type=positive, default=12.0, help="primary tier of host-full")
     parser.add_argument(
-        "--pressure-host-gib", type=float, default=20.0, help="host tier of host-full: prefix + a copy of the primary"
+        "--pressure-host-gib",
+        type=positive,
+        default=20.0,
+        help="host tier of host-full: prefix + a copy of the primary",
     )
     parser.add_argument("--queued", action=argparse.BooleanOptionalAction, default=True, help="host/disk-queued cases")
-    parser.add_argument("--queue-ahead", type=int, default=3, help="uncached prompts of the prefix length ahead")
+    parser.add_argument(
+        "--queue-ahead", type=at_least(1), default=3, help="uncached prompts of the prefix length ahead"
+    )
     parser.add_argument(
         "--prefetch-policy",
         default=None,

@@ -38,6 +38,7 @@ import statistics
 import tempfile
 import time
 
+from kvtier.cli.arguments import at_least, device, positive
 from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
 
 LLAMA_8B = dict(
@@ -62,15 +63,15 @@ TINY = dict(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", type=device, default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
     parser.add_argument("--histories", default="4096,16384,32768", help="history lengths in tokens")
-    parser.add_argument("--suffix", type=int, default=64, help="new prompt tokens of the second turn")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tokens-per-block", type=int, default=32)
-    parser.add_argument("--primary-gib", type=float, default=24.0)
-    parser.add_argument("--host-gib", type=float, default=12.0)
-    parser.add_argument("--disk-gib", type=float, default=12.0)
+    parser.add_argument("--suffix", type=at_least(1), default=64, help="new prompt tokens of the second turn")
+    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--tokens-per-block", type=at_least(1), default=32)
+    parser.add_argument("--primary-gib", type=positive, default=24.0)
+    parser.add_argument("--host-gib", type=positive, default=12.0)
+    parser.add_argument("--disk-gib", type=positive, default=12.0)
     parser.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp dir)")
     parser.add_argument("--tiny", action="store_true", help="a two-layer model (a smoke run, e.g. on a CPU)")
 

@@ -41,6 +41,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 
+from kvtier.cli.arguments import at_least, device
+
 DECODE_REQUESTS = 256
 DECODE_CONTEXT = 512
 TPB = 16
@@ -53,24 +55,12 @@ SAMPLED_TOKEN = 7
 PRESSURE_TARGET_MS = 2.0  # issue 14: planning a 2,048-page resume on the host
 
 
-def _at_least(low: int):
-    """An argparse type: an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=_at_least(1), default=256, help="decode steps to time (default 256)")
+    parser.add_argument("--steps", type=at_least(1), default=256, help="decode steps to time (default 256)")
     parser.add_argument(
-        "--prompt-tokens", type=_at_least(2 * TPB), default=32768, help="cached prompt length (default 32768)"
+        "--prompt-tokens", type=at_least(2 * TPB), default=32768, help="cached prompt length (default 32768)"
     )
-    parser.add_argument("--repeats", type=_at_least(1), default=21, help="repeats of the cached-prompt measurement")
+    parser.add_argument("--repeats", type=at_least(1), default=21, help="repeats of the cached-prompt measurement")
     parser.add_argument("--no-tiers", action="store_true", help="skip the demotion/promotion round trip")
     parser.add_argument("--no-vllm", action="store_true", help="skip the comparison with vLLM's KVCacheManager")
     parser.add_argument(
@@ -79,10 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the 2,048-page resume and prefetch with both tiers full (about 8 s)",
     )
     parser.add_argument(
-        "--pressure-repeats", type=_at_least(1), default=7, help="repeats of the resume under pressure (default 7)"
+        "--pressure-repeats", type=at_least(1), default=7, help="repeats of the resume under pressure (default 7)"
     )
     parser.add_argument(
-        "--pressure-device", default="cpu", help="device of the resume under pressure: cpu (default) or cuda"
+        "--pressure-device",
+        type=device,
+        default="cpu",
+        help="device of the resume under pressure: cpu (default) or cuda",
     )
 
 

@@ -22,20 +22,22 @@ import statistics
 import time
 from typing import Any
 
+from kvtier.cli.arguments import at_least, positive
+
 GiB = 1 << 30
 PATHS = ("auto", "copy_engine", "kernel")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layers", type=at_least(1), default=32)
+    parser.add_argument("--kv-heads", type=at_least(1), default=8)
+    parser.add_argument("--head-dim", type=at_least(1), default=128)
+    parser.add_argument("--block-size", type=at_least(1), default=16)
     parser.add_argument("--blocks", default="1,64,2048", help="blocks per job, comma-separated")
     parser.add_argument("--layout", default="LBNHC", choices=("LBNHC", "LBHNC", "BLNHC"))
     parser.add_argument("--paths", default="auto,kernel", help=f"copier paths, comma-separated, of {PATHS}")
-    parser.add_argument("--iters", type=int, default=15, help="timed jobs per measurement (median of these)")
-    parser.add_argument("--link-gbps", type=float, default=55.0, help="the host link's bandwidth, for the share")
+    parser.add_argument("--iters", type=at_least(1), default=15, help="timed jobs per measurement (median of these)")
+    parser.add_argument("--link-gbps", type=positive, default=55.0, help="the host link's bandwidth, for the share")
 
 
 def run(args: argparse.Namespace) -> int:

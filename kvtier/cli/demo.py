@@ -16,24 +16,25 @@ import json
 import statistics
 import tempfile
 
+from kvtier.cli.arguments import at_least, device, positive
 from kvtier.cli.run_summary import common_prefix_share, percentile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small-llama", help="a kvtier.models name or a HF-style directory")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16", "float16"])
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--system-tokens", type=int, default=512)
-    parser.add_argument("--user-tokens", type=int, default=48)
-    parser.add_argument("--answer-tokens", type=int, default=24)
-    parser.add_argument("--primary-mib", type=float, default=4.0)
-    parser.add_argument("--host-mib", type=float, default=3.0)
-    parser.add_argument("--disk-mib", type=float, default=64.0)
+    parser.add_argument("--conversations", type=at_least(1), default=8)
+    parser.add_argument("--turns", type=at_least(1), default=5)
+    parser.add_argument("--system-tokens", type=at_least(0), default=512)
+    parser.add_argument("--user-tokens", type=at_least(1), default=48)
+    parser.add_argument("--answer-tokens", type=at_least(1), default=24)
+    parser.add_argument("--primary-mib", type=positive, default=4.0)
+    parser.add_argument("--host-mib", type=positive, default=3.0)
+    parser.add_argument("--disk-mib", type=positive, default=64.0)
     parser.add_argument("--plot", default="kvtier-demo-ttft.png", help="where to write the TTFT plot")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    parser.add_argument("--metrics-port", type=int, help="serve kvtier's Prometheus metrics on this port")
+    parser.add_argument("--metrics-port", type=at_least(1), help="serve kvtier's Prometheus metrics on this port")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf", action="store_true", help="the workload on a transformers Llama via kvtier.hf")
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvtier.cli.arguments import device
+
 PROBE_PAGE_SIZES = (16, 4096, 65_536, 262_144, 884_736, 4_194_304, 15_261_696, 217_055_232)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=None, help="'cpu', 'cuda' or 'cuda:N' (default: cuda if available)")
+    parser.add_argument(
+        "--device", type=device, default=None, help="'cpu', 'cuda' or 'cuda:N' (default: cuda if available)"
+    )
     parser.add_argument(
         "--disk", default=None, metavar="PATH", help="also measure the read ceiling of the disk under this directory"
     )

@@ -1,0 +1,52 @@
+"""Argument types shared by the subcommands: a bad value is an argparse error naming the option
+(``kvtier demo: error: argument --turns: must be >= 1, got 0``), before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def positive(text: str) -> float:
+    """A finite number > 0 (a size in MiB or GiB)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, naming a device this process has."""
+    if not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"must be 'cpu', 'cuda' or 'cuda:N', got {text!r}")
+    if text == "cpu":
+        return text
+    import torch
+
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: CUDA is not available here (torch {torch.__version__})")
+    index = int(text.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this process sees {torch.cuda.device_count()} CUDA device(s)")
+    return text

@@ -1,0 +1,39 @@
+"""Bad values on the command line are argparse errors naming the option, before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--conversations", "0"], "argument --conversations: must be >= 1, got 0"),
+        (["demo", "--turns", "two"], "argument --turns: must be an integer, got 'two'"),
+        (["demo", "--user-tokens", "0"], "argument --user-tokens: must be >= 1, got 0"),
+        (["demo", "--primary-mib", "0"], "argument --primary-mib: must be > 0, got 0"),
+        (["demo", "--host-mib", "nan"], "argument --host-mib: must be > 0, got nan"),
+        (["demo", "--device", "gpu"], "argument --device: must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+        (["bench", "copy", "--iters", "0"], "argument --iters: must be >= 1, got 0"),
+        (["bench", "e2e", "--primary-gib", "-1"], "argument --primary-gib: must be > 0, got -1"),
+        (["bench", "hf", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+        (["bench", "vllm", "--layers", "0"], "argument --layers: must be >= 1, got 0"),
+        (["probe", "--device", "cuda:x"], "argument --device: must be 'cpu', 'cuda' or 'cuda:N', got 'cuda:x'"),
+    ],
+)
+def test_a_bad_value_is_a_usage_error_naming_the_option(capsys, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
+def test_a_cuda_device_without_cuda_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["demo", "--device", "cuda"])
+    assert stop.value.code == 2
+    assert "argument --device: cuda: CUDA is not available here" in capsys.readouterr().err
