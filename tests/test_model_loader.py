@@ -83,8 +83,10 @@ def test_loads_into_another_dtype(tmp_path: Path) -> None:
 def test_sliding_window_and_rope_keys() -> None:
     base = config_to_hf(named_config("tiny-llama"))
     del base["layer_types"], base["sliding_window"]
-    mistral = config_from_hf({**base, "sliding_window": 64})
+    mistral = config_from_hf({**base, "model_type": "mistral", "sliding_window": 64})
     assert mistral.layer_kinds == (LayerKind.SLIDING_ATTENTION,) * 4 and mistral.sliding_window == 64
+    llama = config_from_hf({**base, "sliding_window": 64})  # transformers' Llama has no window
+    assert llama.layer_kinds == (LayerKind.FULL_ATTENTION,) * 4 and llama.sliding_window is None
     qwen = config_from_hf({**base, "sliding_window": 64, "use_sliding_window": False})
     assert qwen.layer_kinds == (LayerKind.FULL_ATTENTION,) * 4 and qwen.sliding_window is None
     mixed = config_from_hf(
@@ -121,6 +123,10 @@ def test_sliding_window_and_rope_keys() -> None:
         ({"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
         ({"layer_types": ["full_attention", "moe", "full_attention", "full_attention"]}, "malformed"),
         ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
+        ({"model_type": "granite"}, "model_type 'granite' is not supported"),  # Llama's names, another network
+        ({"model_type": "cohere"}, "model_type 'cohere' is not supported"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}}, "partial_rotary_factor=0.25"),
     ],
 )
 def test_malformed_config_is_rejected(change: dict, message: str) -> None:

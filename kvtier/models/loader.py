@@ -7,7 +7,13 @@ Weights use Llama names (see ``kvtier.models.llama``). ``config.json`` keys read
 ``layer_types`` (``full_attention`` / ``sliding_attention`` / ``linear_attention``) and
 ``sink_tokens`` (a kvtier extension: leading tokens a sliding-window layer always sees).
 Without ``layer_types``, a ``sliding_window`` makes every layer sliding-window unless
-``use_sliding_window`` is false.
+``use_sliding_window`` is false, or the ``model_type`` is ``llama``, whose network transformers
+runs without a window whatever the file says.
+
+``model_type``, when present, must be ``llama`` or ``mistral``: those are this network. Other
+architectures keep Llama's tensor names and change the network (Granite's multipliers, Cohere's
+logit scale); a partial rotary embedding (``partial_rotary_factor``) is refused too. So a
+checkpoint loads only where the model computes what transformers computes for it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from kvtier.models.llama import DecoderModel
 from kvtier.models.rope import RopeScaling
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_MODEL_TYPES = ("llama", "mistral")  # the transformers architectures that are this network
 
 
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
@@ -36,6 +43,15 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     for key in ("attention_bias", "mlp_bias"):
         if raw.get(key):
             raise ValueError(f"{key}=true is not supported: the projections have no bias")
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type not in _MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported: the reference model runs Llama and Mistral "
+            "checkpoints (other architectures that keep Llama's tensor names compute another network)"
+        )
+    partial = raw.get("partial_rotary_factor", (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported: rotary embedding of every dimension")
     heads = raw["num_attention_heads"]
     num_layers = raw["num_hidden_layers"]
     window = raw.get("sliding_window")
@@ -45,7 +61,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
             if len(layer_types) != num_layers:
                 raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
             kinds = tuple(LayerKind(kind) for kind in layer_types)
-        elif window is not None and raw.get("use_sliding_window", True):
+        elif window is not None and model_type != "llama" and raw.get("use_sliding_window", True):
             kinds = (LayerKind.SLIDING_ATTENTION,) * num_layers
         else:
             kinds = (LayerKind.FULL_ATTENTION,) * num_layers
