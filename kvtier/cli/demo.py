@@ -21,7 +21,9 @@ from kvtier.cli.run_summary import common_prefix_share, percentile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small-llama", help="a kvtier.models name or a HF-style directory")
+    parser.add_argument(
+        "--model", default="small-llama", help="a kvtier.models name or a Llama/Mistral checkpoint directory"
+    )
     parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16", "float16"])
     parser.add_argument("--conversations", type=at_least(1), default=8)

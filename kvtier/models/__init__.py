@@ -3,7 +3,8 @@ and recurrent layers, its paged forward, and the cache-free greedy oracle.
 
 ``build_model(name_or_path, device, dtype, seed=0)`` gives a named variant with random weights
 (``tiny-llama``, ``tiny-swa``, ``tiny-hybrid``, ``small-llama``, ``llama-8b-shape``) or the model
-stored in a Hugging Face style directory (``config.json`` + ``*.safetensors``).
+stored in a Hugging Face style directory (``config.json`` + ``*.safetensors``: a Llama or Mistral
+checkpoint, or one this package wrote; ``kvtier.models.loader``).
 """
 
 from __future__ import annotations
