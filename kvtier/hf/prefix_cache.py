@@ -133,6 +133,12 @@ class PrefixCache:
         if self._closed:
             raise CacheStateError("the PrefixCache is closed")
         self._check_arguments(input_ids, attention_mask, kwargs)
+        device = next(self.model.parameters()).device
+        if not _same_device(device, self.manager.device):
+            raise CacheStateError(
+                f"the model moved to {device} since this PrefixCache was built with its pages on "
+                f"{self.manager.device}: move it back, or build a PrefixCache for {device}"
+            )
         if not self._weights.unchanged():
             raise CacheStateError(
                 "the model's weights changed since this PrefixCache was built (an optimizer step, "

@@ -56,3 +56,22 @@ def test_a_left_padded_batch_on_the_gpu():
             if turn:
                 assert all(n > 0 for n in pc.last_reused_tokens)
             rows = [got[i, width - len(r) :].tolist() + tokens(g, 3 + i) for i, r in enumerate(rows)]
+
+
+def test_a_model_moved_to_the_cpu_is_refused_and_reuses_again_once_back():
+    from kvtier.errors import CacheStateError
+
+    model = tiny_model("llama").to("cuda")
+    prompt = tokens(torch.Generator().manual_seed(32), 40)
+    with PrefixCache(model, tiers_config(model, blocks=64, device="cuda")) as pc:
+        ids = torch.tensor([prompt], device="cuda")
+        pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        model.to("cpu")
+        with pytest.raises(CacheStateError, match="the model moved to cpu"):
+            pc.generate(ids.cpu(), attention_mask=torch.ones_like(ids.cpu()), max_new_tokens=4, do_sample=False)
+        model.to("cuda")
+        longer = torch.tensor([[*prompt, 5]], device="cuda")
+        mask = torch.ones_like(longer)
+        got = pc.generate(longer, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(longer, attention_mask=mask, max_new_tokens=4, do_sample=False))
+        assert pc.last_reused_tokens == [40]

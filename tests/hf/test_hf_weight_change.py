@@ -102,3 +102,17 @@ def test_the_same_weights_with_another_rotary_base_never_read_the_pages_on_disk(
     with PrefixCache(first, tiers_config(first, 20, disk_blocks=20, disk_path=tmp_path)) as pc:
         greedy(pc.generate, prompt + [5])
         assert pc.last_reused_tokens == [48]  # the first model's own pages are still there
+
+
+def test_a_model_moved_to_another_device_is_refused_before_anything_changes():
+    """A model moved (from cuda to the CPU, say) after its ``PrefixCache`` was built: the call is
+    refused by name, not left to fail inside the forward. (The GPU suite moves it back and on.)"""
+    model = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(8), 40)
+    with PrefixCache(model, tiers_config(model, blocks=20)) as pc:
+        greedy(pc.generate, prompt)
+        before = pc.manager.stats()
+        model.to("meta")
+        with pytest.raises(CacheStateError, match="the model moved to meta since this PrefixCache was built"):
+            greedy(pc.generate, [*prompt, 5])
+        assert pc.manager.stats() == before
