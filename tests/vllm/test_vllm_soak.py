@@ -1,0 +1,82 @@
+"""Random serving sessions through vLLM's real scheduler and kvtier's connector.
+
+Each seed draws a configuration (host memory for 8 to 256 pages, a disk tier or none, a shared
+store, a sliding-window group, 24 to 128 vLLM blocks so that requests are preempted, synchronous
+or asynchronous scheduling) and a session: requests that share prefixes of random lengths, cache
+salts, aborts, vLLM's prefix cache reset with and without the connector's. The stand-in runner
+checks before every forward that each position a request counts as computed holds its own
+prefix's KV (``WrongKV``); at the end nothing is left held, locked or in flight."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.harness import (
+    BLOCK,
+    HEAD_SIZE,
+    HEADS,
+    Engine,
+    attention_spec,
+    kv_cache_config,
+    layer_names,
+    prompt,
+    vllm_config,
+)
+
+MiB = 1 << 20
+HOST_PAGE = 3 * BLOCK * HEADS * 2 * HEAD_SIZE * 4  # 3 layers of a block: 2 heads x (K + V) x float32
+SEEDS_PER_CASE = 10
+
+
+def session(seed: int, tmp_path: Path) -> None:
+    rng = random.Random(seed)
+    extra: dict = {"host_bytes": rng.choice([8, 24, 64, 256]) * HOST_PAGE}
+    if rng.random() < 0.6:
+        extra |= {
+            "disk_bytes": rng.choice([1, 8]) * MiB,
+            "disk_path": str(tmp_path / "disk"),
+            "disk_read_wait_s": rng.choice([0.0, 1.0]),
+        }
+    window = rng.random() < 0.3
+    if not window and rng.random() < 0.3:  # a store serves full-attention models
+        extra["store_url"] = f"file://{tmp_path}/store"
+    config = vllm_config(tmp_path, extra, async_scheduling=rng.random() < 0.5, max_batched=rng.choice([32, 64, 128]))
+    if window:
+        groups = [(layer_names(2), attention_spec()), (layer_names(1, first=2), attention_spec(window=32))]
+    else:
+        groups = [(layer_names(3), attention_spec())]
+    blocks = rng.choice([24, 40, 64, 128])
+    e = Engine(config, kv_cache_config(config, groups, blocks))
+    prefixes = [prompt(seed * 100 + i, rng.choice([16, 40, 64, 100, 150])) for i in range(4)]
+    added: list[str] = []
+    for _ in range(rng.randint(5, 15)):
+        for _ in range(rng.randint(1, 4)):
+            tokens = rng.choice(prefixes)[: rng.randint(1, 150)] + prompt(seed * 1000 + len(added), rng.randint(1, 40))
+            rid = f"r{len(added)}"
+            e.add(rid, tokens[: blocks * BLOCK // 3], max_tokens=rng.randint(1, 20), salt=rng.choice([None, None, "s"]))
+            added.append(rid)
+        for _ in range(rng.randint(0, 6)):
+            if e.scheduler.has_requests():
+                e.step()
+        draw = rng.random()
+        if draw < 0.15:
+            rid = rng.choice(added)
+            if rid in e.scheduler.requests:
+                e.abort(rid)
+        elif draw < 0.22:
+            e.scheduler.reset_prefix_cache()
+        elif draw < 0.27:
+            e.scheduler.reset_prefix_cache(reset_connector=True)
+    e.run(3000)
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+@pytest.mark.parametrize("first", range(0, 4 * SEEDS_PER_CASE, SEEDS_PER_CASE))
+def test_random_sessions_serve_only_each_requests_own_kv_and_leave_nothing_behind(first, tmp_path):
+    for seed in range(first, first + SEEDS_PER_CASE):
+        (tmp_path / str(seed)).mkdir()
+        session(seed, tmp_path / str(seed))
