@@ -322,12 +322,17 @@ class Engine:
         """int32 [blocks, tokens, heads, elements] view of a layer's cache (vLLM keeps [B, H, N, C])."""
         return self.caches[layer].view(torch.int32).permute(0, 2, 1, 3)
 
+    def prefix_hashes(self, rid: str, tokens: Sequence[int]) -> np.ndarray:
+        """What the stand-in model's KV of ``rid``'s tokens is a function of: their rolling hashes (a
+        subclass may fold in more, as weights or a cache salt)."""
+        return prefix_hashes(tokens)
+
     def _forward(self, rid: str, start: int, end: int) -> None:
         tokens = self.tokens(rid)
         end = min(end, len(tokens))
         if end <= start:
             return
-        hashes = prefix_hashes(tokens[:end])[start:end]
+        hashes = self.prefix_hashes(rid, tokens[:end])[start:end]
         positions = np.arange(start, end)
         for i, layer in enumerate(self.layers):
             table = np.array(self.block_table(rid, layer))
@@ -339,7 +344,7 @@ class Engine:
         """Positions ``[0, end)`` of request ``rid`` hold its prefix's KV (null blocks skipped)."""
         if end <= 0:
             return
-        hashes = prefix_hashes(self.tokens(rid)[:end])
+        hashes = self.prefix_hashes(rid, self.tokens(rid)[:end])
         null = self.scheduler.kv_cache_manager.block_pool.null_block.block_id
         positions = np.arange(end)
         for i, layer in enumerate(self.layers):

@@ -3,15 +3,21 @@
 Each seed draws a configuration (host memory for 8 to 256 pages, a disk tier or none, a shared
 store, a sliding-window group, 24 to 128 vLLM blocks so that requests are preempted, synchronous
 or asynchronous scheduling) and a session: requests that share prefixes of random lengths, cache
-salts, aborts, vLLM's prefix cache reset with and without the connector's. The stand-in runner
-checks before every forward that each position a request counts as computed holds its own
-prefix's KV (``WrongKV``); at the end nothing is left held, locked or in flight."""
+salts, aborts, vLLM's prefix cache reset, and weight updates (the engine drained, new weights,
+then vLLM's and the connector's reset, as a reinforcement-learning loop does). The stand-in
+model's KV is a function of the prefix, the request's cache salt and the weights, and the runner
+checks before every forward that each position a request counts as computed holds what this
+request's forward would have written (``WrongKV``): a block served across salts or weights fails.
+At the end nothing is left held, locked or in flight."""
 
 from __future__ import annotations
 
 import random
+import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.vllm.harness import (
@@ -22,6 +28,7 @@ from tests.vllm.harness import (
     attention_spec,
     kv_cache_config,
     layer_names,
+    prefix_hashes,
     prompt,
     vllm_config,
 )
@@ -29,6 +36,20 @@ from tests.vllm.harness import (
 MiB = 1 << 20
 HOST_PAGE = 3 * BLOCK * HEADS * 2 * HEAD_SIZE * 4  # 3 layers of a block: 2 heads x (K + V) x float32
 SEEDS_PER_CASE = 10
+
+
+class UpdatedWeights(Engine):
+    """A stand-in model whose KV also depends on the request's cache salt and on its weights."""
+
+    weights = 0
+
+    def prefix_hashes(self, rid: str, tokens: Sequence[int]) -> np.ndarray:
+        return prefix_hashes(tokens) ^ zlib.crc32(f"{self.requests[rid].cache_salt}|{self.weights}".encode())
+
+    def update_weights(self) -> None:
+        self.run(3000)  # drained: no request computes with both weights
+        self.weights += 1
+        assert self.scheduler.reset_prefix_cache(reset_connector=True)
 
 
 def session(seed: int, tmp_path: Path) -> None:
@@ -49,7 +70,7 @@ def session(seed: int, tmp_path: Path) -> None:
     else:
         groups = [(layer_names(3), attention_spec())]
     blocks = rng.choice([24, 40, 64, 128])
-    e = Engine(config, kv_cache_config(config, groups, blocks))
+    e = UpdatedWeights(config, kv_cache_config(config, groups, blocks))
     prefixes = [prompt(seed * 100 + i, rng.choice([16, 40, 64, 100, 150])) for i in range(4)]
     added: list[str] = []
     for _ in range(rng.randint(5, 15)):
@@ -69,7 +90,7 @@ def session(seed: int, tmp_path: Path) -> None:
         elif draw < 0.22:
             e.scheduler.reset_prefix_cache()
         elif draw < 0.27:
-            e.scheduler.reset_prefix_cache(reset_connector=True)
+            e.update_weights()
     e.run(3000)
     e.assert_no_leaks()
     e.shutdown()
