@@ -24,18 +24,15 @@ from tests.disk_speed import slow_disk_reads
 from tests.holding import hold
 from tests.vllm.harness import (
     BLOCK,
-    HEAD_SIZE,
-    HEADS,
+    HOST_PAGE,
     Engine,
+    MiB,
     attention_spec,
     kv_cache_config,
     layer_names,
     prompt,
     vllm_config,
 )
-
-MiB = 1 << 20
-HOST_PAGE = 3 * BLOCK * HEADS * 2 * HEAD_SIZE * 4  # 3 layers of a block: 2 heads x (K + V) x float32
 
 
 def engine(

@@ -20,11 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bash .ci/vllm_env.sh)")
+
 from tests.vllm.harness import (
     BLOCK,
-    HEAD_SIZE,
-    HEADS,
+    HOST_PAGE,
     Engine,
+    MiB,
     attention_spec,
     kv_cache_config,
     layer_names,
@@ -33,8 +35,6 @@ from tests.vllm.harness import (
     vllm_config,
 )
 
-MiB = 1 << 20
-HOST_PAGE = 3 * BLOCK * HEADS * 2 * HEAD_SIZE * 4  # 3 layers of a block: 2 heads x (K + V) x float32
 SEEDS_PER_CASE = 10
 
 

@@ -23,10 +23,7 @@ from kvtier.connector.fs_store import FileSystemStore
 from kvtier.vllm import KVTierConnector, host_pool
 from kvtier.vllm.store_tier import BlockChain, StoreTier
 from tests.holding import hold
-from tests.vllm.harness import BLOCK, Engine, attention_spec, kv_cache_config, layer_names, prompt, vllm_config
-
-MiB = 1 << 20
-
+from tests.vllm.harness import BLOCK, Engine, MiB, attention_spec, kv_cache_config, layer_names, prompt, vllm_config
 
 _created: list[Engine] = []
 
