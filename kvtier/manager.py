@@ -150,6 +150,22 @@ class KVCacheManager:
         return planned
 
     @exclusive
+    def forget_scope(self, scope: ReuseScope) -> int:
+        """Drop every block published under ``scope``, in every tier, when its pages can never be
+        right again (the weights they were computed with were replaced in place).
+
+        Pages only the tree holds are freed now (a disk tier's rows go too); pages an open cache
+        holds stay with it and are freed when it lets go. Later requests of ``scope`` start from
+        nothing. Returns the number of pages freed now.
+        """
+        self._check_open()
+        if not isinstance(scope, ReuseScope):
+            raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
+        dropped = self._pool.forget_scope(scope)
+        self._pool.debug_check()
+        return dropped
+
+    @exclusive
     def set_prefill_rate(self, tokens_per_second: float) -> None:
         """Tell the manager how fast the engine computes prompt tokens (measured, tokens/s).
 

@@ -301,6 +301,20 @@ class PagePool:
         self.planner.finish(plan)
         return planned
 
+    def forget_scope(self, scope: ReuseScope) -> int:
+        """Drop every block published under ``scope`` (``Residency.forget_below``); the pages dropped."""
+        root = self.tree.find_root(scope)
+        if root is None:
+            return 0
+        dropped = self.residency.forget_below(root)
+        if not root.children and root.users == 0:
+            del self.tree.roots[scope]
+        if self.disk_tier is not None:
+            disk_index = self.tiers[self.disk_tier].disk_index
+            if disk_index is not None:
+                disk_index.flush()
+        return dropped
+
     def prefetch_to_host(self, match: ReuseMatch) -> HostPrefetch | None:
         """Start reading the pages of ``match`` that are on disk into host memory (the host tier, or
         the primary tier of a CPU manager without one) in the background

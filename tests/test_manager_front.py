@@ -70,6 +70,7 @@ def test_every_manager_method_after_close_raises_cache_state_error():
         "maintain": mgr.maintain,
         "prefetch_to_host": lambda: mgr.prefetch_to_host(tokens),
         "set_prefill_rate": lambda: mgr.set_prefill_rate(1000.0),
+        "forget_scope": lambda: mgr.forget_scope(kvtier.ReuseScope()),
         "kv_views": lambda: mgr.kv_views(0),
         "layout": mgr.layout,
         "stats": mgr.stats,

@@ -149,6 +149,26 @@ class Residency:
         self.counters.drops += 1
         self.unpublish(page)
 
+    def forget_below(self, root: Node) -> int:
+        """Take every page published under ``root`` out of the tree, in every tier: those only the
+        tree holds are dropped (slots freed, disk rows removed), the others are freed by their
+        last ``release`` or ``unlock``. Emptied nodes are pruned; the root stays. Returns the pages dropped."""
+        nodes: list[Node] = []
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        dropped = 0
+        for node in reversed(nodes):  # children first: each prune then climbs only through emptied nodes
+            for page in [*node.snapshots.values(), *(p for p in node.pages if p is not None)]:
+                if page.state is PageState.DROPPABLE:
+                    self.drop(page)
+                    dropped += 1
+                else:
+                    self.unpublish(page)
+        return dropped
+
     def drop_for_room(self, tier_index: int, group: int, count: int) -> bool:
         """Free slots in the last tier until ``count`` are free by dropping droppable pages in eviction
         order (a disk copy goes first, its original stays); all or none. Returns whether they are free."""

@@ -131,6 +131,7 @@ class KVTierScheduler:
         self._reads: list[HostPrefetch] = []  # background reads from disk that may still run
         self._placements: list[_Placement] = []  # store pages being written into host pages
         self._epoch: str | None = None  # the weights epoch since the last ``reset_cache`` (None: none yet)
+        self._epoch_scopes: set[ReuseScope] = set()  # the scopes of that epoch's requests (none for epoch None)
         if settings.store_url is not None:
             if plan.has_sliding_window:
                 self.shutdown()
@@ -432,7 +433,14 @@ class KVTierScheduler:
         blocks computed before are never matched again here, while they stay, for other processes
         of the old weights, in a shared disk directory or store, and leave by eviction. Offers made
         before are withdrawn (asked again, a request gets a new one), and requests still running
-        save nothing more. False while a load is in flight: vLLM cannot take it back."""
+        save nothing more. False while a load is in flight: vLLM cannot take it back.
+
+        The blocks of the epoch that ends, when it began with an earlier reset, are dropped from
+        host memory and disk at once: their epoch's id was this process's own, nothing can match
+        them again, and evicting them would only write them to disk."""
+        for scope in self._epoch_scopes:
+            self.manager.forget_scope(scope)
+        self._epoch_scopes.clear()
         self._epoch = secrets.token_hex(8)
         for rid, lease in list(self._leases.items()):
             if lease.state is LeaseState.OFFERED:
@@ -448,7 +456,9 @@ class KVTierScheduler:
         scope = scope_of(request)
         if self._epoch is None:
             return scope
-        return ReuseScope(scope.lora_id, f"{scope.salt or ''}\x00weights-epoch:{self._epoch}")
+        scope = ReuseScope(scope.lora_id, f"{scope.salt or ''}\x00weights-epoch:{self._epoch}")
+        self._epoch_scopes.add(scope)
+        return scope
 
     def request_finished(self, request: Request) -> bool:
         """True when vLLM must keep the request's blocks until the worker reports its saves done."""

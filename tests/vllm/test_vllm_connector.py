@@ -607,6 +607,32 @@ def test_a_connector_reset_after_a_weight_update_never_serves_a_block_saved_befo
     e.shutdown()
 
 
+def test_a_second_reset_drops_the_blocks_of_the_epoch_it_ends_from_host_memory_and_disk(tmp_path):
+    """Blocks saved since a reset carry that epoch's random id: once the next reset ends it, nothing
+    can match them again, so they leave at once instead of being written to disk when evicted.
+    Blocks saved before the first reset stay (the same weights after a restart match them)."""
+    e = engine(tmp_path, disk=True)
+    e.add("before", prompt(3, 64), max_tokens=2)
+    e.run()
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    for i in range(3):
+        e.add(f"r{i}", prompt(10 + i, 64), max_tokens=2)
+    e.run()
+    manager = e.kv_scheduler.manager
+    used = lambda: sum(t.pages_used for t in manager.stats().tiers.values())  # noqa: E731
+    assert used() >= 4 * 4  # four prompts of four blocks (some on disk too)
+    writes = manager.stats().bytes_copied.get("primary->disk:file", 0)
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    assert used() == 4  # the first prompt's blocks, saved before the first reset
+    manager.check_invariants()
+    for i in range(3):
+        e.add(f"s{i}", prompt(20 + i, 64), max_tokens=2)
+    e.run()
+    assert manager.stats().bytes_copied.get("primary->disk:file", 0) == writes  # room was free: nothing written
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_a_lora_adapter_written_again_at_its_path_is_another_scope(tmp_path):
     """An adapter retrained and saved at the same path computes other keys: its requests get
     another scope (across restarts too); the same files give the same scope."""

@@ -1,0 +1,81 @@
+"""``KVCacheManager.forget_scope``: every block of a scope leaves every tier at once (pages a cache
+holds stay with it until it lets go), other scopes keep theirs, and a restart finds none of it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvtier
+from tests.kvdata import PageOracle, small_spec
+
+TPB = 4
+OLD = kvtier.ReuseScope(salt="weights-1")
+OTHER = kvtier.ReuseScope(salt="tenant")
+
+
+def make(path, pages: int = 12) -> kvtier.KVCacheManager:
+    spec = small_spec()
+    probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
+    page = sum(probe.page_bytes(g.group_id) for g in probe.layer_groups)
+    probe.close()
+    tiers = [kvtier.PrimaryTier(page * pages), kvtier.HostTier(page * pages), kvtier.DiskTier(page * 8 * pages, path)]
+    return kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+
+
+def publish(mgr, oracle, tokens, scope) -> kvtier.KVCache:
+    cache = mgr.create_cache(tokens, scope)
+    assert cache.resume() and cache.resize(len(tokens))
+    oracle.write(cache, tokens, cache.num_committed_tokens, len(tokens))
+    cache.commit(tokens[cache.num_committed_tokens :])
+    return cache
+
+
+def reused(mgr, tokens, scope) -> int:
+    cache = mgr.create_cache([*tokens, 1], scope)
+    n = cache.num_reused_tokens
+    cache.close()
+    return n
+
+
+def test_a_forgotten_scope_leaves_every_tier_and_others_keep_theirs(tmp_path):
+    rng = np.random.default_rng(5)
+    mgr = make(tmp_path / "disk")
+    oracle = PageOracle(mgr)
+    prompts = [rng.integers(3, 30_000, 6 * TPB).tolist() for _ in range(8)]  # more than the primary tier holds
+    for tokens in prompts:
+        publish(mgr, oracle, tokens, OLD).close()
+        mgr.maintain()
+    kept = publish(mgr, oracle, prompts[0][: 3 * TPB] + [7] * TPB, OTHER)
+    kept.close()
+    held_tokens = prompts[-1]
+    held = mgr.create_cache([*held_tokens, 9], OLD)  # a suspended cache holding an old block chain
+    assert held.num_reused_tokens == len(held_tokens)
+    before = mgr.stats()
+    assert {t: before.tiers[t].pages_used > 0 for t in ("primary", "host", "disk")} == {
+        "primary": True,
+        "host": True,
+        "disk": True,
+    }
+    dropped = mgr.forget_scope(OLD)
+    after = mgr.stats()
+    mgr.check_invariants()
+    used = lambda stats: sum(t.pages_used for t in stats.tiers.values())  # noqa: E731
+    assert dropped > 0 and used(after) <= used(before) - dropped  # (a dropped page's copies go too)
+    assert used(after) == 6 + 4  # what is left: the held chain's 6 pages and the other scope's 4
+    assert after.drops == before.drops + dropped
+    assert all(reused(mgr, tokens, OLD) == 0 for tokens in prompts[:-1])
+    assert reused(mgr, prompts[0][: 3 * TPB] + [7] * TPB, OTHER) == 4 * TPB
+    assert held.resume()  # its pages stayed with it, bytes and all
+    oracle.check(held, [*held_tokens, 9])
+    held.close()
+    mgr.check_invariants()
+    assert reused(mgr, held_tokens, OLD) == 0
+    assert mgr.forget_scope(OLD) == 0 and mgr.forget_scope(kvtier.ReuseScope(salt="never used")) == 0
+    with pytest.raises(TypeError, match="ReuseScope"):
+        mgr.forget_scope("weights-1")
+    mgr.close()
+    again = make(tmp_path / "disk")  # a restart on the same directory: none of it comes back
+    assert all(reused(again, tokens, OLD) == 0 for tokens in prompts)
+    assert reused(again, prompts[0][: 3 * TPB] + [7] * TPB, OTHER) == 4 * TPB
+    again.close()
