@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvtier
+from tests.disk_speed import slow_disk_reads
 from tests.kvdata import PageOracle, small_spec
 
 TPB = 4
@@ -34,6 +35,13 @@ def publish(mgr, oracle, tokens, scope) -> kvtier.KVCache:
 def reused(mgr, tokens, scope) -> int:
     cache = mgr.create_cache([*tokens, 1], scope)
     n = cache.num_reused_tokens
+    cache.close()
+    return n
+
+
+def disk_tokens(mgr, tokens) -> int:
+    cache = mgr.create_cache([*tokens, 1], OLD)
+    n = cache.reused_by_tier.get("disk", 0)
     cache.close()
     return n
 
@@ -79,3 +87,27 @@ def test_a_forgotten_scope_leaves_every_tier_and_others_keep_theirs(tmp_path):
     assert all(reused(again, tokens, OLD) == 0 for tokens in prompts)
     assert reused(again, prompts[0][: 3 * TPB] + [7] * TPB, OTHER) == 4 * TPB
     again.close()
+
+
+def test_a_scope_forgotten_while_a_prefetch_reads_its_pages_from_disk(tmp_path, monkeypatch):
+    """A read into host memory still running when its scope is forgotten: its pages are freed once
+    it lands or is cancelled, and none of them is matched again."""
+    rng = np.random.default_rng(6)
+    mgr = make(tmp_path / "disk")
+    oracle = PageOracle(mgr)
+    prompts = [rng.integers(3, 30_000, 6 * TPB).tolist() for _ in range(8)]
+    for tokens in prompts:
+        publish(mgr, oracle, tokens, OLD).close()
+        mgr.maintain()
+    on_disk = next(t for t in prompts if disk_tokens(mgr, t))
+    slow_disk_reads(monkeypatch, 64 << 10)
+    job = mgr.prefetch_to_host(on_disk, OLD)
+    assert job is not None and not job.done()
+    assert mgr.forget_scope(OLD) > 0
+    mgr.check_invariants()
+    job.wait(30)
+    mgr.maintain()  # lands what was read
+    mgr.check_invariants()
+    assert all(reused(mgr, tokens, OLD) == 0 for tokens in prompts)
+    assert sum(t.pages_used for t in mgr.stats().tiers.values()) == 0
+    mgr.close()
