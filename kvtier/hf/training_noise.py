@@ -54,14 +54,15 @@ def _random_rate(module: torch.nn.Module) -> str | None:
 
 
 def _rate_names(module: torch.nn.Module) -> tuple[str, ...]:
-    """The attributes of ``module`` named as random rates, found once per module class (a class's
-    ``__init__`` sets the same attributes on every instance)."""
-    kind = type(module)
+    """The attributes of ``module`` named as random rates, found once per module class and number of
+    attributes (instances of a class that set another set of attributes have another count)."""
+    attributes = vars(module)
+    kind = (type(module), len(attributes))
     names = _RATE_NAMES.get(kind)
     if names is None:
-        names = tuple(a for a in vars(module) if not a.startswith("_") and _RANDOM_RATE.search(a))
+        names = tuple(a for a in attributes if not a.startswith("_") and _RANDOM_RATE.search(a))
         _RATE_NAMES[kind] = names
     return names
 
 
-_RATE_NAMES: dict[type, tuple[str, ...]] = {}
+_RATE_NAMES: dict[tuple[type, int], tuple[str, ...]] = {}
