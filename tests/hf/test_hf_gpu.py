@@ -75,3 +75,10 @@ def test_a_model_moved_to_the_cpu_is_refused_and_reuses_again_once_back():
         got = pc.generate(longer, attention_mask=mask, max_new_tokens=4, do_sample=False)
         assert torch.equal(got, model.generate(longer, attention_mask=mask, max_new_tokens=4, do_sample=False))
         assert pc.last_reused_tokens == [40]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_random_session_on_the_gpu_gives_generates_tokens_and_scores(seed, tmp_path):
+    from tests.hf.test_hf_soak import session
+
+    assert len(session(seed, tmp_path, device="cuda")) >= 2

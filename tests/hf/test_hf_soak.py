@@ -21,11 +21,12 @@ SEEDS = range(8)
 SCORE_TOLERANCE = 1e-6  # a model with linear attention runs its prompt in stretches: float32 rounding inside
 
 
-def session(seed: int, tmp_path) -> list[list[int]]:
-    """Play one random session, checking each call against ``generate``; the tokens each call reused."""
+def session(seed: int, tmp_path, device: str = "cpu") -> list[list[int]]:
+    """Play one random session on ``device``, checking each call against ``generate``; the tokens
+    each call reused."""
     rng = random.Random(seed)
     arch = rng.choice([a for a in ARCHS if a != "gemma2"])  # Gemma 2's padded rows are NaN in plain generate
-    model = tiny_model(arch)
+    model = tiny_model(arch).to(device)
     disk = rng.choice([0, 0, 100])
     config = tiers_config(
         model,
@@ -33,6 +34,7 @@ def session(seed: int, tmp_path) -> list[list[int]]:
         host_blocks=rng.choice([0, 8, 40]),
         disk_blocks=disk,
         disk_path=tmp_path / "disk" if disk else None,
+        device=device,
     )
     g = torch.Generator().manual_seed(seed)
     system = tokens(g, rng.choice([5, 17, 40]))
@@ -42,7 +44,7 @@ def session(seed: int, tmp_path) -> list[list[int]]:
         for turn in range(rng.randint(2, 5)):
             chosen = rng.sample(range(len(conversations)), rng.randint(1, len(conversations)))
             rows = [conversations[i] for i in chosen]
-            ids, mask = left_padded(rows)
+            ids, mask = (t.to(device) for t in left_padded(rows))
             if len(rows) == 1 and rng.random() < 0.5:
                 mask = None
             settings = dict(max_new_tokens=rng.randint(1, 9), do_sample=False, output_scores=True)
