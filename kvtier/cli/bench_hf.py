@@ -61,17 +61,22 @@ TINY = dict(
     max_position_embeddings=65536,
 )
 
+TIER_GIB = {"primary_gib": 24.0, "host_gib": 12.0, "disk_gib": 12.0}
+TINY_TIER_GIB = {"primary_gib": 0.5, "host_gib": 0.25, "disk_gib": 0.25}  # 256 bytes a token: 32K tokens are 8 MiB
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", type=device, default="cuda")
+    parser.add_argument(
+        "--device", type=device, default=None, help="default: cuda; cpu with --tiny where CUDA is not available"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
     parser.add_argument("--histories", default="4096,16384,32768", help="history lengths in tokens")
     parser.add_argument("--suffix", type=at_least(1), default=64, help="new prompt tokens of the second turn")
     parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--tokens-per-block", type=at_least(1), default=32)
-    parser.add_argument("--primary-gib", type=positive, default=24.0)
-    parser.add_argument("--host-gib", type=positive, default=12.0)
-    parser.add_argument("--disk-gib", type=positive, default=12.0)
+    parser.add_argument("--primary-gib", type=positive, default=None, help="default: 24 (0.5 with --tiny)")
+    parser.add_argument("--host-gib", type=positive, default=None, help="default: 12 (0.25 with --tiny)")
+    parser.add_argument("--disk-gib", type=positive, default=None, help="default: 12 (0.25 with --tiny)")
     parser.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp dir)")
     parser.add_argument("--tiny", action="store_true", help="a two-layer model (a smoke run, e.g. on a CPU)")
 
@@ -79,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    if not _fill_defaults(args, torch.cuda.is_available()):
+        print(
+            "kvtier bench hf times an 8B-shaped model and needs a CUDA device; none is available here "
+            "(--tiny runs a two-layer model on the CPU; --device cpu runs the 8B shape there)."
+        )
+        return 2
     bench = _Bench(args)
     ceiling = link_ceiling_gbps(bench.device)
     rows = []
@@ -92,6 +103,20 @@ def run(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=1)
     _print_table(rows, ceiling)
     return 0
+
+
+def _fill_defaults(args: argparse.Namespace, cuda: bool) -> bool:
+    """Fill the defaults the parser left open: the device (cuda; cpu for a ``--tiny`` run where there
+    is no CUDA) and the tier sizes (for the 8B model's histories, or the tiny model's). False when no
+    device was given, there is no CUDA and the run is not ``--tiny``."""
+    if args.device is None:
+        if not (cuda or args.tiny):
+            return False
+        args.device = "cuda" if cuda else "cpu"
+    for name, gib in (TINY_TIER_GIB if args.tiny else TIER_GIB).items():
+        if getattr(args, name) is None:
+            setattr(args, name, gib)
+    return True
 
 
 class _Bench:

@@ -1,0 +1,55 @@
+"""``kvtier bench hf --tiny``: the smoke run its help promises on a machine without CUDA."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+
+from kvtier.cli import main
+from kvtier.cli.bench_hf import TIER_GIB, TINY_TIER_GIB, _fill_defaults
+
+CASES = ["recompute", "resident", "gpu", "host", "disk", "disk-load", "restart"]
+HISTORY = 64
+
+
+def test_a_tiny_run_on_the_cpu_times_every_case_and_reuses_the_history(tmp_path):
+    path = tmp_path / "hf.json"
+    out = io.StringIO()
+    argv = ["bench", "hf", "--tiny", "--device", "cpu", "--dtype", "float32", "--histories", str(HISTORY)]
+    argv += ["--suffix", "8", "--repeats", "1", "--tokens-per-block", "16"]
+    with contextlib.redirect_stdout(out):
+        assert main([*argv, "--disk-path", str(tmp_path), "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    rows = {row["case"]: row for row in result["rows"]}
+    assert list(rows) == CASES
+    assert result["args"]["primary_gib"] == TINY_TIER_GIB["primary_gib"]
+    for case in ("gpu", "host", "disk-load"):  # every cached block loaded
+        assert rows[case]["reused_tokens"] == HISTORY
+    for case in CASES[2:]:
+        assert rows[case]["same_argmax"]
+        assert rows[case]["logit_rel_err"] < 1e-4
+    assert " disk-load " in out.getvalue()
+
+
+def _args(**given) -> argparse.Namespace:
+    return argparse.Namespace(**({"device": None, "tiny": False} | dict.fromkeys(TIER_GIB) | given))
+
+
+def test_the_device_and_the_tier_sizes_follow_tiny_and_cuda():
+    tiny = _args(tiny=True)
+    assert _fill_defaults(tiny, cuda=False)
+    assert tiny.device == "cpu" and tiny.primary_gib == TINY_TIER_GIB["primary_gib"]
+    full = _args()
+    assert _fill_defaults(full, cuda=True)
+    assert full.device == "cuda" and (full.primary_gib, full.host_gib, full.disk_gib) == tuple(TIER_GIB.values())
+    given = _args(tiny=True, device="cpu", host_gib=2.0)
+    assert _fill_defaults(given, cuda=True)
+    assert given.device == "cpu" and given.host_gib == 2.0
+
+
+def test_the_full_model_without_cuda_is_refused_with_a_message(monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["bench", "hf", "--histories", "64"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().out
