@@ -89,3 +89,24 @@ def test_queued_cases_start_from_host_and_from_disk_only(bench):
     assert disk["ttft_vs_host"] == pytest.approx(disk["ttft_ms"] / rows["host-queued"]["ttft_ms"])
     assert 0 < disk["own_ms"] <= disk["ttft_ms"]
     assert sum(disk["reused_by_tier"].values()) == 64
+
+
+def test_unset_tier_sizes_are_multiples_of_the_longest_prefix():
+    """The 8B shape at 32K tokens keeps the sizes its recorded runs used; other models scale."""
+    import argparse
+
+    import torch
+
+    from kvtier.cli.bench_e2e import PREFIXES_PER_TIER, fill_tier_sizes
+    from kvtier.models.architecture import NAMED_CONFIGS
+
+    def filled(model: str, prefixes: str, **given) -> argparse.Namespace:
+        args = argparse.Namespace(prefixes=prefixes, tokens_per_block=32, **(dict.fromkeys(PREFIXES_PER_TIER) | given))
+        fill_tier_sizes(args, NAMED_CONFIGS[model].spec(torch.bfloat16))
+        return args
+
+    big = filled("llama-8b-shape", "4096,16384,32768", host_gib=3.0)
+    assert (big.primary_gib, big.host_gib, big.disk_gib) == (24.0, 3.0, 8.0)
+    assert (big.pressure_primary_gib, big.pressure_host_gib) == (12.0, 20.0)
+    tiny = filled("tiny-llama", "256")
+    assert tiny.primary_gib == 6 * 256 * 4 * 2 * 2 * 16 * 2 / (1 << 30)  # layers x K,V x heads x dim x bf16

@@ -42,6 +42,13 @@ from kvtier.cli.bench_e2e_report import add_targets, print_table
 from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
 
 GIB = 1 << 30
+# Each tier's default size in KV bytes of the longest prefix: for the 8B shape at 32K tokens (4 GiB)
+# 24, 8, 8, 12 and 20 GiB; any other model or prefix length gets tiers in the same proportions.
+PREFIXES_PER_TIER = {"primary_gib": 6, "host_gib": 2, "disk_gib": 2, "pressure_primary_gib": 3, "pressure_host_gib": 5}
+
+
+def _sized(name: str) -> str:
+    return f"default: {PREFIXES_PER_TIER[name]} x the KV bytes of the longest prefix"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--greedy-tokens", type=at_least(1), default=4, help="tokens compared with the dense path")
     parser.add_argument("--tokens-per-block", type=at_least(1), default=32)
-    parser.add_argument("--primary-gib", type=positive, default=24.0)
-    parser.add_argument("--host-gib", type=positive, default=8.0)
-    parser.add_argument("--disk-gib", type=positive, default=8.0)
+    parser.add_argument("--primary-gib", type=positive, default=None, help=_sized("primary_gib"))
+    parser.add_argument("--host-gib", type=positive, default=None, help=_sized("host_gib"))
+    parser.add_argument("--disk-gib", type=positive, default=None, help=_sized("disk_gib"))
     parser.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp dir)")
     parser.add_argument(
         "--chunk", type=at_least(1), default=8192, help="prefill chunk (max_num_tokens) when populating"
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, device, dtype, seed=0)
+    fill_tier_sizes(args, model.spec)
     bench = Bench(model, args)
     ceiling = link_ceiling_gbps(bench.device)
     rows = []
@@ -88,6 +96,20 @@ def run(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=1)
     print_table(rows, ceiling)
     return 0
+
+
+def fill_tier_sizes(args: argparse.Namespace, spec) -> None:
+    """Give each tier size left unset its default, ``PREFIXES_PER_TIER`` x the KV bytes of the longest
+    of ``args.prefixes`` for ``spec`` (a ``kvtier.ModelSpec``)."""
+    from kvtier.layout import page_geometries
+
+    tpb = args.tokens_per_block
+    block_bytes = sum(g.page_bytes for g in page_geometries(spec, tpb))
+    longest = max(int(x) for x in args.prefixes.split(","))
+    prefix_gib = -(-longest // tpb) * block_bytes / GIB
+    for name, prefixes in PREFIXES_PER_TIER.items():
+        if getattr(args, name) is None:
+            setattr(args, name, prefixes * prefix_gib)
 
 
 @dataclass

@@ -43,12 +43,17 @@ MAX_ROUNDS = 10_000  # a bound on filler prompts and write-through batches; reac
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=True, help="host-full cases")
-    parser.add_argument("--pressure-primary-gib", type=positive, default=12.0, help="primary tier of host-full")
+    parser.add_argument(
+        "--pressure-primary-gib",
+        type=positive,
+        default=None,
+        help="primary tier of host-full (default: 3 x the KV bytes of the longest prefix)",
+    )
     parser.add_argument(
         "--pressure-host-gib",
         type=positive,
-        default=20.0,
-        help="host tier of host-full: prefix + a copy of the primary",
+        default=None,
+        help="host tier of host-full: prefix + a copy of the primary (default: 5 x the longest prefix's KV bytes)",
     )
     parser.add_argument("--queued", action=argparse.BooleanOptionalAction, default=True, help="host/disk-queued cases")
     parser.add_argument(
