@@ -61,6 +61,7 @@ from kvtier.manager import KVCacheManager
 from kvtier.pages import BAD_PAGE_INDEX
 from kvtier.tiering.host_prefetch import HostPrefetch
 from kvtier.vllm import host_pool
+from kvtier.vllm.disk_replicas import open_first_free
 from kvtier.vllm.file_stamp import files_stamp
 from kvtier.vllm.kv_groups import ModelPlan
 from kvtier.vllm.lease import Lease, LeaseState
@@ -89,16 +90,27 @@ class _Placement:
     load: TransferJob | None = None
 
 
+def _open_manager(plan: ModelPlan, settings: ConnectorSettings) -> KVCacheManager:
+    """The engine's manager: host memory, then the disk tier in the first replica directory of
+    ``disk_path`` that no other engine holds (``kvtier.vllm.disk_replicas``)."""
+
+    def manager(disk_path: str | None) -> KVCacheManager:
+        tiers: list[PrimaryTier | DiskTier] = [PrimaryTier(settings.host_bytes)]
+        if disk_path is not None and settings.disk_bytes is not None:
+            tiers.append(DiskTier(settings.disk_bytes, disk_path, write_behind=True, blocking_writes=False))
+        return KVCacheManager(plan.spec, CacheConfig(plan.block_size, tiers, device="cpu", enable_partial_reuse=False))
+
+    if settings.disk_path is None:
+        return manager(None)
+    return open_first_free(settings.disk_path, manager)
+
+
 class KVTierScheduler:
     """Offers, leases and jobs of one engine; see the module docstring."""
 
     def __init__(self, plan: ModelPlan, settings: ConnectorSettings, engine_id: str) -> None:
-        tiers: list[PrimaryTier | DiskTier] = [PrimaryTier(settings.host_bytes)]
-        if settings.disk_path is not None and settings.disk_bytes is not None:
-            tiers.append(DiskTier(settings.disk_bytes, settings.disk_path, write_behind=True, blocking_writes=False))
-        config = CacheConfig(plan.block_size, tiers, device="cpu", enable_partial_reuse=False)
         self.plan = plan
-        self.manager = KVCacheManager(plan.spec, config)
+        self.manager = _open_manager(plan, settings)
         self._engine_id = engine_id
         layout = self.manager.layout()
         for group, plan_group in zip(layout.groups, plan.groups, strict=True):

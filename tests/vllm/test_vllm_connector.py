@@ -121,6 +121,31 @@ def test_a_restart_on_the_same_disk_directory_serves_the_prefix(tmp_path):
     second.shutdown()
 
 
+def test_engines_of_one_model_on_one_disk_path_take_a_directory_each(tmp_path, caplog):
+    """Replicas configured alike (one per GPU of a machine) name the same ``disk_path``: the second
+    engine keeps its pages in ``disk_path/replica-1`` instead of failing to start, and after both
+    restart each one's prefix is served from disk."""
+    engines = [engine(tmp_path, disk=True), engine(tmp_path, disk=True)]
+    assert "replica-1" in caplog.text
+    prompts = [prompt(6, 120), prompt(7, 120)]
+    for e, shared in zip(engines, prompts, strict=True):
+        e.add("r1", shared, max_tokens=2)
+        e.run()
+    for e in engines:
+        e.shutdown()
+    assert (tmp_path / "disk" / "replica-1").is_dir()
+    again = [engine(tmp_path, disk=True), engine(tmp_path, disk=True)]  # they take the directories in turn
+    for e, shared in zip(again, prompts, strict=True):
+        e.poison()
+        e.add("r2", shared + [1, 2, 3], max_tokens=2)
+        e.run()
+        assert first_step_of(e, "r2")[0] == 112  # all 7 full blocks from its own directory's disk
+        assert e.kv_scheduler.manager.stats().hit_tokens["disk"] == 112
+        e.assert_no_leaks()
+    for e in again:
+        e.shutdown()
+
+
 def prefix_on_disk(tmp_path: Path, seed: int) -> list[int]:
     """A 120-token prompt that an engine computed and left in its disk tier (it shut down)."""
     first = engine(tmp_path, disk=True)
