@@ -75,30 +75,3 @@ def test_without_vllm_the_data_path_imports_and_the_connector_says_what_to_insta
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert "needs vLLM 0.33" in out.stdout
-
-
-def test_engines_on_one_disk_path_open_the_first_free_replica_directory(tmp_path, monkeypatch, caplog):
-    import torch
-
-    import kvtier
-    from kvtier.vllm import disk_replicas
-
-    spec = kvtier.ModelSpec.uniform(1, 1, 16, torch.float16, model_id="m")
-
-    def manager(path: str) -> kvtier.KVCacheManager:
-        tiers = [kvtier.PrimaryTier(1 << 20), kvtier.DiskTier(1 << 20, path)]
-        return kvtier.KVCacheManager(spec, kvtier.CacheConfig(4, tiers))
-
-    root = tmp_path / "kv"
-    managers = [disk_replicas.open_first_free(str(root), manager) for _ in range(3)]
-    for replica in (root, root / "replica-1", root / "replica-2"):
-        assert len(list(replica.glob("kvtier-*"))) == 1  # one tier directory in each
-    assert "replica-2" in caplog.text
-    monkeypatch.setattr(disk_replicas, "MAX_REPLICAS", 3)
-    with pytest.raises(kvtier.DiskTierBusyError):  # all three are held
-        disk_replicas.open_first_free(str(root), manager)
-    managers[1].close()  # a replica that stopped: its directory is free again, and taken
-    managers[1] = disk_replicas.open_first_free(str(root), manager)
-    assert not (root / "replica-3").exists()
-    for m in managers:
-        m.close()

@@ -31,13 +31,15 @@ mode (``training_noise``), run as plain ``model.generate``, reusing and saving n
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import logging
+import os
 
 import torch
 from transformers.generation import GenerationMode
 
-from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
+from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, ReuseScope
 from kvtier.errors import CacheStateError
 from kvtier.hf.adapters import AdapterScope
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
@@ -49,6 +51,8 @@ from kvtier.hf.prefix_save import save_rows
 from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bounds
 from kvtier.hf.training_noise import random_module
 from kvtier.manager import KVCacheManager
+from kvtier.spec import ModelSpec
+from kvtier.storage.disk_replicas import open_first_free
 from kvtier.weights import WeightWatch
 
 log = logging.getLogger(__name__)
@@ -102,7 +106,7 @@ class PrefixCache:
         self._scopes = AdapterScope(model, scope)  # each call's: with the PEFT adapters active then
         self._layers: ModelLayers = read_model(model, model_id)
         self._weights = WeightWatch(model, self._layers.weights)
-        self.manager = KVCacheManager(self._layers.spec, cache_config)
+        self.manager = _open_manager(self._layers.spec, cache_config)
         self._packing = state_packing(self._layers, self.manager)
         self._forward_arguments = set(inspect.signature(model.forward).parameters)
         self.last_reused_tokens: list[int] = []
@@ -342,3 +346,17 @@ def _same_device(model_device: torch.device, cache_device: torch.device) -> bool
     return (model_device.index if model_device.index is not None else current) == (
         cache_device.index if cache_device.index is not None else current
     )
+
+
+def _open_manager(spec: ModelSpec, config: CacheConfig) -> KVCacheManager:
+    """The manager of ``config``, its disk tier in the first replica directory of the tier's path that
+    no other process of the model holds (``kvtier.storage.disk_replicas``: the ranks of a job)."""
+    disk = next((tier for tier in config.tiers if isinstance(tier, DiskTier)), None)
+    if disk is None:
+        return KVCacheManager(spec, config)
+
+    def at(path: str) -> KVCacheManager:
+        tiers = [dataclasses.replace(tier, path=path) if tier is disk else tier for tier in config.tiers]
+        return KVCacheManager(spec, dataclasses.replace(config, tiers=tiers))
+
+    return open_first_free(os.fspath(disk.path), at)

@@ -59,9 +59,9 @@ from kvtier.connector.keys import BlockKeyspace
 from kvtier.errors import InvariantError
 from kvtier.manager import KVCacheManager
 from kvtier.pages import BAD_PAGE_INDEX
+from kvtier.storage.disk_replicas import open_first_free
 from kvtier.tiering.host_prefetch import HostPrefetch
 from kvtier.vllm import host_pool
-from kvtier.vllm.disk_replicas import open_first_free
 from kvtier.vllm.file_stamp import files_stamp
 from kvtier.vllm.kv_groups import ModelPlan
 from kvtier.vllm.lease import Lease, LeaseState
@@ -92,7 +92,7 @@ class _Placement:
 
 def _open_manager(plan: ModelPlan, settings: ConnectorSettings) -> KVCacheManager:
     """The engine's manager: host memory, then the disk tier in the first replica directory of
-    ``disk_path`` that no other engine holds (``kvtier.vllm.disk_replicas``)."""
+    ``disk_path`` that no other engine holds (``kvtier.storage.disk_replicas``)."""
 
     def manager(disk_path: str | None) -> KVCacheManager:
         tiers: list[PrimaryTier | DiskTier] = [PrimaryTier(settings.host_bytes)]

@@ -5,7 +5,7 @@ Keys of ``kv_connector_extra_config``:
 - ``host_bytes`` (int, default 4 GiB): host memory for kvtier's pages (page-locked on CUDA).
 - ``disk_bytes`` and ``disk_path`` (both or neither): a disk tier whose index survives a restart.
   Engines of one model that name the same ``disk_path`` (replicas on one machine) take a
-  directory each under it, each with its own ``disk_bytes`` (``kvtier.vllm.disk_replicas``).
+  directory each under it, each with its own ``disk_bytes`` (``kvtier.storage.disk_replicas``).
 - ``store_url`` (str or None): a store below the disk tier shared by processes and machines:
   ``redis://...``, ``rediss://...``, ``redis-cluster://...``, ``redis-sentinel://...`` (a Redis
   or Valkey server) or ``file:///path`` (a shared directory).

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier.hf import PrefixCache
-from tests.hf.tiny import ARCHS, WINDOW, tiers_config, tiny_model, tokens
+from tests.hf.tiny import ARCHS, FIRST_TOKEN, WINDOW, tiers_config, tiny_model, tokens
 
 NEW_TOKENS = 6
 
@@ -56,6 +56,28 @@ def test_chat_through_host_and_disk_then_restart_then_other_weights(arch, tmp_pa
     with PrefixCache(other, config) as pc:
         _turn(other, pc, history[0])
         assert pc.last_reused_tokens == [0]
+
+
+def test_processes_of_one_model_on_one_disk_path_take_a_directory_each(tmp_path, caplog):
+    """The ranks of a job build their caches alike, one disk path for all: the second keeps its pages
+    in ``path/replica-1`` (before, it failed with ``DiskTierBusyError``); after both restart, each
+    serves its own prompt from disk."""
+    model = tiny_model("llama")
+    config = tiers_config(model, blocks=12, disk_blocks=64, disk_path=tmp_path / "disk")
+    g = torch.Generator().manual_seed(5)
+    prompts = [tokens(g, 40), tokens(g, 40)]
+    caches = [PrefixCache(model, config), PrefixCache(model, config)]
+    assert "replica-1" in caplog.text
+    for pc, prompt in zip(caches, prompts, strict=True):
+        _turn(model, pc, prompt)
+        pc.close()
+    assert list((tmp_path / "disk" / "replica-1").glob("kvtier-*"))
+    caches = [PrefixCache(model, config), PrefixCache(model, config)]  # they take the directories in turn
+    for pc, prompt in zip(caches, prompts, strict=True):
+        _turn(model, pc, prompt + [FIRST_TOKEN])
+        assert pc.last_reused_tokens[0] == 40  # its prompt, 5 blocks
+        assert pc.manager.stats().hit_tokens["disk"] == 40
+        pc.close()
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen3_next"])

@@ -1,15 +1,17 @@
-"""The disk directory of one vLLM engine among several that name the same ``disk_path``.
+"""The disk directory of one process among several that run one model with the same disk path.
 
-Engines of one model configured alike (replicas behind a load balancer, one per GPU of a machine)
-all name the same ``disk_path``, and a disk tier's directory belongs to one manager at a time (an
-OS lock, ``DiskTierBusyError``). The first engine takes ``disk_path`` itself; each next one takes
-the first of ``disk_path/replica-1``, ``disk_path/replica-2``, ... that no live engine holds, up
-to ``MAX_REPLICAS`` directories, and says so in a WARNING. Each has its own ``disk_bytes``.
+The adapters' processes of one model configured alike (vLLM replicas behind a load balancer, one
+per GPU of a machine; the ranks of a ``torchrun`` job using ``kvtier.hf``) all name the same disk
+path, and a disk tier's directory belongs to one manager at a time (an OS lock,
+``DiskTierBusyError``). The first takes the path itself; each next one takes the first of
+``path/replica-1``, ``path/replica-2``, ... that no live manager holds, up to ``MAX_REPLICAS``
+directories, and says so in a WARNING. Each has the tier's whole quota.
 
-The pages in any of these directories are valid for every engine of the model (inside each, the
-tier's directory is named by the model's layout fingerprint, ``model_id`` included), so an engine
-restarted into another engine's directory serves that one's prefixes. Engines of other models
-never contend: their tier directories have other names.
+The pages in any of these directories are valid for every process of the model (inside each, the
+tier's directory is named by the model's layout fingerprint, ``model_id`` included), so a process
+restarted into another one's directory serves that one's prefixes. Processes of other models never
+contend: their tier directories have other names. ``KVCacheManager`` itself stays strict: a second
+manager on a directory is refused.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def open_first_free(disk_path: str, open_at: Callable[[str], Opened]) -> Opened:
             refusal = busy
     if refusal is not None:
         log.warning(
-            "kvtier.vllm: other engines hold this model's disk directories under %s (the last: %s); this "
-            "engine keeps its disk pages in %s, with disk_bytes of its own",
+            "kvtier: other processes hold this model's disk directories under %s (the last: %s); this one "
+            "keeps its disk pages in %s, with a quota of its own",
             disk_path,
             refusal,
             path,

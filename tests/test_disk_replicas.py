@@ -1,0 +1,31 @@
+"""Processes of one model that name the same disk path take a directory each (``kvtier.storage.disk_replicas``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.storage import disk_replicas
+
+
+def test_managers_on_one_disk_path_open_the_first_free_replica_directory(tmp_path, monkeypatch, caplog):
+    spec = kvtier.ModelSpec.uniform(1, 1, 16, torch.float16, model_id="m")
+
+    def manager(path: str) -> kvtier.KVCacheManager:
+        tiers = [kvtier.PrimaryTier(1 << 20), kvtier.DiskTier(1 << 20, path)]
+        return kvtier.KVCacheManager(spec, kvtier.CacheConfig(4, tiers))
+
+    root = tmp_path / "kv"
+    managers = [disk_replicas.open_first_free(str(root), manager) for _ in range(3)]
+    for replica in (root, root / "replica-1", root / "replica-2"):
+        assert len(list(replica.glob("kvtier-*"))) == 1  # one tier directory in each
+    assert "replica-2" in caplog.text
+    monkeypatch.setattr(disk_replicas, "MAX_REPLICAS", 3)
+    with pytest.raises(kvtier.DiskTierBusyError):  # all three are held
+        disk_replicas.open_first_free(str(root), manager)
+    managers[1].close()  # a replica that stopped: its directory is free again, and taken
+    managers[1] = disk_replicas.open_first_free(str(root), manager)
+    assert not (root / "replica-3").exists()
+    for m in managers:
+        m.close()
