@@ -35,6 +35,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import threading
 
 import torch
 from transformers.generation import GenerationMode
@@ -81,7 +82,9 @@ class PrefixCache:
     tokens left are counted in ``manager.stats().recomputed_tokens``); with a disk tier, the rates
     measured by the last user of its directory apply from the first call. False loads every cached
     block. Raises ``NotImplementedError`` naming what kvtier cannot represent (see
-    ``model_layers``). Not thread-safe. Also a context manager; ``close`` persists a disk tier's pages.
+    ``model_layers``). Calls from several threads run one at a time, and each thread reads its own
+    last call's ``last_reused_tokens``. Also a context manager; ``close`` (which waits for a running
+    call) persists a disk tier's pages.
     """
 
     def __init__(
@@ -109,7 +112,8 @@ class PrefixCache:
         self.manager = _open_manager(self._layers.spec, cache_config)
         self._packing = state_packing(self._layers, self.manager)
         self._forward_arguments = set(inspect.signature(model.forward).parameters)
-        self.last_reused_tokens: list[int] = []
+        self._calls = threading.RLock()  # one call at a time: the manager is driven by one thread
+        self._last = threading.local()  # each thread's last call: ``last_reused_tokens``
         self._placeholders = placeholder_ids(model.config)  # multimodal placeholder tokens (``token_bound``)
         self._rope_limit = dynamic_rope_limit(model)  # calls this long reuse and save nothing (``token_bound``)
         self._told_of_preset = False  # a generation config's cache_implementation, set aside (logged once)
@@ -132,8 +136,18 @@ class PrefixCache:
         Sets ``last_reused_tokens``. Greedy and sampling with one sequence per row; beam search,
         several sequences per row, assisted decoding and static caches raise ``NotImplementedError``.
         A ``cache_implementation`` preset by the model's generation config (Gemma's "hybrid") is set
-        aside: kvtier's dynamic cache serves the call, with the same tokens.
+        aside: kvtier's dynamic cache serves the call, with the same tokens. A call from another thread
+        meanwhile waits for this one to end.
         """
+        with self._calls:
+            return self._serve(input_ids, attention_mask, kwargs)
+
+    @property
+    def last_reused_tokens(self) -> list[int]:
+        """Per row of this thread's last ``generate`` call, the prompt tokens reused (not recomputed)."""
+        return getattr(self._last, "tokens", [])
+
+    def _serve(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict):
         if self._closed:
             raise CacheStateError("the PrefixCache is closed")
         self._check_arguments(input_ids, attention_mask, kwargs)
@@ -160,7 +174,7 @@ class PrefixCache:
                 noisy,
             )
         if pads is None or noisy is not None:
-            self.last_reused_tokens = [0] * input_ids.shape[0]
+            self._last.tokens = [0] * input_ids.shape[0]
             return self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
         with torch.no_grad():
             return self._generate(input_ids, attention_mask, mask, pads, kwargs)
@@ -183,7 +197,7 @@ class PrefixCache:
             width = choose_width(mgr, rows, input_ids.shape[1], stream)
             load_prefix(cache, self._layers, mgr, rows, width, self._packing)
             release_reads(rows)
-            self.last_reused_tokens = [row.reused for row in rows]
+            self._last.tokens = [row.reused for row in rows]
             recorder = self._recorder(cache, rows)
             hooks = [self.model.register_forward_hook(recorder)] if recorder is not None else []
             timing = self._prefill
@@ -315,10 +329,11 @@ class PrefixCache:
 
     def close(self) -> None:
         """Close the manager (a disk tier persists its pages for the next process). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.manager.close()
+        with self._calls:
+            if self._closed:
+                return
+            self._closed = True
+            self.manager.close()
 
     def __enter__(self) -> PrefixCache:
         return self

@@ -5,6 +5,8 @@ and never serves one checkpoint's pages to another."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+import threading
 
 import pytest
 import torch
@@ -78,6 +80,40 @@ def test_processes_of_one_model_on_one_disk_path_take_a_directory_each(tmp_path,
         assert pc.last_reused_tokens[0] == 40  # its prompt, 5 blocks
         assert pc.manager.stats().hit_tokens["disk"] == 40
         pc.close()
+
+
+def test_calls_from_several_threads_run_one_at_a_time_and_each_reads_its_own_reuse():
+    """A threaded server shares one PrefixCache: calls wait for each other (before, one that entered
+    the manager while another was inside raised ``CacheStateError``), and ``last_reused_tokens`` is
+    the calling thread's last call's."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(6)
+    chats = [tokens(g, 60 + 3 * i) for i in range(8)]
+    errors: list[BaseException] = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can
+    with PrefixCache(model, tiers_config(model, blocks=400)) as pc:
+
+        def chat(i: int) -> None:
+            try:
+                prompt = chats[i]
+                for turn in range(4):
+                    sequence = _turn(model, pc, prompt)
+                    # the last call saved the blocks its prompt and answer filled: all but the last token
+                    assert pc.last_reused_tokens == [(len(prompt) - 2) // 8 * 8 if turn else 0]
+                    prompt = sequence + [FIRST_TOKEN]
+            except BaseException as error:  # reported by the main thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(len(chats))]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            sys.setswitchinterval(switch)
+    assert not errors, errors[0]
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen3_next"])
