@@ -101,6 +101,7 @@ class PrefixCache:
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
         if not isinstance(recompute_when_faster, bool):
             raise TypeError(f"recompute_when_faster must be a bool, got {recompute_when_faster!r}")
+        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: its generate is the model's own
         device = next(model.parameters()).device
         if not _same_device(device, cache_config.device):
             raise ValueError(f"cache_config.device is {cache_config.device}, the model is on {device}: use the same")

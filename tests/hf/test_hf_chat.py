@@ -116,6 +116,24 @@ def test_calls_from_several_threads_run_one_at_a_time_and_each_reads_its_own_reu
     assert not errors, errors[0]
 
 
+def test_a_compiled_model_is_served_as_the_model_it_wraps(recwarn):
+    """``torch.compile(model)`` hides the forward's signature: kvtier passed the cache as the deprecated
+    ``past_key_values`` (a FutureWarning each call) and keyed pages by other parameter names."""
+    model = tiny_model("llama")
+    compiled = torch.compile(model, backend="eager")
+    g = torch.Generator().manual_seed(7)
+    prompt = tokens(g, 50)
+    with (
+        PrefixCache(compiled, tiers_config(model, blocks=64)) as pc,
+        PrefixCache(model, tiers_config(model, 64)) as plain,
+    ):
+        assert pc.spec.model_id == plain.spec.model_id
+        for _ in range(2):
+            prompt = _turn(model, pc, prompt) + [FIRST_TOKEN]
+        assert pc.last_reused_tokens[0] > 0
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+
+
 @pytest.mark.parametrize("arch", ["mistral", "qwen3_next"])
 def test_a_prompt_that_leaves_an_earlier_one_midway_reuses_what_the_window_or_state_needs_there(arch):
     """The window's blocks at the point where the prompts part (long gone from the transformers
