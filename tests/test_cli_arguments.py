@@ -37,3 +37,20 @@ def test_a_cuda_device_without_cuda_is_a_usage_error(capsys):
         main(["demo", "--device", "cuda"])
     assert stop.value.code == 2
     assert "argument --device: cuda: CUDA is not available here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--model", "/nonexistent"], "kvtier demo: error: unknown model '/nonexistent'"),
+        (
+            ["demo", "--model", "tiny-llama", "--conversations", "1", "--turns", "1", "--primary-mib", "1"],
+            "kvtier demo: error: prompts[0] (",
+        ),
+    ],
+)
+def test_a_value_refused_while_running_ends_the_command_with_its_message(capsys, argv, message):
+    """Before, a Python traceback ended in the same message."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module, listed in ``SUBCOMMANDS`` or ``BENCHES``, which defines
 ``add_arguments(parser)`` and ``run(args) -> int``. Only the module of the subcommand being run
-is imported, so ``kvtier probe`` does not pay for the engine.
+is imported, so ``kvtier probe`` does not pay for the engine. A value kvtier refuses while a
+command runs (``ValueError``: a model name, tiers too small for the workload; a disk directory in
+use) ends it with its message and exit status 2, as argparse ends a bad option.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from kvtier.errors import DiskTierBusyError
 
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -56,7 +60,12 @@ def _selected(argv: list[str]) -> tuple[str | None, str | None]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser(_selected(argv)).parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (ValueError, DiskTierBusyError) as refused:  # a value kvtier refused: its message says what to change
+        command = " ".join(word for word in ("kvtier", args.command, getattr(args, "target", None)) if word)
+        print(f"{command}: error: {refused}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
