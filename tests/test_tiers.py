@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sqlite3
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import kvtier
+from kvtier.storage import disk_dir
 from kvtier.tiering import duplex, mover
 from tests.kvdata import PageOracle, small_spec
 from tests.test_write_through import copied
@@ -323,6 +325,31 @@ def test_unusable_disk_directory_degrades_to_misses(tmp_path):
     oracle.check(cache, tokens)
     mgr.check_invariants()
     mgr.close()
+
+
+def test_a_file_system_without_locks_degrades_to_misses(tmp_path, monkeypatch, caplog):
+    """Lustre mounted without ``-o flock`` answers ``flock`` with ENOSYS (NFS without lockd: ENOLCK).
+    No local file system here refuses locks, so ``flock`` is made to answer as those do. Before, the
+    manager's construction failed with that OSError."""
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(disk_dir.fcntl, "flock", no_locks)
+    mgr = manager(str(tmp_path), primary=6, host=0, disk=20)
+    assert "does not support file locks" in caplog.text
+    oracle = PageOracle(mgr)
+    for i in range(3):
+        prefill(mgr, oracle, convo(i))
+    assert mgr.stats().tiers["disk"].pages_used == 0
+    tokens = convo(2) + [1]
+    cache = mgr.create_cache(tokens)
+    assert cache.resume()
+    oracle.check(cache, tokens)
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+    assert not list(tmp_path.glob("kvtier-*/index.sqlite"))  # nothing written but the lock file
 
 
 def test_killed_mid_write_restarts_with_only_intact_pages(tmp_path):

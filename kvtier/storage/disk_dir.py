@@ -12,7 +12,8 @@ A directory is in one of three modes, decided once when it is opened:
 - writable: the usual;
 - read-only: it exists but cannot be written (permissions, a read-only file system, no space for
   a new file): the pages its index names are served, nothing is written;
-- unusable: it can be neither created nor read: the tier stores nothing.
+- unusable: it can be neither created nor read, or its file system has no file locks (Lustre
+  mounted without ``-o flock``): the tier stores nothing.
 
 The lock is taken before anything in the directory is read or changed, so a second manager on
 the directory raises ``DiskTierBusyError`` having changed nothing. It is released by ``close``,
@@ -86,7 +87,17 @@ class DiskDirectory:
             log.error("kvtier disk tier: cannot create %s (%s); the disk tier stores nothing", path, exc)
             self.why_not_writable = str(exc)
             return
-        self._lock()
+        cannot_lock = self._lock()
+        if cannot_lock:
+            log.error(
+                "kvtier disk tier: cannot lock %s (%s): its file system does not support file locks (Lustre "
+                "mounted without -o flock, NFS without lockd), which the disk tier and its index need; the "
+                "disk tier stores nothing (give it a directory on a local disk)",
+                path,
+                cannot_lock,
+            )
+            self.why_not_writable = f"no file locks: {cannot_lock}"
+            return
         try:
             self.had_pages = any(path.glob("group*.pages"))
             self.why_not_writable = _why_not_writable(path)
@@ -104,8 +115,9 @@ class DiskDirectory:
     def file(self, name: str) -> Path:
         return self.path / name
 
-    def _lock(self) -> None:
-        """Take the directory's lock, or raise ``DiskTierBusyError`` naming its holder."""
+    def _lock(self) -> OSError | None:
+        """Take the directory's lock, or raise ``DiskTierBusyError`` naming its holder. Returns the
+        error of a file system that refuses locks (the directory is then left alone), else None."""
         path = self.path / LOCK_FILE
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
@@ -113,8 +125,13 @@ class DiskDirectory:
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
-                return  # a read-only directory that never had a lock file: nothing here will be written
-        if not _try_lock(fd):
+                return None  # a read-only directory that never had a lock file: nothing here will be written
+        try:
+            locked = _try_lock(fd)
+        except OSError as refused:  # ENOLCK, ENOSYS, EOPNOTSUPP: no locks on this file system
+            os.close(fd)
+            return refused
+        if not locked:
             holder = _read_holder(fd)
             if not (holder.startswith(f"pid {os.getpid()} ") and self._released_by_abandoned(fd)):
                 os.close(fd)
@@ -128,6 +145,7 @@ class DiskDirectory:
         self._finalizer.atexit = False  # the process's end releases it, after managers closed at exit
         _HELD[_key(self.path)] = self
         _write_holder(fd)
+        return None
 
     def _released_by_abandoned(self, fd: int) -> bool:
         """Whether the lock, held in this process, could be taken once a manager dropped without
@@ -260,6 +278,8 @@ def _why_not_writable(path: Path) -> str:
 
 
 def _try_lock(fd: int) -> bool:
+    """Whether the exclusive lock was taken (False: another holds it); ``OSError`` when the file
+    system has no locks."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
