@@ -54,6 +54,7 @@ from kvtier.hf.training_noise import random_module
 from kvtier.manager import KVCacheManager
 from kvtier.spec import ModelSpec
 from kvtier.storage.disk_replicas import open_first_free
+from kvtier.storage.log_limit import RateLimitedWarning
 from kvtier.weights import WeightWatch
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class PrefixCache:
         self._forward_arguments = set(inspect.signature(model.forward).parameters)
         self._calls = threading.RLock()  # one call at a time: the manager is driven by one thread
         self._last = threading.local()  # each thread's last call: ``last_reused_tokens``
+        self._unsaved = RateLimitedWarning(log, "kvtier.hf: new blocks not saved")  # a primary tier too small
         self._placeholders = placeholder_ids(model.config)  # multimodal placeholder tokens (``token_bound``)
         self._rope_limit = dynamic_rope_limit(model)  # calls this long reuse and save nothing (``token_bound``)
         self._told_of_preset = False  # a generation config's cache_implementation, set aside (logged once)
@@ -219,7 +221,7 @@ class PrefixCache:
                 mgr.set_prefill_rate(rate)
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
             records = recorder.records if recorder is not None else None
-            save_rows(mgr, self._layers, rows, cache, sequences, width, records, self._packing, stream)
+            save_rows(mgr, self._layers, rows, cache, sequences, width, records, self._packing, self._unsaved, stream)
             cache.forget_written()
             return out
         finally:
@@ -334,6 +336,7 @@ class PrefixCache:
             if self._closed:
                 return
             self._closed = True
+            self._unsaved.flush()
             self.manager.close()
 
     def __enter__(self) -> PrefixCache:

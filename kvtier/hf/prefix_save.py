@@ -25,6 +25,7 @@ row, and saving its pages would hand the garbage to every later prompt sharing i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -48,10 +49,13 @@ def save_rows(
     width: int,
     records: list[dict[int, torch.Tensor]] | None,
     packing: StatePacking | None,
+    unsaved: Callable[[str], None],
     stream=None,
 ) -> None:
     """Write and commit every row's computed tokens, then close its write cache. ``records`` are the
-    rows' recorded state pages (packed by ``packing``) with linear-attention layers, else None."""
+    rows' recorded state pages (packed by ``packing``) with linear-attention layers, else None.
+    ``unsaved`` is told of each row whose new blocks the primary tier cannot take (it repeats on
+    every call while the tier is too small: a rate-limited warning)."""
     columns = min(cache.get_seq_length(), sequences.shape[1])
     tokens = [sequences[row.index, row.pad : columns].tolist() for row in rows]
     sources = _sources(cache, layers, width)
@@ -70,11 +74,9 @@ def save_rows(
         batch = _take_round(pending, tokens, stream)
         if not batch:
             row = pending.pop(0)
-            log.warning(
-                "kvtier.hf: the new blocks of row %d are not saved: the primary tier cannot hold its %d tokens, "
-                "or a page it reused was damaged meanwhile",
-                row.index,
-                len(tokens[row.index]),
+            unsaved(
+                f"row {row.index}: the primary tier cannot hold its {len(tokens[row.index])} tokens, or a page "
+                "it reused was damaged meanwhile"
             )
             row.write.close()
             continue

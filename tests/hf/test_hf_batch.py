@@ -101,8 +101,12 @@ def test_a_row_the_primary_tier_cannot_hold_is_served_but_not_saved(caplog):
     g = torch.Generator().manual_seed(25)
     long_row, short_row = tokens(g, 70), tokens(g, 20)
     with PrefixCache(model, tiers_config(model, blocks=6)) as pc:  # 48 tokens of primary
-        with caplog.at_level(logging.WARNING, logger="kvtier.hf.prefix_save"):
+        with caplog.at_level(logging.WARNING, logger="kvtier.hf.prefix_cache"):
             _batch_turn(model, pc, [long_row, short_row])
         assert "row 0" in caplog.text and "not saved" in caplog.text
         _batch_turn(model, pc, [short_row + tokens(g, 3)])
         assert pc.last_reused_tokens == [20]  # the short row was saved: its 20 prompt tokens come back
+        for _ in range(3):  # the same row again: counted, not logged again
+            _batch_turn(model, pc, [long_row])
+        assert caplog.text.count("not saved") == 1
+    assert "not saved: 3 more" in caplog.text  # summarised at close
