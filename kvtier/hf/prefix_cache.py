@@ -311,6 +311,11 @@ class PrefixCache:
         if asked not in (None, "dynamic"):
             raise NotImplementedError(f"cache_implementation={asked!r} is not supported (kvtier fills a DynamicCache)")
         preset = getattr(config, "cache_implementation", None)
+        if "cache_implementation" not in kwargs and preset == "quantized":  # its rounded keys give other tokens
+            raise NotImplementedError(
+                "the generation config asks for cache_implementation='quantized', whose rounded keys and values "
+                "give other tokens than kvtier's exact pages; set generation_config.cache_implementation=None"
+            )
         if "cache_implementation" not in kwargs and preset not in (None, "dynamic") and not self._told_of_preset:
             self._told_of_preset = True
             log.info(

@@ -188,6 +188,16 @@ def test_chat_with_write_through_copies(arch):
         pc.manager.check_invariants()
 
 
+def test_a_quantized_cache_preset_by_the_generation_config_is_refused():
+    """Its keys and values are rounded, so plain ``generate`` gives other tokens than kvtier's exact
+    pages would: refused as the same argument given to the call is, rather than set aside."""
+    model = tiny_model("llama")
+    model.generation_config.cache_implementation = "quantized"
+    ids = torch.tensor([tokens(torch.Generator().manual_seed(10), 20)])
+    with PrefixCache(model, tiers_config(model, blocks=8)) as pc, pytest.raises(NotImplementedError, match="quantized"):
+        pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2)
+
+
 @pytest.mark.parametrize(("arch", "preset"), [("gemma2", "hybrid"), ("llama", "static")])
 def test_a_static_cache_preset_by_the_generation_config_is_set_aside(arch, preset, caplog):
     """Gemma checkpoints ship ``cache_implementation="hybrid"`` in their generation config: the calls
