@@ -59,7 +59,7 @@ class HostTier:
 
 @dataclass(frozen=True, slots=True)
 class DiskTier:
-    """Preallocated page files and a persistent index under ``path``.
+    """Preallocated page files and a persistent index under ``path`` (a leading ``~`` is the user's home).
 
     Each model (its ``model_id``: by default a fingerprint of the weights, so each checkpoint),
     block size and page layout gets a directory of its own under ``path``, each up to ``bytes``;

@@ -90,7 +90,7 @@ class FileSystemStore:
             raise ValueError(f"io_threads must be a positive int, got {io_threads!r}")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
-        self.root = Path(path)
+        self.root = Path(path).expanduser()  # ``~/kv``: the user's home, not a directory named ``~``
         self.max_bytes = max_bytes
         try:
             _make_private_dirs(self.root)

@@ -66,8 +66,9 @@ def build_tiers(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageG
 
 
 def _disk_tier(config: DiskTier, index: int, fingerprint: str, page_bytes: list[int], slots: list[int]) -> Tier:
-    """The disk tier in ``<path>/kvtier-<fingerprint>``: its directory, index and page files."""
-    directory = DiskDirectory(Path(os.fspath(config.path)) / f"kvtier-{fingerprint}")
+    """The disk tier in ``<path>/kvtier-<fingerprint>`` (``~`` in ``path`` is the user's home): its
+    directory, index and page files."""
+    directory = DiskDirectory(Path(os.fspath(config.path)).expanduser() / f"kvtier-{fingerprint}")
     _warn_of_other_directories(directory.path, config.bytes)
     try:
         disk_index = DiskIndex(directory, fingerprint)

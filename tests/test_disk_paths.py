@@ -1,4 +1,5 @@
-"""Processes of one model that name the same disk path take a directory each (``kvtier.storage.disk_replicas``)."""
+"""Where a disk directory is: processes of one model that name the same path take a directory each
+(``kvtier.storage.disk_replicas``), and ``~`` is the user's home."""
 
 from __future__ import annotations
 
@@ -29,3 +30,18 @@ def test_managers_on_one_disk_path_open_the_first_free_replica_directory(tmp_pat
     assert not (root / "replica-3").exists()
     for m in managers:
         m.close()
+
+
+def test_a_path_under_the_home_directory_is_expanded(tmp_path, monkeypatch):
+    """``~/kv`` is the user's home, as in a shell; before, a directory named ``~`` was made in the
+    working directory (for the disk tier and the filesystem connector alike)."""
+    from kvtier.connector import FileSystemConnector
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    spec = kvtier.ModelSpec.uniform(1, 1, 16, torch.float16, model_id="m")
+    tiers = [kvtier.PrimaryTier(1 << 20), kvtier.DiskTier(1 << 20, "~/kv")]
+    kvtier.KVCacheManager(spec, kvtier.CacheConfig(4, tiers)).close()
+    FileSystemConnector("~/store").close()
+    assert list((tmp_path / "home" / "kv").glob("kvtier-*")) and (tmp_path / "home" / "store").is_dir()
+    assert not (tmp_path / "~").exists()
