@@ -314,7 +314,11 @@ print("ok", st.drops)
 
 def test_unusable_disk_directory_degrades_to_misses(tmp_path):
     """A disk tier under /proc cannot create its files even as root: a real failure, logged, not raised."""
-    mgr = manager("/proc/kvtier-no-such-dir", primary=6, host=0, disk=20)
+    serves_without_its_disk(manager("/proc/kvtier-no-such-dir", primary=6, host=0, disk=20))
+
+
+def serves_without_its_disk(mgr: kvtier.KVCacheManager) -> None:
+    """Conversations go through a manager whose disk tier stores nothing: exact pages, no disk page."""
     oracle = PageOracle(mgr)
     for i in range(3):
         prefill(mgr, oracle, convo(i))
@@ -323,6 +327,7 @@ def test_unusable_disk_directory_degrades_to_misses(tmp_path):
     cache = mgr.create_cache(tokens)
     assert cache.resume()
     oracle.check(cache, tokens)
+    cache.close()
     mgr.check_invariants()
     mgr.close()
 
@@ -338,17 +343,7 @@ def test_a_file_system_without_locks_degrades_to_misses(tmp_path, monkeypatch, c
     monkeypatch.setattr(disk_dir.fcntl, "flock", no_locks)
     mgr = manager(str(tmp_path), primary=6, host=0, disk=20)
     assert "does not support file locks" in caplog.text
-    oracle = PageOracle(mgr)
-    for i in range(3):
-        prefill(mgr, oracle, convo(i))
-    assert mgr.stats().tiers["disk"].pages_used == 0
-    tokens = convo(2) + [1]
-    cache = mgr.create_cache(tokens)
-    assert cache.resume()
-    oracle.check(cache, tokens)
-    cache.close()
-    mgr.check_invariants()
-    mgr.close()
+    serves_without_its_disk(mgr)
     assert not list(tmp_path.glob("kvtier-*/index.sqlite"))  # nothing written but the lock file
 
 
