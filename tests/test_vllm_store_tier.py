@@ -4,12 +4,13 @@ holds, checked without a file lookup per block for a prompt the store has never 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from kvtier.config import ReuseScope
 from kvtier.connector.fs_store import FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
-from kvtier.vllm.store_tier import FIRST_PROBE, BlockChain, StoreTier
+from kvtier.vllm.store_tier import FIRST_PROBE, BlockChain, StoreTier, open_store
 
 TPB = 4
 PAGES = (64, 32)  # bytes of a page of each of two layer groups
@@ -61,3 +62,10 @@ def test_a_run_of_stored_blocks_is_counted_and_a_cold_prompt_costs_one_small_che
     assert store.looked_up == FIRST_PROBE * len(PAGES)
     assert tier.present(chain, keys[:0]) == 0
     tier.close()
+
+
+def test_a_store_url_of_another_scheme_is_refused_without_its_password():
+    """vLLM logs a connector's error at start-up: a mistyped scheme must not put the password there."""
+    with pytest.raises(ValueError, match="must start with one of") as refused:
+        open_store("redis+tls://kv:s3cret@cache:6379/0")
+    assert "s3cret" not in str(refused.value) and "kv:***@cache" in str(refused.value)

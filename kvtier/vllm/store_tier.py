@@ -31,6 +31,7 @@ from kvtier.config import ReuseScope
 from kvtier.connector.fs_store import FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RedisStore
+from kvtier.connector.redis_urls import redact_url
 from kvtier.connector.store import BlockStore
 from kvtier.reuse.block_keys import block_key, scope_key
 from kvtier.reuse.tokens import as_token_array, encode_tokens
@@ -49,7 +50,8 @@ def open_store(url: str) -> BlockStore:
         if not path:
             raise ValueError(f"kvtier.vllm: store_url {url!r} names no directory (file:///path)")
         return FileSystemStore(os.fspath(path))
-    raise ValueError(f"kvtier.vllm: store_url must start with one of {[*REDIS_SCHEMES, 'file']}://, got {url!r}")
+    schemes = [*REDIS_SCHEMES, "file"]
+    raise ValueError(f"kvtier.vllm: store_url must start with one of {schemes}://, got {redact_url(url)!r}")
 
 
 class BlockChain:
