@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from kvtier.cli import main
         (["bench", "hf", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
         (["bench", "vllm", "--layers", "0"], "argument --layers: must be >= 1, got 0"),
         (["probe", "--device", "cuda:x"], "argument --device: must be 'cpu', 'cuda' or 'cuda:N', got 'cuda:x'"),
+        (["demo", "--metrics-port", "70000"], "argument --metrics-port: must be a TCP port (1-65535), got 70000"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_the_option(capsys, argv, message):
@@ -54,3 +57,15 @@ def test_a_value_refused_while_running_ends_the_command_with_its_message(capsys,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_metrics_port_in_use_is_a_usage_error_before_the_run(capsys):
+    """Before, the demo ran its baseline first and then failed with a traceback at the server's bind."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as stop:
+            main(["demo", "--metrics-port", str(port)])
+    assert stop.value.code == 2
+    assert f"argument --metrics-port: port {port} cannot be listened on here" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
 from collections.abc import Callable
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -50,3 +51,17 @@ def device(text: str) -> str:
     if index >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{text}: this process sees {torch.cuda.device_count()} CUDA device(s)")
     return text
+
+
+def free_port(text: str) -> int:
+    """A TCP port (1-65535) that this process can listen on now, on 127.0.0.1 (the metrics server's
+    address): a port in use is refused before a long run, not after it."""
+    port = at_least(1)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {port}")
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"port {port} cannot be listened on here: {exc.strerror}") from None
+    return port
