@@ -25,6 +25,8 @@ from kvtier.cli import main
         (["bench", "vllm", "--layers", "0"], "argument --layers: must be >= 1, got 0"),
         (["probe", "--device", "cuda:x"], "argument --device: must be 'cpu', 'cuda' or 'cuda:N', got 'cuda:x'"),
         (["demo", "--metrics-port", "70000"], "argument --metrics-port: must be a TCP port (1-65535), got 70000"),
+        (["bench", "manager", "--json", "/nonexistent/m.json"], "argument --json: /nonexistent/m.json: no directory"),
+        (["demo", "--plot", "/nonexistent/ttft.png"], "argument --plot: /nonexistent/ttft.png: no directory"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_the_option(capsys, argv, message):

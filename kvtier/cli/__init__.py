@@ -13,6 +13,7 @@ import argparse
 import importlib
 import sys
 
+from kvtier.cli.arguments import output_file
 from kvtier.errors import DiskTierBusyError
 
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
@@ -44,7 +45,7 @@ def _parser(selected: tuple[str | None, str | None]) -> argparse.ArgumentParser:
     for name, (module, help_text) in BENCHES.items():
         sub = targets.add_parser(name, help=help_text)
         sub.set_defaults(_module=module)
-        sub.add_argument("--json", metavar="PATH", help="write the full figures as JSON to PATH")
+        sub.add_argument("--json", metavar="PATH", type=output_file, help="write the full figures as JSON to PATH")
         if selected == ("bench", name):
             importlib.import_module(module).add_arguments(sub)
     return parser

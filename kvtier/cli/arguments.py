@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import socket
 from collections.abc import Callable
@@ -65,3 +66,14 @@ def free_port(text: str) -> int:
         except OSError as exc:
             raise argparse.ArgumentTypeError(f"port {port} cannot be listened on here: {exc.strerror}") from None
     return port
+
+
+def output_file(text: str) -> str:
+    """A file to write at the end of a run, in a directory that exists and can be written now: a
+    typo in its directory is refused before a long run, not after it."""
+    directory = os.path.dirname(text) or "."
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"{text}: no directory {directory!r} to write it in")
+    if not os.access(directory, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: the directory {directory!r} cannot be written")
+    return text

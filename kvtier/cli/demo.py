@@ -16,7 +16,7 @@ import json
 import statistics
 import tempfile
 
-from kvtier.cli.arguments import at_least, device, free_port, positive
+from kvtier.cli.arguments import at_least, device, free_port, output_file, positive
 from kvtier.cli.run_summary import common_prefix_share, percentile
 
 
@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--primary-mib", type=positive, default=4.0)
     parser.add_argument("--host-mib", type=positive, default=3.0)
     parser.add_argument("--disk-mib", type=positive, default=64.0)
-    parser.add_argument("--plot", default="kvtier-demo-ttft.png", help="where to write the TTFT plot")
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--plot", type=output_file, default="kvtier-demo-ttft.png", help="where to write the TTFT plot")
+    parser.add_argument("--json", metavar="PATH", type=output_file, help="write the figures as JSON")
     parser.add_argument("--metrics-port", type=free_port, help="serve kvtier's Prometheus metrics on this port")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf", action="store_true", help="the workload on a transformers Llama via kvtier.hf")
