@@ -136,8 +136,10 @@ class PrefixCache:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate(input_ids, attention_mask=attention_mask, **kwargs)``, reusing cached prefixes.
 
-        Sets ``last_reused_tokens``. Greedy and sampling with one sequence per row; beam search,
-        several sequences per row, assisted decoding and static caches raise ``NotImplementedError``.
+        Sets ``last_reused_tokens`` (one entry per output row). Greedy and sampling; sampling several
+        sequences per row (``num_return_sequences``) repeats each row as ``generate`` does, so each
+        copy reuses the row's prefix. Beam search, assisted decoding and static caches raise
+        ``NotImplementedError``.
         A ``cache_implementation`` preset by the model's generation config (Gemma's "hybrid") is set
         aside: kvtier's dynamic cache serves the call, with the same tokens. A call from another thread
         meanwhile waits for this one to end.
@@ -153,6 +155,7 @@ class PrefixCache:
     def _serve(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict):
         if self._closed:
             raise CacheStateError("the PrefixCache is closed")
+        input_ids, attention_mask, kwargs = self._one_sequence_per_row(input_ids, attention_mask, kwargs)
         self._check_arguments(input_ids, attention_mask, kwargs)
         device = next(self.model.parameters()).device
         if not _same_device(device, self.manager.device):
@@ -271,6 +274,22 @@ class PrefixCache:
             self.model(**arguments)
             start = end
 
+    def _one_sequence_per_row(self, input_ids, attention_mask, kwargs: dict):
+        """Sampling ``num_return_sequences=n``: each row repeated ``n`` times in place, as ``generate``
+        expands them itself before the prompt's forward (so the draws are the same), and the call
+        asks for one sequence per row. Anything else is returned as given, to be checked."""
+        config = kwargs.get("generation_config") or self.model.generation_config
+        n = kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", None)) or 1
+        shaped = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
+        if n <= 1 or not shaped or _generation_mode(config, kwargs) is not GenerationMode.SAMPLE:
+            return input_ids, attention_mask, kwargs
+        per_row = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor) or name == "adapter_names"]
+        if per_row:  # generate expands these by rules of each model (images, adapters): not repeated here
+            raise NotImplementedError(f"num_return_sequences > 1 with per-row arguments {per_row} is not supported")
+        if attention_mask is not None:
+            attention_mask = attention_mask.repeat_interleave(n, dim=0)
+        return input_ids.repeat_interleave(n, dim=0), attention_mask, {**kwargs, "num_return_sequences": 1}
+
     def _check_arguments(self, input_ids, attention_mask, kwargs: dict) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
             raise TypeError("input_ids must be a 2-D integer tensor [batch, tokens]")
@@ -296,7 +315,7 @@ class PrefixCache:
         if (setting("num_beams") or 1) > 1:
             raise NotImplementedError("beam search (num_beams > 1) is not supported by PrefixCache.generate")
         if (setting("num_return_sequences") or 1) > 1:
-            raise NotImplementedError("num_return_sequences > 1 is not supported by PrefixCache.generate")
+            raise NotImplementedError("num_return_sequences > 1 is supported with sampling (do_sample=True) only")
         mode = _generation_mode(config, kwargs)
         if mode is GenerationMode.ASSISTED_GENERATION:
             raise NotImplementedError(

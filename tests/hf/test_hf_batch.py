@@ -110,3 +110,24 @@ def test_a_row_the_primary_tier_cannot_hold_is_served_but_not_saved(caplog):
             _batch_turn(model, pc, [long_row])
         assert caplog.text.count("not saved") == 1
     assert "not saved: 3 more" in caplog.text  # summarised at close
+
+
+def test_several_sampled_sequences_per_row_are_generate_s_and_reuse_the_row_prefix():
+    """``num_return_sequences=3`` with sampling: ``generate`` repeats each row before the prompt's
+    forward, so kvtier repeats them too; the same seed draws the same tokens. Before, refused."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(26)
+    ids, mask = left_padded([tokens(g, 30), tokens(g, 21)])
+    sample = {"do_sample": True, "num_return_sequences": 3, "max_new_tokens": NEW_TOKENS}
+    with PrefixCache(model, tiers_config(model, blocks=64)) as pc:
+        for seed in range(2):
+            torch.manual_seed(seed)
+            expected = model.generate(ids, attention_mask=mask, **sample)
+            torch.manual_seed(seed)
+            got = pc.generate(ids, attention_mask=mask, **sample)
+            assert got.shape[0] == 6 and torch.equal(got, expected)
+        reused = pc.last_reused_tokens
+        assert len(reused) == 6 and reused[:3] == [reused[0]] * 3 and reused[3:] == [reused[3]] * 3
+        assert min(reused) > 0  # the second call's copies reuse their row's prompt
+        with pytest.raises(NotImplementedError, match="per-row arguments"):
+            pc.generate(ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), **sample)
