@@ -120,6 +120,7 @@ class PrefixCache:
         self._placeholders = placeholder_ids(model.config)  # multimodal placeholder tokens (``token_bound``)
         self._rope_limit = dynamic_rope_limit(model)  # calls this long reuse and save nothing (``token_bound``)
         self._told_of_preset = False  # a generation config's cache_implementation, set aside (logged once)
+        self._told_of_no_cache = False  # a generation config's use_cache=False, set aside (logged once)
         self._told_of_noise = False  # a call in training mode with dropout or noise (logged once)
         self._prefill = None
         if recompute_when_faster:  # from the first call on, with the rate a manager on its disk tier measured last
@@ -215,6 +216,7 @@ class PrefixCache:
                 if timing is not None:
                     hooks.append(self.model.register_forward_hook(timing.hook))  # generate's first forward
                 arguments = {**kwargs, self._layers.cache_argument: cache, "cache_implementation": None}
+                arguments["use_cache"] = True  # over a generation config's use_cache=False (checked: not the call's)
                 out = self.model.generate(input_ids, attention_mask=attention_mask, **arguments)
             finally:
                 for hook in hooks:
@@ -324,8 +326,14 @@ class PrefixCache:
             )
         if mode not in _SUPPORTED_MODES:
             raise NotImplementedError(f"{mode.value} is not supported by PrefixCache.generate")
-        if setting("use_cache") is False:
+        if kwargs.get("use_cache") is False or getattr(kwargs.get("generation_config"), "use_cache", None) is False:
             raise ValueError("PrefixCache.generate needs use_cache=True")
+        if config.use_cache is False and "use_cache" not in kwargs and not self._told_of_no_cache:
+            self._told_of_no_cache = True  # checkpoints saved after training with gradient checkpointing carry it
+            log.info(
+                "the model's generation config presets use_cache=False (a training setting saved with the "
+                "checkpoint); PrefixCache.generate runs as generate(use_cache=True) does"
+            )
         asked = kwargs.get("cache_implementation")
         if asked not in (None, "dynamic"):
             raise NotImplementedError(f"cache_implementation={asked!r} is not supported (kvtier fills a DynamicCache)")

@@ -10,9 +10,11 @@ import threading
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from kvtier.hf import PrefixCache
 from tests.hf.tiny import ARCHS, FIRST_TOKEN, WINDOW, tiers_config, tiny_model, tokens
+from tests.hf.tiny import config as tiny_config
 
 NEW_TOKENS = 6
 
@@ -186,6 +188,32 @@ def test_chat_with_write_through_copies(arch):
         stats = pc.manager.stats()
         assert stats.demotions > 0 and stats.hit_tokens["host"] > 0
         pc.manager.check_invariants()
+
+
+def test_use_cache_false_saved_with_a_checkpoint_is_set_aside(caplog):
+    """Checkpoints saved after training with gradient checkpointing carry ``use_cache: false``, which
+    their generation config inherits: the calls run as ``generate(use_cache=True)`` does, and reuse
+    (before, every call was refused). ``use_cache=False`` passed to the call is still refused."""
+    config = tiny_config("llama")
+    config.use_cache = False  # as such a checkpoint's config.json has it
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    model.generation_config.eos_token_id = None
+    assert model.generation_config.use_cache is False  # inherited, as from_pretrained inherits it
+    g = torch.Generator().manual_seed(11)
+    prompt = tokens(g, 40)
+    with PrefixCache(model, tiers_config(model, blocks=32)) as pc, caplog.at_level("INFO", "kvtier.hf"):
+        for _ in range(2):
+            ids = torch.tensor([prompt])
+            mask = torch.ones_like(ids)
+            greedy = {"attention_mask": mask, "max_new_tokens": NEW_TOKENS, "do_sample": False}
+            expected = model.generate(ids, use_cache=True, **greedy)
+            got = pc.generate(ids, **greedy)
+            assert torch.equal(got, expected)
+            prompt = got[0].tolist() + tokens(g, 5)
+        assert pc.last_reused_tokens[0] > 0
+        with pytest.raises(ValueError, match="use_cache=True"):
+            pc.generate(ids, attention_mask=mask, max_new_tokens=2, use_cache=False)
+    assert sum("use_cache=False" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_quantized_cache_preset_by_the_generation_config_is_refused():
