@@ -118,7 +118,7 @@ class PrefixCache:
         self._last = threading.local()  # each thread's last call: ``last_reused_tokens``
         self._unsaved = RateLimitedWarning(log, "kvtier.hf: new blocks not saved")  # a primary tier too small
         self._placeholders = placeholder_ids(model.config)  # multimodal placeholder tokens (``token_bound``)
-        self._rope_limit = dynamic_rope_limit(model)  # calls this long reuse and save nothing (``token_bound``)
+        self._rope_limit = dynamic_rope_limit(model)  # calls this long run as plain generate (``token_bound``)
         self._told_of_preset = False  # a generation config's cache_implementation, set aside (logged once)
         self._told_of_no_cache = False  # a generation config's use_cache=False, set aside (logged once)
         self._told_of_noise = False  # a call in training mode with dropout or noise (logged once)
@@ -180,7 +180,9 @@ class PrefixCache:
                 "reuses and saves nothing while it is (call model.eval() to reuse)",
                 noisy,
             )
-        if pads is None or noisy is not None:
+        limit = self._rope_limit  # a call this long has every key rotated by frequencies of its own
+        rescaled = limit is not None and pads is not None and input_ids.shape[1] - min(pads) >= limit
+        if pads is None or noisy is not None or rescaled:
             self._last.tokens = [0] * input_ids.shape[0]
             return self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
         with torch.no_grad():
@@ -193,7 +195,7 @@ class PrefixCache:
         try:
             scopes = self._scopes.for_rows(len(pads), kwargs)
             config = kwargs.get("generation_config") or self.model.generation_config
-            bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders, self._rope_limit)
+            bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
             for i, (pad, bound, scope) in enumerate(zip(pads, bounds, scopes, strict=True)):
                 prompt = host_ids[i, pad:].tolist()
                 keyed = prompt if bound is None else prompt[: bound + 1]  # a match never covers its last token

@@ -52,14 +52,31 @@ def placeholder_ids(config) -> frozenset[int]:
 
 
 def dynamic_rope_limit(model: torch.nn.Module) -> int | None:
-    """The forward length from which the model's rotary embedding rescales its frequencies (the
-    smallest, if several), or None when none of them depends on the length."""
-    limits = [
-        int(module.original_max_seq_len)
-        for module in model.modules()
-        if "dynamic" in str(getattr(module, "rope_type", "")) and hasattr(module, "original_max_seq_len")
-    ]
+    """The forward length from which the model's rotary embedding changes its frequencies (the
+    smallest, if several), or None when none of them depends on the length: dynamic NTK rescales
+    from its original length on; LongRoPE (Phi-3, Phi-4-mini) switches from its short to its long
+    factors past ``original_max_position_embeddings``, for every position of that forward
+    (``generate`` then drops a cache that does not reach past it and recomputes the prompt)."""
+    limits = []
+    for module in model.modules():
+        rope_type = str(getattr(module, "rope_type", ""))
+        if "dynamic" in rope_type and hasattr(module, "original_max_seq_len"):
+            limits.append(int(module.original_max_seq_len))
+        if "longrope" in rope_type:
+            limits += [original + 1 for original in _longrope_originals(getattr(module, "config", None))]
     return min(limits) if limits else None
+
+
+def _longrope_originals(config) -> list[int]:
+    """``original_max_position_embeddings`` of each LongRoPE parameter set of ``config`` (one, or
+    one per layer type)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    sets = [parameters] if "rope_type" in parameters else list(parameters.values())
+    return [
+        int(p["original_max_position_embeddings"])
+        for p in sets
+        if isinstance(p, dict) and p.get("rope_type") == "longrope" and "original_max_position_embeddings" in p
+    ]
 
 
 def takes_content(kwargs: dict, generation_config) -> bool:
@@ -78,13 +95,10 @@ def row_bounds(
     kwargs: dict,
     generation_config,
     placeholders: frozenset[int],
-    rope_limit: int | None = None,
 ) -> list[int | None]:
     """Per row, the number of its prompt tokens (after its pads) whose keys and values depend on
-    token ids only, or None when all of them do. ``rope_limit``: ``dynamic_rope_limit``'s."""
+    token ids only, or None when all of them do."""
     bounds: list[int | None] = [None] * len(pads)
-    if rope_limit is not None and host_ids.shape[1] - min(pads) >= rope_limit:  # the longest row's length
-        return [0] * len(pads)
 
     def cut(i: int, at: int) -> None:
         bounds[i] = at if bounds[i] is None else min(bounds[i], at)

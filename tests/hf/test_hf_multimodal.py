@@ -171,3 +171,41 @@ def test_a_call_as_long_as_a_dynamic_rotary_embedding_rescales_reuses_and_saves_
             torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores), rtol=0, atol=1e-12)
             assert pc.last_reused_tokens == [reused]
             history = got.sequences[0].tolist()
+
+
+def longrope_phi3():
+    """A tiny Phi-3 whose LongRoPE switches to its long factors for forwards past 32 positions."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    half = TINY_TEXT["hidden_size"] // TINY_TEXT["num_attention_heads"] // 2
+    config = Phi3Config(
+        num_hidden_layers=2,
+        **{**TINY_TEXT, "max_position_embeddings": 256},
+        original_max_position_embeddings=32,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [3.0] * half},
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_a_longrope_model_runs_calls_past_its_original_length_as_plain_generate():
+    """Phi-3's LongRoPE rotates every key of a forward past ``original_max_position_embeddings`` with
+    its long factors (and ``generate`` drops a cache that does not reach past it). Such calls run as
+    plain ``generate``: before, a first call that long failed (the dropped cache was read for the
+    save), and a later one loaded pages that ``generate`` then threw away, counted as reused."""
+    model = longrope_phi3()
+    assert dynamic_rope_limit(model) == 33
+    g = torch.Generator().manual_seed(4)
+    history = tokens(g, 40)
+    with PrefixCache(model, tiers_config(model, blocks=60)) as pc:
+        for length, reused in ((40, 0), (20, 0), (30, 16), (45, 0)):  # 16: 20's full blocks
+            ids = torch.tensor([history[:length]])
+            extra = dict(max_new_tokens=2, do_sample=False, return_dict_in_generate=True, output_scores=True)
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), **extra)
+            got = pc.generate(ids, attention_mask=torch.ones_like(ids), **extra)
+            assert torch.equal(got.sequences, expected.sequences)
+            torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores), rtol=0, atol=1e-12)
+            assert pc.last_reused_tokens == [reused]
