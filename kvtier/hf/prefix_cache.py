@@ -121,6 +121,7 @@ class PrefixCache:
         self._rope_limit = dynamic_rope_limit(model)  # calls this long run as plain generate (``token_bound``)
         self._told_of_preset = False  # a generation config's cache_implementation, set aside (logged once)
         self._told_of_no_cache = False  # a generation config's use_cache=False, set aside (logged once)
+        self._told_of_dropped_cache = False  # a call whose generate set kvtier's cache aside (logged once)
         self._told_of_noise = False  # a call in training mode with dropout or noise (logged once)
         self._prefill = None
         if recompute_when_faster:  # from the first call on, with the rate a manager on its disk tier measured last
@@ -226,6 +227,15 @@ class PrefixCache:
             rate = timing.end() if timing is not None else None
             if rate is not None:
                 mgr.set_prefill_rate(rate)
+            if cache.get_seq_length() < input_ids.shape[1]:  # generate set the cache aside: its own computed all
+                self._last.tokens = [0] * len(rows)
+                if not self._told_of_dropped_cache:
+                    self._told_of_dropped_cache = True
+                    log.warning(
+                        "the model's generate set aside the cache PrefixCache gave it (its "
+                        "prepare_inputs_for_generation drops it for some calls): such calls reuse and save nothing"
+                    )
+                return out
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
             records = recorder.records if recorder is not None else None
             save_rows(mgr, self._layers, rows, cache, sequences, width, records, self._packing, self._unsaved, stream)

@@ -209,3 +209,32 @@ def test_a_longrope_model_runs_calls_past_its_original_length_as_plain_generate(
             assert torch.equal(got.sequences, expected.sequences)
             torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores), rtol=0, atol=1e-12)
             assert pc.last_reused_tokens == [reused]
+
+
+def test_a_call_whose_generate_sets_the_cache_aside_reuses_and_saves_nothing(caplog):
+    """Some models' ``prepare_inputs_for_generation`` drop the cache they are given for some calls
+    (Phi-3's did so past its original length): the call's tokens are ``generate``'s, nothing of it is
+    saved or counted as reused, and a WARNING says so once."""
+    model = tiny_model("llama")
+    prepare = model.prepare_inputs_for_generation
+
+    def dropping(input_ids, *args, **kwargs):
+        inputs = prepare(input_ids, *args, **kwargs)
+        given = inputs.get("cache")
+        if kwargs.get("is_first_iteration") and input_ids.shape[1] > 30 and given and given.get_seq_length():
+            # as Phi-3's did: the cache is dropped and the whole prompt computed again
+            inputs.update(cache=None, input_ids=input_ids, position_ids=torch.arange(input_ids.shape[1])[None])
+        return inputs
+
+    model.prepare_inputs_for_generation = dropping
+    g = torch.Generator().manual_seed(5)
+    prompt = tokens(g, 36)
+    with PrefixCache(model, tiers_config(model, blocks=60)) as pc:
+        for length in (24, 36):
+            ids = torch.tensor([prompt[:length]])
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+            got = pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+            assert torch.equal(got, expected)
+            assert pc.last_reused_tokens == [0]
+        assert pc.manager.stats().tiers["primary"].pages_used == 3  # 24's blocks only: 36 saved nothing
+    assert "set aside the cache" in caplog.text
