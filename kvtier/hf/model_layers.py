@@ -13,9 +13,10 @@ The layer kinds come from the cache classes transformers builds for the model
     DummyLayer                 holds nothing             -> no kvtier layer (transformers >= 5.23)
 
 Any other class (an indexed, quantized, static or custom layer) raises ``NotImplementedError``
-naming it, as do encoder-decoder models and models without an attention layer. Shapes and dtypes
-(KV heads, head dim, each state's shape) are read from a one-token probe forward through a fresh
-cache, so they are exactly what the model writes. Both use ``W`` the same way: a query attends to
+naming it, as do encoder-decoder models, models without an attention layer and models that cannot
+extend a cache by several tokens at once (``_run_probe``). Shapes and dtypes (KV heads, head dim,
+each state's shape) are read from a probe forward through a fresh cache, so they are exactly what
+the model writes. Both use ``W`` the same way: a query attends to
 itself and the ``W - 1`` tokens before it.
 """
 
@@ -170,10 +171,26 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
 
 
 def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str) -> None:
-    """One token through the model into ``cache``, so every layer holds tensors of its true shape."""
-    token = torch.zeros((1, 1), dtype=torch.long, device=next(model.parameters()).device)
+    """One token through the model into ``cache``, so every layer holds tensors of its true shape,
+    then two more on top of it: resuming a prefix extends a cache by a whole suffix in one forward,
+    which some models cannot do (XLM, ProphetNet: ``generate`` given such a cache fails the same
+    way); ``NotImplementedError`` for those, naming what their forward raised."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        model(input_ids=token, use_cache=True, **{argument: cache})
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{argument: cache})
+        suffix = torch.zeros((1, 2), dtype=torch.long, device=device)
+        try:
+            model(
+                input_ids=suffix,
+                attention_mask=torch.ones((1, 3), dtype=torch.long, device=device),
+                use_cache=True,
+                **{argument: cache},
+            )
+        except Exception as e:  # the model's own error, whatever its type
+            raise NotImplementedError(
+                f"{type(model).__name__} cannot extend a cache by several tokens in one forward, which resuming "
+                f"a prefix needs (its forward raised {type(e).__name__}: {e})"
+            ) from e
 
 
 def _state_tensors(index: int, layer: LinearAttentionLayer) -> tuple[StateTensor, ...]:

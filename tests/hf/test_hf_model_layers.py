@@ -68,6 +68,15 @@ def test_a_model_without_attention_layers_is_refused():
         PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
 
 
+def test_a_model_that_cannot_extend_a_cache_by_several_tokens_is_refused():
+    """XLM's forward takes one new token over a cache at a time: generate() given a cached prefix
+    fails for it, so a PrefixCache of it would fail at the first call that reuses one."""
+    config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=16, n_layers=1, n_heads=2, is_decoder=True)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(NotImplementedError, match="XLMWithLMHeadModel cannot extend a cache by several tokens"):
+        PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
+
+
 def test_a_cache_layer_kvtier_cannot_represent_is_refused_by_name():
     model = tiny_model("llama")
     model.config.layer_types = ["full_attention", "indexed_attention"]  # a sparse-attention indexer's cache
