@@ -13,11 +13,11 @@ The layer kinds come from the cache classes transformers builds for the model
     DummyLayer                 holds nothing             -> no kvtier layer (transformers >= 5.23)
 
 Any other class (an indexed, quantized, static or custom layer) raises ``NotImplementedError``
-naming it, as do encoder-decoder models, models without an attention layer and models that cannot
-extend a cache by several tokens at once (``_run_probe``). Shapes and dtypes (KV heads, head dim,
-each state's shape) are read from a probe forward through a fresh cache, so they are exactly what
-the model writes. Both use ``W`` the same way: a query attends to
-itself and the ``W - 1`` tokens before it.
+naming it, as do encoder-decoder models, models without an attention layer, and models that
+cannot extend a cache by several tokens at once or keep other positions than their tokens'
+(``_run_probe``). Shapes and dtypes (KV heads, head dim, each state's shape) are read from a
+probe forward through a fresh cache, so they are exactly what the model writes. Both use ``W``
+the same way: a query attends to itself and the ``W - 1`` tokens before it.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
             "generate() cannot resume such a cache from a prefix"
         )
     argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    _run_probe(model, probe, argument)
+    _run_probe(model, probe, argument, kinds)
     layers: list[ModelLayer] = []
     spec_layers: list[AttentionLayer | RecurrentLayer] = []
     kv_dtypes = set()
@@ -170,14 +170,18 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
     return ModelLayers(tuple(layers), spec, argument, weights)
 
 
-def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str) -> None:
+def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds: list[LayerKind]) -> None:
     """One token through the model into ``cache``, so every layer holds tensors of its true shape,
-    then two more on top of it: resuming a prefix extends a cache by a whole suffix in one forward,
-    which some models cannot do (XLM, ProphetNet: ``generate`` given such a cache fails the same
-    way); ``NotImplementedError`` for those, naming what their forward raised."""
+    then two more on top of it, as resuming a prefix extends a cache by a whole suffix in one
+    forward. ``NotImplementedError`` for a model that cannot do that (XLM, ProphetNet: ``generate``
+    given such a cache fails the same way), naming what its forward raised, and for one whose full
+    attention layers do not hold one position per token fed (CPM-Ant keeps positions of its own
+    prompt beside them): kvtier's pages hold the positions of a block's tokens, nothing else."""
     device = next(model.parameters()).device
+    full = [layer for kind, layer in zip(kinds, cache.layers, strict=True) if kind in (LayerKind.FULL, LayerKind.BOTH)]
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{argument: cache})
+        _check_positions(model, full, 1)
         suffix = torch.zeros((1, 2), dtype=torch.long, device=device)
         try:
             model(
@@ -191,6 +195,17 @@ def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str) -> No
                 f"{type(model).__name__} cannot extend a cache by several tokens in one forward, which resuming "
                 f"a prefix needs (its forward raised {type(e).__name__}: {e})"
             ) from e
+        _check_positions(model, full, 3)
+
+
+def _check_positions(model: torch.nn.Module, layers: list, tokens: int) -> None:
+    """``NotImplementedError`` unless each of these cache layers holds ``tokens`` positions."""
+    held = {layer.keys.shape[-2] for layer in layers if layer.keys is not None}
+    if held and held != {tokens}:
+        raise NotImplementedError(
+            f"{type(model).__name__}'s cache holds {sorted(held)} positions per layer where {tokens} tokens went in: "
+            "kvtier keeps one position per token (positions of the model's own, as CPM-Ant's prompt, are not kept)"
+        )
 
 
 def _state_tensors(index: int, layer: LinearAttentionLayer) -> tuple[StateTensor, ...]:

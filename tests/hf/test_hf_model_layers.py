@@ -77,6 +77,17 @@ def test_a_model_that_cannot_extend_a_cache_by_several_tokens_is_refused():
         PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
 
 
+def test_a_model_whose_cache_keeps_positions_of_its_own_is_refused():
+    """CPM-Ant's cache holds its prompt's positions before the tokens': pages of the tokens alone
+    resumed into it gave other tokens than generate (silently)."""
+    config = transformers.CpmAntConfig(
+        vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, dim_head=8, dim_ff=32, num_hidden_layers=1
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(NotImplementedError, match=r"CpmAntForCausalLM's cache holds \[33\] positions per layer"):
+        PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
+
+
 def test_a_cache_layer_kvtier_cannot_represent_is_refused_by_name():
     model = tiny_model("llama")
     model.config.layer_types = ["full_attention", "indexed_attention"]  # a sparse-attention indexer's cache
