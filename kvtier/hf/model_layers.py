@@ -196,6 +196,28 @@ def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds
                 f"a prefix needs (its forward raised {type(e).__name__}: {e})"
             ) from e
         _check_positions(model, full, 3)
+        _check_causal(model, argument, kinds, device)
+
+
+def _check_causal(model: torch.nn.Module, argument: str, kinds: list[LayerKind], device: torch.device) -> None:
+    """``NotImplementedError`` unless the first token's keys and values are the same whatever token
+    follows it, bit for bit (two rows of one batch, run by the same kernels): a page is reusable
+    only when each token sees the tokens before it and none after. A BERT-style model loaded with
+    ``config.is_decoder=False`` attends both ways, and its pages would serve other prompts wrongly."""
+    rows = torch.tensor([[0, 1], [0, 2]], dtype=torch.long, device=device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=rows, attention_mask=torch.ones_like(rows), use_cache=True, **{argument: cache})
+    for index, (kind, layer) in enumerate(zip(kinds, cache.layers, strict=True)):
+        if kind not in _ATTENTION and kind is not LayerKind.BOTH:
+            continue
+        for tensor in (layer.keys, layer.values):
+            if tensor is not None and not torch.equal(tensor[0, :, 0], tensor[1, :, 0]):
+                raise NotImplementedError(
+                    f"{type(model).__name__} attends to later tokens: layer {index}'s keys and values of a "
+                    "prompt's first token change with the token after it (a bidirectional model; BERT-style "
+                    "models generate causally with config.is_decoder=True), so its pages cannot serve "
+                    "another prompt"
+                )
 
 
 def _check_positions(model: torch.nn.Module, layers: list, tokens: int) -> None:

@@ -88,6 +88,29 @@ def test_a_model_whose_cache_keeps_positions_of_its_own_is_refused():
         PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
 
 
+def test_a_model_that_attends_to_later_tokens_is_refused_and_served_once_causal():
+    """A BERT-style decoder loaded without ``is_decoder=True`` attends both ways: its first token's
+    keys depend on the tokens after it, so a page saved from one prompt does not hold what another
+    prompt with that prefix computes. Refused; the same weights built causally are served."""
+    sizes = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    tiers = kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)])
+    torch.manual_seed(0)
+    both_ways = transformers.BertLMHeadModel(transformers.BertConfig(**sizes)).eval()
+    with pytest.raises(NotImplementedError, match="BertLMHeadModel attends to later tokens: layer 1"):
+        PrefixCache(both_ways, tiers)
+    causal = transformers.BertLMHeadModel(transformers.BertConfig(is_decoder=True, **sizes)).eval()
+    causal.load_state_dict(both_ways.state_dict())
+    g = torch.Generator().manual_seed(4)
+    prompt = tokens(g, 30)
+    with PrefixCache(causal, tiers) as pc:
+        for _ in range(2):
+            ids = torch.tensor([prompt])
+            expected = causal.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            assert torch.equal(pc.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), expected)
+            prompt = expected[0].tolist() + tokens(g, 5)
+        assert pc.last_reused_tokens == [32]
+
+
 def test_a_cache_layer_kvtier_cannot_represent_is_refused_by_name():
     model = tiny_model("llama")
     model.config.layer_types = ["full_attention", "indexed_attention"]  # a sparse-attention indexer's cache
