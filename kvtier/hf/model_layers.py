@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import enum
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -179,7 +181,7 @@ def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds
     prompt beside them): kvtier's pages hold the positions of a block's tokens, nothing else."""
     device = next(model.parameters()).device
     full = [layer for kind, layer in zip(kinds, cache.layers, strict=True) if kind in (LayerKind.FULL, LayerKind.BOTH)]
-    with torch.no_grad():
+    with torch.no_grad(), _evaluating(model):
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{argument: cache})
         _check_positions(model, full, 1)
         suffix = torch.zeros((1, 2), dtype=torch.long, device=device)
@@ -218,6 +220,19 @@ def _check_causal(model: torch.nn.Module, argument: str, kinds: list[LayerKind],
                     "models generate causally with config.is_decoder=True), so its pages cannot serve "
                     "another prompt"
                 )
+
+
+@contextmanager
+def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode meanwhile (dropout off: a probe compares what it computes), each
+    module's own training flag restored afterwards."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _check_positions(model: torch.nn.Module, layers: list, tokens: int) -> None:

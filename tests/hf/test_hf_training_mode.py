@@ -8,11 +8,11 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from kvtier.hf import PrefixCache
 from kvtier.hf.training_noise import random_module
-from tests.hf.tiny import TINY_TEXT, tiers_config, tiny_model, tokens
+from tests.hf.tiny import TINY_TEXT, VOCAB, tiers_config, tiny_model, tokens
 
 
 def scored(fn, prompt: list[int]):
@@ -94,3 +94,16 @@ def test_an_adapter_injected_into_an_eval_model_with_lora_dropout_is_not_cached(
         got = scored(pc.generate, prompt)
         assert pc.last_reused_tokens == [39]
         assert same_output(got, scored(model.generate, prompt))
+
+
+def test_a_model_built_in_training_mode_is_probed_in_eval_mode_and_left_as_it_was():
+    """The construction's probes compare what the model computes, so dropout is off meanwhile (GPT-2
+    drops out embeddings and residuals: before, it was refused as attending to later tokens); each
+    module's own training flag is put back (here one block already in eval mode)."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config).train()
+    model.transformer.h[0].eval()
+    modes = [module.training for module in model.modules()]
+    PrefixCache(model, tiers_config(model, blocks=8)).close()
+    assert [module.training for module in model.modules()] == modes
