@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvtier.hf import PrefixCache
-from tests.hf.tiny import ARCHS, FIRST_TOKEN, WINDOW, tiers_config, tiny_model, tokens
+from tests.hf.tiny import ARCHS, FIRST_TOKEN, HAS_GEMMA4, WINDOW, tiers_config, tiny_model, tokens
 from tests.hf.tiny import config as tiny_config
 
 NEW_TOKENS = 6
@@ -32,11 +32,14 @@ def _turn(model, pc: PrefixCache, prompt: list[int]) -> list[int]:
     return got[0].tolist()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+GEMMA4 = pytest.param("gemma4", marks=pytest.mark.skipif(not HAS_GEMMA4, reason="this transformers has no Gemma 4"))
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, GEMMA4])
 def test_chat_through_host_and_disk_then_restart_then_other_weights(arch, tmp_path):
     model = tiny_model(arch)
     config = tiers_config(model, blocks=12, host_blocks=4, disk_blocks=400, disk_path=tmp_path / "disk")
-    g = torch.Generator().manual_seed(ARCHS.index(arch) + 10)
+    g = torch.Generator().manual_seed([*ARCHS, "gemma4"].index(arch) + 10)
     system = tokens(g, 41)  # longer than the sliding window
     history = [system + tokens(g, n) for n in (20, 24, 17)]
     with PrefixCache(model, config) as pc:

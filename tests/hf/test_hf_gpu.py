@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.hf import PrefixCache
-from tests.hf.tiny import ARCHS, tiers_config, tiny_model, tokens
+from tests.hf.tiny import ARCHS, HAS_GEMMA4, tiers_config, tiny_model, tokens
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,11 +15,13 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "arch", [*ARCHS, pytest.param("gemma4", marks=pytest.mark.skipif(not HAS_GEMMA4, reason="no Gemma 4 here"))]
+)
 def test_chat_turns_on_the_gpu_through_host_and_disk(arch, tmp_path):
     model = tiny_model(arch).to("cuda")
     config = tiers_config(model, blocks=12, host_blocks=4, disk_blocks=400, disk_path=tmp_path / "disk", device="cuda")
-    g = torch.Generator().manual_seed(ARCHS.index(arch) + 30)
+    g = torch.Generator().manual_seed([*ARCHS, "gemma4"].index(arch) + 30)
     system = tokens(g, 41)
     history = [system + tokens(g, n) for n in (20, 24, 17)]
     with PrefixCache(model, config) as pc:

@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 import kvtier
 from kvtier.hf import PrefixCache
 from kvtier.hf.model_layers import LayerKind, read_model
-from tests.hf.tiny import VOCAB, WINDOW, tiers_config, tiny_model, tokens
+from tests.hf.tiny import HAS_GEMMA4, VOCAB, WINDOW, tiers_config, tiny_model, tokens
 
 
 def test_layers_and_groups_of_each_architecture():
@@ -41,6 +41,25 @@ def test_layers_and_groups_of_each_architecture():
         (i, roles, 1, dim) for i in range(2) for roles, dim in ((("k",), 16), (("v",), 8))
     ]
     assert [(g.kind.value, g.layer_ids) for g in latent.spec.groups] == [("attention", (0, 1, 2, 3))]
+
+
+@pytest.mark.skipif(not HAS_GEMMA4, reason="this transformers has no Gemma 4")
+def test_layers_of_a_model_that_shares_keys_and_values_across_layers():
+    """Gemma 4: its last two layers read earlier layers' keys and values (their cache layers hold
+    nothing, no kvtier layer), and its full attention layers have larger heads than its sliding ones."""
+    gemma4 = read_model(tiny_model("gemma4"))
+    assert [(x.kind, x.head_dim) for x in gemma4.layers] == [
+        (LayerKind.SLIDING, 8),
+        (LayerKind.SLIDING, 8),
+        (LayerKind.FULL, 16),
+        (LayerKind.SLIDING, 8),
+        (LayerKind.EMPTY, 0),
+        (LayerKind.EMPTY, 0),
+    ]
+    assert [(g.kind.value, g.window, g.layer_ids) for g in gemma4.spec.groups] == [
+        ("sliding_window", WINDOW, (0, 1, 3)),
+        ("attention", None, (2,)),
+    ]
 
 
 def test_model_id_is_a_fingerprint_of_the_weights_and_the_configuration_unless_given():

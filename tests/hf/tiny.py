@@ -5,12 +5,15 @@
 linear-attention layers per full-attention one; dense MLPs, since the mixture-of-experts kernel
 has no float64 path on the CPU), ``falcon_h1`` (attention and a state space model side by side in
 every decoder layer: one cache layer holding keys, values and states), ``deepseek_v3`` (multi-head
-latent attention: the cache keeps two latents of different sizes per token; dense MLPs).
+latent attention: the cache keeps two latents of different sizes per token; dense MLPs). Outside
+``ARCHS``: ``gemma4`` (Gemma 4's text model: sliding and full attention layers of different head
+sizes, the last two layers reading earlier layers' keys and values, their cache layers empty).
 """
 
 from __future__ import annotations
 
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -30,6 +33,7 @@ VOCAB = 97
 PAD = 0  # the pad token: prompts draw their tokens from [FIRST_TOKEN, VOCAB)
 FIRST_TOKEN = 3
 ARCHS = ("llama", "mistral", "gemma2", "qwen3_next", "falcon_h1", "deepseek_v3")
+HAS_GEMMA4 = hasattr(transformers, "Gemma4TextConfig")
 WINDOW = 24
 TOKENS_PER_BLOCK = 8
 SNAPSHOT_INTERVAL_BLOCKS = 2
@@ -71,6 +75,21 @@ def config(arch: str):
         latent = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
         heads = {**TINY_TEXT, "num_key_value_heads": TINY_TEXT["num_attention_heads"]}  # MLA: a KV head per query head
         return DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=2, **latent, **heads)
+    if arch == "gemma4":
+        from transformers import Gemma4TextConfig  # releases with Gemma 4 only (``HAS_GEMMA4``)
+
+        sliding, full = "sliding_attention", "full_attention"
+        return Gemma4TextConfig(
+            num_hidden_layers=6,
+            head_dim=8,
+            layer_types=[sliding, sliding, full, sliding, sliding, full],
+            per_layer_config={"02": {"head_dim": 16}, "05": {"head_dim": 16}},
+            sliding_window=WINDOW,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            **TINY_TEXT,
+        )
     raise ValueError(arch)
 
 
