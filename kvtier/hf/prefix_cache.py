@@ -123,6 +123,7 @@ class PrefixCache:
         self._told_of_no_cache = False  # a generation config's use_cache=False, set aside (logged once)
         self._told_of_dropped_cache = False  # a call whose generate set kvtier's cache aside (logged once)
         self._told_of_noise = False  # a call in training mode with dropout or noise (logged once)
+        self._told_of_prompt_outputs = False  # a call asking for the prompt's hidden states or attentions
         self._prefill = None
         if recompute_when_faster:  # from the first call on, with the rate a manager on its disk tier measured last
             self._prefill = PrefillTiming(device, self.manager.remembered_prefill_rate)
@@ -143,8 +144,10 @@ class PrefixCache:
         copy reuses the row's prefix. Beam search, assisted decoding and static caches raise
         ``NotImplementedError``.
         A ``cache_implementation`` preset by the model's generation config (Gemma's "hybrid") is set
-        aside: kvtier's dynamic cache serves the call, with the same tokens. A call from another thread
-        meanwhile waits for this one to end.
+        aside: kvtier's dynamic cache serves the call, with the same tokens. A call that asks for the
+        prompt's hidden states or attentions (``return_dict_in_generate`` with ``output_hidden_states``
+        or ``output_attentions``) reuses nothing: ``generate`` returns them for every prompt position.
+        A call from another thread meanwhile waits for this one to end.
         """
         with self._calls:
             return self._serve(input_ids, attention_mask, kwargs)
@@ -204,11 +207,18 @@ class PrefixCache:
             stream = torch.cuda.current_stream(mgr.device) if mgr.device.type == "cuda" else None
             cache = RecordingCache(self.model.config)
             cache.initialize_attention(mgr.spec.dtype, mgr.device)
-            width = choose_width(mgr, rows, input_ids.shape[1], stream)
+            whole = _asks_for_prompt_outputs(kwargs, config)
+            if whole and not self._told_of_prompt_outputs:
+                self._told_of_prompt_outputs = True
+                log.info(
+                    "a call asking generate for the prompt's hidden states or attentions computes its whole "
+                    "prompt (they are returned for every position): such calls reuse nothing"
+                )
+            width = 0 if whole else choose_width(mgr, rows, input_ids.shape[1], stream)
             load_prefix(cache, self._layers, mgr, rows, width, self._packing)
             release_reads(rows)
             self._last.tokens = [row.reused for row in rows]
-            recorder = self._recorder(cache, rows)
+            recorder = None if whole else self._recorder(cache, rows)  # whole: one forward over the prompt
             hooks = [self.model.register_forward_hook(recorder)] if recorder is not None else []
             timing = self._prefill
             try:
@@ -235,6 +245,8 @@ class PrefixCache:
                         "the model's generate set aside the cache PrefixCache gave it (its "
                         "prepare_inputs_for_generation drops it for some calls): such calls reuse and save nothing"
                     )
+                return out
+            if whole and self._packing is not None:  # no states recorded at the snapshot points
                 return out
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
             records = recorder.records if recorder is not None else None
@@ -388,6 +400,16 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _asks_for_prompt_outputs(kwargs: dict, config) -> bool:
+    """Whether ``generate`` returns outputs for every prompt position (hidden states, attentions of
+    its first forward), which only a forward over the whole prompt computes."""
+
+    def setting(name: str) -> bool:
+        return bool(kwargs.get(name, getattr(config, name, False)))
+
+    return setting("return_dict_in_generate") and (setting("output_hidden_states") or setting("output_attentions"))
 
 
 def _generation_mode(config, kwargs: dict) -> GenerationMode:

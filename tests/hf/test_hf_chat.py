@@ -153,6 +153,40 @@ def test_a_prompt_that_leaves_an_earlier_one_midway_reuses_what_the_window_or_st
         assert pc.last_reused_tokens[0] >= 48
 
 
+def _same_nested(a, b) -> bool:
+    """Tuples of tensors (per step, per layer), equal entry for entry; None where a layer has none."""
+    if isinstance(a, tuple | list):
+        return isinstance(b, tuple | list) and len(a) == len(b) and all(map(_same_nested, a, b))
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_a_call_asking_for_the_prompts_hidden_states_or_attentions_computes_the_whole_prompt(arch):
+    """generate returns them for every prompt position: such a call reuses nothing (before, they
+    covered only the positions after the reused prefix). Without linear-attention layers, the blocks
+    it computed are saved as any call's."""
+    model = tiny_model(arch)
+    model.set_attn_implementation("eager")  # attentions are returned by the eager implementation only
+    g = torch.Generator().manual_seed(12)
+    prompt = tokens(g, 40)
+    with PrefixCache(model, tiers_config(model, blocks=60)) as pc:
+        prompt = _turn(model, pc, prompt)
+        for flag, field in (("output_hidden_states", "hidden_states"), ("output_attentions", "attentions")):
+            prompt += tokens(g, 9)
+            ids = torch.tensor([prompt])
+            ask = {"max_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True, flag: True}
+            expected, got = model.generate(ids, **ask), pc.generate(ids, **ask)
+            assert pc.last_reused_tokens == [0]
+            assert torch.equal(got.sequences, expected.sequences)
+            assert _same_nested(getattr(got, field), getattr(expected, field))
+            prompt = got.sequences[0].tolist()
+        _turn(model, pc, prompt + tokens(g, 5))
+        if arch == "llama":  # the 64 whole blocks of the last call's 67-token prompt were saved
+            assert pc.last_reused_tokens == [64]
+        else:  # linear-attention states are kept only where a call ran to: the first turn's 40 tokens
+            assert pc.last_reused_tokens == [40]
+
+
 def test_sampling_draws_the_same_tokens_with_the_same_seed():
     model = tiny_model("llama")
     g = torch.Generator().manual_seed(4)
