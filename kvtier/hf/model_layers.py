@@ -205,7 +205,8 @@ def _check_causal(model: torch.nn.Module, argument: str, kinds: list[LayerKind],
     """``NotImplementedError`` unless the first token's keys and values are the same whatever token
     follows it, bit for bit (two rows of one batch, run by the same kernels): a page is reusable
     only when each token sees the tokens before it and none after. A BERT-style model loaded with
-    ``config.is_decoder=False`` attends both ways, and its pages would serve other prompts wrongly."""
+    ``config.is_decoder=False`` attends both ways, as a prefix language model (PaliGemma) does over
+    its prompt: their pages would serve other prompts wrongly."""
     rows = torch.tensor([[0, 1], [0, 2]], dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
     model(input_ids=rows, attention_mask=torch.ones_like(rows), use_cache=True, **{argument: cache})
@@ -216,9 +217,9 @@ def _check_causal(model: torch.nn.Module, argument: str, kinds: list[LayerKind],
             if tensor is not None and not torch.equal(tensor[0, :, 0], tensor[1, :, 0]):
                 raise NotImplementedError(
                     f"{type(model).__name__} attends to later tokens: layer {index}'s keys and values of a "
-                    "prompt's first token change with the token after it (a bidirectional model; BERT-style "
-                    "models generate causally with config.is_decoder=True), so its pages cannot serve "
-                    "another prompt"
+                    "prompt's first token change with the token after it (a prompt attended both ways, as "
+                    "a prefix language model's, PaliGemma's, or a BERT-style model's without "
+                    "config.is_decoder=True), so its pages cannot serve another prompt"
                 )
 
 

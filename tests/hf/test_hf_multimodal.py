@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    PaliGemmaConfig,
+    PaliGemmaForConditionalGeneration,
+)
 
+import kvtier
 from kvtier.hf import PrefixCache
 from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bounds
 from tests.hf.tiny import PAD, TINY_TEXT, tiers_config, tiny_model, tokens
@@ -54,6 +60,19 @@ def both(model, pc: PrefixCache, prompt: list[int], picture: torch.Tensor | None
     scores = torch.stack(got.scores)
     torch.testing.assert_close(scores, torch.stack(expected.scores), rtol=0, atol=1e-9)
     return got.sequences[0].tolist(), scores
+
+
+def test_a_prefix_language_model_is_refused():
+    """PaliGemma attends to its whole prompt both ways: a page of one prompt's tokens holds what
+    the tokens after them made of it, which another prompt with that prefix does not compute."""
+    text = {**TINY_TEXT, "vocab_size": 300, "head_dim": 8, "num_hidden_layers": 2, "model_type": "gemma"}
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE, projection_dim=32)
+    model = PaliGemmaForConditionalGeneration(config).to(torch.float64).eval()
+    with pytest.raises(NotImplementedError, match="PaliGemmaForConditionalGeneration attends to later tokens"):
+        PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
 
 
 def test_calls_with_images_share_the_text_before_the_first_image_only():
