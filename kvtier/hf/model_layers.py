@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 from transformers import cache_utils
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
@@ -109,7 +110,8 @@ if hasattr(cache_utils, "LinearAttentionAndFullAttentionLayer"):
 
 def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLayers:
     """The cache layers of ``model`` and their ``ModelSpec``; ``model_id`` defaults to the weights'
-    fingerprint with the configuration's (rotary settings decide keys too, and are not weights).
+    fingerprint with the configuration's (rotary settings decide keys too, and are not weights) and
+    transformers' version (a release may compute a model's keys otherwise: an upgrade starts cold).
 
     Raises ``NotImplementedError`` naming what kvtier cannot represent.
     """
@@ -166,8 +168,9 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
     if len(kv_dtypes) != 1:
         raise NotImplementedError(f"attention layers keep different dtypes {sorted(map(str, kv_dtypes))}")
     weights = None
-    if model_id is None:
+    if model_id is None:  # transformers' version too: its model code computes the keys and values
         weights, model_id = default_model_id(model, config)
+        model_id += f"+transformers-{transformers.__version__}"
     spec = ModelSpec(spec_layers, dtype=kv_dtypes.pop(), model_id=model_id)
     return ModelLayers(tuple(layers), spec, argument, weights)
 

@@ -74,7 +74,8 @@ class PrefixCache:
 
     ``cache_config.device`` must be the model's device. ``model_id`` names the weights (default:
     ``kvtier.weights_fingerprint(model)`` with a fingerprint of the model's configuration, whose
-    rotary settings decide keys too), so pages are only ever served to the same model; a
+    rotary settings decide keys too, and transformers' version, whose model code computes them),
+    so pages are only ever served to the same model computed the same way; a
     later change of the model's weights in place (an optimizer step, ``load_state_dict``) makes
     ``generate`` raise ``CacheStateError`` (``kvtier.weights.WeightWatch``): build a new PrefixCache
     for the new weights.

@@ -113,8 +113,11 @@ def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
     """What decides the bytes of a page besides its tokens: the weights (model and revision, and a
     stamp of the weight files where they are on local disk: weights saved again at the same path
     are another model), the model's configuration as vLLM runs it (``hf_overrides`` applied: the rotary embedding's base
-    and scaling decide every key), the KV cache dtype, quantization and physical layout, and the
-    tensor-parallel shard."""
+    and scaling decide every key), the KV cache dtype, quantization and physical layout, the
+    tensor-parallel shard, and vLLM's version (its model code computes the keys and values: a
+    release may compute them otherwise, so an upgrade starts from nothing)."""
+    import vllm
+
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -127,6 +130,7 @@ def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
         f"quant={model.quantization}",
         f"layout={kv_cache_layout}",
         f"tp={getattr(parallel, 'rank', 0)}/{parallel.tensor_parallel_size}",
+        f"code=vllm-{vllm.__version__}",
     ]
     return "|".join(parts)
 

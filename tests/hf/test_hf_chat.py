@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from kvtier.hf import PrefixCache
@@ -62,6 +63,23 @@ def test_chat_through_host_and_disk_then_restart_then_other_weights(arch, tmp_pa
     other = tiny_model(arch, seed=1)  # another checkpoint of the same architecture
     with PrefixCache(other, config) as pc:
         _turn(other, pc, history[0])
+        assert pc.last_reused_tokens == [0]
+
+
+def test_after_an_upgrade_of_transformers_the_disk_serves_nothing_saved_before(tmp_path, monkeypatch):
+    """A release of transformers may compute a model's keys otherwise (a fix of its rotary
+    embedding): pages saved under another version are never served."""
+    model = tiny_model("llama")
+    config = tiers_config(model, blocks=12, disk_blocks=100, disk_path=tmp_path / "disk")
+    prompt = tokens(torch.Generator().manual_seed(13), 40)
+    with PrefixCache(model, config) as pc:
+        prompt = _turn(model, pc, prompt)
+    with PrefixCache(model, config) as pc:  # a restart: the same version reads them
+        _turn(model, pc, prompt + [FIRST_TOKEN])
+        assert pc.last_reused_tokens == [40]
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post1")
+    with PrefixCache(model, config) as pc:
+        _turn(model, pc, prompt + [FIRST_TOKEN])
         assert pc.last_reused_tokens == [0]
 
 

@@ -610,6 +610,25 @@ def test_the_same_weights_with_other_rotary_settings_never_read_these_pages(tmp_
     other.shutdown()
 
 
+def test_after_an_upgrade_of_vllm_the_disk_serves_nothing_saved_before(tmp_path, monkeypatch):
+    """vLLM's model code computes the keys and values, and a release may compute them otherwise:
+    a restart under another version reads nothing its predecessor wrote."""
+    import vllm
+
+    first = engine(tmp_path, disk=True)
+    shared = prompt(8, 64)
+    first.add("r1", shared, max_tokens=2)
+    first.run()
+    first.shutdown()
+    monkeypatch.setattr(vllm, "__version__", vllm.__version__ + ".post1")
+    upgraded = engine(tmp_path, disk=True)
+    upgraded.add("r2", shared + [1], max_tokens=2)
+    upgraded.run()
+    assert first_step_of(upgraded, "r2")[0] == 0
+    upgraded.assert_no_leaks()
+    upgraded.shutdown()
+
+
 def test_a_connector_reset_after_a_weight_update_never_serves_a_block_saved_before(tmp_path):
     """RL loops update vLLM's weights in place, then ``reset_prefix_cache(reset_connector=True)``: no
     block saved before the reset is served after it, from host memory or disk, nor through an offer
