@@ -62,7 +62,8 @@ class PagePool:
         self.attention_only = self.recurrent_group is None and not self.window_rules  # a commit's fast path
         self.snapshot_tokens = config.snapshot_interval_blocks * tpb
         try:
-            self.tiers = build_tiers(spec, config, geometries)
+            with torch.inference_mode(False):  # the tiers' buffers are written in place by any later call
+                self.tiers = build_tiers(spec, config, geometries)
         except (MemoryError, RuntimeError) as exc:
             if not _is_allocation_failure(exc):
                 raise

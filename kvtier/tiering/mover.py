@@ -290,7 +290,8 @@ class Mover:
                 torch.cuda.synchronize(self.device)
                 self._staging.release()
             size = max(nbytes, 2 * self._staging.num_bytes if self._staging is not None else 0)
-            self._staging = allocate_host_buffer(size, size, self.device)
+            with torch.inference_mode(False):  # reused by later calls, inside inference mode or not
+                self._staging = allocate_host_buffer(size, size, self.device)
         return self._staging.tensor[:nbytes]
 
     def close(self) -> None:

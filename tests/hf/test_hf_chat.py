@@ -205,6 +205,24 @@ def test_a_call_asking_for_the_prompts_hidden_states_or_attentions_computes_the_
             assert pc.last_reused_tokens == [40]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("built_inside", [True, False])
+def test_calls_inside_and_outside_inference_mode(arch, built_inside):
+    """A script that builds the PrefixCache under ``torch.inference_mode()`` and calls it outside (or
+    the other way): the tiers' buffers are ordinary tensors, written in place by either kind of call
+    (before, a model with linear-attention layers failed to save its states outside)."""
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(14)
+    prompt = tokens(g, 40)
+    with torch.inference_mode(built_inside):
+        pc = PrefixCache(model, tiers_config(model, blocks=60, host_blocks=20))
+    with pc:
+        for turn in range(3):
+            with torch.inference_mode(turn == 1 or not built_inside):  # calls of both kinds
+                prompt = _turn(model, pc, prompt) + tokens(g, 5)
+        assert pc.last_reused_tokens[0] >= 40
+
+
 def test_sampling_draws_the_same_tokens_with_the_same_seed():
     model = tiny_model("llama")
     g = torch.Generator().manual_seed(4)
