@@ -48,7 +48,7 @@ class TableRing:
         array = self._arrays[index]
         if array is None or array.shape[0] < rows:
             size = max(rows, _FIRST_ROWS, 0 if array is None else 2 * array.shape[0])
-            table = torch.empty((size, 2), dtype=torch.int64, pin_memory=True)
+            table = torch.empty((size, 2), dtype=torch.int64, device="cpu", pin_memory=True)
             self._tables[index] = table
             self._arrays[index] = array = table.numpy()
             self._addresses[index] = self._api.device_pointer(table.data_ptr())

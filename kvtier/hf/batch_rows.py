@@ -45,7 +45,7 @@ def left_pads(mask: torch.Tensor) -> list[int] | None:
     pads = host.shape[1] - ones
     if (ones == 0).any():
         return None
-    columns = torch.arange(host.shape[1]).expand_as(host)
+    columns = torch.arange(host.shape[1], device=host.device).expand_as(host)
     if not torch.equal(host, (columns >= pads[:, None]).to(torch.int64)):
         return None
     return pads.tolist()

@@ -382,7 +382,7 @@ class PrefixCache:
         config = kwargs.get("generation_config") or self.model.generation_config
         pad = kwargs.get("pad_token_id", config.pad_token_id)
         eos = kwargs.get("eos_token_id", config.eos_token_id)
-        eos = [] if eos is None else [int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()]
+        eos = [] if eos is None else [int(e) for e in torch.as_tensor(eos, device="cpu").reshape(-1).tolist()]
         if pad is not None and int(pad) not in eos and bool((input_ids == int(pad)).any()):
             return (input_ids != int(pad)).long()
         return torch.ones_like(input_ids, dtype=torch.long)

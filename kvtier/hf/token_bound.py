@@ -104,7 +104,7 @@ def row_bounds(
         bounds[i] = at if bounds[i] is None else min(bounds[i], at)
 
     if takes_content(kwargs, generation_config):
-        marks = torch.tensor(sorted(placeholders), dtype=host_ids.dtype)
+        marks = torch.tensor(sorted(placeholders), dtype=host_ids.dtype, device=host_ids.device)
         for i, pad in enumerate(pads):
             hits = torch.isin(host_ids[i, pad:], marks).nonzero()
             if not placeholders:

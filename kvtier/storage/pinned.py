@@ -177,7 +177,7 @@ def allocate_host_buffer(
         raise ValueError(f"chunk_bytes must be positive (or None for the environment), got {chunk_bytes}")
     dev = torch.device(device)
     if dev.type == "cpu":
-        return HostBuffer(torch.empty(num_bytes, dtype=torch.uint8), page_bytes, [])
+        return HostBuffer(torch.empty(num_bytes, dtype=torch.uint8, device="cpu"), page_bytes, [])
     if dev.type != "cuda":
         raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
     tensor = _touched_anonymous_memory(num_bytes)

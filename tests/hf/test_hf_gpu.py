@@ -84,3 +84,31 @@ def test_a_random_session_on_the_gpu_gives_generates_tokens_and_scores(seed, tmp
     from tests.hf.test_hf_soak import session
 
     assert len(session(seed, tmp_path, device="cuda")) >= 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_a_script_that_makes_cuda_the_default_device(arch, tmp_path):
+    """``torch.set_default_device("cuda")`` before building: kvtier's host memory, page tables and
+    token bookkeeping are still on the CPU, and the chat goes through host and disk as before."""
+    model = tiny_model(arch).to("cuda")
+    config = tiers_config(model, blocks=12, host_blocks=4, disk_blocks=400, disk_path=tmp_path / "disk", device="cuda")
+    g = torch.Generator().manual_seed(33)
+    history = [tokens(g, 41) + tokens(g, n) for n in (20, 24)]
+    replies = [tokens(g, 7) for _ in range(4)]  # drawn on the CPU, before the default changes
+    torch.set_default_device("cuda")
+    try:
+        with PrefixCache(model, config) as pc:
+            for _ in range(2):
+                for c in range(2):
+                    ids = torch.tensor([history[c]], device="cuda")
+                    expected = model.generate(
+                        ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False
+                    )
+                    got = pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+                    assert torch.equal(got, expected)
+                    history[c] = got[0].tolist() + replies.pop()
+            assert pc.last_reused_tokens[0] > 0
+            hits = pc.manager.stats().hit_tokens
+            assert hits["host"] + hits["disk"] > 0, hits
+    finally:
+        torch.set_default_device(None)
