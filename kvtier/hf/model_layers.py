@@ -170,9 +170,14 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
     weights = None
     if model_id is None:  # transformers' version too: its model code computes the keys and values
         weights, model_id = default_model_id(model, config)
-        model_id += f"+transformers-{transformers.__version__}"
+        model_id += f"+transformers-{transformers_version()}"
     spec = ModelSpec(spec_layers, dtype=kv_dtypes.pop(), model_id=model_id)
     return ModelLayers(tuple(layers), spec, argument, weights)
+
+
+def transformers_version() -> str:
+    """The version of the transformers whose model code computes the keys and values."""
+    return transformers.__version__
 
 
 def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds: list[LayerKind]) -> None:

@@ -116,8 +116,6 @@ def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
     and scaling decide every key), the KV cache dtype, quantization and physical layout, the
     tensor-parallel shard, and vLLM's version (its model code computes the keys and values: a
     release may compute them otherwise, so an upgrade starts from nothing)."""
-    import vllm
-
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -130,9 +128,16 @@ def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
         f"quant={model.quantization}",
         f"layout={kv_cache_layout}",
         f"tp={getattr(parallel, 'rank', 0)}/{parallel.tensor_parallel_size}",
-        f"code=vllm-{vllm.__version__}",
+        f"code=vllm-{vllm_version()}",
     ]
     return "|".join(parts)
+
+
+def vllm_version() -> str:
+    """The version of the vLLM whose model code computes the keys and values."""
+    import vllm
+
+    return vllm.__version__
 
 
 def _positive_int(name: str, value: object) -> int:

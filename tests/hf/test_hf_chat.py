@@ -13,7 +13,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from kvtier.hf import PrefixCache
+from kvtier.hf import PrefixCache, model_layers
 from tests.hf.tiny import ARCHS, FIRST_TOKEN, HAS_GEMMA4, WINDOW, tiers_config, tiny_model, tokens
 from tests.hf.tiny import config as tiny_config
 
@@ -77,7 +77,7 @@ def test_after_an_upgrade_of_transformers_the_disk_serves_nothing_saved_before(t
     with PrefixCache(model, config) as pc:  # a restart: the same version reads them
         _turn(model, pc, prompt + [FIRST_TOKEN])
         assert pc.last_reused_tokens == [40]
-    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post1")
+    monkeypatch.setattr(model_layers, "transformers_version", lambda: transformers.__version__ + ".post1")
     with PrefixCache(model, config) as pc:
         _turn(model, pc, prompt + [FIRST_TOKEN])
         assert pc.last_reused_tokens == [0]

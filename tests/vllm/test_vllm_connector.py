@@ -19,6 +19,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bas
 from vllm.v1.request import RequestStatus
 
 from kvtier.tiering import disk_write_behind, host_prefetch, mover
+from kvtier.vllm import settings
 from kvtier.vllm.transfer import Direction
 from tests.disk_speed import slow_disk_reads
 from tests.holding import hold
@@ -613,14 +614,12 @@ def test_the_same_weights_with_other_rotary_settings_never_read_these_pages(tmp_
 def test_after_an_upgrade_of_vllm_the_disk_serves_nothing_saved_before(tmp_path, monkeypatch):
     """vLLM's model code computes the keys and values, and a release may compute them otherwise:
     a restart under another version reads nothing its predecessor wrote."""
-    import vllm
-
     first = engine(tmp_path, disk=True)
     shared = prompt(8, 64)
     first.add("r1", shared, max_tokens=2)
     first.run()
     first.shutdown()
-    monkeypatch.setattr(vllm, "__version__", vllm.__version__ + ".post1")
+    monkeypatch.setattr(settings, "vllm_version", lambda: "0.0.0-another")
     upgraded = engine(tmp_path, disk=True)
     upgraded.add("r2", shared + [1], max_tokens=2)
     upgraded.run()
