@@ -14,10 +14,11 @@ The layer kinds come from the cache classes transformers builds for the model
 
 Any other class (an indexed, quantized, static or custom layer) raises ``NotImplementedError``
 naming it, as do encoder-decoder models, models without an attention layer, and models that
-cannot extend a cache by several tokens at once or keep other positions than their tokens'
-(``_run_probe``). Shapes and dtypes (KV heads, head dim, each state's shape) are read from a
-probe forward through a fresh cache, so they are exactly what the model writes. Both use ``W``
-the same way: a query attends to itself and the ``W - 1`` tokens before it.
+cannot extend a cache by several tokens at once, keep other positions than their tokens', or
+attend to later tokens (``_run_probe``; all run in eval mode). Shapes and dtypes (KV heads, head
+dim, each state's shape) are read from a probe forward through a fresh cache, so they are exactly
+what the model writes. Both use ``W`` the same way: a query attends to itself and the ``W - 1``
+tokens before it.
 """
 
 from __future__ import annotations
@@ -186,7 +187,8 @@ def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds
     forward. ``NotImplementedError`` for a model that cannot do that (XLM, ProphetNet: ``generate``
     given such a cache fails the same way), naming what its forward raised, and for one whose full
     attention layers do not hold one position per token fed (CPM-Ant keeps positions of its own
-    prompt beside them): kvtier's pages hold the positions of a block's tokens, nothing else."""
+    prompt beside them): kvtier's pages hold the positions of a block's tokens, nothing else. Then
+    ``_check_causal``."""
     device = next(model.parameters()).device
     full = [layer for kind, layer in zip(kinds, cache.layers, strict=True) if kind in (LayerKind.FULL, LayerKind.BOTH)]
     with torch.no_grad(), _evaluating(model):
