@@ -7,6 +7,12 @@ writes, for every scheduled token, a value that is a function of (layer, the tok
 prefix, head, element), so a block holds the right bytes only if it holds exactly this prefix's
 KV. Before each forward it checks every position the request counts as computed: what attention
 would read must be what this request's prefix wrote (``WrongKV`` otherwise).
+
+With speculative decoding (``vllm_config(spec_tokens=k)``, synchronous scheduling) the runner
+proposes ``k`` draft tokens per request after each step, the first few of them right and the rest
+wrong, writes the drafts' KV in their positions as a target model's forward does, and accepts
+drafts as a target model's greedy verification would: the KV of a rejected draft stays in the
+block until the position is computed again.
 """
 
 from __future__ import annotations
@@ -20,7 +26,16 @@ from pathlib import Path
 import numpy as np
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.utils.hashing import sha256
@@ -29,7 +44,7 @@ from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -72,8 +87,10 @@ def vllm_config(
     async_scheduling: bool = False,
     name: str = "model",
     hf_overrides: dict | None = None,
+    spec_tokens: int = 0,
 ) -> VllmConfig:
-    """A ``VllmConfig`` for a tiny Llama from a local config.json (no weights, no tokenizer)."""
+    """A ``VllmConfig`` for a tiny Llama from a local config.json (no weights, no tokenizer);
+    ``spec_tokens``: that many speculative tokens a step (the runner proposes them)."""
     model_dir = tmp_path / name
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -102,10 +119,23 @@ def vllm_config(
         kv_connector_extra_config=extra,
         kv_load_failure_policy="recompute",
     )
+    parallel = ParallelConfig()
+    speculative = None
+    if spec_tokens:
+        speculative = SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=spec_tokens,
+            prompt_lookup_max=spec_tokens,
+            prompt_lookup_min=1,
+            target_model_config=model,
+            target_parallel_config=parallel,
+        )
     return VllmConfig(
         model_config=model,
         scheduler_config=scheduler,
         cache_config=cache,
+        parallel_config=parallel,
+        speculative_config=speculative,
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
     )
@@ -169,6 +199,12 @@ class Engine:
         self.config = config
         self.kv_config = kv_config
         self.async_scheduling = bool(config.scheduler_config.async_scheduling)
+        speculative = config.speculative_config
+        self.spec_tokens = speculative.num_speculative_tokens if speculative is not None else 0
+        if self.spec_tokens and self.async_scheduling:
+            raise NotImplementedError("the stand-in runner drafts tokens under synchronous scheduling only")
+        self._drafts_rng = np.random.default_rng(0)
+        self.drafted = self.accepted = 0  # draft tokens proposed and accepted so far
         self.worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_config)  # built first, as in vLLM
         layout = config.cache_config.get_resolved_kv_cache_layout()
         self.caches = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
@@ -249,11 +285,14 @@ class Engine:
             request = self.requests[rid]
             start = request.num_computed_tokens - n
             self.check(rid, start)
-            self._forward(rid, start, start + n)
+            tokens = self.tokens(rid)
+            drafts = list(out.scheduled_spec_decode_tokens.get(rid, ()))
+            self._forward(rid, tokens + drafts, start, start + n)
             step.computed[rid] = (start, start + n)
             req_ids.append(rid)
-            tokens = self.tokens(rid)
-            sampled.append([sample(tokens)] if start + n >= len(tokens) else [])
+            sampled.append(verify(tokens, drafts) if start + n >= len(tokens) else [])
+            self.drafted += len(drafts)
+            self.accepted += len(sampled[-1]) - 1 if drafts else 0
             self.outputs[rid].extend(sampled[-1])
         w.start_load_kv(None)
         w.wait_for_save()
@@ -290,6 +329,8 @@ class Engine:
         result = self.execute(out)
         if not self.async_scheduling:
             self.update(out, result)
+            if self.spec_tokens:
+                self._propose(result.req_ids)
             return self.log[-1]
         if self._pending is not None:
             self.update(*self._pending)
@@ -311,6 +352,21 @@ class Engine:
                 time.sleep(IDLE_PAUSE_S)
         raise AssertionError(f"requests still pending after {max_steps} steps")
 
+    def _propose(self, rids: list[str]) -> None:
+        """Draft tokens for the requests of a step that go on: each the next ``spec_tokens`` tokens,
+        right up to a random point and wrong after it (the scheduler keeps as many as it schedules)."""
+        for rid in rids:
+            self.outputs[rid] = list(self.requests[rid].output_token_ids)  # tokens past a stop are dropped
+        going_on = [rid for rid in rids if not self.requests[rid].is_finished()]
+        drafts = []
+        for rid in going_on:
+            seq = self.tokens(rid)
+            right = int(self._drafts_rng.integers(0, self.spec_tokens + 1))
+            for i in range(self.spec_tokens):
+                seq.append(sample(seq) if i < right else (sample(seq) + 1) % 997)
+            drafts.append(seq[-self.spec_tokens :])
+        self.scheduler.update_draft_token_ids(DraftTokenIds(going_on, drafts))
+
     def tokens(self, rid: str) -> list[int]:
         """The request's tokens as the runner knows them (it knows what it sampled before the scheduler does)."""
         return list(self.requests[rid].prompt_token_ids) + self.outputs[rid]
@@ -329,8 +385,8 @@ class Engine:
         subclass may fold in more, as weights or a cache salt)."""
         return prefix_hashes(tokens)
 
-    def _forward(self, rid: str, start: int, end: int) -> None:
-        tokens = self.tokens(rid)
+    def _forward(self, rid: str, tokens: list[int], start: int, end: int) -> None:
+        """Write the KV of positions ``[start, end)`` of ``tokens`` (the request's, then any drafts)."""
         end = min(end, len(tokens))
         if end <= start:
             return
@@ -402,6 +458,18 @@ class Engine:
 def sample(tokens: Sequence[int]) -> int:
     """The stand-in model's next token: a function of the whole prefix (never EOS)."""
     return int(prefix_hashes(tokens)[-1] % 997)
+
+
+def verify(tokens: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """The tokens a step samples after ``tokens`` with ``drafts`` proposed: the drafts the stand-in
+    model agrees with, up to the first it does not, then its own next token."""
+    seq = list(tokens)
+    for draft in drafts:
+        if sample(seq) != draft:
+            break
+        seq.append(draft)
+    seq.append(sample(seq))
+    return seq[len(tokens) :]
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -555,6 +555,25 @@ def test_preempted_requests_resume_from_kvtier_and_nothing_wrong_is_served(tmp_p
     e.shutdown()
 
 
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
+def test_speculative_decoding_never_saves_the_kv_of_a_rejected_draft(tmp_path, disk):
+    """A step writes the KV of its draft tokens before they are verified; a rejected draft's KV stays
+    in its block until that position is computed again, so saving it would serve another token's KV."""
+    e = engine(tmp_path, disk=disk, spec_tokens=3)
+    e.add("r1", prompt(21, 40), max_tokens=60)
+    e.run()
+    assert 0 < e.accepted < e.drafted, "drafts were meant to be both accepted and rejected"
+    tokens = e.tokens("r1")  # 100 tokens: 6 full blocks, 4 of them completed while decoding
+    assert len(tokens) == 100
+    e.reset_prefix_cache()
+    e.poison()
+    e.add("r2", tokens + [5, 6], max_tokens=2)
+    e.run()
+    assert first_step_of(e, "r2")[0] == 96  # every full block came from kvtier, each position checked
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_two_cache_salts_never_share(tmp_path):
     e = engine(tmp_path)
     shared = prompt(6, 80)

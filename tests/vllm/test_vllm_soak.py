@@ -2,12 +2,13 @@
 
 Each seed draws a configuration (host memory for 8 to 256 pages, a disk tier or none, a shared
 store, a sliding-window group, 24 to 128 vLLM blocks so that requests are preempted, synchronous
-or asynchronous scheduling) and a session: requests that share prefixes of random lengths, cache
-salts, aborts, vLLM's prefix cache reset, and weight updates (the engine drained, new weights,
-then vLLM's and the connector's reset, as a reinforcement-learning loop does). The stand-in
-model's KV is a function of the prefix, the request's cache salt and the weights, and the runner
-checks before every forward that each position a request counts as computed holds what this
-request's forward would have written (``WrongKV``): a block served across salts or weights fails.
+scheduling with or without speculative decoding, or asynchronous scheduling) and a session:
+requests that share prefixes of random lengths, cache salts, aborts, vLLM's prefix cache reset,
+and weight updates (the engine drained, new weights, then vLLM's and the connector's reset, as a
+reinforcement-learning loop does). The stand-in model's KV is a function of the prefix, the
+request's cache salt and the weights, and the runner checks before every forward that each
+position a request counts as computed holds what this request's forward would have written
+(``WrongKV``): a block served across salts or weights, or a rejected draft's KV, fails.
 At the end nothing is left held, locked or in flight."""
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ def session(seed: int, tmp_path: Path) -> None:
     window = rng.random() < 0.3
     if not window and rng.random() < 0.3:  # a store serves full-attention models
         extra["store_url"] = f"file://{tmp_path}/store"
-    config = vllm_config(tmp_path, extra, async_scheduling=rng.random() < 0.5, max_batched=rng.choice([32, 64, 128]))
+    asynchronous = rng.random() < 0.5
+    max_batched = rng.choice([32, 64, 128])
+    spec_tokens = 0 if asynchronous else rng.choice([0, 0, 2, 4])  # the runner drafts under synchronous scheduling
+    config = vllm_config(
+        tmp_path, extra, async_scheduling=asynchronous, max_batched=max_batched, spec_tokens=spec_tokens
+    )
     if window:
         groups = [(layer_names(2), attention_spec()), (layer_names(1, first=2), attention_spec(window=32))]
     else:
