@@ -61,7 +61,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning(
                     "kvtier.vllm: with kv_load_failure_policy=%r vLLM fails a request whose pages turn out damaged "
-                    "(disk or store); set kv_load_failure_policy='recompute' to recompute them instead",
+                    "(disk or store); set kv_load_failure_policy='recompute' to recompute them instead (inside a "
+                    "MultiConnector, in kvtier's entry too: vLLM reads the top-level policy, kvtier its own entry's)",
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
             self._scheduler = KVTierScheduler(plan, _per_dp_rank(settings, vllm_config), engine_id)

@@ -36,7 +36,8 @@ from vllm.config import (
     SpeculativeConfig,
     VllmConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.utils.hashing import sha256
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
@@ -88,9 +89,13 @@ def vllm_config(
     name: str = "model",
     hf_overrides: dict | None = None,
     spec_tokens: int = 0,
+    multi_connector: bool = False,
 ) -> VllmConfig:
     """A ``VllmConfig`` for a tiny Llama from a local config.json (no weights, no tokenizer);
-    ``spec_tokens``: that many speculative tokens a step (the runner proposes them)."""
+    ``spec_tokens``: that many speculative tokens a step (the runner proposes them);
+    ``multi_connector``: kvtier's connector as the one entry of vLLM's ``MultiConnector``, configured
+    as the README says (the load failure policy at the top, where vLLM reads it, and in kvtier's
+    entry, where kvtier does)."""
     model_dir = tmp_path / name
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -112,13 +117,21 @@ def vllm_config(
     )
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache.kv_cache_layout = "LBNHC"  # vLLM resolves the layout before it builds connectors
-    transfer = KVTransferConfig(
-        kv_connector="KVTierConnector",
-        kv_connector_module_path="kvtier.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config=extra,
-        kv_load_failure_policy="recompute",
-    )
+    kvtier = {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    if multi_connector:
+        transfer = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [{**kvtier, "kv_load_failure_policy": "recompute"}]},
+            kv_load_failure_policy="recompute",
+        )
+    else:
+        transfer = KVTransferConfig(**kvtier, kv_load_failure_policy="recompute")
     parallel = ParallelConfig()
     speculative = None
     if spec_tokens:
@@ -205,7 +218,8 @@ class Engine:
             raise NotImplementedError("the stand-in runner drafts tokens under synchronous scheduling only")
         self._drafts_rng = np.random.default_rng(0)
         self.drafted = self.accepted = 0  # draft tokens proposed and accepted so far
-        self.worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_config)  # built first, as in vLLM
+        # The worker's connector is built first, as in vLLM.
+        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_config)
         layout = config.cache_config.get_resolved_kv_cache_layout()
         self.caches = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
         self.worker.register_kv_caches(self.caches)
@@ -217,7 +231,6 @@ class Engine:
             log_stats=True,
         )
         self.connector = self.scheduler.connector
-        assert isinstance(self.connector, KVTierConnector)
         self.layers = [name for group in kv_config.kv_cache_groups for name in group.layer_names]
         self._group_of = {n: g for g, group in enumerate(kv_config.kv_cache_groups) for n in group.layer_names}
         self._hasher = get_request_block_hasher(BLOCK, sha256)
@@ -439,7 +452,7 @@ class Engine:
 
     @property
     def kv_scheduler(self):
-        return self.connector.scheduler
+        return kvtier_part(self.connector).scheduler
 
     def assert_no_leaks(self) -> None:
         """No request, block, lease, job or locked host page is left behind."""
@@ -451,8 +464,15 @@ class Engine:
         k.wait_for_store_writes()
         assert not k._leases and not k._jobs and not k._requests and not k._placements
         assert not k.manager._pool.holders, "a kvtier cache is still open"
-        w = self.worker.worker
+        w = kvtier_part(self.worker).worker
         assert not w._jobs and not w._saves_of and not w._delayed
+
+
+def kvtier_part(connector: KVConnectorBase_V1) -> KVTierConnector:
+    """``connector`` itself, or kvtier's among a ``MultiConnector``'s."""
+    if isinstance(connector, KVTierConnector):
+        return connector
+    return next(c for c in connector.sub_connectors if isinstance(c, KVTierConnector))
 
 
 def sample(tokens: Sequence[int]) -> int:

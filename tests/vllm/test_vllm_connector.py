@@ -574,6 +574,38 @@ def test_speculative_decoding_never_saves_the_kv_of_a_rejected_draft(tmp_path, d
     e.shutdown()
 
 
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
+def test_inside_vllms_multi_connector_prefixes_are_saved_and_loaded_and_nothing_leaks(tmp_path, disk, caplog):
+    """kvtier as an entry of vLLM's ``MultiConnector`` (the way it sits beside a prefill/decode
+    connector): saves, loads (from disk on a background thread), preemptions and aborts pass
+    through vLLM's delegation as they do without it."""
+    e = engine(tmp_path, disk=disk, blocks=24, multi_connector=True)
+    assert type(e.connector).__name__ == "MultiConnector"
+    shared = prompt(31, 100)
+    e.add("r1", shared, max_tokens=4)
+    e.run()
+    if disk:  # a restart: the loads read the disk
+        e.shutdown()
+        e = engine(tmp_path, disk=True, blocks=24, multi_connector=True)
+    else:
+        e.reset_prefix_cache()
+    e.poison()
+    for i in range(3):  # 3 x 7 blocks on 23 usable: preempted while they decode
+        e.add(f"r{i + 2}", shared[:90] + [7, 8, i], max_tokens=40)
+    e.add("gone", shared[:50] + [5], max_tokens=40)
+    e.step()
+    e.abort("gone")
+    e.run(max_steps=3000)
+    assert first_step_of(e, "r2")[0] == 80  # 5 full shared blocks from kvtier, each position checked
+    assert e.kv_scheduler.manager.stats().hit_tokens["disk" if disk else "primary"] >= 80
+    assert any(r.num_preemptions for r in e.requests.values()), "the workload was meant to preempt"
+    assert "r2" in {rid for step in e.log for rid in step.loaded}
+    assert all(len(e.outputs[f"r{i + 2}"]) == 40 for i in range(3))
+    assert not [r for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_two_cache_salts_never_share(tmp_path):
     e = engine(tmp_path)
     shared = prompt(6, 80)

@@ -11,6 +11,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bas
 
 import torch
 from vllm.config import ParallelConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
@@ -47,3 +48,19 @@ def test_bad_extra_config_is_refused_before_anything_is_built(tmp_path):
     kv_config = kv_cache_config(config, [(layer_names(3), attention_spec())], 16)
     with pytest.raises(TypeError, match="host_bytes must be an int"):
         KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+
+
+@pytest.mark.parametrize("multi_connector", [False, True], ids=["alone", "in-multi-connector"])
+def test_a_load_failure_policy_that_fails_requests_is_warned_about_where_kvtier_reads_it(
+    tmp_path, caplog, multi_connector
+):
+    config = vllm_config(tmp_path, {"host_bytes": 1 << 20}, multi_connector=multi_connector)
+    if multi_connector:  # kvtier's entry without the policy: vLLM recomputes, kvtier cannot tell
+        del config.kv_transfer_config.kv_connector_extra_config["connectors"][0]["kv_load_failure_policy"]
+    else:
+        config.kv_transfer_config.kv_load_failure_policy = "fail"
+    kv_config = kv_cache_config(config, [(layer_names(3), attention_spec())], 16)
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_config)
+    warned = [r.getMessage() for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+    assert len(warned) == 1 and "'fail'" in warned[0] and "in kvtier's entry too" in warned[0]
+    connector.shutdown()
