@@ -13,6 +13,10 @@ One call, for a batch of left-padded rows:
 4. save: every computed token of every row goes into its pages and is committed, publishing full
    blocks for the next call (``prefix_save``).
 
+Beam search: the cache is filled for the rows, then repeated once per beam (as ``generate`` repeats
+the rows), so every beam reuses its row's prefix. Only the prompts are saved: beams are reordered
+and cut at every step, so the cache's rows do not hold the returned sequences' generated tokens.
+
 The prompt forward of each call is timed (``prefill_rate``) and the rate given to the manager:
 a cached prefix is then reused only as far as loading it is estimated faster than recomputing
 it (``recompute_when_faster``), so blocks on a slow disk are recomputed.
@@ -66,7 +70,8 @@ _UNSUPPORTED = {
 }
 # Decoding that writes only the tokens it keeps into the cache. Assisted decoding writes drafts and
 # cuts the rejected ones back out, which the recording of sliding-window layers does not follow.
-_SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.DOLA_GENERATION)
+_BEAM_MODES = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+_SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.DOLA_GENERATION, *_BEAM_MODES)
 
 
 class PrefixCache:
@@ -140,9 +145,11 @@ class PrefixCache:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate(input_ids, attention_mask=attention_mask, **kwargs)``, reusing cached prefixes.
 
-        Sets ``last_reused_tokens`` (one entry per output row). Greedy and sampling; sampling several
-        sequences per row (``num_return_sequences``) repeats each row as ``generate`` does, so each
-        copy reuses the row's prefix. Beam search, assisted decoding and static caches raise
+        Sets ``last_reused_tokens`` (one entry per output row). Greedy, sampling and beam search (with
+        or without sampling); sampling several sequences per row (``num_return_sequences``) repeats
+        each row as ``generate`` does, so each copy reuses the row's prefix, and so do a row's beams.
+        Beam search saves the prompts only. Assisted decoding, constrained or group beam search,
+        beam search on a model with linear-attention layers and static caches raise
         ``NotImplementedError``.
         A ``cache_implementation`` preset by the model's generation config (Gemma's "hybrid") is set
         aside: kvtier's dynamic cache serves the call, with the same tokens. A call that asks for the
@@ -188,7 +195,8 @@ class PrefixCache:
         limit = self._rope_limit  # a call this long has every key rotated by frequencies of its own
         rescaled = limit is not None and pads is not None and input_ids.shape[1] - min(pads) >= limit
         if pads is None or noisy is not None or rescaled:
-            self._last.tokens = [0] * input_ids.shape[0]
+            config = kwargs.get("generation_config") or self.model.generation_config
+            self._last.tokens = [0] * (input_ids.shape[0] * _num_sequences(config, kwargs))
             return self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
         with torch.no_grad():
             return self._generate(input_ids, attention_mask, mask, pads, kwargs)
@@ -218,13 +226,17 @@ class PrefixCache:
             width = 0 if whole else choose_width(mgr, rows, input_ids.shape[1], stream)
             load_prefix(cache, self._layers, mgr, rows, width, self._packing)
             release_reads(rows)
-            self._last.tokens = [row.reused for row in rows]
+            beams = _num_beams(config, kwargs)
+            if beams > 1:  # each row's beams, in turn, as generate repeats the rows
+                cache.batch_repeat_interleave(beams)
+            per_row = _num_sequences(config, kwargs)  # beam search's; sampled copies are rows already
+            self._last.tokens = [row.reused for row in rows for _ in range(per_row)]
             recorder = None if whole else self._recorder(cache, rows)  # whole: one forward over the prompt
             hooks = [self.model.register_forward_hook(recorder)] if recorder is not None else []
             timing = self._prefill
             try:
                 if timing is not None:
-                    timing.begin(len(rows) * (input_ids.shape[1] - width))  # positions the prompt forwards compute
+                    timing.begin(len(rows) * beams * (input_ids.shape[1] - width))  # positions its forwards compute
                 if recorder is not None:
                     self._prefill_to_snapshots(input_ids, mask, rows, width, cache)
                 if timing is not None:
@@ -239,7 +251,7 @@ class PrefixCache:
             if rate is not None:
                 mgr.set_prefill_rate(rate)
             if cache.get_seq_length() < input_ids.shape[1]:  # generate set the cache aside: its own computed all
-                self._last.tokens = [0] * len(rows)
+                self._last.tokens = [0] * len(self._last.tokens)
                 if not self._told_of_dropped_cache:
                     self._told_of_dropped_cache = True
                     log.warning(
@@ -250,8 +262,12 @@ class PrefixCache:
             if whole and self._packing is not None:  # no states recorded at the snapshot points
                 return out
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            if beams > 1:  # the returned beams' tokens are not the cache's rows: the prompts are saved
+                sequences = input_ids
             records = recorder.records if recorder is not None else None
-            save_rows(mgr, self._layers, rows, cache, sequences, width, records, self._packing, self._unsaved, stream)
+            save_rows(
+                mgr, self._layers, rows, cache, sequences, width, records, self._packing, self._unsaved, stream, beams
+            )
             cache.forget_written()
             return out
         finally:
@@ -339,11 +355,16 @@ class PrefixCache:
         def setting(name: str):
             return kwargs.get(name, getattr(config, name, None))
 
-        if (setting("num_beams") or 1) > 1:
-            raise NotImplementedError("beam search (num_beams > 1) is not supported by PrefixCache.generate")
-        if (setting("num_return_sequences") or 1) > 1:
-            raise NotImplementedError("num_return_sequences > 1 is supported with sampling (do_sample=True) only")
         mode = _generation_mode(config, kwargs)
+        if (setting("num_return_sequences") or 1) > 1 and mode not in _BEAM_MODES:
+            raise NotImplementedError(
+                "num_return_sequences > 1 is supported with sampling (do_sample=True) or beam search only"
+            )
+        if mode in _BEAM_MODES and self._packing is not None:
+            raise NotImplementedError(
+                "beam search on a model with linear-attention layers is not supported by PrefixCache.generate "
+                "(its recurrent states are kept per row, not per beam)"
+            )
         if mode is GenerationMode.ASSISTED_GENERATION:
             raise NotImplementedError(
                 "assisted decoding (assistant_model=, prompt_lookup_num_tokens=, assistant_early_exit= or use_mtp=, "
@@ -411,6 +432,18 @@ def _asks_for_prompt_outputs(kwargs: dict, config) -> bool:
         return bool(kwargs.get(name, getattr(config, name, False)))
 
     return setting("return_dict_in_generate") and (setting("output_hidden_states") or setting("output_attentions"))
+
+
+def _num_beams(config, kwargs: dict) -> int:
+    """The beams per row of a beam search call (1 for any other decoding)."""
+    if _generation_mode(config, kwargs) not in _BEAM_MODES:
+        return 1
+    return int(kwargs.get("num_beams", getattr(config, "num_beams", None) or 1))
+
+
+def _num_sequences(config, kwargs: dict) -> int:
+    """The sequences ``generate`` returns per row."""
+    return int(kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", None)) or 1)
 
 
 def _generation_mode(config, kwargs: dict) -> GenerationMode:

@@ -51,14 +51,19 @@ def save_rows(
     packing: StatePacking | None,
     unsaved: Callable[[str], None],
     stream=None,
+    beams: int = 1,
 ) -> None:
     """Write and commit every row's computed tokens, then close its write cache. ``records`` are the
     rows' recorded state pages (packed by ``packing``) with linear-attention layers, else None.
     ``unsaved`` is told of each row whose new blocks the primary tier cannot take (it repeats on
-    every call while the tier is too small: a rate-limited warning)."""
+    every call while the tier is too small: a rate-limited warning). ``beams``: the cache holds each
+    row's beams in turn (beam search); the row's tokens are read from its first beam, whose columns
+    of ``sequences`` (then the prompts) every beam of the row computed alike."""
     columns = min(cache.get_seq_length(), sequences.shape[1])
     tokens = [sequences[row.index, row.pad : columns].tolist() for row in rows]
     sources = _sources(cache, layers, width)
+    if beams > 1:
+        sources = {i: (keys[::beams], values[::beams], first) for i, (keys, values, first) in sources.items()}
     ends, nonfinite = _finite_ends(sources, rows, tokens, width, records, packing)
     for row, end in zip(rows, ends, strict=True):
         if row.index in nonfinite:

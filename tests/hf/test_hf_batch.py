@@ -131,3 +131,55 @@ def test_several_sampled_sequences_per_row_are_generate_s_and_reuse_the_row_pref
         assert min(reused) > 0  # the second call's copies reuse their row's prompt
         with pytest.raises(NotImplementedError, match="per-row arguments"):
             pc.generate(ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), **sample)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_beam_search_gives_generate_s_beams_and_every_beam_reuses_its_row_s_prompt(arch):
+    """The cache is filled for the rows, then repeated per beam as ``generate`` repeats the rows:
+    beams, their scores and the sampled beams' draws are ``generate``'s. Only the prompts are saved.
+    Before, beam search was refused. (Gemma 2's rows are of one length: see the test above.)"""
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(27)
+    system = tokens(g, 30)
+    rows = (
+        [system + tokens(g, 9), system + tokens(g, 20)] if arch != "gemma2" else [system + tokens(g, 9), tokens(g, 39)]
+    )
+    calls = [{"num_beams": 3, "num_return_sequences": 2}, {"num_beams": 2, "do_sample": True, "top_k": 20}]
+    with PrefixCache(model, tiers_config(model, blocks=96)) as pc:
+        for turn in range(3):
+            ids, mask = left_padded(rows)
+            for call in calls:
+                arguments = {"max_new_tokens": NEW_TOKENS, "return_dict_in_generate": True, "output_scores": True}
+                torch.manual_seed(turn)
+                expected = model.generate(ids, attention_mask=mask, **arguments, **call)
+                torch.manual_seed(turn)
+                got = pc.generate(ids, attention_mask=mask, **arguments, **call)
+                assert torch.equal(got.sequences, expected.sequences), pc.last_reused_tokens
+                assert torch.equal(got.sequences_scores, expected.sequences_scores)
+                per_row = call.get("num_return_sequences", 1)
+                assert len(pc.last_reused_tokens) == len(rows) * per_row
+                if turn or call is not calls[0]:  # the first call saved both prompts
+                    assert min(pc.last_reused_tokens) >= 32, pc.last_reused_tokens
+            rows = [row + tokens(g, 5) for row in rows]
+
+
+def test_beam_search_saves_the_prompt_and_not_the_beams():
+    """A beam call's next turn (its prompt and an answer) reuses the prompt's full blocks only: the
+    cache's rows are reordered and cut at every step, so they do not hold the returned beams."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(28)
+    prompt = tokens(g, 30)  # 3 full blocks of 8
+    with PrefixCache(model, tiers_config(model, blocks=64)) as pc:
+        out = pc.generate(torch.tensor([prompt]), max_new_tokens=12, num_beams=3)
+        answer = out[0, 30:].tolist()
+        pc.generate(torch.tensor([prompt + answer + tokens(g, 4)]), max_new_tokens=2, do_sample=False)
+        assert pc.last_reused_tokens == [24]
+
+
+def test_beam_search_on_a_model_with_linear_attention_layers_is_refused():
+    model = tiny_model("qwen3_next")
+    with PrefixCache(model, tiers_config(model, blocks=32)) as pc:
+        ids = torch.tensor([tokens(torch.Generator().manual_seed(29), 20)])
+        with pytest.raises(NotImplementedError, match="beam search on a model with linear-attention layers"):
+            pc.generate(ids, max_new_tokens=2, num_beams=2)
+        assert pc.manager.stats().lookup_tokens == 0

@@ -154,7 +154,7 @@ def test_the_cache_must_live_on_the_models_device():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"num_beams": 2}, NotImplementedError, "beam search"),
+        ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.5}, NotImplementedError, "group_beam_search"),
         ({"num_return_sequences": 2}, NotImplementedError, "num_return_sequences"),  # greedy: several need sampling
         # assisted decoding writes drafts into the cache and cuts them back: refused however it is asked for
         ({"prompt_lookup_num_tokens": 3}, NotImplementedError, "assisted decoding"),
