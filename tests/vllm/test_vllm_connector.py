@@ -606,6 +606,23 @@ def test_inside_vllms_multi_connector_prefixes_are_saved_and_loaded_and_nothing_
     e.shutdown()
 
 
+def test_with_vllms_prefix_caching_off_kvtier_still_serves_prefixes(tmp_path):
+    """``enable_prefix_caching=False`` (vLLM computes no block hashes and keeps no cached blocks):
+    kvtier's own keys still find a prefix an earlier request left, without any reset."""
+    config = vllm_config(tmp_path, {"host_bytes": 4 * MiB})
+    config.cache_config.enable_prefix_caching = False
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 64))
+    shared = prompt(32, 100)
+    e.add("r1", shared, max_tokens=4)
+    e.run()
+    e.poison()
+    e.add("r2", shared[:90] + [7, 8, 9], max_tokens=3)
+    e.run()
+    assert first_step_of(e, "r2")[0] == 80  # 5 full shared blocks from kvtier, each position checked
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_two_cache_salts_never_share(tmp_path):
     e = engine(tmp_path)
     shared = prompt(6, 80)
