@@ -15,7 +15,8 @@ The layer kinds come from the cache classes transformers builds for the model
 Any other class (an indexed, quantized, static or custom layer) raises ``NotImplementedError``
 naming it, as do encoder-decoder models, models without an attention layer, and models that
 cannot extend a cache by several tokens at once, keep other positions than their tokens', or
-attend to later tokens (``_run_probe``; all run in eval mode). Shapes and dtypes (KV heads, head
+attend to later tokens (``_run_probe``; all run in eval mode). A model that computes left-padded
+rows otherwise than kvtier serves them is read with the reason (``padding``, ``kvtier.hf.padding``). Shapes and dtypes (KV heads, head
 dim, each state's shape) are read from a probe forward through a fresh cache, so they are exactly
 what the model writes. Both use ``W`` the same way: a query attends to itself and the ``W - 1``
 tokens before it.
@@ -34,6 +35,7 @@ import transformers
 from transformers import cache_utils
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
+from kvtier.hf.padding import padding_difference
 from kvtier.spec import AttentionLayer, ModelSpec, RecurrentLayer
 from kvtier.weights import default_model_id
 
@@ -87,6 +89,7 @@ class ModelLayers:
     spec: ModelSpec
     cache_argument: str  # the name the model's forward takes its cache by
     weights: str | None = None  # the weights' fingerprint in the spec's default model_id (None: the caller's)
+    padding: str | None = None  # why a left-padded row is not computed as kvtier serves it (``kvtier.hf.padding``)
     attention: tuple[ModelLayer, ...] = field(init=False)
     linear: tuple[ModelLayer, ...] = field(init=False)
     by_kvtier_id: dict[int, ModelLayer] = field(init=False)
@@ -138,6 +141,8 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
         )
     argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     _run_probe(model, probe, argument, kinds)
+    with torch.no_grad(), _evaluating(model):
+        padding = padding_difference(model, argument, _first_attention(kinds))
     layers: list[ModelLayer] = []
     spec_layers: list[AttentionLayer | RecurrentLayer] = []
     kv_dtypes = set()
@@ -173,7 +178,17 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
         weights, model_id = default_model_id(model, config)
         model_id += f"+transformers-{transformers_version()}"
     spec = ModelSpec(spec_layers, dtype=kv_dtypes.pop(), model_id=model_id)
-    return ModelLayers(tuple(layers), spec, argument, weights)
+    return ModelLayers(tuple(layers), spec, argument, weights, padding)
+
+
+def _first_attention(kinds: list[LayerKind]) -> int | None:
+    """The first attention layer's index, unless a layer with recurrent states comes before it."""
+    for index, kind in enumerate(kinds):
+        if kind in _ATTENTION:
+            return index
+        if kind in (LayerKind.LINEAR, LayerKind.BOTH):
+            return None
+    return None
 
 
 def transformers_version() -> str:

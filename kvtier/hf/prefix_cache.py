@@ -28,8 +28,10 @@ PEFT adapters active in a call are part of its scope (``adapters``).
 Outputs are those of ``model.generate`` with the same arguments. What is reused in a batch:
 ``last_reused_tokens[i]`` prompt tokens of row i, where the batch takes the same number of
 leading columns from kvtier for every row (see ``batch_rows``). A batch whose attention mask is
-not left padding, and a call while a module of the model applies dropout or noise in training
-mode (``training_noise``), run as plain ``model.generate``, reusing and saving nothing.
+not left padding, a padded batch of a model that computes padded rows its own way
+(``kvtier.hf.padding``: TrOCR, GIT), and a call while a module of the model applies dropout or
+noise in training mode (``training_noise``), run as plain ``model.generate``, reusing and saving
+nothing.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class PrefixCache:
         self._told_of_dropped_cache = False  # a call whose generate set kvtier's cache aside (logged once)
         self._told_of_noise = False  # a call in training mode with dropout or noise (logged once)
         self._told_of_prompt_outputs = False  # a call asking for the prompt's hidden states or attentions
+        self._told_of_padding = False  # a padded call on a model that computes padded rows its own way
         self._prefill = None
         if recompute_when_faster:  # from the first call on, with the rate a manager on its disk tier measured last
             self._prefill = PrefillTiming(device, self.manager.remembered_prefill_rate)
@@ -194,7 +197,16 @@ class PrefixCache:
             )
         limit = self._rope_limit  # a call this long has every key rotated by frequencies of its own
         rescaled = limit is not None and pads is not None and input_ids.shape[1] - min(pads) >= limit
-        if pads is None or noisy is not None or rescaled:
+        padded = pads is not None and max(pads) > 0 and self._layers.padding is not None
+        if padded and not self._told_of_padding:
+            self._told_of_padding = True
+            log.info(
+                "%s computes left-padded rows its own way (%s): calls with padding run as plain generate, "
+                "reusing and saving nothing",
+                type(self.model).__name__,
+                self._layers.padding,
+            )
+        if pads is None or noisy is not None or rescaled or padded:
             config = kwargs.get("generation_config") or self.model.generation_config
             self._last.tokens = [0] * (input_ids.shape[0] * _num_sequences(config, kwargs))
             return self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
