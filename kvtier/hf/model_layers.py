@@ -16,10 +16,10 @@ Any other class (an indexed, quantized, static or custom layer) raises ``NotImpl
 naming it, as do encoder-decoder models, models without an attention layer, and models that
 cannot extend a cache by several tokens at once, keep other positions than their tokens', or
 attend to later tokens (``_run_probe``; all run in eval mode). A model that computes left-padded
-rows otherwise than kvtier serves them is read with the reason (``padding``, ``kvtier.hf.padding``). Shapes and dtypes (KV heads, head
-dim, each state's shape) are read from a probe forward through a fresh cache, so they are exactly
-what the model writes. Both use ``W`` the same way: a query attends to itself and the ``W - 1``
-tokens before it.
+rows otherwise than kvtier serves them is read with the reason (``padding``, ``kvtier.hf.padding``).
+Shapes and dtypes (KV heads, head dim, each state's shape) are read from a probe forward through a
+fresh cache, so they are exactly what the model writes. Both use ``W`` the same way: a query
+attends to itself and the ``W - 1`` tokens before it.
 """
 
 from __future__ import annotations
