@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from kvtier.hf.model_layers import LayerKind, ModelLayers
 
@@ -69,6 +69,21 @@ class RecordingCache(DynamicCache):
             if isinstance(layer, RecordingSlidingWindowLayer):
                 layer.forget_written()
 
+    def repeat_rows(self, repeats: int) -> None:
+        """Each row ``repeats`` times in turn, as ``generate`` repeats a batch's rows for its beams
+        (keys, values and linear-attention states: transformers repeats only the former itself)."""
+        for layer in self.layers:
+            if isinstance(layer, DynamicLayer):
+                layer.batch_repeat_interleave(repeats)
+            if isinstance(layer, LinearAttentionLayer):
+                for states, ready in (
+                    (layer.conv_states, layer.is_conv_states_initialized),
+                    (layer.recurrent_states, layer.is_recurrent_states_initialized),
+                ):
+                    for index, tensor in states.items():
+                        if ready[index] and tensor is not None:
+                            states[index] = tensor.repeat_interleave(repeats, dim=0)
+
 
 def fill_attention(layer, kind: LayerKind, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
     """Make an initialized, empty layer hold a prefix of ``width`` columns: all of them (full
@@ -105,7 +120,8 @@ class StateRecorder:
     """A forward hook: after each forward, pack the states of rows that reached a snapshot point.
 
     ``points(row, position) -> bool`` says whether a row's state after ``position`` tokens is wanted.
-    ``records[row][position]`` is then a uint8 page image (see ``page_io.StatePacking``).
+    ``records[row][position]`` is then a uint8 page image (see ``page_io.StatePacking``). ``stride``:
+    the cache holds each row that many times in turn (beam search), and the first copy is read.
     """
 
     def __init__(
@@ -122,6 +138,7 @@ class StateRecorder:
         self.pack = pack
         self.points = points
         self.records: list[dict[int, torch.Tensor]] = [{} for _ in pads]
+        self.stride = 1
 
     def __call__(self, module, args, output) -> None:
         columns = self.cache.get_seq_length()
@@ -130,6 +147,6 @@ class StateRecorder:
             return
         states = live_states(self.cache, self.layers)
         device = next(iter(states.values())).device
-        pages = self.pack(states, torch.tensor(rows, dtype=torch.long, device=device))
+        pages = self.pack(states, torch.tensor([i * self.stride for i in rows], dtype=torch.long, device=device))
         for k, i in enumerate(rows):
             self.records[i][columns - self.pads[i]] = pages[k]

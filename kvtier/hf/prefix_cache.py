@@ -13,8 +13,9 @@ One call, for a batch of left-padded rows:
 4. save: every computed token of every row goes into its pages and is committed, publishing full
    blocks for the next call (``prefix_save``).
 
-Beam search: the cache is filled for the rows, then repeated once per beam (as ``generate`` repeats
-the rows), so every beam reuses its row's prefix. Only the prompts are saved: beams are reordered
+Beam search: the cache is filled for the rows (and run to their snapshot points), then repeated
+once per beam, states included (as ``generate`` repeats the rows), so every beam reuses its row's
+prefix. Only the prompts are saved: beams are reordered
 and cut at every step, so the cache's rows do not hold the returned sequences' generated tokens.
 
 The prompt forward of each call is timed (``prefill_rate``) and the rate given to the manager:
@@ -151,9 +152,8 @@ class PrefixCache:
         Sets ``last_reused_tokens`` (one entry per output row). Greedy, sampling and beam search (with
         or without sampling); sampling several sequences per row (``num_return_sequences``) repeats
         each row as ``generate`` does, so each copy reuses the row's prefix, and so do a row's beams.
-        Beam search saves the prompts only. Assisted decoding, constrained or group beam search,
-        beam search on a model with linear-attention layers and static caches raise
-        ``NotImplementedError``.
+        Beam search saves the prompts only. Assisted decoding, constrained or group beam search and
+        static caches raise ``NotImplementedError``.
         A ``cache_implementation`` preset by the model's generation config (Gemma's "hybrid") is set
         aside: kvtier's dynamic cache serves the call, with the same tokens. A call that asks for the
         prompt's hidden states or attentions (``return_dict_in_generate`` with ``output_hidden_states``
@@ -239,18 +239,22 @@ class PrefixCache:
             load_prefix(cache, self._layers, mgr, rows, width, self._packing)
             release_reads(rows)
             beams = _num_beams(config, kwargs)
-            if beams > 1:  # each row's beams, in turn, as generate repeats the rows
-                cache.batch_repeat_interleave(beams)
             per_row = _num_sequences(config, kwargs)  # beam search's; sampled copies are rows already
             self._last.tokens = [row.reused for row in rows for _ in range(per_row)]
             recorder = None if whole else self._recorder(cache, rows)  # whole: one forward over the prompt
             hooks = [self.model.register_forward_hook(recorder)] if recorder is not None else []
+            ends = self._snapshot_ends(input_ids.shape[1], rows, width) if recorder is not None else []
+            split = ends[-1] if ends else width  # where generate's own forward starts
             timing = self._prefill
             try:
-                if timing is not None:
-                    timing.begin(len(rows) * beams * (input_ids.shape[1] - width))  # positions its forwards compute
-                if recorder is not None:
-                    self._prefill_to_snapshots(input_ids, mask, rows, width, cache)
+                if timing is not None:  # positions the prompt's forwards compute, a row's beams each
+                    timing.begin(len(rows) * (split - width + beams * (input_ids.shape[1] - split)))
+                if ends:
+                    self._prefill_to_snapshots(input_ids, mask, ends, width, cache)
+                if beams > 1:  # each row's beams, in turn, as generate repeats the rows
+                    cache.repeat_rows(beams)
+                    if recorder is not None:
+                        recorder.stride = beams
                 if timing is not None:
                     hooks.append(self.model.register_forward_hook(timing.hook))  # generate's first forward
                 arguments = {**kwargs, self._layers.cache_argument: cache, "cache_implementation": None}
@@ -299,19 +303,20 @@ class PrefixCache:
 
         return StateRecorder(cache, self._layers, [row.pad for row in rows], self._packing.pack, wanted)
 
-    def _prefill_to_snapshots(self, input_ids, mask, rows: list[Row], width: int, cache: RecordingCache) -> None:
-        """Run the prompt columns ``[width, L)`` up to every snapshot point a row has there, one forward
-        per stretch, as ``generate`` would (same mask and positions); ``generate`` runs the last stretch.
-        No stretch goes past a row's bound: the inputs that reach beyond it are ``generate``'s alone."""
-        num_columns = input_ids.shape[1]
+    def _snapshot_ends(self, num_columns: int, rows: list[Row], width: int) -> list[int]:
+        """The columns in ``(width, L)`` where a stretch of the prompt ends before ``generate`` runs the
+        last one: every snapshot point a row has there, none past a row's bound (the inputs that
+        reach beyond it are ``generate``'s alone)."""
         interval = self.manager.config.snapshot_interval_blocks * self.manager.tokens_per_block
         pads = {row.pad for row in rows}
         last = min((row.pad + row.bound for row in rows if row.bound is not None), default=num_columns)
-        ends = sorted(
+        return sorted(
             {pad + m for pad in pads for m in range(interval, num_columns - pad, interval) if width < pad + m <= last}
         )
-        if not ends:
-            return
+
+    def _prefill_to_snapshots(self, input_ids, mask, ends: list[int], width: int, cache: RecordingCache) -> None:
+        """Run the prompt columns ``[width, ends[-1])`` in stretches ending at ``ends`` (``_snapshot_ends``),
+        one forward each, as ``generate`` would (same mask and positions)."""
         device = self.manager.device
         ids = input_ids.to(device)
         mask = mask.to(device=device, dtype=torch.long)
@@ -371,11 +376,6 @@ class PrefixCache:
         if (setting("num_return_sequences") or 1) > 1 and mode not in _BEAM_MODES:
             raise NotImplementedError(
                 "num_return_sequences > 1 is supported with sampling (do_sample=True) or beam search only"
-            )
-        if mode in _BEAM_MODES and self._packing is not None:
-            raise NotImplementedError(
-                "beam search on a model with linear-attention layers is not supported by PrefixCache.generate "
-                "(its recurrent states are kept per row, not per beam)"
             )
         if mode is GenerationMode.ASSISTED_GENERATION:
             raise NotImplementedError(

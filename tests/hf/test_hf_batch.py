@@ -133,17 +133,21 @@ def test_several_sampled_sequences_per_row_are_generate_s_and_reuse_the_row_pref
             pc.generate(ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), **sample)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen3_next", "falcon_h1"])
 def test_beam_search_gives_generate_s_beams_and_every_beam_reuses_its_row_s_prompt(arch):
-    """The cache is filled for the rows, then repeated per beam as ``generate`` repeats the rows:
-    beams, their scores and the sampled beams' draws are ``generate``'s. Only the prompts are saved.
-    Before, beam search was refused. (Gemma 2's rows are of one length: see the test above.)"""
+    """The cache is filled for the rows, then repeated per beam as ``generate`` repeats the rows
+    (linear-attention states too): beams, their scores and the sampled beams' draws are
+    ``generate``'s. Only the prompts are saved. Before, beam search was refused. (Gemma 2's rows are
+    of one length: see the test above. The hybrids keep states every 16 tokens and at a prompt's end.)"""
+    hybrid = arch in ("qwen3_next", "falcon_h1")
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(27)
     system = tokens(g, 30)
     rows = (
         [system + tokens(g, 9), system + tokens(g, 20)] if arch != "gemma2" else [system + tokens(g, 9), tokens(g, 39)]
     )
+    if hybrid:
+        rows = [system[:16] + tokens(g, 16), tokens(g, 32)]
     calls = [{"num_beams": 3, "num_return_sequences": 2}, {"num_beams": 2, "do_sample": True, "top_k": 20}]
     with PrefixCache(model, tiers_config(model, blocks=96)) as pc:
         for turn in range(3):
@@ -159,8 +163,8 @@ def test_beam_search_gives_generate_s_beams_and_every_beam_reuses_its_row_s_prom
                 per_row = call.get("num_return_sequences", 1)
                 assert len(pc.last_reused_tokens) == len(rows) * per_row
                 if turn or call is not calls[0]:  # the first call saved both prompts
-                    assert min(pc.last_reused_tokens) >= 32, pc.last_reused_tokens
-            rows = [row + tokens(g, 5) for row in rows]
+                    assert min(pc.last_reused_tokens) >= (16 if hybrid else 32), pc.last_reused_tokens
+            rows = [row + tokens(g, 16 if hybrid else 5) for row in rows]
 
 
 def test_beam_search_saves_the_prompt_and_not_the_beams():
@@ -174,12 +178,3 @@ def test_beam_search_saves_the_prompt_and_not_the_beams():
         answer = out[0, 30:].tolist()
         pc.generate(torch.tensor([prompt + answer + tokens(g, 4)]), max_new_tokens=2, do_sample=False)
         assert pc.last_reused_tokens == [24]
-
-
-def test_beam_search_on_a_model_with_linear_attention_layers_is_refused():
-    model = tiny_model("qwen3_next")
-    with PrefixCache(model, tiers_config(model, blocks=32)) as pc:
-        ids = torch.tensor([tokens(torch.Generator().manual_seed(29), 20)])
-        with pytest.raises(NotImplementedError, match="beam search on a model with linear-attention layers"):
-            pc.generate(ids, max_new_tokens=2, num_beams=2)
-        assert pc.manager.stats().lookup_tokens == 0

@@ -114,22 +114,22 @@ def test_a_script_that_makes_cuda_the_default_device(arch, tmp_path):
         torch.set_default_device(None)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3_next"])
 def test_beam_search_on_the_gpu_through_host_and_disk(arch, tmp_path):
     model = tiny_model(arch).to("cuda")
     config = tiers_config(model, blocks=12, host_blocks=4, disk_blocks=400, disk_path=tmp_path / "disk", device="cuda")
     g = torch.Generator().manual_seed(32)
-    prompts = [tokens(g, 40) for _ in range(4)]
+    prompts = [tokens(g, 48) for _ in range(4)]  # ends on a snapshot point of the hybrid (every 16 tokens)
     arguments = {"max_new_tokens": 5, "num_beams": 3, "num_return_sequences": 2, "return_dict_in_generate": True}
     with PrefixCache(model, config, recompute_when_faster=False) as pc:  # every cached block is loaded
         for turn in range(2):
             for prompt in prompts:
-                ids = torch.tensor([prompt + tokens(g, 3)], device="cuda")
+                ids = torch.tensor([prompt + tokens(g, 16)], device="cuda")
                 expected = model.generate(ids, output_scores=True, **arguments)
                 got = pc.generate(ids, output_scores=True, **arguments)
                 assert torch.equal(got.sequences, expected.sequences), (turn, pc.last_reused_tokens)
                 torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=0, atol=1e-9)
                 if turn:
-                    assert pc.last_reused_tokens == [40, 40]
+                    assert pc.last_reused_tokens == [48, 48]
         stats = pc.manager.stats()
         assert stats.hit_tokens["host"] + stats.hit_tokens["disk"] > 0, stats.hit_tokens
