@@ -149,8 +149,10 @@ def test_beam_search_gives_generate_s_beams_and_every_beam_reuses_its_row_s_prom
     if hybrid:
         rows = [system[:16] + tokens(g, 16), tokens(g, 32)]
     calls = [{"num_beams": 3, "num_return_sequences": 2}, {"num_beams": 2, "do_sample": True, "top_k": 20}]
+    if arch == "falcon_h1":  # its state space layers run a slow reference implementation on a CPU
+        calls = calls[:1]
     with PrefixCache(model, tiers_config(model, blocks=96)) as pc:
-        for turn in range(3):
+        for turn in range(2 if arch == "falcon_h1" else 3):
             ids, mask = left_padded(rows)
             for call in calls:
                 arguments = {"max_new_tokens": NEW_TOKENS, "return_dict_in_generate": True, "output_scores": True}
