@@ -8,11 +8,14 @@ prefix, head, element), so a block holds the right bytes only if it holds exactl
 KV. Before each forward it checks every position the request counts as computed: what attention
 would read must be what this request's prefix wrote (``WrongKV`` otherwise).
 
-With speculative decoding (``vllm_config(spec_tokens=k)``, synchronous scheduling) the runner
-proposes ``k`` draft tokens per request after each step, the first few of them right and the rest
-wrong, writes the drafts' KV in their positions as a target model's forward does, and accepts
-drafts as a target model's greedy verification would: the KV of a rejected draft stays in the
-block until the position is computed again.
+With speculative decoding (``vllm_config(spec_tokens=k)``) the runner proposes ``k`` draft tokens
+per request after each step, the first few of them right and the rest wrong, writes the drafts'
+KV in their positions as a target model's forward does, and accepts drafts as a target model's
+greedy verification would: the KV of a rejected draft stays in the block until the position is
+computed again. Synchronous scheduling hands the drafts to the scheduler; asynchronous scheduling
+keeps them in the runner (the scheduler schedules placeholders, as in vLLM) and the runner places
+a step's tokens after the previous step's accepted ones, before the scheduler hears how many of
+that step's drafts were rejected.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -214,16 +216,17 @@ class Engine:
         self.async_scheduling = bool(config.scheduler_config.async_scheduling)
         speculative = config.speculative_config
         self.spec_tokens = speculative.num_speculative_tokens if speculative is not None else 0
-        if self.spec_tokens and self.async_scheduling:
-            raise NotImplementedError("the stand-in runner drafts tokens under synchronous scheduling only")
         self._drafts_rng = np.random.default_rng(0)
         self.drafted = self.accepted = 0  # draft tokens proposed and accepted so far
+        self._drafts: dict[str, list[int]] = {}  # asynchronous scheduling: each request's next drafts
+        self._rejected: dict[str, tuple[int, int]] = {}  # rid -> (step, drafts rejected in that step)
+        self._steps = 0
         # The worker's connector is built first, as in vLLM.
         self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_config)
         layout = config.cache_config.get_resolved_kv_cache_layout()
         self.caches = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
         self.worker.register_kv_caches(self.caches)
-        self.scheduler = Scheduler(
+        self.scheduler = config.scheduler_config.get_scheduler_cls()(  # AsyncScheduler when asynchronous
             vllm_config=config,
             kv_cache_config=kv_config,
             structured_output_manager=StructuredOutputManager(config),
@@ -296,17 +299,22 @@ class Engine:
         req_ids, sampled = [], []
         for rid, n in out.num_scheduled_tokens.items():
             request = self.requests[rid]
-            start = request.num_computed_tokens - n
+            start = request.num_computed_tokens - n - self._unheard_rejections(rid)
             self.check(rid, start)
             tokens = self.tokens(rid)
-            drafts = list(out.scheduled_spec_decode_tokens.get(rid, ()))
+            drafts = self._drafts_of(rid, out)
             self._forward(rid, tokens + drafts, start, start + n)
             step.computed[rid] = (start, start + n)
             req_ids.append(rid)
             sampled.append(verify(tokens, drafts) if start + n >= len(tokens) else [])
             self.drafted += len(drafts)
             self.accepted += len(sampled[-1]) - 1 if drafts else 0
+            if drafts:
+                self._rejected[rid] = (self._steps, len(drafts) + 1 - len(sampled[-1]))
             self.outputs[rid].extend(sampled[-1])
+            if self.spec_tokens and self.async_scheduling and sampled[-1]:
+                self._drafts[rid] = self._draft(self.tokens(rid))
+        self._steps += 1
         w.start_load_kv(None)
         w.wait_for_save()
         results = w.get_transfer_results(out.finished_req_ids)
@@ -335,6 +343,9 @@ class Engine:
 
     def update(self, out, result: ModelRunnerOutput) -> None:
         self.scheduler.update_from_output(out, result)
+        for rid in result.req_ids:  # the scheduler drops sampled tokens past a request's stop
+            if self.requests[rid].is_finished():
+                self.outputs[rid] = list(self.requests[rid].output_token_ids)
 
     def step(self) -> StepLog:
         """One engine step; with asynchronous scheduling the previous step's output is applied after it."""
@@ -366,19 +377,33 @@ class Engine:
         raise AssertionError(f"requests still pending after {max_steps} steps")
 
     def _propose(self, rids: list[str]) -> None:
-        """Draft tokens for the requests of a step that go on: each the next ``spec_tokens`` tokens,
-        right up to a random point and wrong after it (the scheduler keeps as many as it schedules)."""
-        for rid in rids:
-            self.outputs[rid] = list(self.requests[rid].output_token_ids)  # tokens past a stop are dropped
+        """Synchronous scheduling: hand the scheduler drafts for the requests of a step that go on
+        (it keeps as many as it schedules)."""
         going_on = [rid for rid in rids if not self.requests[rid].is_finished()]
-        drafts = []
-        for rid in going_on:
-            seq = self.tokens(rid)
-            right = int(self._drafts_rng.integers(0, self.spec_tokens + 1))
-            for i in range(self.spec_tokens):
-                seq.append(sample(seq) if i < right else (sample(seq) + 1) % 997)
-            drafts.append(seq[-self.spec_tokens :])
+        drafts = [self._draft(self.tokens(rid)) for rid in going_on]
         self.scheduler.update_draft_token_ids(DraftTokenIds(going_on, drafts))
+
+    def _draft(self, tokens: list[int]) -> list[int]:
+        """The next ``spec_tokens`` tokens after ``tokens``, right up to a random point, wrong after it."""
+        seq = list(tokens)
+        right = int(self._drafts_rng.integers(0, self.spec_tokens + 1))
+        for i in range(self.spec_tokens):
+            seq.append(sample(seq) if i < right else (sample(seq) + 1) % 997)
+        return seq[len(tokens) :]
+
+    def _drafts_of(self, rid: str, out) -> list[int]:
+        """The drafts a step verifies for ``rid``: the scheduler's, or under asynchronous scheduling
+        (where it schedules placeholders) as many of the runner's own."""
+        scheduled = list(out.scheduled_spec_decode_tokens.get(rid, ()))
+        if not self.async_scheduling or not scheduled:
+            return scheduled
+        return self._drafts.pop(rid)[: len(scheduled)]
+
+    def _unheard_rejections(self, rid: str) -> int:
+        """Positions the scheduler counts as computed that the runner rejected in the step just before
+        (asynchronous scheduling: it hears of them after scheduling this one, as in vLLM)."""
+        step, rejected = self._rejected.get(rid, (-2, 0))
+        return rejected if self.async_scheduling and step == self._steps - 1 else 0
 
     def tokens(self, rid: str) -> list[int]:
         """The request's tokens as the runner knows them (it knows what it sampled before the scheduler does)."""

@@ -555,11 +555,15 @@ def test_preempted_requests_resume_from_kvtier_and_nothing_wrong_is_served(tmp_p
     e.shutdown()
 
 
-@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
-def test_speculative_decoding_never_saves_the_kv_of_a_rejected_draft(tmp_path, disk):
+@pytest.mark.parametrize(
+    ("disk", "async_scheduling"), [(False, False), (True, False), (False, True)], ids=["host", "disk", "async"]
+)
+def test_speculative_decoding_never_saves_the_kv_of_a_rejected_draft(tmp_path, disk, async_scheduling):
     """A step writes the KV of its draft tokens before they are verified; a rejected draft's KV stays
-    in its block until that position is computed again, so saving it would serve another token's KV."""
-    e = engine(tmp_path, disk=disk, spec_tokens=3)
+    in its block until that position is computed again, so saving it would serve another token's KV.
+    Under asynchronous scheduling the scheduler counts a step's drafts as computed until it hears of
+    their rejection, after scheduling the next step."""
+    e = engine(tmp_path, disk=disk, spec_tokens=3, async_scheduling=async_scheduling)
     e.add("r1", prompt(21, 40), max_tokens=60)
     e.run()
     assert 0 < e.accepted < e.drafted, "drafts were meant to be both accepted and rejected"

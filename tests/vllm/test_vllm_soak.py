@@ -2,7 +2,7 @@
 
 Each seed draws a configuration (host memory for 8 to 256 pages, a disk tier or none, a shared
 store, a sliding-window group, 24 to 128 vLLM blocks so that requests are preempted, synchronous
-scheduling with or without speculative decoding, or asynchronous scheduling) and a session:
+or asynchronous scheduling, speculative decoding or none) and a session:
 requests that share prefixes of random lengths, cache salts, aborts, vLLM's prefix cache reset,
 and weight updates (the engine drained, new weights, then vLLM's and the connector's reset, as a
 reinforcement-learning loop does). The stand-in model's KV is a function of the prefix, the
@@ -67,7 +67,7 @@ def session(seed: int, tmp_path: Path) -> None:
         extra["store_url"] = f"file://{tmp_path}/store"
     asynchronous = rng.random() < 0.5
     max_batched = rng.choice([32, 64, 128])
-    spec_tokens = 0 if asynchronous else rng.choice([0, 0, 2, 4])  # the runner drafts under synchronous scheduling
+    spec_tokens = rng.choice([0, 0, 2, 4])
     config = vllm_config(
         tmp_path, extra, async_scheduling=asynchronous, max_batched=max_batched, spec_tokens=spec_tokens
     )
