@@ -35,6 +35,13 @@ class RecordingSlidingWindowLayer(DynamicSlidingWindowLayer):
         self.written_values.append(value_states)
         return super().update(key_states, value_states, *args, **kwargs)
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times in turn, the recorded keys and values too (a hybrid model's
+        prompt ran to its snapshot points before its rows were repeated for beam search)."""
+        super().batch_repeat_interleave(repeats)
+        self.written_keys = [k.repeat_interleave(repeats, dim=0) for k in self.written_keys]
+        self.written_values = [v.repeat_interleave(repeats, dim=0) for v in self.written_values]
+
     def written(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every column written since the prefix, ``[batch, heads, columns, dim]``."""
         return torch.cat(self.written_keys, dim=-2), torch.cat(self.written_values, dim=-2)

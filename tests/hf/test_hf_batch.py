@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvtier.hf import PrefixCache
+from kvtier.hf.hf_cache import RecordingCache
 from tests.hf.tiny import left_padded, tiers_config, tiny_model, tokens
 
 NEW_TOKENS = 5
@@ -180,3 +181,21 @@ def test_beam_search_saves_the_prompt_and_not_the_beams():
         answer = out[0, 30:].tolist()
         pc.generate(torch.tensor([prompt + answer + tokens(g, 4)]), max_new_tokens=2, do_sample=False)
         assert pc.last_reused_tokens == [24]
+
+
+def test_repeating_rows_for_beams_repeats_what_sliding_window_layers_recorded():
+    """A hybrid model's prompt runs to its snapshot points before its rows are repeated per beam:
+    the keys and values its sliding-window layers recorded meanwhile are repeated with the rest.
+    (Before, saving a beam call of a model with linear-attention and sliding-window layers, as
+    LaRA-mini's, failed on batches of two sizes.)"""
+    model = tiny_model("mistral")
+    g = torch.Generator().manual_seed(30)
+    ids = torch.tensor([tokens(g, 6), tokens(g, 6)])
+    cache = RecordingCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :4], past_key_values=cache, use_cache=True)
+        cache.repeat_rows(3)
+        model(ids.repeat_interleave(3, dim=0)[:, 4:], past_key_values=cache, use_cache=True)
+    keys, values = cache.layers[0].written()
+    assert keys.shape[0] == values.shape[0] == 6 and keys.shape[-2] == 6
+    assert torch.equal(keys[0], keys[2]) and torch.equal(values[3], values[5]) and not torch.equal(keys[0], keys[3])
