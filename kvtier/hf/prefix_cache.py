@@ -15,8 +15,8 @@ One call, for a batch of left-padded rows:
 
 Beam search: the cache is filled for the rows (and run to their snapshot points), then repeated
 once per beam, states included (as ``generate`` repeats the rows), so every beam reuses its row's
-prefix. Only the prompts are saved: beams are reordered
-and cut at every step, so the cache's rows do not hold the returned sequences' generated tokens.
+prefix. Only the prompts are saved: beams are reordered and cut at every step, so the cache's
+rows do not hold the returned sequences' generated tokens.
 
 The prompt forward of each call is timed (``prefill_rate``) and the rate given to the manager:
 a cached prefix is then reused only as far as loading it is estimated faster than recomputing
