@@ -162,7 +162,10 @@ def test_beam_search_gives_generate_s_beams_and_every_beam_reuses_its_row_s_prom
                 torch.manual_seed(turn)
                 got = pc.generate(ids, attention_mask=mask, **arguments, **call)
                 assert torch.equal(got.sequences, expected.sequences), pc.last_reused_tokens
-                assert torch.equal(got.sequences_scores, expected.sequences_scores)
+                # (a hybrid's linear-attention kernels compute in float32 inside, and kvtier's prompt
+                # forwards stop at its snapshot points: its scores may differ in the last float32 bits)
+                tolerance = 1e-6 if hybrid else 0.0
+                torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=0, atol=tolerance)
                 per_row = call.get("num_return_sequences", 1)
                 assert len(pc.last_reused_tokens) == len(rows) * per_row
                 if turn or call is not calls[0]:  # the first call saved both prompts
