@@ -128,7 +128,8 @@ def test_beam_search_on_the_gpu_through_host_and_disk(arch, tmp_path):
                 expected = model.generate(ids, output_scores=True, **arguments)
                 got = pc.generate(ids, output_scores=True, **arguments)
                 assert torch.equal(got.sequences, expected.sequences), (turn, pc.last_reused_tokens)
-                torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=0, atol=1e-9)
+                tolerance = 1e-6 if arch == "qwen3_next" else 1e-9  # float32 inside its linear attention
+                torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=0, atol=tolerance)
                 if turn:
                     assert pc.last_reused_tokens == [48, 48]
         stats = pc.manager.stats()
