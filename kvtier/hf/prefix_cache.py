@@ -207,7 +207,7 @@ class PrefixCache:
                 self._layers.padding,
             )
         if pads is None or noisy is not None or rescaled or padded:
-            config = kwargs.get("generation_config") or self.model.generation_config
+            config = self._generation_config(kwargs)
             self._last.tokens = [0] * (input_ids.shape[0] * _num_sequences(config, kwargs))
             return self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
         with torch.no_grad():
@@ -219,7 +219,7 @@ class PrefixCache:
         rows = []
         try:
             scopes = self._scopes.for_rows(len(pads), kwargs)
-            config = kwargs.get("generation_config") or self.model.generation_config
+            config = self._generation_config(kwargs)
             bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
             for i, (pad, bound, scope) in enumerate(zip(pads, bounds, scopes, strict=True)):
                 prompt = host_ids[i, pad:].tolist()
@@ -338,8 +338,8 @@ class PrefixCache:
         """Sampling ``num_return_sequences=n``: each row repeated ``n`` times in place, as ``generate``
         expands them itself before the prompt's forward (so the draws are the same), and the call
         asks for one sequence per row. Anything else is returned as given, to be checked."""
-        config = kwargs.get("generation_config") or self.model.generation_config
-        n = kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", None)) or 1
+        config = self._generation_config(kwargs)
+        n = _num_sequences(config, kwargs)
         shaped = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
         if n <= 1 or not shaped or _generation_mode(config, kwargs) is not GenerationMode.SAMPLE:
             return input_ids, attention_mask, kwargs
@@ -367,7 +367,7 @@ class PrefixCache:
         for name, what in _UNSUPPORTED.items():
             if kwargs.get(name) is not None:
                 raise NotImplementedError(f"{what} ({name}=) is not supported by PrefixCache.generate")
-        config = kwargs.get("generation_config") or self.model.generation_config
+        config = self._generation_config(kwargs)
 
         def setting(name: str):
             return kwargs.get(name, getattr(config, name, None))
@@ -409,10 +409,14 @@ class PrefixCache:
                 preset,
             )
 
+    def _generation_config(self, kwargs: dict):
+        """The call's generation config: the one it passes, else the model's."""
+        return kwargs.get("generation_config") or self.model.generation_config
+
     def _inferred_mask(self, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """The mask ``generate`` infers without one: padding wherever ``pad_token_id`` appears, if it is
         set and is not an end-of-sequence token; else all ones."""
-        config = kwargs.get("generation_config") or self.model.generation_config
+        config = self._generation_config(kwargs)
         pad = kwargs.get("pad_token_id", config.pad_token_id)
         eos = kwargs.get("eos_token_id", config.eos_token_id)
         eos = [] if eos is None else [int(e) for e in torch.as_tensor(eos, device="cpu").reshape(-1).tolist()]
