@@ -9,7 +9,7 @@ One copier per device. A call checks everything first (``kvtier.copy.copy_reques
   ``kvtier.copy.kernel``), enqueued on the caller's stream after the work already there. The
   copy engines and the CPU path take runs of consecutive slots as single copies
   (``kvtier.copy.runs``; cut where a host buffer's registrations meet); the kernel needs no runs,
-  and its calls have their runs counted only as far as the choice needs.
+  and a call whose first pairs are scattered goes to it without building them.
 
 Triton and cuda-bindings are imported on the first call that needs them.
 """
@@ -29,7 +29,7 @@ from kvtier.copy.copy_request import CopyRequest, check_request
 from kvtier.copy.cpu import copy_pages_cpu
 from kvtier.copy.link import LinkInfo, detect_link
 from kvtier.copy.policy import SEPARATE_COPY_RUNS, CopyPath, CopyPolicy, DevicePath
-from kvtier.copy.runs import build_runs, count_runs
+from kvtier.copy.runs import build_runs, many_runs
 
 if TYPE_CHECKING:
     from kvtier.copy.copy_engine import BatchCopier
@@ -92,23 +92,27 @@ class PageCopier:
         if src_facts.host and dst_facts.host:
             copy_pages_cpu(request, build_runs(request.pairs, request.page_bytes))
             return "cpu"
-        path = self._choose(request)
+        path, runs = self._route(request, src_facts, dst_facts)
         if path == "kernel":
             self._copy_with_kernel(request, stream, src_facts, dst_facts)
         else:
-            runs = build_runs(request.pairs, request.page_bytes, src_facts.grid, dst_facts.grid)
+            if runs is None:
+                runs = build_runs(request.pairs, request.page_bytes, src_facts.grid, dst_facts.grid)
             self._copy_with_engines(request, runs, self._stream_handle(stream), src_facts, dst_facts)
         return path
 
-    def _choose(self, request: CopyRequest) -> DevicePath:
-        """The policy's path for this call, counting its runs only where the count can change it."""
+    def _route(self, request: CopyRequest, src: BufferFacts, dst: BufferFacts) -> tuple[DevicePath, np.ndarray | None]:
+        """The policy's path for this call, and its runs when they had to be built to choose it.
+
+        The runs decide only between the kernel and a few separate copies; a call whose first pairs
+        are already scattered goes to the kernel without building them."""
         coherent = self.link.coherent
         pages = request.pairs.shape[0]
         path = self.policy.choose(request.page_bytes, coherent_link=coherent, runs=pages)  # runs <= pages
-        if path == "kernel" and pages > SEPARATE_COPY_RUNS:
-            runs = count_runs(request.pairs, SEPARATE_COPY_RUNS)
-            path = self.policy.choose(request.page_bytes, coherent_link=coherent, runs=runs)
-        return path
+        if path != "kernel" or pages <= SEPARATE_COPY_RUNS or many_runs(request.pairs, SEPARATE_COPY_RUNS):
+            return path, None
+        runs = build_runs(request.pairs, request.page_bytes, src.grid, dst.grid)
+        return self.policy.choose(request.page_bytes, coherent_link=coherent, runs=runs.shape[0]), runs
 
     def _copy_with_engines(
         self, request: CopyRequest, runs: np.ndarray, stream: int, src: BufferFacts, dst: BufferFacts

@@ -63,19 +63,12 @@ def copy_order(pairs: np.ndarray) -> np.ndarray:
     return pairs
 
 
-def count_runs(pairs: np.ndarray, limit: int) -> int:
-    """How many runs ``build_runs`` makes of ``pairs``, registration cuts aside, read only as far as needed.
-
-    The answer is exact when it is at most ``limit``; above it, it is only some number above
-    ``limit``. A call of scattered slots is told after its first ``limit + 1`` steps, in plain
-    Python; one that may have few runs is counted with numpy over the whole call.
-    """
+def many_runs(pairs: np.ndarray, limit: int) -> bool:
+    """Whether the first ``limit + 2`` pairs alone already make more than ``limit`` runs (read in
+    ``copy_order``, registration cuts aside): a call of scattered slots is told in plain Python,
+    without a numpy pass. False says nothing about the rest of the call: ``build_runs`` counts it."""
     head = pairs[: limit + 2].tolist()
     if len(head) > 1 and head[1][0] == head[0][0] - 1 and head[1][1] == head[0][1] - 1:
-        pairs = pairs[::-1]  # ``copy_order``, read off the head already in hand
-        head = pairs[: limit + 2].tolist()
+        head = pairs[::-1][: limit + 2].tolist()  # ``copy_order``, read off the head already in hand
     breaks = sum(1 for a, b in itertools.pairwise(head) if b[0] != a[0] + 1 or b[1] != a[1] + 1)
-    if breaks >= limit or pairs.shape[0] <= limit + 2:
-        return breaks + 1
-    steps = np.diff(pairs, axis=0)
-    return 1 + int(np.count_nonzero((steps[:, 0] != 1) | (steps[:, 1] != 1)))
+    return breaks >= limit

@@ -15,7 +15,7 @@ level: evicting it loses no bytes, evicting anything else on the last tier drops
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import islice
+from itertools import islice, repeat
 
 from kvtier.pages import Page
 
@@ -96,13 +96,22 @@ class EvictionIndex:
         self._size += sum(len(levels[p + 1]) for p in priorities) - before
 
     def discard_all(self, pages: list[Page]) -> None:
-        """``discard`` for every page of a list, in one pass."""
+        """``discard`` for every page of a list, in one pass.
+
+        The pages are popped from the level of the first one's priority in one C-level pass (a
+        call's pages nearly always share it); the few that were not there are looked up one by one."""
+        if not pages:
+            return
         levels = self._levels
-        spare = levels[0]
-        removed = 0
-        for page in pages:  # entries hold None: popping None means the page was there
-            if levels[page.priority + 1].pop(page, 0) is None or (spare and spare.pop(page, 0) is None):
-                removed += 1
+        popped = list(map(levels[pages[0].priority + 1].pop, pages, repeat(0)))  # entries hold None
+        removed = popped.count(None)
+        if removed < len(pages):
+            spare = levels[0]
+            for page, entry in zip(pages, popped, strict=True):
+                if entry is not None and (
+                    levels[page.priority + 1].pop(page, 0) is None or (spare and spare.pop(page, 0) is None)
+                ):
+                    removed += 1
         self._size -= removed
 
     def take(self, count: int, held_stale: bool = False, unheld_only: bool = False) -> list[Page]:
