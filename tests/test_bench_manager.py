@@ -9,6 +9,8 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.cli.bench_manager import TPB, KvtierCachedPrompt, KvtierDecode, Pressure, PressureResume
+from kvtier.copy import copier
+from kvtier.copy.runs import build_runs
 
 TINY = ["bench", "manager", "--steps", "20", "--prompt-tokens", "160", "--repeats", "3", "--pressure-repeats", "1"]
 
@@ -120,5 +122,33 @@ def test_the_prefetch_under_pressure_swaps_the_prefix_up_as_a_resume_does():
         side.manager.check_invariants()
         with pytest.raises(RuntimeError, match=r"not full|prefetch under pressure failed"):
             side.once(prefetch=True)  # nothing left to promote
+    finally:
+        side.close()
+
+
+def test_a_used_manager_still_copies_runs_of_slots(monkeypatch):
+    """Pages and slots are paired in slot order: after a first swap has mixed up which slots hold
+    what, the demotions that push the prefix back down and a second swap still copy a few runs of
+    slots (one copy each), as the first swap does."""
+    sizes = Pressure(prefix_blocks=64, primary_pages=96, host_pages=256, prompts=4, prompt_blocks=32, filler_blocks=64)
+    side = PressureResume(False, sizes)
+    runs_per_call: list[tuple[int, int]] = []
+
+    def counting(pairs, *args, **kwargs):
+        runs = build_runs(pairs, *args, **kwargs)
+        runs_per_call.append((pairs.shape[0], runs.shape[0]))
+        return runs
+
+    try:
+        monkeypatch.setattr(copier, "build_runs", counting)
+        for _ in range(3):
+            runs_per_call.clear()
+            assert side.once()["promotions"] == 64
+            assert sum(pages for pages, _ in runs_per_call) == 128  # every page copied once, down or up
+            assert max(runs for _, runs in runs_per_call) <= 2, runs_per_call
+            runs_per_call.clear()
+            side.push_prefix_down()
+            assert max(runs for _, runs in runs_per_call) <= 2, runs_per_call
+        side.manager.check_invariants()
     finally:
         side.close()

@@ -31,6 +31,8 @@ from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.residency import PRIMARY, Residency
 from kvtier.tiering.tier import Tier
 
+_SLOT = attrgetter("slot")
+
 
 class MovePlanner:
     """Plans moves between the tiers; ``disk_writes`` lands demotions on the disk tier (None: no disk)."""
@@ -132,12 +134,12 @@ class MovePlanner:
         chained = n - seeds - donors  # and the rest in slots of leaving pages bound for victims' slots
         plan.landed += victims  # in their order: the order they become evictable in where they land
         plan.landed += leaving
-        victims, leaving = _ascending(victims), _ascending(leaving)  # runs of slots stay runs
+        victims, leaving = _by_slot(victims), _by_slot(leaving)  # paired in slot order: runs of slots stay runs
         victim_slots = [page.slot for page in victims]
         leaving_slots = [page.slot for page in leaving]
         seed_slots = sorted(down_slots.allocate_many(seeds))
         down_to = seed_slots + leaving_slots[:donors] + leaving_slots[ready : ready + chained]
-        up_to = up_slots.allocate_many(ready) + victim_slots[: m - ready]
+        up_to = sorted(up_slots.allocate_many(ready)) + victim_slots[: m - ready]
         primary.evictable[group].discard_all(victims)
         lower.evictable[group].discard_all(leaving)
         _empty(primary, group, victim_slots)  # both sides first: each side's new slots are among the other's old
@@ -178,20 +180,25 @@ class MovePlanner:
     def _relocate(self, pages: list[Page], src: Tier, dst: Tier, plan: MovePlan) -> list[int]:
         """Move pages of one group from ``src`` into free slots of ``dst`` in the bookkeeping (their
         index entries and disk rows in ``src`` go, stale ones included) and plan their copies.
-        Returns the slots they left in ``src``, still allocated: freeing them is the caller's."""
+        Returns the slots they left in ``src``, in the pages' order, still allocated: freeing them
+        is the caller's. Pages and free slots are paired in slot order, so that runs of slots on
+        both sides stay runs (one copy each)."""
         group = pages[0].group
         new_slots = dst.storage.slots[group].allocate_many(len(pages))
         if new_slots is None:
             raise InvariantError(f"{len(pages)} pages moved to {dst.name}, which had fewer free slots")
+        new_slots.sort()
         src.evictable[group].discard_all(pages)
         if src.disk_index is not None:
             for page in pages:
                 src.forget(page)
         old_slots = [page.slot for page in pages]
         _empty(src, group, old_slots)
+        plan.landed.extend(pages)  # in their order: the order they become evictable in where they land
+        pages = _by_slot(pages)
+        sources = [page.slot for page in pages]
         _place(pages, dst, new_slots)
-        _add_pairs(plan.edges[(src.index, dst.index, group)], old_slots, new_slots)
-        plan.landed.extend(pages)
+        _add_pairs(plan.edges[(src.index, dst.index, group)], sources, new_slots)
         return old_slots
 
     def _take_copies(self, victims: list[Page], dst: Tier) -> list[Page]:
@@ -327,9 +334,9 @@ class MovePlanner:
             self.disk_writes.disk.disk_index.flush()
 
 
-def _ascending(pages: list[Page]) -> list[Page]:
-    """``pages``, reversed if their slots start by going down."""
-    return pages[::-1] if len(pages) > 1 and pages[0].slot > pages[1].slot else pages
+def _by_slot(pages: list[Page]) -> list[Page]:
+    """``pages`` in ascending slot order (a list already ascending or descending is sorted in one pass)."""
+    return sorted(pages, key=_SLOT)
 
 
 def _empty(tier: Tier, group: int, slots: list[int]) -> None:
