@@ -72,22 +72,45 @@ def part_views(geometry: PageGeometry, buffer: torch.Tensor, layer_id: int) -> d
     ``[num_slots, tokens_per_block, heads, dim]`` of the model dtype; a recurrent layer's is
     ``{"state": uint8 [num_slots, state_bytes]}``.
     """
-    page = geometry.page_bytes
-    num_slots = buffer.numel() // page
-    views = {}
+    return {part.role: stack_view(geometry, buffer, (part,))[0] for part in geometry.parts if part.layer_id == layer_id}
+
+
+def part_stacks(geometry: PageGeometry) -> list[tuple[PagePart, ...]]:
+    """The page's parts, in order, cut into runs of consecutive parts of one shape and dtype.
+
+    Parts of one shape lie ``_align(nbytes)`` bytes apart, so ``stack_view`` sees any slice of a
+    run as one strided tensor: an attention group of equal layers is a single run.
+    """
+    stacks: list[list[PagePart]] = []
     for part in geometry.parts:
-        if part.layer_id != layer_id:
-            continue
-        itemsize = torch.empty((), dtype=part.dtype).element_size()
-        typed = buffer.view(part.dtype)
-        inner = []
-        step = 1
-        for dim in reversed(part.shape):
-            inner.append(step)
-            step *= dim
-        strides = (page // itemsize, *reversed(inner))
-        views[part.role] = torch.as_strided(typed, (num_slots, *part.shape), strides, part.offset // itemsize)
-    return views
+        last = stacks[-1][-1] if stacks else None
+        if last is not None and (part.shape, part.dtype) == (last.shape, last.dtype):
+            stacks[-1].append(part)
+        else:
+            stacks.append([part])
+    return [tuple(stack) for stack in stacks]
+
+
+def stack_view(geometry: PageGeometry, buffer: torch.Tensor, parts: tuple[PagePart, ...]) -> torch.Tensor:
+    """A strided ``[len(parts), num_slots, *shape]`` view of consecutive parts of one shape and
+    dtype (a slice of a ``part_stacks`` run) into a group buffer of whole pages (flat uint8)."""
+    first = parts[0]
+    itemsize = torch.empty((), dtype=first.dtype).element_size()
+    step = _align(first.nbytes)
+    if any(
+        p.shape != first.shape or p.dtype != first.dtype or p.offset != first.offset + i * step
+        for i, p in enumerate(parts)
+    ):
+        raise ValueError("stack_view needs consecutive parts of one shape and dtype")
+    inner = []
+    size = 1
+    for dim in reversed(first.shape):
+        inner.append(size)
+        size *= dim
+    num_slots = buffer.numel() // geometry.page_bytes
+    shape = (len(parts), num_slots, *first.shape)
+    strides = (step // itemsize, geometry.page_bytes // itemsize, *reversed(inner))
+    return torch.as_strided(buffer.view(first.dtype), shape, strides, first.offset // itemsize)
 
 
 @dataclass(frozen=True, slots=True)

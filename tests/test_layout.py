@@ -7,7 +7,7 @@ import torch
 
 import kvtier
 from kvtier import AttentionLayer, GroupKind, ModelSpec, RecurrentLayer
-from kvtier.layout import PART_ALIGN, Region, page_geometries, part_views
+from kvtier.layout import PART_ALIGN, Region, page_geometries, part_stacks, part_views, stack_view
 
 TPB = 3
 
@@ -152,6 +152,32 @@ def test_recurrent_state_views():
 def test_part_views_of_a_layer_outside_the_group_are_empty():
     geo = page_geometries(hybrid_spec(), TPB)[0]
     assert part_views(geo, fill(geo, 2, seed=3), 1) == {}
+
+
+def test_stacks_cut_where_the_shape_changes_and_view_each_part_as_part_views_does():
+    spec = ModelSpec(
+        [AttentionLayer(2, 3), AttentionLayer(2, 3), AttentionLayer(1, 5), AttentionLayer(2, 3)], torch.float16
+    )
+    geo = page_geometries(spec, TPB)[0]
+    stacks = part_stacks(geo)
+    assert [[(p.layer_id, p.role) for p in stack] for stack in stacks] == [
+        [(0, "k"), (0, "v"), (1, "k"), (1, "v")],
+        [(2, "k"), (2, "v")],
+        [(3, "k"), (3, "v")],
+    ]
+    num_slots = 4
+    buffer = fill(geo, num_slots, seed=5)
+    for stack in stacks:
+        for start in range(len(stack)):
+            parts = stack[start:]  # any slice of a run is one view
+            view = stack_view(geo, buffer, parts)
+            assert view.shape == (len(parts), num_slots, *parts[0].shape)
+            for part, one in zip(parts, view, strict=True):
+                expected = part_views(geo, buffer, part.layer_id)[part.role]
+                assert one.stride() == expected.stride() and one.data_ptr() == expected.data_ptr()
+                assert torch.equal(one.view(torch.int16), expected.view(torch.int16))  # random bytes: NaNs too
+    with pytest.raises(ValueError, match="consecutive parts"):
+        stack_view(geo, buffer, (stacks[0][0], stacks[0][2]))
 
 
 def test_region_as_tensor():

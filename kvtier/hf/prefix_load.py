@@ -4,15 +4,19 @@ A transformers attention layer holds the prefix's columns (all of them for full 
 last ``window - 1`` for a sliding window, which lie in exactly the blocks kvtier keeps live
 there). Each layer's keys and values are a transposed view of a token-major storage
 ``[batch, columns, heads, dim]`` with a block of spare columns on each side, into which every
-row's blocks are copied whole (``page_io.gather_blocks``): one pass over the bytes. Columns a row
-does not fill (its padding) are zeros; the spare columns, which may receive the tokens around the
-row's range from its first and last block, lie outside the view. The recurrent group's pages (one
+row's blocks are copied whole (``page_io.gather_blocks``): one pass over the bytes, one copy per
+row for as many layers' roles of one shape as ``GATHER_BYTES`` of storage holds (a launch costs
+the host more than a small copy costs the device). Columns a row does not fill (its padding) are
+zeros; the spare columns, which may receive the tokens around the row's range from its first and
+last block, lie outside the view. The recurrent group's pages (one
 state snapshot per row, taken after exactly ``row.reused`` tokens) are gathered in one copy and
 unpacked into the layers' states. Every copy is a device operation on the current stream, which
 ``resume`` ordered after the pages' promotion.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -21,9 +25,12 @@ from kvtier.hf.batch_rows import Row
 from kvtier.hf.hf_cache import RecordingCache, fill_attention, fill_states
 from kvtier.hf.model_layers import ModelLayers
 from kvtier.hf.page_io import StatePacking, StatePart, gather_blocks, row_blocks, to_device
-from kvtier.layout import page_geometries
+from kvtier.layout import PagePart, page_geometries, part_stacks, stack_view
 from kvtier.manager import KVCacheManager
 from kvtier.spec import GroupKind
+
+GATHER_BYTES = 256 << 20
+"""The most storage one gather fills (several layers' roles at once: one launch instead of one each)."""
 
 
 def state_packing(layers: ModelLayers, mgr: KVCacheManager) -> StatePacking | None:
@@ -54,6 +61,8 @@ def load_prefix(
         return
     batch = len(rows)
     device = mgr.device
+    geometries = page_geometries(mgr.spec, mgr.tokens_per_block)
+    regions = mgr.layout().groups
     for group in mgr.layer_groups:
         if group.kind is GroupKind.RECURRENT:
             assert packing is not None
@@ -72,18 +81,30 @@ def load_prefix(
                 blocks.append(row_blocks(row.index, slots, start, row.reused, column, mgr.tokens_per_block, device))
         covered = all(row.pad == 0 and row.reused == width for row in rows)  # no column left unwritten
         allocate = torch.empty if covered else torch.zeros
+        geometry = geometries[group.group_id]
+        buffer = regions[group.group_id].regions[0].as_tensor().view(-1)  # the group's flat primary buffer
         loaded: dict[int, dict[str, torch.Tensor]] = {}  # a layer split in two fills once both are read
-        for layer_id in group.layer_ids:
-            layer = layers.by_kvtier_id[layer_id]
-            views = mgr.kv_views(layer_id)
-            shape = (batch, spare + kept + spare, layer.num_kv_heads, layer.head_dim)
-            tensors = loaded.setdefault(layer.index, {})
-            for role in layer.roles:
-                storage = allocate(shape, dtype=mgr.spec.dtype, device=device)
-                gather_blocks(views[role], blocks, storage)
-                tensors[role] = storage[:, spare : spare + kept].transpose(1, 2)
-            if len(tensors) == 2:
-                fill_attention(cache.layers[layer.index], layer.kind, tensors["k"], tensors["v"], width)
+        columns = spare + kept + spare
+        for parts in _gathers(part_stacks(geometry), batch * columns):
+            storage = allocate((len(parts), batch, columns, *parts[0].shape[1:]), dtype=parts[0].dtype, device=device)
+            gather_blocks(stack_view(geometry, buffer, parts), blocks, storage)
+            for part, part_storage in zip(parts, storage, strict=True):
+                layer = layers.by_kvtier_id[part.layer_id]
+                tensors = loaded.setdefault(layer.index, {})
+                tensors[part.role] = part_storage[:, spare : spare + kept].transpose(1, 2)
+                if len(tensors) == 2:
+                    fill_attention(cache.layers[layer.index], layer.kind, tensors["k"], tensors["v"], width)
+
+
+def _gathers(stacks: list[tuple[PagePart, ...]], columns: int) -> Iterator[tuple[PagePart, ...]]:
+    """The stacks' parts in slices of at most ``GATHER_BYTES`` of storage (``columns`` token columns
+    a part), one gather each: a slice's storage lives until the forward has replaced the keys and
+    values of its last layer, so a slice bounds what the load adds to the forward's memory."""
+    for stack in stacks:
+        tokens_per_block = stack[0].shape[0]
+        per_gather = max(1, GATHER_BYTES // (stack[0].nbytes // tokens_per_block * columns))
+        for start in range(0, len(stack), per_gather):
+            yield stack[start : start + per_gather]
 
 
 def _load_states(

@@ -319,3 +319,25 @@ def test_a_static_cache_preset_by_the_generation_config_is_set_aside(arch, prese
             assert (pc.last_reused_tokens[0] > 0) == (turn > 0)
             history = got[0].tolist()
     assert sum(f"cache_implementation={preset!r}" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("gather_bytes", [1, None])
+def test_the_prefix_loads_in_one_gather_per_slice_of_layers(gather_bytes, monkeypatch):
+    """By default the four key and value parts of the tiny Llama load in one gather; with slices of
+    one part, in four; both serve what plain ``generate`` computes."""
+    from kvtier.hf import prefix_load
+
+    if gather_bytes is not None:
+        monkeypatch.setattr(prefix_load, "GATHER_BYTES", gather_bytes)
+    gathers = []
+    real = prefix_load.gather_blocks
+    monkeypatch.setattr(prefix_load, "gather_blocks", lambda view, *a: gathers.append(view.shape[0]) or real(view, *a))
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(31)
+    history = tokens(g, 30)
+    with PrefixCache(model, tiers_config(model, blocks=40)) as pc:
+        sequence = _turn(model, pc, history)
+        assert gathers == []  # nothing to reuse yet
+        _turn(model, pc, sequence + tokens(g, 5))
+        assert pc.last_reused_tokens[0] > 0
+    assert gathers == ([1, 1, 1, 1] if gather_bytes == 1 else [4])

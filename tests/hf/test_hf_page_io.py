@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import kvtier
+from kvtier.hf import page_io
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
 from kvtier.hf.page_io import StatePacking, StatePart, TokenMapBuilder, gather_blocks, row_blocks, scatter
+from kvtier.layout import page_geometries, part_stacks, stack_view
 
 TPB = 4
 
@@ -65,11 +67,39 @@ def test_scatter_writes_exactly_the_listed_tokens_and_blocks_come_back_whole():
         row_blocks(1, slots[1], 3, 7, TPB + 6, TPB, mgr.device),
     ]
     assert [len(b.slots) for b in blocks] == [3, 2] and [b.column for b in blocks] == [TPB + 2, TPB + 6]
-    gather_blocks(k, blocks, storage)
+    gather_blocks(k[None], blocks, storage[None])
     view = storage[:, TPB : TPB + 13].transpose(1, 2)  # [batch, heads, columns, dim]
     assert torch.equal(view[0, :, 2:], dense[0, :, 2:])
     assert torch.equal(view[1, :, 9:], dense[1, :, 9:])
     assert not view[0, :, :2].any()  # row 0's padding is left alone
+    mgr.close()
+
+
+@pytest.mark.parametrize("dim", [4, 3])  # rows of 8-byte words, and of 6 bytes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_stack_of_layers_gathers_as_one_part_at_a_time_would(dtype, dim):
+    spec = kvtier.ModelSpec([kvtier.AttentionLayer(2, dim) for _ in range(3)], dtype)
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
+    geometry = page_geometries(spec, TPB)[0]
+    (stack,) = part_stacks(geometry)
+    buffer = mgr.layout().groups[0].regions[0].as_tensor().view(-1)
+    buffer.copy_(torch.randint(1, 255, buffer.shape, dtype=torch.uint8))  # every byte pattern, NaNs too
+    view = stack_view(geometry, buffer, stack)
+    assert (page_io._as_words(view).dtype == torch.int64) == (dim == 4)  # the path taken: words, or elements
+    slots = [np.array([5, 2, 9]), np.array([7, 1])]
+    blocks = [
+        row_blocks(0, slots[0], 1, 11, TPB + 1, TPB, mgr.device),
+        row_blocks(1, slots[1], 0, 6, TPB + 6, TPB, mgr.device),
+    ]
+    storage = torch.zeros(len(stack), 2, TPB + 13 + TPB, 2, dim, dtype=dtype)
+    gather_blocks(view, blocks, storage)
+    expected = torch.zeros_like(storage)
+    for p, part in enumerate(stack):
+        role = mgr.kv_views(part.layer_id)[part.role]
+        for row, b in zip(blocks, (0, 1), strict=True):
+            for j, slot in enumerate(row.slots.tolist()):
+                expected[p, b, row.column + j * TPB : row.column + (j + 1) * TPB] = role[slot]
+    assert torch.equal(storage.view(torch.int16), expected.view(torch.int16))
     mgr.close()
 
 
