@@ -46,6 +46,11 @@ class TokenMap:
     def __len__(self) -> int:
         return len(self.slots)
 
+    def from_column(self, first_column: int) -> TokenMap:
+        """The same tokens, for a dense tensor that starts at column ``first_column`` (a sliding
+        window layer's): each column less ``first_column``, computed once for all its layers."""
+        return TokenMap(self.slots, self.offsets, self.rows, self.columns - first_column)
+
 
 class TokenMapBuilder:
     """Collects token ranges row by row on the host, then ships the indices to the device once."""
@@ -130,10 +135,10 @@ def _as_words(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int64)
 
 
-def scatter(dense: torch.Tensor, view: torch.Tensor, tokens: TokenMap, first_column: int = 0) -> None:
-    """``view[slot, offset] = dense[row, :, column - first_column]`` for every token: dense -> pages."""
+def scatter(dense: torch.Tensor, view: torch.Tensor, tokens: TokenMap) -> None:
+    """``view[slot, offset] = dense[row, :, column]`` for every token: dense -> pages."""
     if len(tokens):
-        view[tokens.slots, tokens.offsets] = dense[tokens.rows, :, tokens.columns - first_column]
+        view[tokens.slots, tokens.offsets] = dense[tokens.rows, :, tokens.columns]
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,3 +95,31 @@ def test_gemma2_nans_over_left_padding_do_not_reach_a_row_sharing_the_prefix():
         pc.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         assert torch.equal(greedy(pc.generate, rows[1]), greedy(model.generate, rows[1]))
         assert pc.last_reused_tokens[0] >= 40
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA here"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_all_layers_are_told_finite_at_once_and_anything_else_is_looked_at_column_by_column(dtype, device):
+    """The quick test over every layer says "finite" only when every key and value is. Half types
+    sum their squares in float32: keys near float16's largest value still pass."""
+    from kvtier.hf.prefix_save import _all_finite
+
+    g = torch.Generator().manual_seed(7)
+    layers = {i: [torch.randn(2, 3, 40, 8, generator=g).to(device, dtype) + 1.0 for _ in range(2)] for i in range(3)}
+
+    def sources():
+        return {i: (keys, values, 0) for i, (keys, values) in layers.items()}
+
+    assert _all_finite(sources())
+    layers[1][0][:, :, 5] = 60000.0  # finite in every dtype here; its 2-norm is not, in float16
+    assert _all_finite(sources())
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        values = layers[2][1]
+        saved = values[1, 2, 39, 7].clone()
+        values[1, 2, 39, 7] = bad
+        assert not _all_finite(sources())
+        values[1, 2, 39, 7] = saved
+    assert _all_finite({})
