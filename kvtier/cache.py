@@ -17,6 +17,8 @@ from __future__ import annotations
 import enum
 import logging
 from array import array
+from collections import Counter
+from itertools import zip_longest
 
 import numpy as np
 
@@ -147,15 +149,18 @@ class KVCache:
         if len(names) == 1:
             self.reused_by_tier[names[0]] += reused
             return
-        coldest = [0] * nb
-        for blocks in self._table.blocks:
-            for b, page in enumerate(blocks):
-                if page is not None and page.tier > coldest[b]:
-                    coldest[b] = page.tier
-        for source in self._pending:
-            coldest[nb - 1] = max(coldest[nb - 1], source.tier)
-        for b, tier in enumerate(coldest):
-            self.reused_by_tier[names[tier]] += min(tpb, reused - b * tpb)
+        if nb == 0:
+            return
+        per_group = [[0 if page is None else page.tier for page in blocks] for blocks in self._table.blocks]
+        if len(per_group) == 1:  # (comprehensions and C-level maps: this runs per block of a long prompt)
+            coldest = per_group[0]
+        else:
+            coldest = list(map(max, zip_longest(*per_group, fillvalue=0)))
+        coldest += [0] * (nb - len(coldest))
+        coldest[-1] = max([coldest[-1], *[source.tier for source in self._pending]])
+        for tier, blocks in Counter(coldest).items():
+            self.reused_by_tier[names[tier]] += blocks * tpb
+        self.reused_by_tier[names[coldest[-1]]] -= nb * tpb - reused  # the last block may hold fewer tokens
 
     # -- life cycle --------------------------------------------------------------------------------
 

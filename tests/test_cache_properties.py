@@ -28,6 +28,21 @@ class Request:
         self.tokens = tokens  # the prompt followed by the tokens it will commit later
 
 
+def by_coldest_tier(cache: kvtier.KVCache) -> dict[str, int]:
+    """The reused tokens per tier, block by block: a block's tokens go to the coldest tier any of its
+    pages (or, for the last block, the page it copies a partly reused block from) came from."""
+    names = cache._pool.tier_names
+    reused = cache.num_reused_tokens
+    out = dict.fromkeys(names, 0)
+    num_blocks = -(-reused // TPB)
+    for b in range(num_blocks):
+        tiers = [blocks[b].tier for blocks in cache._table.blocks if b < len(blocks) and blocks[b] is not None]
+        if b == num_blocks - 1:
+            tiers += [source.tier for source in cache._pending]
+        out[names[max(tiers, default=0)]] += min(TPB, reused - b * TPB)
+    return out
+
+
 def tier_configs(kind: str, pages: dict[str, int], spec: kvtier.ModelSpec, tmp: str) -> list:
     probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=[kvtier.PrimaryTier(1 << 22)]))
     demand = sum(
@@ -83,7 +98,7 @@ class CacheMachine(RuleBasedStateMachine):
         prompt = PREFIXES[prefix][:prefix_len] + suffix
         cache = self.mgr.create_cache(prompt, scope=SCOPES[scope], priority=priority)
         assert 0 <= cache.num_reused_tokens < len(prompt)
-        assert sum(cache.reused_by_tier.values()) == cache.num_reused_tokens
+        assert cache.reused_by_tier == by_coldest_tier(cache)
         request = Request(cache, prompt + future)
         self.live.append(request)
         return request
