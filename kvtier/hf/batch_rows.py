@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.cache import KVCache
@@ -30,7 +31,7 @@ class Row:
 
     index: int
     pad: int
-    prompt: list[int]
+    prompt: np.ndarray  # int64 token ids (a view of the call's ids on the host: kvtier reads it without a list)
     write: KVCache  # created on the whole prompt: holds the matched prefix, receives the new blocks
     scope: ReuseScope  # the row's reuse scope (its adapter's, with per-row adapters)
     read: KVCache | None = None  # resumed, holds exactly ``reused`` tokens' pages: write itself or a shorter match

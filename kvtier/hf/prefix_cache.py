@@ -222,7 +222,7 @@ class PrefixCache:
             config = self._generation_config(kwargs)
             bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
             for i, (pad, bound, scope) in enumerate(zip(pads, bounds, scopes, strict=True)):
-                prompt = host_ids[i, pad:].tolist()
+                prompt = host_ids[i, pad:].numpy()
                 keyed = prompt if bound is None else prompt[: bound + 1]  # a match never covers its last token
                 rows.append(Row(i, pad, prompt, mgr.create_cache(keyed, scope), scope, bound=bound))
             stream = torch.cuda.current_stream(mgr.device) if mgr.device.type == "cuda" else None
