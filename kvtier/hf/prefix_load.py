@@ -88,10 +88,11 @@ def load_prefix(
         for parts in _gathers(part_stacks(geometry), batch * columns):
             storage = allocate((len(parts), batch, columns, *parts[0].shape[1:]), dtype=parts[0].dtype, device=device)
             gather_blocks(stack_view(geometry, buffer, parts), blocks, storage)
-            for part, part_storage in zip(parts, storage, strict=True):
+            views = storage[:, :, spare : spare + kept].transpose(2, 3).unbind(0)  # each part's, in one call
+            for part, view in zip(parts, views, strict=True):
                 layer = layers.by_kvtier_id[part.layer_id]
                 tensors = loaded.setdefault(layer.index, {})
-                tensors[part.role] = part_storage[:, spare : spare + kept].transpose(1, 2)
+                tensors[part.role] = view
                 if len(tensors) == 2:
                     fill_attention(cache.layers[layer.index], layer.kind, tensors["k"], tensors["v"], width)
 
