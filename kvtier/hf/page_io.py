@@ -72,11 +72,12 @@ class TokenMapBuilder:
         self._parts.append((slots, positions % self._tpb, rows, positions + first_column))
 
     def build(self, device: torch.device) -> TokenMap:
+        """The map on ``device``: its four index arrays go as the rows of one copy."""
         if self._parts:
-            arrays = [np.concatenate(a) for a in zip(*self._parts, strict=True)]
+            table = np.stack([np.concatenate(a) for a in zip(*self._parts, strict=True)])
         else:
-            arrays = [np.zeros(0, dtype=np.int64)] * 4
-        return TokenMap(*(to_device(a, device) for a in arrays))
+            table = np.zeros((4, 0), dtype=np.int64)
+        return TokenMap(*to_device(table, device).unbind(0))
 
 
 @dataclass(slots=True)
