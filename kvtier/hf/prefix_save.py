@@ -159,7 +159,9 @@ def _all_finite(sources: dict[int, tuple]) -> bool:
     """Whether every key and value of every layer is finite, told in a few launches: the 2-norms of
     all the tensors at once (``torch._foreach_norm``, in float32 for half types). A norm is finite
     only if every element is; one that overflows reads as not finite, and the caller then looks
-    column by column, as for a NaN."""
+    column by column, as for a NaN. The norms read every column, the reused ones too (whole
+    tensors keep the one-launch path): one pass over the call's keys and values on the device, a
+    few ms for a long history, against about ten launches per layer."""
     tensors = [t for keys, values, _ in sources.values() for t in (keys, values)]
     if not tensors:
         return True
