@@ -9,8 +9,9 @@ row for as many layers' roles of one shape as ``GATHER_BYTES`` of storage holds 
 the host more than a small copy costs the device). Columns a row does not fill (its padding) are
 zeros; the spare columns, which may receive the tokens around the row's range from its first and
 last block, lie outside the view. The recurrent group's pages (one state snapshot per row, taken
-after exactly ``row.reused`` tokens) are gathered in one copy and unpacked into the layers' states. Every copy is a device operation on the current stream, which
-``resume`` ordered after the pages' promotion.
+after exactly ``row.reused`` tokens) are gathered in one copy and unpacked into the layers' states.
+Every copy is a device operation on the current stream, which ``resume`` ordered after the pages'
+promotion.
 """
 
 from __future__ import annotations
