@@ -133,12 +133,15 @@ class DiskDirectory:
             return refused
         if not locked:
             holder = _read_holder(fd)
-            if not (holder.startswith(f"pid {os.getpid()} ") and self._released_by_abandoned(fd)):
+            mine = holder.startswith(f"pid {os.getpid()} ")
+            if not (mine and self._released_by_abandoned(fd)):
                 os.close(fd)
+                who = "another KVCacheManager of this process, still open" if mine else "another KVCacheManager"
                 raise DiskTierBusyError(
-                    f"the disk tier directory {self.path} is in use by another KVCacheManager ({holder or 'unknown'}); "
-                    "a directory belongs to one manager at a time: close that manager, give this one another "
-                    "DiskTier path, or share prefixes between processes with a connector"
+                    f"the disk tier directory {self.path} is in use by {who} ({holder or 'unknown'}); a directory "
+                    "belongs to one manager at a time: close that manager (one replaced without close(), as a "
+                    "notebook cell run again replaces it, holds its directory until it is collected), give this "
+                    "one another DiskTier path, or share prefixes between processes with a connector"
                 )
         self._lock_fd = fd
         self._finalizer = weakref.finalize(self, os.close, fd)

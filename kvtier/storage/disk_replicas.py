@@ -51,7 +51,7 @@ def open_first_free(disk_path: str, open_at: Callable[[str], Opened]) -> Opened:
             refusal = busy
     if refusal is not None:
         log.warning(
-            "kvtier: other processes hold this model's disk directories under %s (the last: %s); this one "
+            "kvtier: other managers hold this model's disk directories under %s (the last: %s); this one "
             "keeps its disk pages in %s, with a quota of its own",
             disk_path,
             refusal,

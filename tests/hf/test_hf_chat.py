@@ -93,6 +93,7 @@ def test_processes_of_one_model_on_one_disk_path_take_a_directory_each(tmp_path,
     prompts = [tokens(g, 40), tokens(g, 40)]
     caches = [PrefixCache(model, config), PrefixCache(model, config)]
     assert "replica-1" in caplog.text
+    assert "another KVCacheManager of this process, still open" in caplog.text  # names who holds it
     for pc, prompt in zip(caches, prompts, strict=True):
         _turn(model, pc, prompt)
         pc.close()
