@@ -342,3 +342,38 @@ def test_the_prefix_loads_in_one_gather_per_slice_of_layers(gather_bytes, monkey
         _turn(model, pc, sequence + tokens(g, 5))
         assert pc.last_reused_tokens[0] > 0
     assert gathers == ([1, 1, 1, 1] if gather_bytes == 1 else [4])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_prefix_loads_exactly_the_bytes_of_its_pages(dtype):
+    """Half types gather as 8-byte words: every loaded key and value equals its page's, byte for byte."""
+    import numpy as np
+
+    from kvtier.hf.batch_rows import Row, choose_width, close_rows
+    from kvtier.hf.hf_cache import RecordingCache
+    from kvtier.hf.prefix_load import load_prefix
+
+    model = tiny_model("llama").to(dtype)
+    g = torch.Generator().manual_seed(41)
+    prompt = tokens(g, 37)
+    with PrefixCache(model, tiers_config(model, blocks=40)) as pc:
+        ids = torch.tensor([prompt])
+        pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+        mgr = pc.manager
+        longer = np.array(prompt + tokens(g, 3))
+        rows = [Row(0, 0, longer, mgr.create_cache(longer, pc.scope), pc.scope)]
+        cache = RecordingCache(model.config)
+        cache.initialize_attention(mgr.spec.dtype, mgr.device)
+        width = choose_width(mgr, rows, len(longer), None)
+        assert width == 32  # four blocks of 8
+        load_prefix(cache, pc._layers, mgr, rows, width, pc._packing)
+        tpb = mgr.tokens_per_block
+        for layer_id, layer in pc._layers.by_kvtier_id.items():
+            slots = rows[0].read.page_indices(mgr.spec.group_of(layer_id).group_id)[: width // tpb]
+            for role, loaded in (("k", cache.layers[layer.index].keys), ("v", cache.layers[layer.index].values)):
+                pages = mgr.kv_views(layer_id)[role][
+                    torch.from_numpy(slots.astype(np.int64))
+                ]  # [blocks, tpb, heads, dim]
+                expected = pages.reshape(width, *pages.shape[2:]).transpose(0, 1)[None]  # [1, heads, columns, dim]
+                assert loaded.dtype == dtype and torch.equal(loaded.view(torch.int16), expected.view(torch.int16))
+        close_rows(rows)
