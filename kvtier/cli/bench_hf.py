@@ -305,7 +305,8 @@ class _Bench:
         width = choose_width(mgr, rows, len(prompt), stream)
         self.sync()
         t2 = time.perf_counter()
-        load_prefix(cache, pc._layers, mgr, rows, width, pc._packing)  # the adapter's own stages, timed apart
+        # the adapter's own stages, timed apart
+        load_prefix(cache, pc._layers, mgr, rows, width, pc._packing, pc._stacks)
         self.sync()
         t3 = time.perf_counter()
         close_rows(rows)

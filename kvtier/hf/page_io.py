@@ -113,11 +113,12 @@ def gather_blocks(view: torch.Tensor, rows: list[RowBlocks], storage: torch.Tens
     contiguous, block after block), as 8-byte words where both layouts allow.
     """
     parts, _, tokens_per_block = view.shape[:3]
+    words = _as_words(view)
     for blocks in rows:
         n = len(blocks.slots)
         out = storage[:, blocks.row, blocks.column : blocks.column + n * tokens_per_block]
         out = out.view(parts, n, tokens_per_block, *view.shape[3:])
-        src, dst = _as_words(view), _as_words(out)
+        src, dst = words, _as_words(out)
         if src.dtype != dst.dtype:  # one side's layout is not whole words
             src, dst = view, out
         torch.index_select(src, 1, blocks.slots, out=dst)

@@ -54,7 +54,7 @@ from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, relea
 from kvtier.hf.hf_cache import RecordingCache, StateRecorder
 from kvtier.hf.model_layers import ModelLayers, read_model
 from kvtier.hf.prefill_rate import PrefillTiming
-from kvtier.hf.prefix_load import load_prefix, state_packing
+from kvtier.hf.prefix_load import group_stacks, load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
 from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bounds
 from kvtier.hf.training_noise import random_module
@@ -122,6 +122,7 @@ class PrefixCache:
         self._weights = WeightWatch(model, self._layers.weights)
         self.manager = _open_manager(self._layers.spec, cache_config)
         self._packing = state_packing(self._layers, self.manager)
+        self._stacks = group_stacks(self.manager)  # how each call's load reads the pages
         self._forward_arguments = set(inspect.signature(model.forward).parameters)
         self._calls = threading.RLock()  # one call at a time: the manager is driven by one thread
         self._last = threading.local()  # each thread's last call: ``last_reused_tokens``
@@ -236,7 +237,7 @@ class PrefixCache:
                     "prompt (they are returned for every position): such calls reuse nothing"
                 )
             width = 0 if whole else choose_width(mgr, rows, input_ids.shape[1], stream)
-            load_prefix(cache, self._layers, mgr, rows, width, self._packing)
+            load_prefix(cache, self._layers, mgr, rows, width, self._packing, self._stacks)
             release_reads(rows)
             beams = _num_beams(config, kwargs)
             per_row = _num_sequences(config, kwargs)  # beam search's; sampled copies are rows already

@@ -17,6 +17,7 @@ promotion.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from kvtier.hf.batch_rows import Row
 from kvtier.hf.hf_cache import RecordingCache, fill_attention, fill_states
 from kvtier.hf.model_layers import ModelLayers
 from kvtier.hf.page_io import StatePacking, StatePart, gather_blocks, row_blocks, to_device
-from kvtier.layout import PagePart, page_geometries, part_stacks, stack_view
+from kvtier.layout import PageGeometry, PagePart, page_geometries, part_stacks, stack_view
 from kvtier.manager import KVCacheManager
 from kvtier.spec import GroupKind
 
@@ -47,6 +48,24 @@ def state_packing(layers: ModelLayers, mgr: KVCacheManager) -> StatePacking | No
     return StatePacking(parts, geometry.page_bytes)
 
 
+@dataclass(frozen=True, slots=True)
+class GroupStacks:
+    """An attention group's page geometry and its parts in ``part_stacks``: what the load reads,
+    fixed for the manager's life (no tensor: a closed manager's memory is not held here)."""
+
+    geometry: PageGeometry
+    stacks: list[tuple[PagePart, ...]]
+
+
+def group_stacks(mgr: KVCacheManager) -> dict[int, GroupStacks]:
+    """``GroupStacks`` of every attention group of ``mgr``, by group id (built once per adapter)."""
+    return {
+        g.group_id: GroupStacks(g, part_stacks(g))
+        for g in page_geometries(mgr.spec, mgr.tokens_per_block)
+        if g.group.kind is not GroupKind.RECURRENT
+    }
+
+
 def load_prefix(
     cache: RecordingCache,
     layers: ModelLayers,
@@ -54,14 +73,14 @@ def load_prefix(
     rows: list[Row],
     width: int,
     packing: StatePacking | None,
+    stacks: dict[int, GroupStacks],
 ) -> None:
     """Make ``cache`` (its attention layers initialized empty) hold the first ``width`` columns of the
-    batch, read from each row's read cache."""
+    batch, read from each row's read cache; ``stacks``: ``group_stacks(mgr)``."""
     if width == 0:
         return
     batch = len(rows)
     device = mgr.device
-    geometries = page_geometries(mgr.spec, mgr.tokens_per_block)
     regions = mgr.layout().groups
     for group in mgr.layer_groups:
         if group.kind is GroupKind.RECURRENT:
@@ -81,11 +100,11 @@ def load_prefix(
                 blocks.append(row_blocks(row.index, slots, start, row.reused, column, mgr.tokens_per_block, device))
         covered = all(row.pad == 0 and row.reused == width for row in rows)  # no column left unwritten
         allocate = torch.empty if covered else torch.zeros
-        geometry = geometries[group.group_id]
+        geometry = stacks[group.group_id].geometry
         buffer = regions[group.group_id].regions[0].as_tensor().view(-1)  # the group's flat primary buffer
         loaded: dict[int, dict[str, torch.Tensor]] = {}  # a layer split in two fills once both are read
         columns = spare + kept + spare
-        for parts in _gathers(part_stacks(geometry), batch * columns):
+        for parts in _gathers(stacks[group.group_id].stacks, batch * columns):
             storage = allocate((len(parts), batch, columns, *parts[0].shape[1:]), dtype=parts[0].dtype, device=device)
             gather_blocks(stack_view(geometry, buffer, parts), blocks, storage)
             views = storage[:, :, spare : spare + kept].transpose(2, 3).unbind(0)  # each part's, in one call

@@ -366,7 +366,7 @@ def test_a_half_precision_prefix_loads_exactly_the_bytes_of_its_pages(dtype):
         cache.initialize_attention(mgr.spec.dtype, mgr.device)
         width = choose_width(mgr, rows, len(longer), None)
         assert width == 32  # four blocks of 8
-        load_prefix(cache, pc._layers, mgr, rows, width, pc._packing)
+        load_prefix(cache, pc._layers, mgr, rows, width, pc._packing, pc._stacks)
         tpb = mgr.tokens_per_block
         for layer_id, layer in pc._layers.by_kvtier_id.items():
             slots = rows[0].read.page_indices(mgr.spec.group_of(layer_id).group_id)[: width // tpb]
