@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 import weakref
 
 import torch
@@ -24,6 +25,7 @@ from kvtier.reuse.matching import ReuseMatch
 from kvtier.reuse.tokens import as_token_array
 from kvtier.spec import ModelSpec
 from kvtier.stats import CacheStats
+from kvtier.storage.disk_dir import DiskDirectory
 from kvtier.tiering.eviction import check_priority
 from kvtier.tiering.host_prefetch import HostPrefetch
 from kvtier.tiering.residency import PRIMARY
@@ -37,7 +39,9 @@ class KVCacheManager:
     One thread at a time drives it and its caches (any thread, handed over between calls); a
     call from a second thread while one is inside raises ``CacheStateError`` (``kvtier.exclusive``).
     After ``close`` every method but ``close`` raises ``CacheStateError``; a manager never closed
-    is closed when the interpreter exits, so its pages still reach its disk tier.
+    is closed when the interpreter exits, so its pages still reach its disk tier. One with a disk
+    tier dropped without ``close()`` (collected) is closed too, caches and all, on a thread of its
+    own, its pages persisted; a WARNING says so.
     ``KVTIER_DEBUG=1`` checks every invariant after each cache operation that changes residency
     (slow; for tests and debugging).
     """
@@ -63,8 +67,10 @@ class KVCacheManager:
             )
         self._pool = PagePool(spec, config, self._geometries)
         disk = self._pool.tiers[self._pool.disk_tier] if self._pool.disk_tier is not None else None
-        if disk is not None and disk.disk_index is not None:  # dropped without close(): say so to its directory
-            weakref.finalize(self, disk.disk_index.directory.abandon)
+        self._dropped: weakref.finalize | None = None
+        if disk is not None and disk.disk_index is not None:  # dropped without close(): closed all the same
+            self._dropped = weakref.finalize(self, _close_dropped, self._pool, disk.disk_index.directory)
+            self._dropped.atexit = False  # at exit ``_close_at_exit`` closes the managers still open
         self._guard = self._pool.guard  # claimed by calls that change the pool (kvtier.exclusive)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._closed = False
@@ -243,12 +249,10 @@ class KVCacheManager:
         """
         if self._closed:
             return
-        for cache in list(self._pool.holders):
-            cache.close()
-        if persist:
-            self._pool.persist()
+        if self._dropped is not None:
+            self._dropped.detach()
+        _close_pool(self._pool, persist)
         self._closed = True
-        self._pool.close()
         self._views.clear()
         _OPEN_MANAGERS.discard(self)
 
@@ -300,6 +304,45 @@ def _host_memory_bytes() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _close_pool(pool: PagePool, persist: bool) -> None:
+    """Close a manager's caches, persist its published pages in memory (``persist``), release its pool."""
+    for cache in list(pool.holders):
+        cache.close()
+    if persist:
+        pool.persist()
+    pool.close()
+
+
+def _close_dropped(pool: PagePool, directory: DiskDirectory) -> None:
+    """The finalizer of a manager with a disk tier dropped without ``close()``: its pool is closed as
+    ``close()`` would, persisting its pages, so that they still reach the disk.
+
+    Never inside the garbage collector, which may run in the middle of any call, the collected
+    manager's own caches' included: on a thread of its own, once no call on one of its caches is
+    running (the pool's guard). Meanwhile a new manager of this process on the directory waits for
+    it (``DiskDirectory.abandon``)."""
+    directory.abandon()
+    try:
+        threading.Thread(target=_close_dropped_now, args=(pool, directory), name="kvtier-close-dropped").start()
+    except RuntimeError:  # no new thread at interpreter shutdown: nothing else runs any more
+        _close_dropped_now(pool, directory)
+
+
+def _close_dropped_now(pool: PagePool, directory: DiskDirectory) -> None:
+    with pool.guard:
+        try:
+            _close_pool(pool, persist=True)
+        except Exception:
+            log.exception("kvtier: closing a KVCacheManager dropped without close() failed")
+            return
+    log.warning(
+        "kvtier: a KVCacheManager was dropped without close(); it has been closed on a thread of its own and "
+        "its published pages written to its disk tier %s. Call close() (or use it in a with block) to release "
+        "its memory and files when you choose",
+        directory.path,
+    )
 
 
 # Managers not closed yet, weakly: the registry never keeps a dropped manager alive.

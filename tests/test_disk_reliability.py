@@ -522,6 +522,28 @@ def test_a_dropped_manager_releases_its_files_and_directory(tmp_path):
     assert open_fds() <= baseline
 
 
+def test_a_dropped_manager_still_persists_its_pages(tmp_path, caplog):
+    """Before: a manager dropped without close() (made inside a function) wrote none of its pages in
+    memory to disk, silently: a new manager on the directory reused nothing."""
+
+    def serve_and_drop() -> None:
+        mgr = manager(tmp_path, primary=30, host=0, disk=40)
+        oracle = PageOracle(mgr)
+        for i in range(3):
+            prefill(mgr, oracle, convo(i))  # 18 pages, all still in the primary tier
+        assert mgr.stats().tiers["disk"].pages_used == 0
+
+    with caplog.at_level(logging.WARNING):
+        serve_and_drop()
+        again = manager(tmp_path, primary=30, host=0, disk=40)  # waits for the dropped one's close
+    assert again.stats().tiers["disk"].pages_used == 18
+    for i in range(3):
+        assert serve(again, convo(i) + [1]).num_reused_tokens == 24
+    again.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("dropped without close()" in w and "written to its disk tier" in w for w in warnings), warnings
+
+
 def test_a_manager_never_closed_still_persists_at_exit(tmp_path):
     """The storage's finalizers leave the files open at interpreter exit, where the manager is closed
     (and persists its published pages) before the process ends."""
