@@ -204,7 +204,8 @@ class KVCacheManager:
         if views is None:
             group = self.spec.group_of(layer_id)
             buffer = self._pool.tiers[PRIMARY].storage.buffers[group.group_id]
-            views = self._views[layer_id] = part_views(self._geometries[group.group_id], buffer, layer_id)
+            with torch.inference_mode(False):  # kept: later calls write through them, inside inference mode or not
+                views = self._views[layer_id] = part_views(self._geometries[group.group_id], buffer, layer_id)
         return views
 
     def layout(self) -> KvCacheLayout:

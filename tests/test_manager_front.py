@@ -413,3 +413,18 @@ def test_the_invariant_check_holds_under_python_optimize():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("caught:") and "refs 2 but 1 caches hold it" in out.stdout, out.stdout
+
+
+def test_views_first_taken_in_inference_mode_are_written_outside_it():
+    """Before: views first asked for under ``torch.inference_mode()`` were kept as inference-mode
+    views, and every later in-place write through them outside it raised ``RuntimeError``."""
+    mgr = manager()
+    with torch.inference_mode():
+        first = mgr.kv_views(0)
+        first["k"][0].fill_(1.0)
+    again = mgr.kv_views(0)
+    with torch.no_grad():
+        again["k"][1].fill_(2.0)
+    again["v"][1].fill_(3.0)
+    assert again["k"][0].eq(1.0).all() and again["k"][1].eq(2.0).all() and again["v"][1].eq(3.0).all()
+    mgr.close()

@@ -107,3 +107,20 @@ def test_a_model_built_in_training_mode_is_probed_in_eval_mode_and_left_as_it_wa
     modes = [module.training for module in model.modules()]
     PrefixCache(model, tiers_config(model, blocks=8)).close()
     assert [module.training for module in model.modules()] == modes
+
+
+def test_a_first_call_in_inference_mode_leaves_later_calls_outside_it_working():
+    """Before: after a first ``generate`` under ``torch.inference_mode()`` (a server's warm-up), every
+    call outside it raised ``RuntimeError`` (an in-place write to an inference tensor) once its
+    forward had run, and its output was lost."""
+    model = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(13), 40)
+    with PrefixCache(model, tiers_config(model, blocks=40)) as pc:
+        with torch.inference_mode():
+            scored(pc.generate, prompt)
+        got = scored(pc.generate, [*prompt, 5])
+        assert pc.last_reused_tokens == [40]
+        assert same_output(got, scored(model.generate, [*prompt, 5]))
+        with torch.no_grad():
+            got = scored(pc.generate, [*prompt, 6])
+        assert same_output(got, scored(model.generate, [*prompt, 6]))
