@@ -369,7 +369,8 @@ def _without_dac_override() -> None:
 
 def test_a_read_only_directory_is_served_read_only(tmp_path):
     """Before: opened read-write and the whole tier given up. Now its pages are served, nothing is
-    written, and one WARNING says so."""
+    written, and one WARNING says so. Served again in the same process: a page pushed out of memory
+    lands on the bytes it left on disk (before, it was dropped: each page served once a process)."""
     persist_scoped(tmp_path, kind="llama")
     directory = kvtier_dir(tmp_path)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.iterdir()}
@@ -378,19 +379,31 @@ def test_a_read_only_directory_is_served_read_only(tmp_path):
     directory.chmod(0o500)
     code = f"""
     import logging
-    from tests.test_tiers import manager
-    from tests.test_disk_reliability import serve_scoped
+    from tests.test_tiers import convo, manager
+    from tests.test_disk_reliability import SCOPES, serve
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     mgr = manager({str(tmp_path)!r}, kind="llama", primary=10, host=4, disk=200)
     assert mgr.stats().disk_resets == 0
-    print("reused", serve_scoped(mgr))
+
+    def reused() -> int:
+        tokens = 0
+        for s, scope in enumerate(SCOPES):
+            for i in range(3):
+                cache = serve(mgr, convo(10 * s + i, 18) + [3], scope)
+                tokens += cache.num_reused_tokens
+                cache.close()
+        return tokens
+
+    print("reused", reused(), reused())
+    mgr.check_invariants()
+    mgr.close()
     """
     try:
         out = run_child(code, preexec_fn=_without_dac_override if os.geteuid() == 0 else None)
     finally:
         directory.chmod(0o700)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert int(out.stdout.split()[-1]) == 4 * 3 * 16  # every conversation's full blocks, from disk
+    assert out.stdout.split()[-2:] == [str(4 * 3 * 16)] * 2  # every conversation's full blocks, twice
     read_only = [line for line in out.stderr.splitlines() if "read-only" in line]
     assert len(read_only) == 1 and read_only[0].startswith("WARNING"), out.stderr[-2000:]
     assert "ERROR" not in out.stderr

@@ -67,11 +67,7 @@ class DiskWritePlanner:
         allocator = disk.storage.slots[victims[0].group]
         pending: list[Page] = []
         slots: list[int] = []
-        for page in victims:
-            copied = disk.take_copy(page)
-            if copied is not None:
-                self._land(page, *copied)
-                continue
+        for page in self.land_on_copies(victims):
             if not blocking and page.refs == 0:
                 self._not_written([page])  # dropped: the caller does not wait for the disk
                 continue
@@ -91,6 +87,18 @@ class DiskWritePlanner:
                     self._land(page, slot, checksum)
         if blocking:
             self._copy_ancestors(victims, plan)
+
+    def land_on_copies(self, victims: list[Page]) -> list[Page]:
+        """Demote the victims (one tier, one group) whose copy is on disk into the copy's slot, with no
+        write (all that a read-only disk takes); returns the others, in order."""
+        rest = []
+        for page in victims:
+            copied = self.disk.take_copy(page)
+            if copied is None:
+                rest.append(page)
+            else:
+                self._land(page, *copied)
+        return rest
 
     def _land(self, page: Page, slot: int, checksum: int) -> None:
         """``page`` now lives in a disk slot holding its bytes: index it there."""

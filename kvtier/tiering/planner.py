@@ -85,7 +85,11 @@ class MovePlanner:
             for dst_index in range(tier_index + 1, len(self.tiers)):
                 # The next tier first; a colder one when the next is full of pinned pages (a swap).
                 dst = self.tiers[dst_index]
-                if not dst.writable:
+                if not dst.writable:  # a read-only disk: it takes the victims whose copy is there, unwritten
+                    if dst.copies and self.disk_writes is not None and dst is self.disk_writes.disk:
+                        victims = self.disk_writes.land_on_copies(victims)
+                        if not victims:
+                            break
                     continue
                 if dst.copies and not dst.is_disk:
                     victims = self._take_copies(victims, dst)
