@@ -10,8 +10,10 @@ loaded in another process is the same scope, so a disk tier serves it after a re
 PEFT's tuner layers are found by what they expose (``active_adapters``, ``disable_adapters``,
 ``adapter_layer_names``), so peft is never imported. The layers are listed at construction and
 again whenever the model's ``peft_config`` names other adapters (``add_adapter``,
-``load_adapter``, ``delete_adapter``). A fingerprint is computed once per set of tensors (their
-identity, version and address), so training an adapter between calls makes a new scope too.
+``load_adapter``, ``delete_adapter``) or a layer listed is no longer where it was in the model
+(``unload()`` puts the base layers back and leaves ``peft_config`` as it was). A fingerprint is
+computed once per set of tensors (their identity, version and address), so training an adapter
+between calls makes a new scope too.
 Adapters merged into the weights are the base weights' business (``kvtier.weights.WeightWatch``).
 """
 
@@ -32,7 +34,7 @@ class AdapterScope:
         self._model = model
         self._base = base
         self._names = _configured(model)
-        self._layers = _tuner_layers(model)
+        self._paths, self._layers = _tuner_layers(model)
         self._fingerprints: dict[str, tuple[tuple, str]] = {}  # per adapter: its tensors' handles, fingerprint
 
     def for_rows(self, count: int, kwargs: dict) -> list[ReuseScope]:
@@ -63,8 +65,10 @@ class AdapterScope:
 
     def _refresh(self) -> None:
         names = _configured(self._model)
-        if names != self._names:
-            self._names, self._layers = names, _tuner_layers(self._model)
+        model = self._model
+        if names != self._names or not all(map(_in_place, [model] * len(self._paths), self._paths, self._layers)):
+            self._names = names
+            self._paths, self._layers = _tuner_layers(model)
 
     def _scope(self, active: list[str]) -> ReuseScope:
         key = "peft:" + "+".join(f"{name}@{self._fingerprint(name)}" for name in active)
@@ -103,12 +107,24 @@ def _configured(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(sorted(config)) if isinstance(config, dict) else ()
 
 
-def _tuner_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [
-        m
-        for m in model.modules()
+def _tuner_layers(model: torch.nn.Module) -> tuple[list[tuple[str, ...]], list[torch.nn.Module]]:
+    """The model's tuner layers and the path of each (its submodule names from the model down)."""
+    found = [
+        (tuple(name.split(".")), m)
+        for name, m in model.named_modules()
         if hasattr(m, "adapter_layer_names") and hasattr(m, "active_adapters") and hasattr(m, "disable_adapters")
     ]
+    return [path for path, _ in found], [layer for _, layer in found]
+
+
+def _in_place(model: torch.nn.Module, path: tuple[str, ...], layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is still the model's submodule at ``path``."""
+    module: torch.nn.Module | None = model
+    for name in path:
+        module = module._modules.get(name)  # (no ``getattr``: this runs for every tuner layer on every call)
+        if module is None:
+            return False
+    return module is layer
 
 
 def _active(layer: torch.nn.Module) -> tuple[str, ...]:

@@ -100,3 +100,18 @@ def test_a_batch_with_an_adapter_per_row_reuses_each_rows_own_pages():
             assert pc.last_reused_tokens == reused
         with pytest.raises(ValueError, match="one adapter per batch row"):
             pc.generate(ids, attention_mask=mask, max_new_tokens=3, adapter_names=["first"])
+
+
+def test_after_unload_the_adapters_pages_are_not_served_to_the_base_model():
+    """Before: ``unload()`` took the LoRA layers out of the model but left ``peft_config`` as it was;
+    the scope still listed the removed layers, active, so the adapter's pages were served to the
+    base model: other tokens than ``generate``'s."""
+    model = peft.get_peft_model(tiny_model("llama"), lora(6))
+    model.eval()
+    prompt = tokens(torch.Generator().manual_seed(7), 40)
+    with PrefixCache(model, tiers_config(model.base_model.model, blocks=60)) as pc:
+        assert both(model, pc, prompt) == 0
+        assert both(model, pc, [*prompt, 1]) == 40  # the adapter's own pages
+        base = model.unload()
+        assert both(base, pc, [*prompt, 2]) == 0  # not the adapter's pages
+        assert both(base, pc, [*prompt, 3]) == 40  # the base model's own
