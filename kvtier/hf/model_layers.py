@@ -157,9 +157,7 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
             if kind is LayerKind.LINEAR:
                 continue
             kind = LayerKind.FULL  # and its attention, as a layer of its own
-        keys, values = layer.keys, layer.values
-        if not layer.is_initialized or keys is None or keys.numel() == 0:
-            raise NotImplementedError(f"layer {i} ({kind.value}) was not written by a forward pass")
+        keys, values = layer.keys, layer.values  # (written by the probe: ``_check_written``)
         if keys.dtype != values.dtype:
             raise NotImplementedError(
                 f"layer {i} keeps keys of {keys.dtype} and values of {values.dtype}; kvtier pages need one dtype"
@@ -208,6 +206,7 @@ def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds
     full = [layer for kind, layer in zip(kinds, cache.layers, strict=True) if kind in (LayerKind.FULL, LayerKind.BOTH)]
     with torch.no_grad(), _evaluating(model):
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{argument: cache})
+        _check_written(model, cache, kinds)
         _check_positions(model, full, 1)
         suffix = torch.zeros((1, 2), dtype=torch.long, device=device)
         try:
@@ -224,6 +223,19 @@ def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds
             ) from e
         _check_positions(model, full, 3)
         _check_causal(model, argument, kinds, device)
+
+
+def _check_written(model: torch.nn.Module, cache: DynamicCache, kinds: list[LayerKind]) -> None:
+    """``NotImplementedError`` unless the forward wrote keys into every attention layer of the cache it
+    was given (PEFT's prefix tuning feeds its own instead: there is nothing kvtier could page)."""
+    for i, (kind, layer) in enumerate(zip(kinds, cache.layers, strict=True)):
+        attention = kind in _ATTENTION or kind is LayerKind.BOTH
+        if attention and (not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0):
+            raise NotImplementedError(
+                f"{type(model).__name__} did not write layer {i} ({kind.value}) of the cache its forward was "
+                "given; kvtier pages what a forward writes there (a model that feeds keys of its own, as PEFT's "
+                "prefix tuning does, cannot resume from them)"
+            )
 
 
 def _check_causal(model: torch.nn.Module, argument: str, kinds: list[LayerKind], device: torch.device) -> None:

@@ -115,3 +115,14 @@ def test_after_unload_the_adapters_pages_are_not_served_to_the_base_model():
         base = model.unload()
         assert both(base, pc, [*prompt, 2]) == 0  # not the adapter's pages
         assert both(base, pc, [*prompt, 3]) == 40  # the base model's own
+
+
+def test_prefix_tuning_is_refused_by_name():
+    """Before: ``TypeError: 'NoneType' object is not subscriptable`` from the padding probe: prefix
+    tuning feeds keys of its own and leaves the cache it is given empty."""
+    model = peft.get_peft_model(
+        tiny_model("llama"), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5)
+    )
+    model.eval()
+    with pytest.raises(NotImplementedError, match=r"did not write layer 0 .* prefix tuning"):
+        PrefixCache(model, tiers_config(model.base_model, blocks=20))
