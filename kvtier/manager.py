@@ -178,7 +178,8 @@ class KVCacheManager:
         From then on, ``create_cache`` reuses a cached block only where loading it from its tier
         (at the bandwidth measured on this manager's own copies) is estimated faster than
         recomputing it; the tokens left to recompute are counted in ``stats().recomputed_tokens``
-        and the decision is logged at DEBUG. ``ValueError`` for a rate that is not finite and > 0.
+        and the decision is logged at DEBUG. ``TypeError`` for a rate that is not a number,
+        ``ValueError`` for one that is not finite and > 0.
         """
         self._check_open()
         self._pool.set_prefill_rate(tokens_per_second)
@@ -201,8 +202,8 @@ class KVCacheManager:
         """
         self._check_open()
         views = self._views.get(layer_id)
-        if views is None:
-            group = self.spec.group_of(layer_id)
+        if views is None or type(layer_id) is not int:  # (True finds layer 1's views: refused here)
+            group = self.spec.group_of(layer_id)  # ValueError for what is not a layer id
             buffer = self._pool.tiers[PRIMARY].storage.buffers[group.group_id]
             with torch.inference_mode(False):  # kept: later calls write through them, inside inference mode or not
                 views = self._views[layer_id] = part_views(self._geometries[group.group_id], buffer, layer_id)

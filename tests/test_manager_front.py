@@ -428,3 +428,17 @@ def test_views_first_taken_in_inference_mode_are_written_outside_it():
     again["v"][1].fill_(3.0)
     assert again["k"][0].eq(1.0).all() and again["k"][1].eq(2.0).all() and again["v"][1].eq(3.0).all()
     mgr.close()
+
+
+def test_a_bool_is_neither_a_layer_id_nor_a_prefill_rate():
+    """Before: ``kv_views(True)`` returned layer 1's views once they were made, ``set_prefill_rate(True)``
+    set 1 token/s and ``set_prefill_rate("100")`` raised a ``TypeError`` about comparing str and int."""
+    mgr = manager()
+    mgr.kv_views(1)
+    with pytest.raises(ValueError, match="unknown layer id True"):
+        mgr.kv_views(True)
+    for rate in (True, "100", None):
+        with pytest.raises(TypeError, match="a prefill rate is a number of tokens per second"):
+            mgr.set_prefill_rate(rate)
+    mgr.set_prefill_rate(100)
+    mgr.close()

@@ -79,6 +79,8 @@ class LoadCost:
             self._disk[1].remember(self._bandwidth_name, self.bandwidth[tier])
 
     def set_prefill_rate(self, tokens_per_second: float) -> None:
+        if isinstance(tokens_per_second, bool) or not isinstance(tokens_per_second, int | float):
+            raise TypeError(f"a prefill rate is a number of tokens per second, got {tokens_per_second!r}")
         if not tokens_per_second > 0 or not math.isfinite(tokens_per_second):
             raise ValueError(f"a prefill rate is a finite number of tokens per second > 0, got {tokens_per_second!r}")
         self.prefill_rate = float(tokens_per_second)
