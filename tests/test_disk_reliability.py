@@ -535,6 +535,39 @@ def test_a_dropped_manager_releases_its_files_and_directory(tmp_path):
     assert open_fds() <= baseline
 
 
+def test_a_process_killed_while_closing_keeps_the_pages_it_persisted_before(tmp_path):
+    """Before: the close-time persist committed the index once, after its last page: a process killed
+    during it (SIGKILL at the 13th of 18 page writes here) restored none of the pages it had written."""
+    code = f"""
+    import os, signal
+    import kvtier.tiering.disk_writes as disk_writes
+    from tests.test_tiers import manager, prefill, convo
+    from tests.kvdata import PageOracle
+    mgr = manager({str(tmp_path)!r}, primary=30, host=0, disk=40)
+    for i in range(3):
+        prefill(mgr, PageOracle(mgr), convo(i))  # 18 pages, all still in the primary tier
+    disk_writes.PERSIST_CHUNK_BYTES = 2 * mgr.page_bytes(0)  # parts of two pages
+    writes, write = [0], os.pwrite
+
+    def killed_at_the_13th(fd, data, offset):
+        writes[0] += 1
+        if writes[0] == 13:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(fd, data, offset)
+
+    os.pwrite = killed_at_the_13th
+    mgr.close()
+    """
+    out = run_child(code)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    again = manager(tmp_path, primary=30, host=0, disk=40)
+    assert again.stats().tiers["disk"].pages_used == 12  # six parts of two pages, written and committed
+    reused = [serve(again, convo(i) + [1]).num_reused_tokens for i in range(3)]  # each byte-exact
+    assert reused == [16, 16, 16] and again.stats().checksum_failures == 0  # parents first: 4 blocks each
+    again.check_invariants()
+    again.close()
+
+
 def test_a_dropped_manager_still_persists_its_pages(tmp_path, caplog):
     """Before: a manager dropped without close() (made inside a function) wrote none of its pages in
     memory to disk, silently: a new manager on the directory reused nothing."""

@@ -25,6 +25,8 @@ from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.residency import Residency
 from kvtier.tiering.tier import Tier
 
+PERSIST_CHUNK_BYTES = 64 << 20  # the close-time persist commits the index after each part of this size
+
 
 class DiskWriter(Protocol):
     """Writes the bytes of pages to disk slots now."""
@@ -167,5 +169,7 @@ class DiskWritePlanner:
                     free[page.group] -= 1
                 batches[(page.tier, page.group)].append(page)
         for pages in batches.values():
-            self._write_down(pages, plan, blocking=True)  # closing: every page is written
+            step = max(1, PERSIST_CHUNK_BYTES // disk.storage.page_bytes[pages[0].group])
+            for start in range(0, len(pages), step):  # each part's rows commit as the next one starts
+                self._write_down(pages[start : start + step], plan, blocking=True)  # closing: every page
         return sum(len(p) for p in batches.values())
