@@ -60,6 +60,7 @@ class Lease:
         "loads",
         "local_tokens",
         "planned",
+        "preemptions",
         "puts",
         "reads",
         "saves",
@@ -71,9 +72,10 @@ class Lease:
         "store_tokens",
     )
 
-    def __init__(self, cache: KVCache, bound: int | None = None) -> None:
+    def __init__(self, cache: KVCache, bound: int | None = None, preemptions: int = 0) -> None:
         self.cache = cache
         self.bound = bound  # tokens whose KV the token ids decide (before the first image); None: all
+        self.preemptions = preemptions  # the request's preemptions when it was made: one more makes it stale
         self.state = LeaseState.OFFERED
         self.local_tokens = 0  # tokens vLLM had computed itself when the offer was made
         self.planned = 0

@@ -132,6 +132,7 @@ class KVTierScheduler:
         self._requests: dict[str, Request] = {}
         self._jobs: dict[int, tuple[Lease | None, Direction]] = {}
         self._step_jobs: list[TransferJob] = []
+        self._flush: set[int] = set()  # save jobs of preempted requests' leases: the next step's worker flushes them
         self._delayed: list[str] = []
         self._job_ids = itertools.count()
         self.null_block_id = 0
@@ -159,12 +160,15 @@ class KVTierScheduler:
             return 0, False
         rid = request.request_id
         lease = self._leases.get(rid)
+        if lease is not None and lease.preemptions != request.num_preemptions:
+            self._let_go_preempted(rid)  # preempted between steps (``reset_prefix_cache``), asked again at once
+            lease = None
         if lease is None:
             scope = self._scope(request)
             bound = token_bound(request)
             tokens = request.all_token_ids  # vLLM's own list, not copied; up to the bound and one more
             keyed = tokens if bound is None else tokens[: bound + 1]  # (a match never covers its last token)
-            lease = Lease(self.manager.create_cache(keyed, scope), bound)
+            lease = Lease(self.manager.create_cache(keyed, scope), bound, request.num_preemptions)
             self._leases[rid] = lease
             self._requests[rid] = request
             if self._store is not None and not _skips_cache(request):
@@ -325,12 +329,11 @@ class KVTierScheduler:
         self._land_placements()
         self._reap_puts()
         self.manager.maintain()  # lands background reads and disk writes, starts the next write
-        flush: set[int] = set()
         for rid in scheduler_output.preempted_req_ids or ():
-            lease = self._leases.pop(rid, None)
-            if lease is not None:
-                flush.update(self._worker_saves(lease))
-                lease.release()
+            lease = self._leases.get(rid)
+            if lease is not None and lease.preemptions != self._requests[rid].num_preemptions:
+                self._let_go_preempted(rid)  # (not a lease made since, when it was asked again in this step)
+        flush, self._flush = self._flush, set()
         if self.plan.has_sliding_window:
             flush.update(j for j, (_, d) in self._jobs.items() if d is Direction.SAVE)
         for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -485,6 +488,13 @@ class KVTierScheduler:
         if delay:
             self._delayed.append(rid)
         return delay
+
+    def _let_go_preempted(self, rid: str) -> None:
+        """A preempted request's lease goes: its saves on the worker are flushed with the next step,
+        and it closes once no job of it runs (the request, resumed, is asked again: a new lease)."""
+        lease = self._leases.pop(rid)
+        self._flush.update(self._worker_saves(lease))
+        lease.release()
 
     def _worker_saves(self, lease: Lease) -> list[int]:
         """The lease's save jobs on the worker (its fills from the store are host-side only)."""

@@ -555,6 +555,34 @@ def test_preempted_requests_resume_from_kvtier_and_nothing_wrong_is_served(tmp_p
     e.shutdown()
 
 
+def test_a_request_preempted_between_steps_resumes_from_kvtier_and_goes_on_saving(tmp_path):
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts running requests between steps and
+    the next step asks for them again before it reports them preempted. Before: the ask found the
+    old lease and offered nothing, then the report released it: the request recomputed from 0 and
+    saved nothing more for the rest of its life."""
+    e = engine(tmp_path)
+    e.add("r1", prompt(23, 100), max_tokens=60)
+    run_until_computed(e, "r1", 120)
+    saved = e.kv_scheduler.manager.stats().tiers["primary"].pages_used
+    assert saved == 7
+    assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+    e.poison()
+    before = len(e.log)
+    e.run()
+    assert next(step.computed["r1"] for step in e.log[before:] if "r1" in step.computed)[0] == 7 * BLOCK
+    assert any("r1" in step.loaded for step in e.log[before:])  # each loaded position checked
+    e.assert_no_leaks()
+    tokens = e.tokens("r1")  # 160 tokens, the KV of 159 computed: 9 full blocks, saved as it went on
+    assert len(tokens) == 160 and e.kv_scheduler.manager.stats().tiers["primary"].pages_used == 9
+    e.reset_prefix_cache()
+    e.poison()
+    e.add("r2", [*tokens, 1], max_tokens=1)
+    e.run()
+    assert first_step_of(e, "r2")[0] == 9 * BLOCK
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 @pytest.mark.parametrize(
     ("disk", "async_scheduling"), [(False, False), (True, False), (False, True)], ids=["host", "disk", "async"]
 )
