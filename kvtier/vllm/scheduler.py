@@ -71,6 +71,7 @@ from kvtier.vllm.store_tier import BlockChain, StoreTier, open_store
 from kvtier.vllm.transfer import Direction, GroupBlocks, GroupPlan, TransferJob
 
 if TYPE_CHECKING:
+    import torch
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -117,7 +118,11 @@ class KVTierScheduler:
             if group.regions[0].size != plan_group.host_page_bytes:
                 raise InvariantError(f"kvtier's page of group {group.group_id} is not one block of each of its layers")
         buffers = tuple(g.regions[0].buffer for g in layout.groups)
-        host_pool.publish(engine_id, host_pool.HostPool(buffers, tuple(g.host_page_bytes for g in plan.groups)))  # type: ignore[arg-type]
+        try:
+            host_pool.publish(engine_id, host_pool.HostPool(buffers, tuple(g.host_page_bytes for g in plan.groups)))  # type: ignore[arg-type]
+        except ValueError:
+            self.manager.close()  # a construction that fails leaves nothing open (a retry may follow)
+            raise
         self._tpb = plan.block_size
         self._disk_read_wait_s = settings.disk_read_wait_s
         # With recompute_when_faster, blocks on a disk slower than the prefill rate are recomputed: the
@@ -146,12 +151,11 @@ class KVTierScheduler:
         self._epoch: str | None = None  # the weights epoch since the last ``reset_cache`` (None: none yet)
         self._epoch_scopes: set[ReuseScope] = set()  # the scopes of that epoch's requests (none for epoch None)
         if settings.store_url is not None:
-            if plan.has_sliding_window:
-                self.shutdown()
-                raise NotImplementedError("kvtier.vllm: store_url is served for full-attention models only")
-            keyspace = BlockKeyspace.for_model(plan.spec, plan.block_size)
-            pages = [g.host_page_bytes for g in plan.groups]
-            self._store = StoreTier(open_store(settings.store_url), keyspace, buffers, pages)
+            try:
+                self._store = _store_tier(plan, settings.store_url, buffers)
+            except BaseException:
+                self.shutdown()  # (the host pages are withdrawn: the engine id is free for a retry)
+                raise
 
     # -- ask and alloc ---------------------------------------------------------------------------
 
@@ -514,6 +518,15 @@ class KVTierScheduler:
         self._jobs.clear()
         self.manager.close()
         host_pool.withdraw(self._engine_id)
+
+
+def _store_tier(plan: ModelPlan, url: str, buffers: tuple[torch.Tensor, ...]) -> StoreTier:
+    """The store ``store_url`` names over the host pages; ``NotImplementedError`` for a model with a
+    sliding window, ``ValueError`` for a URL that names no store."""
+    if plan.has_sliding_window:
+        raise NotImplementedError("kvtier.vllm: store_url is served for full-attention models only")
+    keyspace = BlockKeyspace.for_model(plan.spec, plan.block_size)
+    return StoreTier(open_store(url), keyspace, buffers, [g.host_page_bytes for g in plan.groups])
 
 
 def scope_of(request: Request) -> ReuseScope:

@@ -46,7 +46,13 @@ def open_store(url: str) -> BlockStore:
     if scheme in REDIS_SCHEMES:
         return RedisStore(url)
     if scheme == "file":
-        path = urlparse(url).path
+        parsed = urlparse(url)
+        if parsed.netloc not in ("", "localhost"):  # file://dir/x: "dir" is a host, the path /x
+            raise ValueError(
+                f"kvtier.vllm: store_url {url!r} names the host {parsed.netloc!r}; a shared directory is "
+                "file:///absolute/path"
+            )
+        path = parsed.path
         if not path:
             raise ValueError(f"kvtier.vllm: store_url {url!r} names no directory (file:///path)")
         return FileSystemStore(os.fspath(path))

@@ -278,10 +278,18 @@ def test_redis_serves_like_a_shared_directory(tmp_path, redis_url):
 
 
 def test_store_settings_are_checked(tmp_path):
+    """A refused store leaves nothing behind: the same engine builds with a good one at once (before:
+    its host pages stayed published and the retry was refused). ``file://dir/x`` names a host
+    (before: the store went to ``/x``)."""
     config = vllm_config(tmp_path, {"store_url": "ftp://somewhere"})
     kv_config = kv_cache_config(config, [(layer_names(3), attention_spec())], 16)
     with pytest.raises(ValueError, match="store_url must start with"):
         KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    config = vllm_config(tmp_path, {"store_url": "file://store/x"})
+    with pytest.raises(ValueError, match="names the host 'store'; a shared directory is file:///absolute/path"):
+        KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    config = vllm_config(tmp_path, {"store_url": (tmp_path / "store").as_uri()})
+    KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config).shutdown()
     config = vllm_config(tmp_path, {"store_url": "file:///tmp/x"}, name="swa")
     groups = [(layer_names(2), attention_spec()), (layer_names(2, first=2), attention_spec(window=32))]
     with pytest.raises(NotImplementedError, match="full-attention models only"):
