@@ -212,6 +212,25 @@ def test_a_request_that_fails_while_served_finishes_with_an_error_and_the_others
     eng.close()
 
 
+@pytest.mark.parametrize("max_num_tokens", [256, 16], ids=["one-chunk", "chunked"])
+def test_a_failed_requests_pages_are_never_served_to_the_requests_after_it(max_num_tokens):
+    """Before: a chunk was committed before its logits were checked, and a non-finite value spreads
+    to every position of its chunk through attention: a later good request reusing the prefix was
+    served those pages and failed too (and after a restart, from disk)."""
+    model = damaged_model(bad_token=7)
+    good = [t if t != 7 else 8 for t in prompts_for(model, [40], seed=16)[0]]
+    expected = model.reference_generate(good, 4)
+    eng = engine(model, primary_blocks=60, max_num_tokens=max_num_tokens)
+    bad = good[:20] + [7] + good[20:]
+    assert eng.generate([bad], SamplingParams(max_tokens=4))[0].finish_reason == "error"
+    out = eng.generate([good], SamplingParams(max_tokens=4))[0]
+    assert out.token_ids == expected
+    # Chunks before the failing one are kept: 16 tokens when the prompt goes in chunks of 16.
+    assert sum(out.reused_tokens_by_tier.values()) == (16 if max_num_tokens == 16 else 0)
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
 def test_a_request_that_cannot_run_even_alone_fails_and_the_others_finish(llama):
     # Pages locked by a cache the engine does not own leave too little room for the long request.
     eng = engine(llama, primary_blocks=40)

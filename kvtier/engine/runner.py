@@ -41,26 +41,29 @@ class ModelRunner:
 
         Returns (request id -> sampled token, request id -> error). A request whose logits are
         not finite (NaN or inf: broken weights, an overflow in a low precision) gets an error
-        instead of a token, since any token sampled from them would be wrong.
+        instead of a token, since any token sampled from them would be wrong, and its chunk is not
+        committed: a non-finite value anywhere in a chunk reaches the last position's logits
+        through attention, and the chunk's pages would serve it to every request reusing them.
         """
         waves = self._waves(batch)
         sampled: dict[int, int] = {}
         errors: dict[int, str] = {}
         for wave in waves:
+            wave = [piece for piece in wave if piece.chunk.request.request_id not in errors]
+            if not wave:
+                continue
             seqs = [self._sequence(piece) for piece in wave]
             logits = self.model.forward_paged(seqs, self.mgr.kv_views, "last")
-            ends = [piece.end == len(piece.chunk.request.tokens) for piece in wave]
-            finite = torch.isfinite(logits).all(dim=-1).tolist() if any(ends) else []
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
             for row, piece in enumerate(wave):
                 request = piece.chunk.request
+                if not finite[row]:
+                    errors[request.request_id] = f"the model gave non-finite logits at position {piece.end - 1}"
+                    continue
                 request.held_cache().commit(request.tokens[piece.start : piece.end])
                 request.computed_prompt_tokens += max(0, min(piece.end, len(request.prompt)) - piece.start)
-                if not ends[row]:
-                    continue
-                if finite[row]:
+                if piece.end == len(request.tokens):
                     sampled[request.request_id] = self._sample(request, logits[row])
-                else:
-                    errors[request.request_id] = f"the model gave non-finite logits at position {piece.end - 1}"
         return sampled, errors
 
     def forget(self, request: Request) -> None:
