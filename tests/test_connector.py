@@ -195,6 +195,12 @@ def test_corrupted_block_file_is_a_miss(llama, tmp_path):
         out = eng.generate([prompt], SamplingParams(max_tokens=4))[0]
     assert out.reused_tokens_by_tier.get("connector", 0) < 96  # stops before the damaged block
     assert out.token_ids == llama.reference_generate(prompt, 4)
+    # That run wrote the damaged block again (before: it counted as present, so no save replaced it
+    # and the prefix missed there for good).
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as eng:
+        out = eng.generate([prompt], SamplingParams(max_tokens=4))[0]
+    assert out.reused_tokens_by_tier["connector"] == 96
+    assert out.token_ids == llama.reference_generate(prompt, 4)
 
 
 class GatedStore(FileSystemStore):

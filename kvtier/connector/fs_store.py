@@ -174,12 +174,15 @@ class FileSystemStore:
             with open(path, "rb") as f:
                 # One byte past the expected length is enough to see that a value is too long.
                 blob = f.read() if size is None else f.read(HEADER_BYTES + size + 1)
+                inode = os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             return _Read()
         except OSError as exc:
             return _Read(error=exc)
         payload = decode_page(blob, size, key)
         if payload is None:
+            if _damaged(path, inode, key):
+                _remove(path, inode)
             return _Read(damaged=True)
         _touch(path)
         return _Read(payload=bytes(payload))
@@ -341,3 +344,24 @@ def _make_private_dirs(path: Path) -> None:
     target = missing[0] if missing else path
     if not target.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(target))
+
+
+def _damaged(path: Path, inode: int, key: str) -> bool:
+    """Whether the value of ``key`` read from ``path`` fails verification whole (not just the size
+    one caller expected)."""
+    try:
+        with open(path, "rb") as f:
+            return os.fstat(f.fileno()).st_ino == inode and decode_page(f.read(), None, key) is None
+    except OSError:
+        return False
+
+
+def _remove(path: Path, inode: int) -> None:
+    """Remove a damaged value, so the next put of its key writes it again (it would otherwise count as
+    present, and be kept as recently used, for good); not a value a writer renamed over it since it
+    was read. Best effort: a failure leaves it, still a miss."""
+    try:
+        if os.stat(path).st_ino == inode:
+            path.unlink()
+    except OSError:
+        pass

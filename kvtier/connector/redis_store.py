@@ -101,9 +101,18 @@ class RedisStore:
         for key, blob, size in zip(keys, blobs, sizes, strict=True):
             payload = None if blob is None else decode_page(blob, size, key)
             out.append(None if payload is None else bytes(payload))
-        damaged = sum(1 for blob, payload in zip(blobs, out, strict=True) if blob is not None and payload is None)
-        if damaged:
-            log.warning("kvtier redis store %s: %d of %d values failed verification", self.url, damaged, len(keys))
+        rejected = [
+            (key, blob)
+            for key, blob, payload in zip(keys, blobs, out, strict=True)
+            if blob is not None and payload is None
+        ]
+        if rejected:
+            log.warning(
+                "kvtier redis store %s: %d of %d values failed verification", self.url, len(rejected), len(keys)
+            )
+            damaged = [key for key, blob in rejected if decode_page(blob, None, key) is None]  # not just another size
+            if damaged:
+                self._transport.unlink(damaged)  # so that the next put of their keys writes them again
         return out
 
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:

@@ -15,6 +15,9 @@ Contract of every store (``FileSystemStore``, ``RedisStore``):
 - ``contains_many`` is cheap (existence only) and may say True for a value that ``get_many``
   then rejects; ``get_many`` is the authority.
 - Values are whole: a reader sees a complete value written by one ``put_many``, or nothing.
+- A value ``get_many`` finds damaged (not merely of another size than the caller expected) is
+  removed, so that the next ``put_many`` of its key writes it again (``contains_many`` would
+  otherwise count it as present for good).
 """
 
 from __future__ import annotations
