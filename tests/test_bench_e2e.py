@@ -100,13 +100,13 @@ def test_unset_tier_sizes_are_multiples_of_the_longest_prefix():
     from kvtier.cli.bench_e2e import PREFIXES_PER_TIER, fill_tier_sizes
     from kvtier.models.architecture import NAMED_CONFIGS
 
-    def filled(model: str, prefixes: str, **given) -> argparse.Namespace:
+    def filled(model: str, prefixes: list[int], **given) -> argparse.Namespace:
         args = argparse.Namespace(prefixes=prefixes, tokens_per_block=32, **(dict.fromkeys(PREFIXES_PER_TIER) | given))
         fill_tier_sizes(args, NAMED_CONFIGS[model].spec(torch.bfloat16))
         return args
 
-    big = filled("llama-8b-shape", "4096,16384,32768", host_gib=3.0)
+    big = filled("llama-8b-shape", [4096, 16384, 32768], host_gib=3.0)
     assert (big.primary_gib, big.host_gib, big.disk_gib) == (24.0, 3.0, 8.0)
     assert (big.pressure_primary_gib, big.pressure_host_gib) == (12.0, 20.0)
-    tiny = filled("tiny-llama", "256")
+    tiny = filled("tiny-llama", [256])
     assert tiny.primary_gib == 6 * 256 * 4 * 2 * 2 * 16 * 2 / (1 << 30)  # layers x K,V x heads x dim x bf16

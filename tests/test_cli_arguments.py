@@ -27,6 +27,16 @@ from kvtier.cli import main
         (["demo", "--metrics-port", "70000"], "argument --metrics-port: must be a TCP port (1-65535), got 70000"),
         (["bench", "manager", "--json", "/nonexistent/m.json"], "argument --json: /nonexistent/m.json: no directory"),
         (["demo", "--plot", "/nonexistent/ttft.png"], "argument --plot: /nonexistent/ttft.png: no directory"),
+        # Before: these ran the whole job, then ended in a traceback (or, for --plot, wrote "tests/.png").
+        (["demo", "--json", "tests"], "argument --json: tests: a directory; name a file to write"),
+        (["bench", "manager", "--json", "tests/"], "argument --json: tests/: a directory; name a file to write"),
+        (["demo", "--plot", "tests/"], "argument --plot: tests/: a directory; name a file to write"),
+        (["demo", "--plot", "ttft.txt"], "argument --plot: ttft.txt: name a file ending in one of ['eps', 'pdf',"),
+        (["bench", "e2e", "--prefixes", "-64"], "argument --prefixes: must be >= 1, got -64 (a comma-separated"),
+        (["bench", "e2e", "--prefixes", "64,abc"], "argument --prefixes: must be an integer, got 'abc' (a comma-"),
+        (["bench", "hf", "--histories", "0"], "argument --histories: must be >= 1, got 0 (a comma-separated"),
+        (["probe", "--disk-mib", "-5"], "argument --disk-mib: must be >= 256, got -5"),
+        (["probe", "--disk-mib", "9000"], "argument --disk-mib: must be <= 4096, got 9000"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_the_option(capsys, argv, message):

@@ -10,6 +10,7 @@ import socket
 from collections.abc import Callable
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+PLOT_FORMATS = frozenset({"png", "pdf", "svg", "eps", "ps"})  # matplotlib saves these without extra packages
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -22,6 +23,18 @@ def at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def between(low: int, high: int) -> Callable[[str], int]:
+    """An integer within [``low``, ``high``]."""
+
+    def parse(text: str) -> int:
+        value = at_least(low)(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
         return value
 
     return parse
@@ -68,12 +81,34 @@ def free_port(text: str) -> int:
     return port
 
 
+def lengths(text: str) -> list[int]:
+    """A comma-separated list of token counts, each >= 1 (``4096,16384``)."""
+    values = []
+    for part in text.split(","):
+        try:
+            values.append(at_least(1)(part.strip()))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{exc} (a comma-separated list of token counts, each >= 1)") from None
+    return values
+
+
 def output_file(text: str) -> str:
-    """A file to write at the end of a run, in a directory that exists and can be written now: a
-    typo in its directory is refused before a long run, not after it."""
+    """A file to write at the end of a run, in a directory that exists and can be written now, and
+    not a directory itself: a typo is refused before a long run, not after it."""
+    if text.endswith(os.sep) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: a directory; name a file to write")
     directory = os.path.dirname(text) or "."
     if not os.path.isdir(directory):
         raise argparse.ArgumentTypeError(f"{text}: no directory {directory!r} to write it in")
     if not os.access(directory, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text}: the directory {directory!r} cannot be written")
     return text
+
+
+def plot_file(text: str) -> str:
+    """An ``output_file`` whose suffix names an image format the plot can be saved in."""
+    path = output_file(text)
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text}: name a file ending in one of {sorted(PLOT_FORMATS)}")
+    return path

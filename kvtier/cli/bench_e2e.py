@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.cli import bench_e2e_pressure as pressure
-from kvtier.cli.arguments import at_least, device, positive
+from kvtier.cli.arguments import at_least, device, lengths, positive
 from kvtier.cli.bench_e2e_report import add_targets, print_table
 from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
 
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-8b-shape")
     parser.add_argument("--device", type=device, default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
-    parser.add_argument("--prefixes", default="4096,16384,32768", help="prefix lengths in tokens")
+    parser.add_argument("--prefixes", type=lengths, default=[4096, 16384, 32768], help="prefix lengths in tokens")
     parser.add_argument("--suffix", type=at_least(1), default=128, help="new tokens after the prefix")
     parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--greedy-tokens", type=at_least(1), default=4, help="tokens compared with the dense path")
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     bench = Bench(model, args)
     ceiling = link_ceiling_gbps(bench.device)
     rows = []
-    for length in (int(x) for x in args.prefixes.split(",")):
+    for length in args.prefixes:
         ref = bench.reference(length, ceiling)
         rows.extend(bench.prefix(ref))
         if args.pressure:
@@ -105,7 +105,7 @@ def fill_tier_sizes(args: argparse.Namespace, spec) -> None:
 
     tpb = args.tokens_per_block
     block_bytes = sum(g.page_bytes for g in page_geometries(spec, tpb))
-    longest = max(int(x) for x in args.prefixes.split(","))
+    longest = max(args.prefixes)
     prefix_gib = -(-longest // tpb) * block_bytes / GIB
     for name, prefixes in PREFIXES_PER_TIER.items():
         if getattr(args, name) is None:

@@ -38,7 +38,7 @@ import statistics
 import tempfile
 import time
 
-from kvtier.cli.arguments import at_least, device, positive
+from kvtier.cli.arguments import at_least, device, lengths, positive
 from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
 
 LLAMA_8B = dict(
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", type=device, default=None, help="default: cuda; cpu with --tiny where CUDA is not available"
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
-    parser.add_argument("--histories", default="4096,16384,32768", help="history lengths in tokens")
+    parser.add_argument("--histories", type=lengths, default=[4096, 16384, 32768], help="history lengths in tokens")
     parser.add_argument("--suffix", type=at_least(1), default=64, help="new prompt tokens of the second turn")
     parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--tokens-per-block", type=at_least(1), default=32)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     bench = _Bench(args)
     ceiling = link_ceiling_gbps(bench.device)
     rows = []
-    for length in (int(x) for x in args.histories.split(",")):
+    for length in args.histories:
         rows.extend(bench.history(length, ceiling))
     bench.close()
     result = {"link_ceiling_gbps": ceiling, "rows": rows, "args": vars(args), "torch": torch.__version__}

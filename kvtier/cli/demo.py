@@ -16,7 +16,7 @@ import json
 import statistics
 import tempfile
 
-from kvtier.cli.arguments import at_least, device, free_port, output_file, positive
+from kvtier.cli.arguments import at_least, device, free_port, output_file, plot_file, positive
 from kvtier.cli.run_summary import common_prefix_share, percentile
 
 
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--primary-mib", type=positive, default=4.0)
     parser.add_argument("--host-mib", type=positive, default=3.0)
     parser.add_argument("--disk-mib", type=positive, default=64.0)
-    parser.add_argument("--plot", type=output_file, default="kvtier-demo-ttft.png", help="where to write the TTFT plot")
+    parser.add_argument("--plot", type=plot_file, default="kvtier-demo-ttft.png", help="where to write the TTFT plot")
     parser.add_argument("--json", metavar="PATH", type=output_file, help="write the figures as JSON")
     parser.add_argument("--metrics-port", type=free_port, help="serve kvtier's Prometheus metrics on this port")
     parser.add_argument("--seed", type=int, default=0)
@@ -88,11 +88,11 @@ def run(args: argparse.Namespace) -> int:
     summary["identical_tokens"] = same
     summary["common_prefix_share"] = agreement
     _print(console, summary, exact)
-    _plot(records, args.plot)
-    console.print(f"TTFT per turn plotted to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
+    _plot(records, args.plot)
+    console.print(f"TTFT per turn plotted to {args.plot}")
     return 0 if same or not exact else 1
 
 

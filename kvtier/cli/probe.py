@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-from kvtier.cli.arguments import device
+from kvtier.cli.arguments import between, device
+from kvtier.cli.disk_probe import MAX_MIB, MIN_MIB
 
 PROBE_PAGE_SIZES = (16, 4096, 65_536, 262_144, 884_736, 4_194_304, 15_261_696, 217_055_232)
 
@@ -18,7 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disk", default=None, metavar="PATH", help="also measure the read ceiling of the disk under this directory"
     )
-    parser.add_argument("--disk-mib", type=int, default=512, help="size of the temporary file of --disk (256-4096)")
+    parser.add_argument(
+        "--disk-mib", type=between(MIN_MIB, MAX_MIB), default=512, help="size of the temporary file of --disk in MiB"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             rows += probe_disk(args.disk, args.disk_mib)
         except (ValueError, OSError) as exc:
-            print(f"disk probe: {exc}")
+            print(f"disk probe: {exc}", file=sys.stderr)
             return 2
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
