@@ -212,9 +212,9 @@ class KVTierScheduler:
         """Start reading the request's cached pages still on disk into host memory on the manager's
         background thread (the lease waits for that read: ``lease.reads``). False when one
         started, or when none could and it may still wait: another read has its pages, or host
-        memory has no room, and less than ``disk_read_wait_s`` passed since its first ask. True
-        when none could and it may not: it is past that wait, or nothing stands in the way (its
-        pages were found damaged)."""
+        memory has no room that other requests may free, and less than ``disk_read_wait_s`` passed
+        since its first ask. True when none could and it may not: it is past that wait, or nothing
+        stands in the way (its pages were found damaged, or its own pages fill host memory)."""
         self._reads = [read for read in self._reads if not read.done()]
         tokens = request.all_token_ids[: lease.matched + 1]  # what the offer covers: read no block beyond
         read = self.manager.prefetch_to_host(tokens, self._scope(request))
@@ -224,12 +224,17 @@ class KVTierScheduler:
             return False
         if time.monotonic() - lease.created >= self._disk_read_wait_s:
             return True
-        return not (self._reads or self._host_full())
+        if self._reads:
+            return False
+        return not self._others_fill_host(lease)
 
-    def _host_full(self) -> bool:
-        """Whether host memory has no free page (with several layer groups, none in any of them)."""
+    def _others_fill_host(self, lease: Lease) -> bool:
+        """Whether host memory has no free page (with several layer groups, none in any of them) while
+        other requests hold some of it: only their letting go can make room (the lease's own pages
+        filling it never do)."""
         tier = self.manager.stats().tiers["primary"]
-        return tier.pages_used >= tier.pages_total
+        own = lease.cache.reused_in_memory // self._tpb * len(self.plan.groups)
+        return own < tier.pages_used >= tier.pages_total
 
     def update_state_after_alloc(self, request: Request, block_ids: BlockIds, num_external: int) -> None:
         rid = request.request_id

@@ -157,6 +157,21 @@ def prefix_on_disk(tmp_path: Path, seed: int) -> list[int]:
     return shared
 
 
+def test_a_disk_prefix_larger_than_host_memory_loads_what_fits_without_waiting(tmp_path):
+    """Host memory for 5 pages, a 7-block prefix on disk: 5 blocks are read, the rest recomputed at
+    once. Before: the request waited ``disk_read_wait_s`` for room that its own pages held."""
+    shared = prefix_on_disk(tmp_path, seed=57)
+    e = host_pages_engine(tmp_path, 5, disk_read_wait_s=30.0)
+    e.poison()
+    e.add("r2", [*shared, 1, 2], max_tokens=3)
+    began = time.monotonic()
+    e.run()
+    assert time.monotonic() - began < 10
+    assert first_step_of(e, "r2")[0] == 5 * BLOCK  # each loaded position checked
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_recompute_when_faster_recomputes_a_prefix_on_a_slow_disk_at_once(tmp_path, monkeypatch):
     """With ``recompute_when_faster`` and a given rate: the disk's speed is sampled when the engine
     opens its directory (and kept there), so its blocks are recomputed without a wait; without the
