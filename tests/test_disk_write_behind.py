@@ -149,6 +149,31 @@ def test_a_cpu_manager_without_a_host_tier_writes_its_primary_tier_behind(tmp_pa
     mgr.close()
 
 
+def test_pages_demoted_onto_their_disk_copies_make_nothing_else_leave_the_disk(tmp_path):
+    """Host memory for 4 pages, a disk for 6; prompts of 3 blocks. Before: making room on the disk
+    counted the victims that land on their own copies as needing free slots, so a full disk
+    dropped another prompt's pages for them (the first prompt was lost here)."""
+    spec = small_spec("llama")
+    page = page_bytes(spec)
+    tiers = [kvtier.PrimaryTier(4 * page), kvtier.DiskTier(6 * page, tmp_path / "disk", write_behind=True)]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+    oracle = PageOracle(mgr)
+    prompts = [prompt_of(10_000 * (i + 1), blocks=3) for i in range(3)]
+    for prompt in prompts[:2]:
+        serve(mgr, oracle, prompt)  # the one before goes onto its disk copies
+        assert write_behind(mgr) == 3
+    assert mgr.stats().tiers["disk"].pages_used == 6  # full: the first prompt, the second's copies
+    serve(mgr, oracle, prompts[2])  # the second goes onto its copies: no slot wanted on the disk
+    assert mgr.stats().drops == 0 and mgr.stats().tiers["disk"].pages_used == 6
+    cache = mgr.create_cache(prompts[0] + [2])
+    assert cache.reused_by_tier["disk"] == 3 * TPB
+    assert cache.resume()
+    oracle.check(cache, prompts[0] + [2])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_pages_that_become_evictable_wake_an_idle_write_behind(tmp_path):
     """Nothing to write while every page is held by an active cache; once it closes (no page moved)
     its published pages are written behind."""

@@ -85,16 +85,12 @@ class MovePlanner:
             for dst_index in range(tier_index + 1, len(self.tiers)):
                 # The next tier first; a colder one when the next is full of pinned pages (a swap).
                 dst = self.tiers[dst_index]
-                if not dst.writable:  # a read-only disk: it takes the victims whose copy is there, unwritten
-                    if dst.copies and self.disk_writes is not None and dst is self.disk_writes.disk:
-                        victims = self.disk_writes.land_on_copies(victims)
-                        if not victims:
-                            break
-                    continue
-                if dst.copies and not dst.is_disk:
-                    victims = self._take_copies(victims, dst)
+                if dst.copies:  # victims with a copy there take its slot, unwritten: no room is made for them
+                    victims = self._take_copies(victims, dst) if not dst.is_disk else self._land_on_disk(victims, dst)
                     if not victims:
                         break
+                if not dst.writable:  # a read-only disk takes no other page
+                    continue
                 if leaving and leaving[0].tier == dst_index and self._swap(victims, leaving, plan):
                     count -= len(leaving)  # they hold primary slots of the room asked for now
                     break
@@ -161,6 +157,12 @@ class MovePlanner:
         self.counters.demotions += n
         self.counters.promotions += m
         return True
+
+    def _land_on_disk(self, victims: list[Page], disk: Tier) -> list[Page]:
+        """``DiskWritePlanner.land_on_copies`` on the disk tier ``disk``: returns the victims without a copy."""
+        if self.disk_writes is None or disk is not self.disk_writes.disk:
+            raise InvariantError(f"copies on {disk.name}, which has no disk writes")
+        return self.disk_writes.land_on_copies(victims)
 
     def _demote(self, victims: list[Page], dst_index: int, plan: MovePlan) -> None:
         """Move victims one tier down; the next tier has a free slot for each."""
