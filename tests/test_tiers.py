@@ -67,6 +67,23 @@ def convo(i: int, n: int = 24) -> list[int]:
     return [10_000 * (i + 1) + j for j in range(n)]
 
 
+def test_a_chain_on_disk_loses_its_deepest_blocks_first(tmp_path):
+    """Before: a demoted chain's blocks left the disk in the order 2, 0, 1: room for another prompt
+    dropped blocks 2 and 0, and block 1 kept its slot with no way to reach it."""
+    mgr = manager(tmp_path, primary=4, host=0, disk=4)
+    oracle = PageOracle(mgr)
+    first, second, third = (convo(i, 3 * TPB) + [7] for i in range(3))
+    for tokens in (first, second, third):  # each pushes the one before it to the disk
+        prefill(mgr, oracle, tokens)
+    cache = mgr.create_cache(first + [1])
+    assert cache.reused_by_tier["disk"] == TPB  # its first block, the one the disk had room for
+    assert cache.resume()
+    oracle.check(cache, first + [1])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_cascade_demotes_to_host_then_disk_and_promotes_back(tmp_path):
     mgr = manager(tmp_path, primary=8, host=8, disk=32)
     oracle = PageOracle(mgr)

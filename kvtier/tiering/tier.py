@@ -263,7 +263,7 @@ class Tier:
 
     def uncopied_ancestors(self, victims: list[Page], moving: set[int]) -> list[Page]:
         """For the disk tier: ancestor pages of the victims (their group) with nothing here, parents
-        first; pages whose ids are in ``moving`` are left out.
+        first in each chain; pages whose ids are in ``moving`` are left out.
 
         Ancestors already here, or copied here, become the most recently used (a spare copy is
         spare no more), and a copy takes the priority of the blocks below it if higher: a
@@ -273,7 +273,9 @@ class Tier:
         group = victims[0].group
         seen: set[int] = set()
         out: list[Page] = []
-        for victim in sorted(victims, key=lambda p: p.node.block if p.node is not None else 0):
+        # Deepest victims first: each walk refreshes a chain from the bottom up, so that a chain's
+        # blocks end as the most recently used root last, whatever the victims' order.
+        for victim in sorted(victims, key=lambda p: p.node.block if p.node is not None else 0, reverse=True):
             chain = []
             node = victim.node.parent if victim.node is not None else None
             while node is not None and node.parent is not None and id(node) not in seen:
