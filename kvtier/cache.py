@@ -272,6 +272,11 @@ class KVCache:
         first = min((b for b in found if b is not None), default=None)
         return self.num_reused_tokens if first is None else min(first * self._tpb, self.num_reused_tokens)
 
+    def _stop_publishing(self) -> None:
+        """Its scope was forgotten (``KVCacheManager.forget_scope``): the blocks it commits from now on
+        are published nowhere, as with reuse off; what it holds stays with it."""
+        self._chain.stop()
+
     def _let_go(self, locked: bool) -> None:
         """Release every page (``locked``: the cache's locks too), pending source and the chain: the
         cache holds nothing after, as a new cache that matched nothing."""

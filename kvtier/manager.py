@@ -161,12 +161,16 @@ class KVCacheManager:
         right again (the weights they were computed with were replaced in place).
 
         Pages only the tree holds are freed now (a disk tier's rows go too); pages an open cache
-        holds stay with it and are freed when it lets go. Later requests of ``scope`` start from
-        nothing. Returns the number of pages freed now.
+        holds stay with it and are freed when it lets go, and such a cache publishes nothing more
+        (what it computes was started with the old weights). Later requests of ``scope`` start
+        from nothing. Returns the number of pages freed now.
         """
         self._check_open()
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
+        for cache in list(self._pool.holders):
+            if isinstance(cache, KVCache) and cache.scope == scope:
+                cache._stop_publishing()
         dropped = self._pool.forget_scope(scope)
         self._pool.debug_check()
         return dropped

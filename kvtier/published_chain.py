@@ -98,6 +98,12 @@ class PublishedChain:
             page.snapshot_offset = offset
         self._pool.residency.release(page, locked=False)
 
+    def stop(self) -> None:
+        """Publish nothing more (the cache's scope was forgotten: what it computes from now on is of
+        the weights that scope no longer serves); the chain is let go of, as by ``drop``."""
+        self.drop()
+        self.root = None
+
     def drop(self) -> None:
         """Let go of the pending snapshot and of the chain (pruning what no one else uses)."""
         if self.pending_snapshot is not None:

@@ -33,10 +33,13 @@ def _bytes_for(seed: int, salt: int, n: int) -> np.ndarray:
 
 
 class PageOracle:
-    """Writes and checks page contents of caches of one manager, through its primary buffers (CPU or GPU)."""
+    """Writes and checks page contents of caches of one manager, through its primary buffers (CPU or GPU).
 
-    def __init__(self, mgr: kvtier.KVCacheManager) -> None:
+    ``weights``: which model's bytes (the same tokens give other bytes under other weights)."""
+
+    def __init__(self, mgr: kvtier.KVCacheManager, weights: int = 0) -> None:
         self.mgr = mgr
+        self.weights = weights
         self.tpb = mgr.tokens_per_block
         self.geometries = page_geometries(mgr.spec, self.tpb)
 
@@ -50,7 +53,7 @@ class PageOracle:
     def _places(self, cache: kvtier.KVCache, tokens: list[int], start: int, end: int):
         """(group, byte offset, expected bytes, what) of every row ``start..end-1`` with a page, and of
         each recurrent state after ``end`` tokens."""
-        digests = prefix_digests(tokens[:end])
+        digests = [d ^ self.weights for d in prefix_digests(tokens[:end])]
         for geo in self.geometries:
             g = geo.group_id
             slots = cache.page_indices(g)

@@ -111,3 +111,33 @@ def test_a_scope_forgotten_while_a_prefetch_reads_its_pages_from_disk(tmp_path, 
     assert all(reused(mgr, tokens, OLD) == 0 for tokens in prompts)
     assert sum(t.pages_used for t in mgr.stats().tiers.values()) == 0
     mgr.close()
+
+
+@pytest.mark.parametrize("state", ["active", "suspended"])
+def test_a_cache_open_while_its_scope_is_forgotten_publishes_nothing_more(tmp_path, state):
+    """Before: a cache open across ``forget_scope`` went on publishing its later blocks (of the old
+    weights) under the chain the tree kept for it; once a new request filled the first blocks
+    again, the next one was served the old blocks behind them."""
+    rng = np.random.default_rng(6)
+    mgr = make(tmp_path / "disk")
+    tokens = rng.integers(3, 30_000, 6 * TPB).tolist()
+    old, new = PageOracle(mgr), PageOracle(mgr, weights=1)
+    running = mgr.create_cache([*tokens, 1], OLD)
+    assert running.resume() and running.resize(2 * TPB)
+    old.write(running, tokens, 0, 2 * TPB)
+    running.commit(tokens[: 2 * TPB])  # two blocks of the old weights published
+    if state == "suspended":
+        running.suspend()
+    mgr.forget_scope(OLD)
+    assert running.resume() and running.resize(6 * TPB)
+    old.write(running, tokens, 2 * TPB, 6 * TPB)
+    running.commit(tokens[2 * TPB : 6 * TPB])  # the request goes on; none of this may be served
+    running.close()
+    assert reused(mgr, tokens, OLD) == 0
+    publish(mgr, new, tokens, OLD).close()  # a request of the new weights
+    cache = mgr.create_cache([*tokens, 1], OLD)
+    assert cache.num_reused_tokens == 6 * TPB and cache.resume()
+    new.check(cache, [*tokens, 1])  # every reused byte of the new weights
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
