@@ -131,6 +131,19 @@ def test_free_reserve_keeps_slots_free():
     mgr.close()
 
 
+def test_a_free_reserve_never_keeps_more_than_half_of_a_tier_free():
+    """Before: rounded up past the share's cap: 0.5 of 3 slots kept 2 free, of 1 slot the whole tier."""
+    for slots, kept in ((1, 0), (3, 1), (8, 4)):
+        mgr, oracle, _ = manager(primary_pages=slots, host_pages=8, write_through=False, reserve=0.5)
+        assert mgr._pool.background.reserve == [kept]
+        mgr.close()
+    mgr, oracle, _ = manager(primary_pages=1, host_pages=8, write_through=False, reserve=0.5)
+    serve(mgr, oracle, [7000 + i for i in range(TPB)])
+    mgr.maintain()
+    assert mgr.stats().tiers["primary"].pages_used == 1  # its one page stays where it is
+    mgr.close()
+
+
 def test_bad_settings_are_typed_errors():
     with pytest.raises(ValueError, match="free_reserve"):
         kvtier.PrimaryTier(1 << 20, free_reserve=0.9)

@@ -46,7 +46,9 @@ class BackgroundWork:
         self.host = host
         self.min_priority = min_priority
         self.batch_bytes = batch_bytes
-        self.reserve = [math.ceil(reserve_share * s.num_slots) for s in self.primary.storage.slots]
+        # Rounded up, but never past half of a group's slots (0.5 of one slot keeps none free, not all).
+        slots = [s.num_slots for s in self.primary.storage.slots]
+        self.reserve = [min(math.ceil(reserve_share * n), n // 2) for n in slots]
         if host is not None:
             self.primary.watch = OrderedDict()
             self.primary.watch_limit = WATCH_PAGES
