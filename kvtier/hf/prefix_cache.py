@@ -411,8 +411,18 @@ class PrefixCache:
             )
 
     def _generation_config(self, kwargs: dict):
-        """The call's generation config: the one it passes, else the model's."""
-        return kwargs.get("generation_config") or self.model.generation_config
+        """The call's generation config as ``generate`` completes it: the one it passes, its unset
+        (None) settings taken from the model's, else the model's (the call's own arguments, which
+        override both, are read beside it)."""
+        passed = kwargs.get("generation_config")
+        model_config = self.model.generation_config
+        if passed is None:
+            return model_config
+        config = copy.copy(passed)
+        for name, value in model_config.to_dict().items():  # set, not ``update``: its validation warns
+            if getattr(config, name, None) is None and not callable(getattr(config, name, None)):
+                setattr(config, name, value)
+        return config
 
     def _inferred_mask(self, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """The mask ``generate`` infers without one: padding wherever ``pad_token_id`` appears, if it is

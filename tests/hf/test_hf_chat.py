@@ -377,3 +377,43 @@ def test_a_half_precision_prefix_loads_exactly_the_bytes_of_its_pages(dtype):
                 expected = pages.reshape(width, *pages.shape[2:]).transpose(0, 1)[None]  # [1, heads, columns, dim]
                 assert loaded.dtype == dtype and torch.equal(loaded.view(torch.int16), expected.view(torch.int16))
         close_rows(rows)
+
+
+@pytest.mark.parametrize("preset", ["beams", "sampling", "hidden_states", "pad"])
+def test_a_generation_config_passed_to_a_call_is_completed_from_the_models(preset):
+    """``generate`` takes the settings a passed ``generation_config`` leaves unset from the model's.
+    Before, PrefixCache read the passed one alone: beams on the model's config crashed the call,
+    sampling there refused ``num_return_sequences``, hidden states there came back for the suffix
+    only, and a pad id there was not seen when inferring a padded batch's mask."""
+    model = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(17), 40)
+    passed = transformers.GenerationConfig(max_new_tokens=4)
+    ids = torch.tensor([[*prompt, 5, 6]])
+    mask = torch.ones_like(ids)
+    if preset == "beams":
+        model.generation_config.num_beams = 3
+    elif preset == "sampling":  # as chat checkpoints ship it
+        model.generation_config.do_sample = True
+        passed.num_return_sequences = 2
+    elif preset == "hidden_states":
+        model.generation_config.return_dict_in_generate = True
+        model.generation_config.output_hidden_states = True
+    else:
+        model.generation_config.pad_token_id = 0
+        ids = torch.tensor([[0, 0, *prompt], [*prompt, 5, 6]])
+        mask = None
+        passed.return_dict_in_generate = passed.output_scores = True  # the scores tell stale pages
+    masks = [mask, mask] if preset != "pad" else [None, None, torch.ones_like(ids)]  # then the pads attended
+    with PrefixCache(model, tiers_config(model, blocks=80)) as pc:
+        for call, mask in enumerate(masks):  # the second call reuses what the first saved
+            torch.manual_seed(0)
+            expected = model.generate(ids, attention_mask=mask, generation_config=passed)
+            torch.manual_seed(0)
+            got = pc.generate(ids, attention_mask=mask, generation_config=passed)
+            if preset in ("hidden_states", "pad"):
+                assert _same_nested(expected.hidden_states, got.hidden_states)
+                assert _same_nested(expected.scores, got.scores)
+                expected, got = expected.sequences, got.sequences
+            assert torch.equal(expected, got)
+            if call == 1 and preset != "hidden_states":  # (which compute their whole prompt: nothing reused)
+                assert min(pc.last_reused_tokens) > 0
