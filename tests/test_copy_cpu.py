@@ -146,3 +146,28 @@ def test_matches_a_page_by_page_reference(page: int, src_slots: int, dst_slots: 
     path = PageCopier("cpu").copy(src, dst, list(zip(sources, destinations, strict=True)), page)
     assert path == ("cpu" if destinations else "none")
     assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("shape", [(16384, 2), ()], ids=["2-d", "0-d"])
+def test_a_buffer_that_is_not_flat_is_refused(shape):
+    """Before: a 2-D buffer was taken, and the CPU path cut its slices by rows, not bytes (a copy
+    wrote a slot it was not asked to, or nothing); a 0-d one raised IndexError."""
+    src = torch.randint(1, 256, shape, dtype=torch.uint8)
+    dst = torch.zeros(shape, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="must be a flat 1-D buffer"):
+        PageCopier("cpu").copy(src, dst, np.array([[0, 0]]), 8192 if shape else 1)
+    assert not dst.any()
+
+
+@pytest.mark.parametrize("pairs", [np.empty((3, 0), np.int64), np.empty((2, 0, 2), np.int64), np.empty((0, 3))])
+def test_malformed_pairs_are_refused_even_when_empty(pairs):
+    """Before: any pairs array without elements was an empty call, whatever its shape (``[]`` and
+    shape (0, 2) still are)."""
+    with pytest.raises(ValueError, match="pairs must"):
+        PageCopier("cpu").copy(torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8), pairs, 8)
+
+
+def test_a_slot_past_int64_is_out_of_range():
+    with pytest.raises(ValueError, match="out of range"):
+        pairs = np.array([[2**64 - 1, 0]], dtype=np.uint64)
+        PageCopier("cpu").copy(torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8), pairs, 8)

@@ -47,25 +47,32 @@ def check_page_bytes(page_bytes: object) -> int:
 
 
 def check_buffer(name: str, buffer: object) -> torch.Tensor:
-    """A tier buffer: a contiguous ``torch.uint8`` tensor."""
+    """A tier buffer: a flat, contiguous ``torch.uint8`` tensor."""
     if not isinstance(buffer, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(buffer).__name__}")
     if buffer.dtype != torch.uint8:
         raise ValueError(f"{name} must be a torch.uint8 tensor (a tier buffer), got {buffer.dtype}")
+    if buffer.dim() != 1:
+        raise ValueError(f"{name} must be a flat 1-D buffer (a tier's bytes), got shape {tuple(buffer.shape)}")
     if not buffer.is_contiguous():
         raise ValueError(f"{name} must be contiguous: pass the tier's flat buffer, not a strided view")
     return buffer
 
 
 def as_pairs(pairs: object) -> np.ndarray:
-    """The (n, 2) int64 array of (src_slot, dst_slot); an empty input gives shape (0, 2)."""
+    """The (n, 2) int64 array of (src_slot, dst_slot); an empty input (``[]``, or of shape (0, 2))
+    gives shape (0, 2)."""
     array = np.asarray(pairs)
-    if array.size == 0:
+    if array.size == 0 and array.shape in ((0,), (0, 2)):
         return np.empty((0, 2), dtype=np.int64)
     if array.ndim != 2 or array.shape[1] != 2:
         raise ValueError(f"pairs must have shape (n, 2) of (src_slot, dst_slot), got shape {array.shape}")
-    if array.dtype.kind not in "iu":
-        raise ValueError(f"pairs must hold integers, got dtype {array.dtype}")
+    if array.dtype.kind not in "iu" or array.dtype.itemsize > 8:
+        raise ValueError(f"pairs must hold integers of at most 64 bits, got dtype {array.dtype}")
+    if array.size == 0:
+        return np.empty((0, 2), dtype=np.int64)
+    if array.dtype == np.uint64 and int(array.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"slot {int(array.max())} is out of range for any buffer")
     return np.ascontiguousarray(array, dtype=np.int64)
 
 
