@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from typing import Final
 
 logger = logging.getLogger("kvtier.knobs")
@@ -19,19 +20,19 @@ logger = logging.getLogger("kvtier.knobs")
 INT64_MIN: Final = -(2**63)
 INT64_MAX: Final = 2**63 - 1
 DEBUG_ENV: Final = "KVTIER_DEBUG"
+_DECIMAL: Final = re.compile(r"[+-]?[0-9]+")
 
 
 def parse_int64(name: str, raw: str | None, instead: str) -> int | None:
     """The integer value of knob ``name``, or None when unset or invalid (invalid: WARNING, saying ``instead``)."""
     if raw is None:
         return None
-    try:
-        value = int(raw.strip(), 10)
-    except ValueError:
-        logger.warning("%s=%r is not an integer; %s", name, raw, instead)
+    text = raw.strip()
+    if not _DECIMAL.fullmatch(text):  # (``int`` would take "1_000" and other scripts' digits too)
+        logger.warning("%s=%r is not an integer; %s", name, raw[:40], instead)
         return None
-    if not INT64_MIN <= value <= INT64_MAX:
-        logger.warning("%s=%r is out of range for a 64-bit integer; %s", name, raw, instead)
+    if len(text.lstrip("+-").lstrip("0")) > 19 or not INT64_MIN <= (value := int(text)) <= INT64_MAX:
+        logger.warning("%s=%r is out of range for a 64-bit integer; %s", name, raw[:40], instead)
         return None
     return value
 

@@ -77,6 +77,7 @@ def test_policy_rejects_a_bad_threshold(bad: object) -> None:
         ("-1", None),
         ("-9223372036854775808", None),
         ("9223372036854775807", (1 << 63) - 1),
+        ("+00000000000000000000065536", 65536),
     ],
 )
 def test_min_bytes_valid_values(raw: str | None, expected: int | None, caplog: pytest.LogCaptureFixture) -> None:
@@ -95,6 +96,11 @@ def test_min_bytes_valid_values(raw: str | None, expected: int | None, caplog: p
         ("99999999999999999999", "out of range"),
         ("9223372036854775808", "out of range"),
         ("-9223372036854775809", "out of range"),
+        # Before, taken as numbers by Python's int(): underscores, other scripts' digits.
+        ("1_000", "not an integer"),
+        ("\u0666\u0665\u0665\u0663\u0666", "not an integer"),
+        ("\uff16\uff15\uff15\uff13\uff16", "not an integer"),
+        ("9" * 5000, "out of range"),  # (before: "not an integer", past Python's digit limit)
     ],
 )
 def test_min_bytes_bad_values_warn_and_keep_the_default(
