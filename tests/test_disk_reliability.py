@@ -251,16 +251,18 @@ def persist_scoped(path: Path, kind: str = "hybrid") -> None:
     mgr.close()
 
 
-def serve_scoped(mgr: kvtier.KVCacheManager) -> int:
-    """Every conversation under its scope, byte-exact; returns the reused tokens. Closes ``mgr``."""
+def serve_scoped(mgr: kvtier.KVCacheManager, close: bool = True) -> int:
+    """Every conversation under its scope, byte-exact; returns the reused tokens. Checks and closes
+    ``mgr`` if ``close``."""
     reused = 0
     for s, scope in enumerate(SCOPES):
         for i in range(3):
             cache = serve(mgr, convo(10 * s + i, 18) + [3], scope)
             reused += cache.num_reused_tokens
             cache.close()
-    mgr.check_invariants()
-    mgr.close()
+    if close:
+        mgr.check_invariants()
+        mgr.close()
     return reused
 
 
@@ -379,24 +381,12 @@ def test_a_read_only_directory_is_served_read_only(tmp_path):
     directory.chmod(0o500)
     code = f"""
     import logging
-    from tests.test_tiers import convo, manager
-    from tests.test_disk_reliability import SCOPES, serve
+    from tests.test_tiers import manager
+    from tests.test_disk_reliability import serve_scoped
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     mgr = manager({str(tmp_path)!r}, kind="llama", primary=10, host=4, disk=200)
     assert mgr.stats().disk_resets == 0
-
-    def reused() -> int:
-        tokens = 0
-        for s, scope in enumerate(SCOPES):
-            for i in range(3):
-                cache = serve(mgr, convo(10 * s + i, 18) + [3], scope)
-                tokens += cache.num_reused_tokens
-                cache.close()
-        return tokens
-
-    print("reused", reused(), reused())
-    mgr.check_invariants()
-    mgr.close()
+    print("reused", serve_scoped(mgr, close=False), serve_scoped(mgr))
     """
     try:
         out = run_child(code, preexec_fn=_without_dac_override if os.geteuid() == 0 else None)
