@@ -86,7 +86,10 @@ class PrefixCache:
     so pages are only ever served to the same model computed the same way; a
     later change of the model's weights in place (an optimizer step, ``load_state_dict``) makes
     ``generate`` raise ``CacheStateError`` (``kvtier.weights.WeightWatch``): build a new PrefixCache
-    for the new weights.
+    for the new weights. Not noticed: writes through ``tensor.data`` (torch does not count them)
+    and modules swapped in after construction (``set_input_embeddings``); after those, build a new
+    PrefixCache too. A ``model_id`` given names the weights, the rotary settings and the model
+    code alike: a disk tier serves its pages to any model given the same one.
     ``recompute_when_faster`` (default True): time each call's prompt forward and reuse a cached
     prefix below the GPU only as far as loading it is estimated faster than recomputing it (the
     tokens left are counted in ``manager.stats().recomputed_tokens``); with a disk tier, the rates
