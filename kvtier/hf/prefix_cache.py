@@ -212,8 +212,11 @@ class PrefixCache:
             )
         if pads is None or noisy is not None or rescaled or padded:
             config = self._generation_config(kwargs)
-            self._last.tokens = [0] * (input_ids.shape[0] * _num_sequences(config, kwargs))
-            return self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+            reused = [0] * (input_ids.shape[0] * _num_sequences(config, kwargs))
+            self._last.tokens = reused
+            out = self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+            self._last.tokens = reused  # (a call made from inside this one, by a callback, set its own)
+            return out
         with torch.no_grad():
             return self._generate(input_ids, attention_mask, mask, pads, kwargs)
 
@@ -244,7 +247,8 @@ class PrefixCache:
             release_reads(rows)
             beams = _num_beams(config, kwargs)
             per_row = _num_sequences(config, kwargs)  # beam search's; sampled copies are rows already
-            self._last.tokens = [row.reused for row in rows for _ in range(per_row)]
+            reused = [row.reused for row in rows for _ in range(per_row)]
+            self._last.tokens = reused
             recorder = None if whole else self._recorder(cache, rows)  # whole: one forward over the prompt
             hooks = [self.model.register_forward_hook(recorder)] if recorder is not None else []
             ends = self._snapshot_ends(input_ids.shape[1], rows, width) if recorder is not None else []
@@ -264,6 +268,7 @@ class PrefixCache:
                 arguments = {**kwargs, self._layers.cache_argument: cache, "cache_implementation": None}
                 arguments["use_cache"] = True  # over a generation config's use_cache=False (checked: not the call's)
                 out = self.model.generate(input_ids, attention_mask=attention_mask, **arguments)
+                self._last.tokens = reused  # (a call made from inside this one, by a callback, set its own)
             finally:
                 for hook in hooks:
                     hook.remove()
@@ -271,7 +276,7 @@ class PrefixCache:
             if rate is not None:
                 mgr.set_prefill_rate(rate)
             if cache.get_seq_length() < input_ids.shape[1]:  # generate set the cache aside: its own computed all
-                self._last.tokens = [0] * len(self._last.tokens)
+                self._last.tokens = [0] * len(reused)
                 if not self._told_of_dropped_cache:
                     self._told_of_dropped_cache = True
                     log.warning(

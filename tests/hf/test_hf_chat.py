@@ -417,3 +417,25 @@ def test_a_generation_config_passed_to_a_call_is_completed_from_the_models(prese
             assert torch.equal(expected, got)
             if call == 1 and preset != "hidden_states":  # (which compute their whole prompt: nothing reused)
                 assert min(pc.last_reused_tokens) > 0
+
+
+def test_a_call_made_from_inside_another_leaves_each_its_own_reuse():
+    """A callback of a ``generate`` (here ``prefix_allowed_tokens_fn``) may call the PrefixCache
+    again on the same thread. Before, the outer call's ``last_reused_tokens`` then read the inner's."""
+    model = tiny_model("llama")
+    outer, inner = (tokens(torch.Generator().manual_seed(seed), 40) for seed in (18, 19))
+    with PrefixCache(model, tiers_config(model, blocks=80)) as pc:
+        for prompt in (outer, inner):  # cached, for the calls below to reuse
+            pc.generate(torch.tensor([prompt]), max_new_tokens=1)
+        seen = {}
+
+        def allowed(batch_id, ids):
+            if not seen:
+                pc.generate(torch.tensor([inner[:36] + [5]]), max_new_tokens=1)
+                seen["inner"] = pc.last_reused_tokens
+            return list(range(model.config.vocab_size))
+
+        ids = torch.tensor([[*outer, 5, 6]])
+        got = pc.generate(ids, max_new_tokens=3, prefix_allowed_tokens_fn=allowed)
+        assert torch.equal(got, model.generate(ids, max_new_tokens=3, prefix_allowed_tokens_fn=allowed))
+        assert seen["inner"] == [36] and pc.last_reused_tokens == [40]
