@@ -175,8 +175,9 @@ class PrefixCache:
     def _serve(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict):
         if self._closed:
             raise CacheStateError("the PrefixCache is closed")
-        input_ids, attention_mask, kwargs = self._one_sequence_per_row(input_ids, attention_mask, kwargs)
-        self._check_arguments(input_ids, attention_mask, kwargs)
+        config = self._generation_config(kwargs)  # (once a call: completing a passed one costs ~30 us)
+        input_ids, attention_mask, kwargs = self._one_sequence_per_row(input_ids, attention_mask, kwargs, config)
+        self._check_arguments(input_ids, attention_mask, kwargs, config)
         device = next(self.model.parameters()).device
         if not _same_device(device, self.manager.device):
             raise CacheStateError(
@@ -189,7 +190,7 @@ class PrefixCache:
                 "load_state_dict): its pages hold keys and values of the old weights. Build a new "
                 "PrefixCache for the new weights (close this one first to free its memory)"
             )
-        mask = attention_mask if attention_mask is not None else self._inferred_mask(input_ids, kwargs)
+        mask = attention_mask if attention_mask is not None else self._inferred_mask(input_ids, kwargs, config)
         pads = left_pads(mask)
         noisy = random_module(self.model)
         if noisy is not None and not self._told_of_noise:
@@ -211,22 +212,20 @@ class PrefixCache:
                 self._layers.padding,
             )
         if pads is None or noisy is not None or rescaled or padded:
-            config = self._generation_config(kwargs)
             reused = [0] * (input_ids.shape[0] * _num_sequences(config, kwargs))
             self._last.tokens = reused
             out = self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
             self._last.tokens = reused  # (a call made from inside this one, by a callback, set its own)
             return out
         with torch.no_grad():
-            return self._generate(input_ids, attention_mask, mask, pads, kwargs)
+            return self._generate(input_ids, attention_mask, mask, pads, kwargs, config)
 
-    def _generate(self, input_ids, attention_mask, mask, pads: list[int], kwargs: dict):
+    def _generate(self, input_ids, attention_mask, mask, pads: list[int], kwargs: dict, config):
         mgr = self.manager
         host_ids = input_ids.detach().to("cpu")
         rows = []
         try:
             scopes = self._scopes.for_rows(len(pads), kwargs)
-            config = self._generation_config(kwargs)
             bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
             for i, (pad, bound, scope) in enumerate(zip(pads, bounds, scopes, strict=True)):
                 prompt = host_ids[i, pad:].numpy()
@@ -343,11 +342,10 @@ class PrefixCache:
             self.model(**arguments)
             start = end
 
-    def _one_sequence_per_row(self, input_ids, attention_mask, kwargs: dict):
+    def _one_sequence_per_row(self, input_ids, attention_mask, kwargs: dict, config):
         """Sampling ``num_return_sequences=n``: each row repeated ``n`` times in place, as ``generate``
         expands them itself before the prompt's forward (so the draws are the same), and the call
         asks for one sequence per row. Anything else is returned as given, to be checked."""
-        config = self._generation_config(kwargs)
         n = _num_sequences(config, kwargs)
         shaped = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
         if n <= 1 or not shaped or _generation_mode(config, kwargs) is not GenerationMode.SAMPLE:
@@ -359,7 +357,7 @@ class PrefixCache:
             attention_mask = attention_mask.repeat_interleave(n, dim=0)
         return input_ids.repeat_interleave(n, dim=0), attention_mask, {**kwargs, "num_return_sequences": 1}
 
-    def _check_arguments(self, input_ids, attention_mask, kwargs: dict) -> None:
+    def _check_arguments(self, input_ids, attention_mask, kwargs: dict, config) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
             raise TypeError("input_ids must be a 2-D integer tensor [batch, tokens]")
         if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
@@ -376,7 +374,6 @@ class PrefixCache:
         for name, what in _UNSUPPORTED.items():
             if kwargs.get(name) is not None:
                 raise NotImplementedError(f"{what} ({name}=) is not supported by PrefixCache.generate")
-        config = self._generation_config(kwargs)
 
         def setting(name: str):
             return kwargs.get(name, getattr(config, name, None))
@@ -432,10 +429,9 @@ class PrefixCache:
                 setattr(config, name, value)
         return config
 
-    def _inferred_mask(self, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def _inferred_mask(self, input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor:
         """The mask ``generate`` infers without one: padding wherever ``pad_token_id`` appears, if it is
         set and is not an end-of-sequence token; else all ones."""
-        config = self._generation_config(kwargs)
         pad = kwargs.get("pad_token_id", config.pad_token_id)
         eos = kwargs.get("eos_token_id", config.eos_token_id)
         eos = [] if eos is None else [int(e) for e in torch.as_tensor(eos, device="cpu").reshape(-1).tolist()]
