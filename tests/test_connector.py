@@ -20,6 +20,7 @@ import torch
 
 import kvtier
 from kvtier.connector import FileSystemConnector, FileSystemStore, RedisConnector, StoreConnector
+from kvtier.connector.base import ConnectorRequest
 from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
 from kvtier.models import build_model
 from tests.test_engine import check_against_oracle, page_bytes, prompts_for
@@ -106,6 +107,23 @@ def test_clamp_hands_back_exactly_the_tail(llama, tmp_path):
     assert conn.of("cancel") == [("cancel", out.request_id, 95, 96)]
     assert out.reused_tokens_by_tier["connector"] == 95
     assert out.token_ids == llama.reference_generate(prompt, 3)
+
+
+@pytest.mark.parametrize("local", [0, 16, 20, 40])
+def test_an_offer_handed_back_whole_leaves_nothing_staged(llama, tmp_path, local):
+    """Also when the local prefix ends inside a block: that block holds offered tokens only."""
+    prompt = prompts_for(llama, [80], seed=3)[0]
+    seed_store(llama, tmp_path, [prompt])
+    conn = FileSystemConnector(tmp_path)
+    with engine(llama, 200, conn):  # registers the layout
+        request = ConnectorRequest(7, prompt, prompt[:local], kvtier.ReuseScope(), local)
+        offered, _ = conn.get_num_new_matched_tokens(request, local)
+        assert offered == 80 - local
+        conn.cancel_load(request, local, local + offered)
+        assert conn._staged == {}
+        conn.get_num_new_matched_tokens(request, local)  # a tail handed back keeps the block the rest needs
+        conn.cancel_load(request, 79, 80)
+        assert sorted({block for block, _ in conn._staged[7].pages}) == list(range(local // TPB, 5))
 
 
 def test_loads_reuse_one_staging_buffer_across_steps(llama, tmp_path):

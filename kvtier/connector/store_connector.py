@@ -51,9 +51,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Staged:
-    """A request's offer: verified payloads of blocks ``first_block ..``, per (block, group)."""
+    """A request's offer from token ``start`` on: verified payloads of the blocks holding its
+    tokens, per (block, group). The first block may begin before ``start`` (a local prefix that
+    ends inside a block); only its tokens from ``start`` on are offered."""
 
-    first_block: int
+    start: int
     pages: dict[tuple[int, int], bytes] = field(default_factory=dict)
 
 
@@ -146,7 +148,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             missing = [needed[i] for i, p in enumerate(payloads) if p is None]
             self._counters.add(missed_pages=len(missing), errors=len(missing))
             if not missing:
-                staged = _Staged(first, dict(zip(needed, payloads, strict=True)))
+                staged = _Staged(num_computed_tokens, dict(zip(needed, payloads, strict=True)))
                 self._staged[request.request_id] = staged
                 return end - num_computed_tokens, False
             for block_group in missing:
@@ -169,7 +171,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             return
         tpb = self._ready()[0].tokens_per_block
         for block, group in list(staged.pages):
-            if block * tpb >= start:
+            if max(block * tpb, staged.start) >= start:  # none of its offered tokens is still wanted
                 del staged.pages[(block, group)]
         if not staged.pages:
             del self._staged[request.request_id]
