@@ -252,6 +252,11 @@ def test_a_rejected_put_fails_that_item_and_no_more(start_redis, caplog):
     assert True in stored and False in stored
     assert any("puts rejected" in m and "maxmemory" in m for m in store_warnings(caplog))
     assert store.get_many(keys) == [b"m" * 300_000 if ok else None for ok in stored]  # no back-off
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for _ in range(5):  # the server stays full: one line per warn_interval_s, not one per call
+            assert False in store.put_many([(k, b"m" * 300_000) for k in fresh_keys(10)])
+    assert store_warnings(caplog) == []
     store.close()
 
 
@@ -266,6 +271,8 @@ def test_a_rejected_put_fails_that_item_and_no_more(start_redis, caplog):
         "redis://127.0.0.1:6379/0?no_such_option=1",
         "redis://127.0.0.1:6379/0?socket_timeout=soon",
         "rediss://127.0.0.1:6379/0?ssl_cert_reqs=maybe",
+        "redis://127.0.0.1:6379/0?decode_responses=true",  # replies as str: values are bytes
+        "redis://127.0.0.1:6379/0?decode_responses=false",  # redis-py reads any non-empty string as on
     ],
 )
 def test_a_bad_url_is_a_value_error(url):

@@ -312,6 +312,18 @@ def test_fs_store_in_an_impossible_directory_fails_without_raising(caplog):
     store.close()
 
 
+@pytest.mark.parametrize("interval", [60.0, 0.0])
+def test_fs_store_failing_every_call_warns_once_per_interval(caplog, interval):
+    """A disk that keeps failing does not flood the log: one line per kind per ``warn_interval_s``."""
+    store = FileSystemStore("/proc/kvtier-no-such-dir/store", warn_interval_s=interval)
+    with caplog.at_level(logging.WARNING, logger="kvtier.connector.fs_store"):
+        for _ in range(5):
+            assert store.put_many([("a", b"1")]) == [False]
+    lines = [r.getMessage() for r in caplog.records if "writes" in r.getMessage()]
+    assert len(lines) == (1 if interval else 5)
+    store.close()
+
+
 def test_fs_store_under_a_file_size_limit_fails_only_what_does_not_fit(tmp_path):
     """RLIMIT_FSIZE makes a write past the limit fail with EFBIG: a real OS failure, reported per item."""
     out = run_python(f"""
@@ -459,4 +471,7 @@ def test_fs_store_rejects_bad_arguments(tmp_path):
         store.put_many([("a", object())])
     with pytest.raises(ValueError):
         FileSystemStore(tmp_path, io_threads=0)
+    for interval in (-1, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="warn_interval_s"):
+            FileSystemStore(tmp_path, warn_interval_s=interval)
     store.close()

@@ -73,6 +73,23 @@ def test_the_password_never_shows_in_errors():
         assert "topsecret" not in str(info.value) and "***" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:p#ss-topsecret@127.0.0.1:bad/0",  # '#', '/' and '?' end a parsed authority early
+        "redis://user:a/topsecret@127.0.0.1:bad/0",
+        "redis://:top?secret@127.0.0.1:bad/0",
+        "redis-cluster://:top#secret@a:bad",
+        "redis://127.0.0.1:bad/0?password=topsecret",
+    ],
+)
+def test_a_password_with_url_delimiters_never_shows(url):
+    assert "secret" not in redact_url(url) and "***" in redact_url(url)
+    with pytest.raises(ValueError) as info:
+        RedisStore(url)
+    assert "secret" not in str(info.value)
+
+
 def test_nothing_connects_before_the_first_call():
     for url in ("redis-cluster://127.0.0.1:1,127.0.0.1:2", "redis-sentinel://127.0.0.1:1/svc"):
         store = RedisStore(url)

@@ -23,8 +23,9 @@ the whole value and a later one misses: never a torn value.
 Everything the store creates is private to the user: directories 0700, files 0600, set exactly
 whatever the umask (a directory that already exists is left as it is).
 
-I/O errors (a read-only or full disk, a file-size limit, a path that cannot exist) are logged at
-WARNING, one line per call, and reported as failures and misses, never raised.
+I/O errors (a read-only or full disk, a file-size limit, a path that cannot exist) and damaged
+values are reported as failures and misses, never raised, and logged at WARNING: the first of
+each kind at once, then at most one line per ``warn_interval_s`` (``throttled_log``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import contextlib
 import errno
 import hashlib
 import logging
+import math
 import os
 import secrets
 import threading
@@ -45,6 +47,7 @@ from typing import Final
 
 from kvtier.connector.block_codec import HEADER_BYTES, Buffer, decode_page, encode_page
 from kvtier.connector.store import check_keys, check_sizes
+from kvtier.connector.throttled_log import ThrottledWarning
 from kvtier.storage.page_files import default_io_threads
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ IO_THREADS = default_io_threads()  # the disk tier's default: file I/O and check
 VALUE_SUFFIX = ".page"
 TEMP_SUFFIX = ".tmp"
 DEFAULT_MAX_BYTES: Final = 64 << 30
+WARN_INTERVAL_S: Final = 60.0
 EVICT_TO: Final = 0.9  # an eviction pass leaves at most this share of the budget
 STALE_TEMP_S: Final = 600.0  # a temporary file this old was left by a killed writer
 PRIVATE_DIR: Final = 0o700
@@ -82,7 +86,12 @@ class FileSystemStore:
     """Pages as files under ``path`` (a local or shared file system), at most about ``max_bytes``; a ``BlockStore``."""
 
     def __init__(
-        self, path: str | os.PathLike[str], io_threads: int = IO_THREADS, max_bytes: int = DEFAULT_MAX_BYTES
+        self,
+        path: str | os.PathLike[str],
+        io_threads: int = IO_THREADS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        *,
+        warn_interval_s: float = WARN_INTERVAL_S,
     ) -> None:
         if not isinstance(path, str | os.PathLike) or not os.fspath(path):
             raise TypeError(f"FileSystemStore needs a non-empty path, got {path!r}")
@@ -90,6 +99,10 @@ class FileSystemStore:
             raise ValueError(f"io_threads must be a positive int, got {io_threads!r}")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        interval = warn_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 <= interval < math.inf:
+            raise ValueError(f"warn_interval_s must be a finite number >= 0, got {warn_interval_s!r}")
+        self._warnings = ThrottledWarning(log, warn_interval_s)
         self.root = Path(path).expanduser()  # ``~/kv``: the user's home, not a directory named ``~``
         self.max_bytes = max_bytes
         try:
@@ -112,11 +125,18 @@ class FileSystemStore:
         errors = [r.error for r in reads if r.error is not None]
         damaged = sum(r.damaged for r in reads)
         if errors:
-            log.warning(
-                "kvtier fs store: %d of %d reads under %s failed: %s", len(errors), len(keys), self.root, errors[0]
+            self._warnings.warn(
+                "read",
+                "kvtier fs store: %d of %d reads under %s failed: %s",
+                len(errors),
+                len(keys),
+                self.root,
+                errors[0],
             )
         if damaged:
-            log.warning("kvtier fs store: %d of %d values under %s failed verification", damaged, len(keys), self.root)
+            self._warnings.warn(
+                "verify", "kvtier fs store: %d of %d values under %s failed verification", damaged, len(keys), self.root
+            )
         return [r.payload for r in reads]
 
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
@@ -131,8 +151,13 @@ class FileSystemStore:
         errors = list(self._open_pool().map(self._put_one, keys, blobs))
         failed = [err for err in errors if err is not None]
         if failed:
-            log.warning(
-                "kvtier fs store: %d of %d writes under %s failed: %s", len(failed), len(keys), self.root, failed[0]
+            self._warnings.warn(
+                "write",
+                "kvtier fs store: %d of %d writes under %s failed: %s",
+                len(failed),
+                len(keys),
+                self.root,
+                failed[0],
             )
         self._budget.add(sum(len(blob) for blob, err in zip(blobs, errors, strict=True) if err is None))
         return [err is None for err in errors]
@@ -154,7 +179,9 @@ class FileSystemStore:
             except OSError as exc:
                 failed.append(exc)
         if failed:
-            log.warning("kvtier fs store: %d deletes under %s failed: %s", len(failed), self.root, failed[0])
+            self._warnings.warn(
+                "delete", "kvtier fs store: %d deletes under %s failed: %s", len(failed), self.root, failed[0]
+            )
 
     def close(self) -> None:
         """Stop the I/O threads. Idempotent."""

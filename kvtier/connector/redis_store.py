@@ -15,8 +15,12 @@ tries again (and the client reconnects; through Sentinel it asks for the primary
 failover is followed). On a cluster this holds per node: a node that is down costs the misses
 of its own keys only. Socket timeouts are short (``socket_timeout_s``), so a dead or hung
 server costs a call at most about that long. Failures are logged at WARNING at most once per
-``warn_interval_s``; recovery is logged at INFO. An error reply for one key (e.g. out of memory
-on a SET) fails that item only. The password never appears in logs.
+``warn_interval_s`` (a server's, and each kind of failed item: values that fail verification,
+puts the server rejects); recovery is logged at INFO. An error reply for one key (e.g. out of
+memory on a SET) fails that item only. The password never appears in logs.
+
+Values travel as bytes: a URL that asks redis-py to decode replies (``decode_responses``) is
+refused.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kvtier.connector.redis_cluster import ClusterTransport
 from kvtier.connector.redis_health import ServerHealth
 from kvtier.connector.redis_urls import RedisTarget, parse_redis_url, redact_url
 from kvtier.connector.store import check_keys, check_sizes
+from kvtier.connector.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +91,7 @@ class RedisStore:
         else:
             health = ServerHealth(self.url, log, retry_after_s, warn_interval_s)
             self._transport = _ServerTransport(target, socket_timeout_s, health)
+        self._warnings = ThrottledWarning(log, warn_interval_s)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -107,8 +113,12 @@ class RedisStore:
             if blob is not None and payload is None
         ]
         if rejected:
-            log.warning(
-                "kvtier redis store %s: %d of %d values failed verification", self.url, len(rejected), len(keys)
+            self._warnings.warn(
+                "verify",
+                "kvtier redis store %s: %d of %d values failed verification",
+                self.url,
+                len(rejected),
+                len(keys),
             )
             damaged = [key for key, blob in rejected if decode_page(blob, None, key) is None]  # not just another size
             if damaged:
@@ -124,8 +134,13 @@ class RedisStore:
         replies = self._transport.set(list(zip(keys, blobs, strict=True)), self._ttl_ms) if keys else []
         rejected = [r for r in replies if isinstance(r, BaseException)]
         if rejected:
-            log.warning(
-                "kvtier redis store %s: %d of %d puts rejected: %s", self.url, len(rejected), len(keys), rejected[0]
+            self._warnings.warn(
+                "put",
+                "kvtier redis store %s: %d of %d puts rejected: %s",
+                self.url,
+                len(rejected),
+                len(keys),
+                rejected[0],
             )
         return [r is True for r in replies]
 
@@ -188,6 +203,9 @@ class _ServerTransport:
                 pool.connection_class(**pool.connection_kwargs)
         except (TypeError, ValueError, redis.RedisError) as exc:
             raise ValueError(f"bad Redis URL {target.shown}: {exc}") from None
+        if pool.connection_kwargs.get("decode_responses"):  # as redis-py reads it: any non-empty string is on
+            self._client.close()
+            raise ValueError(f"bad Redis URL {target.shown}: values are bytes; decode_responses must be off")
         self._server_errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
 

@@ -15,15 +15,17 @@ Valkey servers speak the same protocol and take the same URLs. A password never 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 SERVER_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEME = "redis-cluster"
 SENTINEL_SCHEME = "redis-sentinel"
 SCHEMES = (*SERVER_SCHEMES, CLUSTER_SCHEME, SENTINEL_SCHEME)
 DEFAULT_PORTS = {CLUSTER_SCHEME: 6379, SENTINEL_SCHEME: 26379}
+_QUERY_PASSWORD = re.compile(r"([?&](?:[a-z_]*_)?password=)[^&#]*", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +77,20 @@ def parse_redis_url(url: str) -> RedisTarget:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for logs and errors)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<malformed Redis URL>"
-    userinfo, at, hosts = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
+    """``url`` with its password replaced by ``***`` (for logs and errors).
+
+    Works on the text, not on a parse: a password holding ``#``, ``/`` or ``?`` unescaped ends a
+    parsed authority early, and would be shown. Everything between ``://`` and the last ``@`` is
+    the user and password then (hiding more than the password is the safe side), and a
+    ``password=`` query argument is hidden too.
+    """
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        userinfo, _, tail = rest.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        if colon:
+            url = f"{scheme}://{user}:***@{tail}"
+    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def _check_server_url(parts, shown: str) -> None:
