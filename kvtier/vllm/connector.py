@@ -53,7 +53,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         check_one_process(vllm_config)
         settings = ConnectorSettings.parse(self._kv_transfer_config.kv_connector_extra_config)
         layout = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
-        plan = plan_model(kv_cache_config, settings.model_id or model_identity(vllm_config, layout))
+        plan = plan_model(kv_cache_config, model_identity(vllm_config, layout, settings.model_id))
         engine_id = str(self._kv_transfer_config.engine_id)
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None

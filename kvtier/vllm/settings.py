@@ -10,11 +10,13 @@ Keys of ``kv_connector_extra_config``:
   ``redis://...``, ``rediss://...``, ``redis-cluster://...``, ``redis-sentinel://...`` (a Redis
   or Valkey server) or ``file:///path`` (a shared directory).
 - ``model_id`` (str or None): what names the weights in every key. By default vLLM's model name
-  and revision, which weights those are (a stamp of a local directory's weight files: names,
+  and revision, and which weights those are (a stamp of a local directory's weight files: names,
   sizes, modification times; the commit of a hub model's snapshot in the local Hugging Face
-  cache) and a digest of the model's configuration as vLLM runs it (``model_identity``). Set it
-  when processes on other machines share a store and load a local directory copied without its
-  files' times: by default they share nothing.
+  cache). Set it when processes on other machines share a store and load a local directory
+  copied without its files' times: by default they share nothing. It replaces the weights' name
+  and stamp only: the rest of the identity (``model_identity``: the configuration as vLLM runs
+  it, the dtypes, quantization, KV layout, shard and vLLM's version) is in every key whatever it
+  is, so engines that write their pages otherwise never share them.
 - ``disk_read_wait_s`` (float >= 0, default 1.0): how long a request whose cached prefix is on disk
   may wait, from its first scheduling, for reads it cannot start itself (host memory has no room
   for its pages, or another request's read has them); what is still on disk then is recomputed.
@@ -109,19 +111,26 @@ class ConnectorSettings:
         return cls(host_bytes, disk_bytes, disk_path, store_url, model_id, float(wait), weigh, rate)
 
 
-def model_identity(vllm_config: Any, kv_cache_layout: str | None) -> str:
-    """What decides the bytes of a page besides its tokens: the weights (model and revision, and a
-    stamp of the weight files where they are on local disk: weights saved again at the same path
-    are another model), the model's configuration as vLLM runs it (``hf_overrides`` applied: the rotary embedding's base
-    and scaling decide every key), the KV cache dtype, quantization and physical layout, the
-    tensor-parallel shard, and vLLM's version (its model code computes the keys and values: a
-    release may compute them otherwise, so an upgrade starts from nothing)."""
+def model_identity(vllm_config: Any, kv_cache_layout: str | None, model_id: str | None = None) -> str:
+    """What decides the bytes of a page besides its tokens: the weights (``model_id`` when the user
+    names them; else model and revision, and a stamp of the weight files where they are on local
+    disk: weights saved again at the same path are another model), the model's configuration as
+    vLLM runs it (``hf_overrides`` applied: the rotary embedding's base and scaling decide every
+    key), the KV cache dtype, quantization and physical layout, the tensor-parallel shard, and
+    vLLM's version (its model code computes the keys and values: a release may compute them
+    otherwise, so an upgrade starts from nothing)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
+    if model_id is not None:
+        weights = [f"user:{model_id}"]
+    else:
+        weights = [
+            f"vllm:{model.model}@{model.revision or 'default'}",
+            f"files={model_weights_stamp(model.model, model.revision)}",
+        ]
     parts = [
-        f"vllm:{model.model}@{model.revision or 'default'}",
-        f"files={model_weights_stamp(model.model, model.revision)}",
+        *weights,
         f"config={config_fingerprint(model.hf_config)}",
         f"dtype={model.dtype}",
         f"kv={cache.cache_dtype}",

@@ -743,6 +743,26 @@ def test_after_an_upgrade_of_vllm_the_disk_serves_nothing_saved_before(tmp_path,
     upgraded.shutdown()
 
 
+@pytest.mark.parametrize("change", ["kv_cache_layout", "cache_dtype"])
+def test_a_named_model_shares_its_pages_only_with_engines_that_write_them_alike(tmp_path, change):
+    """``model_id`` names the weights (a copy of the model in another directory shares its pages),
+    not how an engine writes its pages: one with another KV layout or fp8 format reads nothing."""
+    settings_of = {"kv_cache_layout": ("LBNHC", "LBHNC"), "cache_dtype": ("fp8_e4m3", "fp8_e5m2")}[change]
+    extra = {"host_bytes": 4 * MiB, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk"), "model_id": "m@1"}
+    shared = prompt(8, 64)
+    loaded = []
+    for name, value in (("model", settings_of[0]), ("copy", settings_of[0]), ("copy", settings_of[1])):
+        config = vllm_config(tmp_path, extra, name=name)
+        setattr(config.cache_config, change, value)
+        e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 64))
+        e.add("r", shared + [len(loaded)], max_tokens=2)
+        e.run()
+        loaded.append(first_step_of(e, "r")[0])
+        e.assert_no_leaks()
+        e.shutdown()
+    assert loaded == [0, 64, 0]
+
+
 def test_a_connector_reset_after_a_weight_update_never_serves_a_block_saved_before(tmp_path):
     """RL loops update vLLM's weights in place, then ``reset_prefix_cache(reset_connector=True)``: no
     block saved before the reset is served after it, from host memory or disk, nor through an offer
