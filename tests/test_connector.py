@@ -8,6 +8,7 @@ in place. End to end (float64, CPU): tokens always equal the dense oracle.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -97,16 +98,47 @@ def test_asked_once_per_allocation_across_a_deferral(llama, tmp_path):
     assert outs[1].reused_tokens_by_tier["connector"] == 96
 
 
-def test_clamp_hands_back_exactly_the_tail(llama, tmp_path):
+class OffersTheLastToken(RecordingConnector):
+    """Offers the prompt's last token too, its sliding-window pages picked at the prompt's end: a
+    connector that does not know the engine computes that token itself."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        longer = dataclasses.replace(request, prompt_token_ids=[*request.prompt_token_ids, 0])
+        return super().get_num_new_matched_tokens(longer, num_computed_tokens)
+
+
+def test_an_offer_stops_before_the_last_prompt_token_or_is_clamped_there(llama, tmp_path):
     prompt = prompts_for(llama, [96], seed=3)[0]  # exactly six blocks, all in the store
     seed_store(llama, tmp_path, [prompt])
-    conn = RecordingConnector(tmp_path)
-    with engine(llama, 200, conn) as eng:
-        out = eng.generate([prompt], SamplingParams(max_tokens=3))[0]
-    assert conn.of("ask")[0][3] == 96
-    assert conn.of("cancel") == [("cancel", out.request_id, 95, 96)]
-    assert out.reused_tokens_by_tier["connector"] == 95
-    assert out.token_ids == llama.reference_generate(prompt, 3)
+    for conn, offered, cancels in ((RecordingConnector(tmp_path), 95, 0), (OffersTheLastToken(tmp_path), 96, 1)):
+        with engine(llama, 200, conn) as eng:
+            out = eng.generate([prompt], SamplingParams(max_tokens=3))[0]
+        assert conn.of("ask")[0][3] == offered
+        assert conn.of("cancel") == [("cancel", out.request_id, 95, 96)] * cancels  # the engine clamps the tail
+        assert out.reused_tokens_by_tier["connector"] == 95
+        assert out.token_ids == llama.reference_generate(prompt, 3)
+
+
+def test_a_sliding_window_offer_holds_the_blocks_live_where_the_engine_takes_it(tmp_path):
+    """With one token a block and a window of 48, the history before the prompt's last token needs
+    one block more than the prompt's end: the shipped connector picks its pages there (here that
+    block was never saved, so it offers only the sink); an offer picked at the end is handed back
+    whole. Before, that block got a page nothing loaded, and the tokens went wrong."""
+    model = build_model("tiny-swa", "cpu", torch.float64, seed=0)
+    config = kvtier.CacheConfig(1, [kvtier.PrimaryTier(page_bytes(model) // TPB * 300)])  # 300 one-token blocks
+    prompt = prompts_for(model, [80], seed=13)[0]
+    with LLMEngine(model, config, connector=FileSystemConnector(tmp_path)) as first:
+        history = prompt + first.generate([prompt], SamplingParams(max_tokens=12))[0].token_ids[:11]
+    expected = model.reference_generate(history, 4)
+    fillers = prompts_for(model, [200, 200, 200], seed=9)  # every slot holds other keys before the load
+    for conn, cancel in ((RecordingConnector(tmp_path), None), (OffersTheLastToken(tmp_path), (0, 91))):
+        with LLMEngine(model, config, connector=conn) as eng:
+            eng.generate(fillers, SamplingParams(max_tokens=1))
+            out = eng.generate([history], SamplingParams(max_tokens=4))[0]
+        assert out.token_ids == expected
+        asked = conn.of("ask", out.request_id)[0][3]
+        assert conn.of("cancel", out.request_id) == ([] if cancel is None else [("cancel", out.request_id, *cancel)])
+        assert out.reused_tokens_by_tier.get("connector", 0) == (asked if cancel is None else 0)
 
 
 @pytest.mark.parametrize("local", [0, 16, 20, 40])
@@ -118,7 +150,7 @@ def test_an_offer_handed_back_whole_leaves_nothing_staged(llama, tmp_path, local
     with engine(llama, 200, conn):  # registers the layout
         request = ConnectorRequest(7, prompt, prompt[:local], kvtier.ReuseScope(), local)
         offered, _ = conn.get_num_new_matched_tokens(request, local)
-        assert offered == 80 - local
+        assert offered == 79 - local  # up to the last prompt token, which the engine computes
         conn.cancel_load(request, local, local + offered)
         assert conn._staged == {}
         conn.get_num_new_matched_tokens(request, local)  # a tail handed back keeps the block the rest needs
@@ -187,7 +219,7 @@ def test_sliding_window_block_ids_keep_bad_page_index_in_place(tmp_path):
     assert len(ids) == len(block_ids[1 - window_group]) == 11  # positional: one entry per block of capacity 164
     assert ids[0] != kvtier.BAD_PAGE_INDEX  # the sink block
     assert kvtier.BAD_PAGE_INDEX in ids[1:-3] and ids[-1] != kvtier.BAD_PAGE_INDEX
-    assert out.reused_tokens_by_tier["connector"] == 159  # all ten blocks, clamped below the prompt end
+    assert out.reused_tokens_by_tier["connector"] == 159  # all ten blocks, up to the prompt's last token
 
 
 def test_scopes_never_see_each_others_blocks(llama, tmp_path):

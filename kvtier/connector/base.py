@@ -10,9 +10,14 @@ The engine drives a connector in three phases per allocation (see ``kvtier.engin
              worker loads (start_load_kv / wait_for_layer_load) before the forward
 
 An offer that is never delivered is handed back with ``cancel_load(request, start, end)`` over
-absolute token positions. ``request_finished`` returning True means a save is still running:
-the engine keeps the request's pages (locked in the primary tier) until ``get_finished``
-reports the save done.
+absolute token positions. The engine computes a prompt's last token itself: an offer reaches at
+most the token before it, and the engine hands back the tokens offered past that at once. A
+sliding-window group needs its pages at the history the offer ends at, and one token less may
+need one more block: an offer cut so that its window reaches a block from the offer's start on
+that the window at its own end did not is handed back whole.
+
+``request_finished`` returning True means a save is still running: the engine keeps the
+request's pages (locked in the primary tier) until ``get_finished`` reports the save done.
 
 Block ids are positional per layer group: entry i is block i, ``BAD_PAGE_INDEX`` where a block
 has no page (a stale sliding-window block). With one layer group, ``request.new_block_ids``

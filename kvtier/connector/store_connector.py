@@ -138,7 +138,8 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             found = self.store.contains_many([keyspace.key(request.scope, chain[b], g) for b, g in wanted])
         present = dict(zip(wanted, found, strict=True))
         self._counters.add(missed_pages=found.count(False))
-        end = _best_end(present, groups, first, full, tpb, num_computed_tokens)
+        usable = len(request.prompt_token_ids) - 1  # the engine computes the last prompt token itself
+        end = _best_end(present, groups, first, full, tpb, num_computed_tokens, usable)
         while end > num_computed_tokens:
             needed = _needed(groups, first, end)
             keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
@@ -153,7 +154,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
                 return end - num_computed_tokens, False
             for block_group in missing:
                 present[block_group] = False
-            end = _best_end(present, groups, first, min(b for b, _ in missing), tpb, num_computed_tokens)
+            end = _best_end(present, groups, first, min(b for b, _ in missing), tpb, num_computed_tokens, usable)
         return 0, False
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids_by_layer_group: list[list[int]]) -> None:
@@ -346,21 +347,32 @@ class RedisConnector(StoreConnector):
 
 
 def _needed(rules: list[GroupRule], first: int, end: int) -> list[tuple[int, int]]:
-    """(block, group) pages from block ``first`` that an offer ending at ``end`` (block-aligned) must
-    load: every block of a full-attention group, the live ones of a sliding-window group."""
+    """(block, group) pages from block ``first`` that an offer ending at token ``end`` must load: the
+    blocks holding its tokens, every one of a full-attention group, the ones live at history ``end``
+    of a sliding-window group."""
     out = []
     for rule in rules:
-        blocks = end // rule.tokens_per_block
+        blocks = -(-end // rule.tokens_per_block)
         out.extend((b, rule.group_id) for b in range(first, blocks) if rule.is_live(b, end))
     return sorted(out)
 
 
 def _best_end(
-    present: dict[tuple[int, int], bool], rules: list[GroupRule], first: int, limit: int, tpb: int, computed: int
+    present: dict[tuple[int, int], bool],
+    rules: list[GroupRule],
+    first: int,
+    limit: int,
+    tpb: int,
+    computed: int,
+    usable: int,
 ) -> int:
-    """The largest block-aligned end in ``(computed, limit * tpb]`` whose needed pages are all present."""
+    """The largest end in ``(computed, limit * tpb]`` whose needed pages are all present: a block
+    boundary, or ``usable`` (the tokens the engine may take from a connector) where that is lower.
+
+    The pages are those needed at the end the engine will take, not at the block boundary: one
+    token less moves a sliding window back, so it may need one more block."""
     for blocks in range(limit, first, -1):
-        end = blocks * tpb
+        end = min(blocks * tpb, usable)
         if end <= computed:
             break
         if all(present.get(bg, False) for bg in _needed(rules, first, end)):

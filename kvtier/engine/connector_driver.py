@@ -7,7 +7,8 @@ end, never a delta), and how far the protocol got with it:
 
     ask      when the request's cache is created (it holds the local prefix, ``start``):
              get_num_new_matched_tokens once; the end is clamped below the prompt length and
-             the dropped tail handed back with cancel_load at once
+             the dropped tail handed back with cancel_load at once (the whole offer when the
+             cut moves a sliding window back onto a block the offer did not cover)
     reserve  after every successful resume until it succeeds: capacity and history to ``end``
              in one resize; if that cannot be had (or the cache had to start over below
              ``start``), the offer is handed back with cancel_load
@@ -33,6 +34,7 @@ from kvtier.connector.base import ConnectorRequest, SchedulerOutput
 from kvtier.engine.batch_scheduler import ScheduledChunk
 from kvtier.engine.request import Offer, Request
 from kvtier.errors import InvariantError
+from kvtier.lifecycle import GroupRule
 from kvtier.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,9 @@ class ConnectorDriver:
         end = local + max(0, int(tokens))
         limit = len(request.prompt) - 1  # the last prompt token is always computed
         if end > limit:
+            if self._window_grows(local, limit, end):  # it may not have the block the cut end needs
+                self.connector.cancel_load(view, local, end)
+                return
             self.connector.cancel_load(view, max(local, limit), end)
             end = limit
         if end > local:
@@ -180,6 +185,16 @@ class ConnectorDriver:
         return True
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _window_grows(self, start: int, cut: int, end: int) -> bool:
+        """Whether a sliding-window group needs, at history ``cut``, a block from the offer's first
+        (``start``'s) on that it did not need at ``end``: one the connector had no cause to load."""
+        tpb = self.mgr.tokens_per_block
+        for group in self.mgr.layer_groups:
+            rule = GroupRule.of(group, tpb)
+            if rule.window is not None and max(rule.first_live_block(cut), start // tpb) < rule.first_live_block(end):
+                return True
+        return False
 
     def _view(self, request: Request, with_blocks: bool = True) -> ConnectorRequest:
         cache = request.cache
