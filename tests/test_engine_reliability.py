@@ -231,6 +231,23 @@ def test_a_failed_requests_pages_are_never_served_to_the_requests_after_it(max_n
     eng.close()
 
 
+def test_reuse_counts_leave_out_disk_pages_that_fail_their_checksum(llama, tmp_path):
+    """The resume gives up pages whose bytes fail their checksum; the request counts what it kept."""
+    prompt = prompts_for(llama, [120], seed=2)[0]
+    with engine(llama, 64, disk_blocks=64, path=tmp_path) as first:
+        first.generate([prompt], SamplingParams(max_tokens=4))
+    for pages in tmp_path.rglob("group*.pages"):  # a byte in every 256 flipped: every page damaged
+        data = bytearray(pages.read_bytes())
+        data[::256] = bytes(b ^ 0xFF for b in data[::256])
+        pages.write_bytes(bytes(data))
+    with engine(llama, 64, disk_blocks=64, path=tmp_path) as second:
+        out = second.generate([prompt], SamplingParams(max_tokens=4))[0]
+        assert second.cache_manager.stats().checksum_failures > 0
+    assert out.token_ids == llama.reference_generate(prompt, 4)
+    assert sum(out.reused_tokens_by_tier.values()) + out.num_computed_prompt_tokens == len(prompt)
+    assert out.reused_tokens_by_tier["disk"] == 0
+
+
 def test_a_request_that_cannot_run_even_alone_fails_and_the_others_finish(llama):
     # Pages locked by a cache the engine does not own leave too little room for the long request.
     eng = engine(llama, primary_blocks=40)

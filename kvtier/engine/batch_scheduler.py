@@ -235,13 +235,15 @@ class Scheduler:
         if request.cache is None:
             # A recomputed request matches its own published blocks, output included.
             request.cache = self.mgr.create_cache(request.tokens, scope=request.scope, priority=request.priority)
-            if not request.admitted:
-                request.reused_by_tier = dict(request.cache.reused_by_tier)
+            request.reuse_unread = not request.admitted
             request.admitted = True
             self.hooks.cache_created(request)
         cache = request.cache
         if not cache.resume():
             return _Blocked("its cached pages do not fit in the primary tier")
+        if request.reuse_unread:  # what the resume kept: pages failing their checksum were given up
+            request.reused_by_tier = dict(cache.reused_by_tier)
+            request.reuse_unread = False
         self.hooks.cache_resumed(request)
         n = self._chunk(request, budget)
         if n == 0:
