@@ -231,6 +231,47 @@ def test_failed_index_commits_keep_their_deletes(tmp_path):
     again.close()
 
 
+def test_a_directory_opened_while_its_file_system_is_full_is_served_read_only_and_kept(tmp_path):
+    """No file can grow (RLIMIT_FSIZE, as on a full disk) when a manager opens a directory: its
+    index cannot be written, so the manager serves it read-only, and a manager opened later has
+    every page. Before, the index was taken for damaged, moved aside and every page lost."""
+    mgr = manager(tmp_path, primary=6, host=0, disk=40)
+    oracle = PageOracle(mgr)
+    for i in range(12):
+        prefill(mgr, oracle, convo(i))
+    mgr.close()
+    before = manager(tmp_path, primary=6, host=0, disk=40)
+    on_disk = before.stats().tiers["disk"].pages_used
+    before.close()
+    code = f"""
+    import logging, resource, signal
+    from tests.test_tiers import manager, convo
+    from tests.kvdata import PageOracle
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1, 1))
+    mgr = manager({str(tmp_path)!r}, primary=6, host=0, disk=40)
+    oracle = PageOracle(mgr)
+    for i in range(12):  # served from the directory, read-only
+        cache = mgr.create_cache(convo(i) + [1])
+        assert cache.resume()
+        oracle.check(cache, convo(i) + [1])
+        cache.close()
+    stats = mgr.stats()
+    mgr.close()
+    print(stats.tiers["disk"].pages_used, stats.disk_resets, stats.hit_tokens["disk"])
+    """
+    out = run_child(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pages, resets, hits = map(int, out.stdout.split()[-3:])
+    assert (resets, pages) == (0, on_disk) and hits > 0
+    assert "cannot be written now" in out.stderr
+    after = manager(tmp_path, primary=6, host=0, disk=40)
+    assert after.stats().tiers["disk"].pages_used == on_disk and after.stats().disk_resets == 0
+    assert not list(tmp_path.rglob("*.damaged"))
+    after.close()
+
+
 # -- items 9 and 10: damaged, lost or unusable directories -----------------------------------------
 
 

@@ -24,11 +24,14 @@ names a slot rewritten with other data. A commit that fails keeps its changes fo
 Opening reads every row. An index that cannot be read (damaged, of another schema or secret, or
 lost while page files remain) is reported with an ERROR line saying what was lost, moved aside
 (``*.damaged``) and replaced by an empty one; ``resets`` counts it. A read-only directory's
-index is read from a private copy and never written.
+index is read from a private copy and never written; so is the index of a directory whose file
+system will not have it written at open (full, failing: an ERROR line says so), which is kept as
+it is for a later manager.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import math
@@ -69,6 +72,12 @@ CREATE TABLE IF NOT EXISTS pages (
 );
 """
 _MEASURED_TABLE = "CREATE TABLE IF NOT EXISTS measured (name TEXT PRIMARY KEY, value REAL NOT NULL)"
+# SQLite's primary result codes that say the file system, not the file, is in the way: PERM, BUSY,
+# LOCKED, NOMEM, READONLY, IOERR, FULL (a damaged file gives CORRUPT or NOTADB).
+_SQLITE_FILE_SYSTEM_STATE = frozenset({3, 5, 6, 7, 8, 10, 13})
+_OS_FILE_SYSTEM_STATE = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOMEM, errno.EMFILE}
+)
 # What a damaged or foreign file can raise while it is read.
 _UNREADABLE = (sqlite3.Error, OSError, ValueError, TypeError, UnicodeError, OverflowError, struct.error)
 
@@ -138,10 +147,14 @@ class DiskIndex:
 
     # -- opening -------------------------------------------------------------------------------
 
-    def _open_writable(self) -> sqlite3.Connection:
+    def _open_writable(self) -> sqlite3.Connection | None:
+        """The index opened for writing; None when the file system will not have it written now
+        (the directory is then served read-only, ``_serve_read_only``)."""
         try:
             db = _connect(self.path)
         except _UNREADABLE as exc:
+            if _file_system_state(exc):
+                return self._serve_read_only(exc)
             return self._reset(None, f"it cannot be opened ({exc})")
         try:
             if self._load(db):
@@ -151,28 +164,57 @@ class DiskIndex:
                 self._report("it is missing or empty while page files remain", "every page in them")
             _create(db, self._meta)
         except _UNREADABLE + (_Unusable,) as exc:
+            if _file_system_state(exc):
+                db.close()
+                return self._serve_read_only(exc)
             return self._reset(db, str(exc))
         return db
 
+    def _serve_read_only(self, exc: BaseException) -> None:
+        """The file system will not have the index written now (full, failing, read-only): nothing
+        is moved aside or lost; this manager serves the directory read-only, from a private copy
+        of its index, and writes nothing to it (the page files are opened read-only after this)."""
+        log.error(
+            "kvtier disk tier: the index %s cannot be written now (%s); this manager serves the directory "
+            "read-only and writes nothing to it; nothing in it is lost (a manager started once the file "
+            "system has room takes it back)",
+            self.path,
+            exc,
+        )
+        self.directory.writable = False
+        self.directory.why_not_writable = f"its index cannot be written ({exc})"
+        self._read_only_copy()
+
     def _read_only_copy(self) -> None:
-        """Read a read-only directory's index from a private copy (SQLite would write beside the original)."""
+        """Read a read-only directory's index from a private copy (SQLite would write beside the
+        original); where no copy can be made (a file system full too, a file size limit), in place
+        as an immutable file if it has no write-ahead log to replay (a manager that closed leaves none)."""
         try:
             with tempfile.TemporaryDirectory(prefix="kvtier-index-") as tmp:
-                for suffix in ("", "-wal"):
-                    source = Path(str(self.path) + suffix)
-                    if source.exists():
-                        shutil.copyfile(source, Path(tmp) / (INDEX_FILE + suffix))
-                db = _connect(Path(tmp) / INDEX_FILE)
                 try:
-                    found = self._load(db)
-                finally:
-                    db.close()
+                    for suffix in ("", "-wal"):
+                        source = Path(str(self.path) + suffix)
+                        if source.exists():
+                            shutil.copyfile(source, Path(tmp) / (INDEX_FILE + suffix))
+                except OSError:
+                    if _has_log(self.path):
+                        raise
+                    found = self._load_closed(_connect_immutable(self.path))
+                else:
+                    found = self._load_closed(_connect(Path(tmp) / INDEX_FILE))
         except _UNREADABLE + (_Unusable,) as exc:
             self._report(f"it cannot be read ({exc})", "every page it named")
             self.nodes, self.pages, self.rejected = [], [], 0
             return
         if not found and self.directory.had_pages:
             self._report("it is missing or empty while page files remain", "every page in them")
+
+    def _load_closed(self, db: sqlite3.Connection) -> bool:
+        """``_load`` from ``db``, closed after."""
+        try:
+            return self._load(db)
+        finally:
+            db.close()
 
     def _load(self, db: sqlite3.Connection) -> bool:
         """Read every row; False for a new (empty) file, ``_Unusable`` for one that is not this index."""
@@ -321,6 +363,15 @@ class DiskIndex:
         self.directory.close()
 
 
+def _file_system_state(exc: BaseException) -> bool:
+    """Whether an error opening the index comes from the file system's state (full, failing,
+    read-only, busy), not from the file's contents: such an index is kept as it is."""
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        return code is not None and code & 0xFF in _SQLITE_FILE_SYSTEM_STATE
+    return isinstance(exc, OSError) and exc.errno in _OS_FILE_SYSTEM_STATE
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     """A connection to ``path`` (created 0600; SQLite gives its side files the same mode)."""
     os.close(open_private(path, os.O_RDWR | os.O_CREAT))
@@ -335,6 +386,21 @@ def _connect(path: Path) -> sqlite3.Connection:
         db.close()
         raise
     return db
+
+
+def _connect_immutable(path: Path) -> sqlite3.Connection:
+    """A connection that reads ``path`` in place and writes nothing beside it (no lock, no side files)."""
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True, check_same_thread=False)
+    db.text_factory = bytes
+    return db
+
+
+def _has_log(path: Path) -> bool:
+    """Whether the index has a write-ahead log with commits not yet in the file itself."""
+    try:
+        return Path(str(path) + "-wal").stat().st_size > 0
+    except FileNotFoundError:
+        return False
 
 
 def _create(db: sqlite3.Connection, meta: dict[bytes, bytes]) -> None:
