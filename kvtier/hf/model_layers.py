@@ -197,7 +197,8 @@ def transformers_version() -> str:
 def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds: list[LayerKind]) -> None:
     """One token through the model into ``cache``, so every layer holds tensors of its true shape,
     then two more on top of it, as resuming a prefix extends a cache by a whole suffix in one
-    forward. ``NotImplementedError`` for a model that cannot do that (XLM, ProphetNet: ``generate``
+    forward. ``NotImplementedError`` for a model that cannot take such a cache at all (MiniMax keeps
+    a cache of its own), or cannot extend it so (XLM, ProphetNet: ``generate``
     given such a cache fails the same way), naming what its forward raised, and for one whose full
     attention layers do not hold one position per token fed (CPM-Ant keeps positions of its own
     prompt beside them): kvtier's pages hold the positions of a block's tokens, nothing else. Then
@@ -205,7 +206,13 @@ def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds
     device = next(model.parameters()).device
     full = [layer for kind, layer in zip(kinds, cache.layers, strict=True) if kind in (LayerKind.FULL, LayerKind.BOTH)]
     with torch.no_grad(), _evaluating(model):
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{argument: cache})
+        try:
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{argument: cache})
+        except Exception as e:  # the model's own error, whatever its type (MiniMax refuses a DynamicCache)
+            raise NotImplementedError(
+                f"{type(model).__name__} cannot run with the cache kvtier gives it (a transformers "
+                f"DynamicCache; its forward raised {type(e).__name__}: {e})"
+            ) from e
         _check_written(model, cache, kinds)
         _check_positions(model, full, 1)
         suffix = torch.zeros((1, 2), dtype=torch.long, device=device)

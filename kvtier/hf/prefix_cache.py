@@ -51,6 +51,7 @@ from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, ReuseScope
 from kvtier.errors import CacheStateError
 from kvtier.hf.adapters import AdapterScope
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
+from kvtier.hf.call_state import CallState
 from kvtier.hf.hf_cache import RecordingCache, StateRecorder
 from kvtier.hf.model_layers import ModelLayers, read_model
 from kvtier.hf.prefill_rate import PrefillTiming
@@ -121,6 +122,8 @@ class PrefixCache:
         self.model = model
         self.scope = scope
         self._scopes = AdapterScope(model, scope)  # each call's: with the PEFT adapters active then
+        self._call_state = CallState(model)  # values a model keeps from its last call (cleared before each)
+        self._call_state.clear()  # the probe's forwards extend a cache too
         self._layers: ModelLayers = read_model(model, model_id)
         self._weights = WeightWatch(model, self._layers.weights)
         self.manager = _open_manager(self._layers.spec, cache_config)
@@ -256,6 +259,7 @@ class PrefixCache:
             try:
                 if timing is not None:  # positions the prompt's forwards compute, a row's beams each
                     timing.begin(len(rows) * (split - width + beams * (input_ids.shape[1] - split)))
+                self._call_state.clear()  # the cache given is not empty: nothing of the last call may be trusted
                 if ends:
                     self._prefill_to_snapshots(input_ids, mask, ends, width, cache)
                 if beams > 1:  # each row's beams, in turn, as generate repeats the rows

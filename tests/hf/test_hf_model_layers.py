@@ -97,6 +97,27 @@ def test_a_model_that_cannot_extend_a_cache_by_several_tokens_is_refused():
         PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
 
 
+def test_a_model_that_keeps_a_cache_of_its_own_is_refused_by_name():
+    """MiniMax's forward refuses a DynamicCache (a ValueError of its own): refused as a model kvtier
+    cannot serve, not with the model's error."""
+    config = transformers.MiniMaxConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        pad_token_id=0,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(NotImplementedError, match="MiniMaxForCausalLM cannot run with the cache kvtier gives it"):
+        PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
+
+
 def test_a_model_whose_cache_keeps_positions_of_its_own_is_refused():
     """CPM-Ant's cache holds its prompt's positions before the tokens': pages of the tokens alone
     resumed into it gave other tokens than generate (silently)."""

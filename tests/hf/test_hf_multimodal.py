@@ -11,6 +11,8 @@ from transformers import (
     Gemma3ForConditionalGeneration,
     PaliGemmaConfig,
     PaliGemmaForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
 )
 
 import kvtier
@@ -145,6 +147,82 @@ def test_a_call_with_positions_of_its_own_reuses_only_where_they_are_the_usual_o
             got = pc.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **extra)
             assert torch.equal(got, expected)
             assert pc.last_reused_tokens == [reused]
+
+
+def tiny_qwen2_vl() -> Qwen2VLForConditionalGeneration:
+    text = dict(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e4},
+        pad_token_id=PAD,
+        initializer_range=0.3,
+    )
+    vision = dict(
+        depth=1, embed_dim=32, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2
+    )
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=296,
+        vision_start_token_id=BEGIN,
+        vision_end_token_id=END,
+    )
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float64).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_a_qwen2_vl_call_positions_its_tokens_as_plain_generate_whatever_call_came_before():
+    """Qwen2-VL keeps its last call's rotary position deltas and trusts them whenever the cache it
+    is handed is not empty: a call reusing a prefix must not run with the last call's (an image
+    call's: wrong tokens; a call of more rows: a crash)."""
+    model = tiny_qwen2_vl()
+    system = list(range(10, 42))  # four blocks of 8
+    text = torch.tensor([system + [70, 71, 72]])
+
+    def text_call(generate):
+        return generate(
+            text,
+            attention_mask=torch.ones_like(text),
+            max_new_tokens=6,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+
+    def image_call(generate):
+        ids = torch.tensor([system + [BEGIN] + [IMAGE] * 16 + [END, 60, 61, 62]])  # a 1x8x8 grid, merged 2x2
+        pixels = torch.randn(64, 3 * 2 * 14 * 14, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        grid = torch.tensor([[1, 8, 8]])
+        types = (ids == IMAGE).long()
+        generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=4,
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            mm_token_type_ids=types,
+        )
+
+    def three_rows_call(generate):
+        ids = torch.tensor([system[::-1] + [1, 2, 3]] * 3)
+        generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2)
+
+    expected = text_call(model.generate)
+    with PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(16 << 20)])) as pc:
+        text_call(pc.generate)
+        for before in (image_call, three_rows_call):
+            before(pc.generate)
+            got = text_call(pc.generate)
+            assert pc.last_reused_tokens == [34]
+            assert torch.equal(got.sequences, expected.sequences)
+            torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores), rtol=0, atol=1e-9)
 
 
 def dynamic_ntk_llama():
