@@ -191,6 +191,11 @@ class KVTierScheduler:
         if _skips_cache(request):  # vLLM computes all of it (prompt logprobs): no read, no wait; saved as usual
             lease.cache.shorten_to_memory()
             return 0, False
+        if not lease.reads and lease.matched + lease.store_blocks * self._tpb <= num_computed_tokens:
+            lease.cache.shorten_to_memory()  # vLLM's own cache has all kvtier could offer: no read, no wait
+            lease.drop_store_blocks()
+            lease.local_tokens = num_computed_tokens
+            return 0, False
         while True:  # the prefix's pages on disk are read into host memory in the background first
             if lease.waiting:
                 return None, False  # asked again next step; vLLM schedules the other requests meanwhile

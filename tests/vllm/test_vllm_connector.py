@@ -238,10 +238,36 @@ def test_a_request_for_prompt_logprobs_reads_nothing_waits_for_nothing_and_is_sa
     assert e.log[-1].computed["r2"][0] == 0  # scheduled at once, from its first token
     e.run()
     assert disk_bytes_read(e) == 0
+    e.reset_prefix_cache()  # vLLM's own cache only: r3's blocks come from kvtier
     e.add("r3", longer + [1], max_tokens=2)
     e.run()
     assert first_step_of(e, "r3")[0] == 160  # 7 blocks from disk, 3 that r2 saved
     assert disk_bytes_read(e) > 0
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_a_request_whose_prefix_vllm_holds_itself_waits_for_no_disk_read(tmp_path, monkeypatch):
+    """vLLM's own prefix cache holds the whole prefix that kvtier has only on disk: the request is
+    scheduled at once, and nothing is read. Before, it waited for kvtier to read the same prefix
+    into host memory, then was offered nothing."""
+    shared = prefix_on_disk(tmp_path, seed=58)
+    e = host_pages_engine(tmp_path, 8)
+    e.add("r2", [*shared, 1], max_tokens=2)  # read from disk: vLLM's cache holds its blocks from now on
+    e.run()
+    for i in range(3):  # kvtier's host memory passes to other prompts: the prefix is on disk only
+        e.add(f"o{i}", prompt(60 + i, 150), max_tokens=1)
+        e.run()
+    probe = e.kv_scheduler.manager.create_cache([*shared, 2])
+    assert probe.reused_by_tier["disk"] > 0
+    probe.close()
+    read = disk_bytes_read(e)
+    slow_disk_reads(monkeypatch, 1e4)  # a read would take seconds
+    e.add("r3", [*shared, 2], max_tokens=2)
+    e.step()
+    assert e.log[-1].computed.get("r3", (None,))[0] == 112  # scheduled at once, on vLLM's own hit
+    e.run()
+    assert disk_bytes_read(e) == read
     e.assert_no_leaks()
     e.shutdown()
 
