@@ -51,7 +51,6 @@ class KVCache:
     __slots__ = (
         "_capacity",
         "_chain",
-        "_committed",
         "_guard",
         "_history",
         "_input_len",
@@ -80,7 +79,7 @@ class KVCache:
         self._state = CacheState.SUSPENDED
         self._input_len = len(tokens)
         self._tokens = array("Q")
-        self._capacity = self._history = self._committed = self._num_blocks = 0
+        self._capacity = self._history = self._num_blocks = 0
         self._table = BlockTable(pool.rules, pool.residency)
         self._chain = PublishedChain(pool, pool.root(scope))
         self._pending: list[Page] = []  # pages to copy into private ones on first resume
@@ -107,7 +106,7 @@ class KVCache:
 
     @property
     def num_committed_tokens(self) -> int:
-        return self._committed
+        return len(self._tokens)
 
     @property
     def priority(self) -> int:
@@ -130,7 +129,7 @@ class KVCache:
         """Take ownership of a matched prefix: hold its pages, set the three lengths to it."""
         p = match.tokens
         self._tokens = tokens[:p]
-        self._capacity = self._history = self._committed = self.num_reused_tokens = p
+        self._capacity = self._history = self.num_reused_tokens = p
         self._num_blocks = -(-p // self._tpb)
         self._chain.adopt(match.full_nodes)
         self._table.adopt(match, self._num_blocks)
@@ -189,7 +188,7 @@ class KVCache:
             if source.group == recurrent:
                 table.state_page = page
             else:
-                table.blocks[source.group][self._committed // self._tpb] = page
+                table.blocks[source.group][len(self._tokens) // self._tpb] = page
         if fresh:
             table.state_page = new_pages[-1]
         self._pending = []
@@ -209,7 +208,7 @@ class KVCache:
         cache would. Its lengths drop to that prefix: the caller recomputes from
         ``num_committed_tokens``. This is the one case where ``history_length`` goes down.
         """
-        lost = self._committed
+        lost = len(self._tokens)
         tokens = self._tokens
         self._let_go(locked=True)
         match = self._pool.match(tokens, self.scope, whole=True)
@@ -217,7 +216,7 @@ class KVCache:
             self._adopt(match, tokens)
         log.warning(
             "kvtier: a page of a suspended cache failed its checksum; it restarts from %d of %d tokens",
-            self._committed,
+            len(self._tokens),
             lost,
         )
 
@@ -233,10 +232,10 @@ class KVCache:
         given up (0: none was on disk); they leave ``reused_by_tier`` and the manager's
         ``hit_tokens`` for ``recomputed_tokens``.
         """
-        if self._state is not CacheState.SUSPENDED or self._committed != self.num_reused_tokens:
+        if self._state is not CacheState.SUSPENDED or len(self._tokens) != self.num_reused_tokens:
             raise CacheStateError(
                 f"shorten_to_memory needs a SUSPENDED cache holding only its reused prefix; this one is "
-                f"{self._state.value} with {self._committed} committed of {self.num_reused_tokens} reused tokens"
+                f"{self._state.value} with {len(self._tokens)} committed of {self.num_reused_tokens} reused tokens"
             )
         before = dict(self.reused_by_tier)
         reused = self.num_reused_tokens
@@ -286,7 +285,7 @@ class KVCache:
         self._pending = []
         self._chain.drop()
         self._tokens = array("Q")
-        self._num_blocks = self._capacity = self._history = self._committed = self.num_reused_tokens = 0
+        self._num_blocks = self._capacity = self._history = self.num_reused_tokens = 0
         self.reused_by_tier = dict.fromkeys(self.reused_by_tier, 0)
 
     @exclusive
@@ -336,10 +335,8 @@ class KVCache:
 
     @exclusive
     def _resize(self, capacity: int, history: int | None) -> bool:
-        _check_length("capacity", capacity)
-        if history is None:
-            history = self._history
-        _check_length("history", history)
+        capacity = _check_length("capacity", capacity)
+        history = _check_length("history", self._history if history is None else history)
         if history < self._history:
             raise ValueError(f"history_length never decreases: it is {self._history}, asked {history}")
         if capacity < history:
@@ -375,7 +372,7 @@ class KVCache:
         """
         if self._state is not _ACTIVE:
             raise CacheStateError(f"commit needs an ACTIVE cache; this one is {self._state.value}")
-        c = self._committed + 1
+        c = len(self._tokens) + 1
         if (
             type(new_tokens) is list
             and len(new_tokens) == 1
@@ -387,10 +384,11 @@ class KVCache:
         ):
             # The decode step: one token inside a block of a model with full-attention layers only
             # changes nothing but this cache's own lengths, so it claims nothing (kvtier.exclusive).
-            self._tokens.append(new_tokens[0])
-            self._committed = c
+            # The history first: a check on another thread, reading the committed length before
+            # the history, sees the lengths in order at every step.
             if c > self._history:
                 self._history = c
+            self._tokens.append(new_tokens[0])
             return
         self._commit(new_tokens)
 
@@ -399,10 +397,10 @@ class KVCache:
         """``commit`` of anything that may publish a block, keep a snapshot or release stale pages."""
         tokens = as_token_array(new_tokens)
         count = len(tokens)
-        if self._committed + count > self._capacity:
-            raise ValueError(f"commit past capacity: {self._committed + count} tokens > capacity {self._capacity}")
+        if len(self._tokens) + count > self._capacity:
+            raise ValueError(f"commit past capacity: {len(self._tokens) + count} tokens > capacity {self._capacity}")
         self._tokens.extend(tokens)
-        c = self._committed = self._committed + count
+        c = len(self._tokens)
         pool = self._pool
         chain = self._chain
         if chain.root is not None:
@@ -434,18 +432,17 @@ class KVCache:
     def _check_invariants(self) -> None:
         """``InvariantError`` unless the lengths keep their order and the blocks match them."""
         tpb = self._tpb
-        if not self._committed <= self._history <= self._capacity:
+        committed = len(self._tokens)  # read before the history: the decode step raises the history first
+        if not committed <= self._history <= self._capacity:
             raise InvariantError(f"{self}: lengths out of order")
-        if len(self._tokens) != self._committed:
-            raise InvariantError(f"{self}: {len(self._tokens)} tokens kept")
         if self._num_blocks != -(-self._capacity // tpb):
             raise InvariantError(f"{self}: {self._num_blocks} blocks for capacity {self._capacity}")
-        if self._chain.root is not None and len(self._chain.nodes) != self._committed // tpb:
+        if self._chain.root is not None and len(self._chain.nodes) != committed // tpb:
             raise InvariantError(f"{self}: {len(self._chain.nodes)} published blocks")
         active = self._state is _ACTIVE
         if active and self._pending:
             raise InvariantError(f"{self}: active with pending copies")
-        waiting = {page.group: self._committed // tpb for page in self._pending}
+        waiting = {page.group: committed // tpb for page in self._pending}
         try:
             self._table.check(self._num_blocks, self._history, waiting, active)
         except InvariantError as exc:
@@ -457,13 +454,15 @@ class KVCache:
 
     def __repr__(self) -> str:
         return (
-            f"KVCache({self._state.value}, committed={self._committed}, history={self._history}, "
+            f"KVCache({self._state.value}, committed={len(self._tokens)}, history={self._history}, "
             f"capacity={self._capacity}, reused={self.num_reused_tokens})"
         )
 
 
-def _check_length(name: str, value: object) -> None:
+def _check_length(name: str, value: object) -> int:
+    """``value`` as a Python int (a numpy integer too: its own arithmetic would wrap or overflow)."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)

@@ -264,6 +264,36 @@ def test_a_manager_handed_between_threads_works():
     assert cache.state is kvtier.CacheState.CLOSED and again.state is kvtier.CacheState.CLOSED
 
 
+def test_a_check_on_another_thread_while_a_cache_decodes_finds_nothing_wrong():
+    """The decode step claims nothing, so another thread's claimed calls (``check_invariants``, or
+    any call with ``KVTIER_DEBUG=1``) may read a cache between its steps' statements: they must
+    find its lengths in order. Before, one check in two raised a false ``InvariantError``."""
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    block = 1 << 20  # every commit below is a decode step: none completes a block
+    spec = kvtier.ModelSpec.uniform(1, 1, 2, torch.float32)
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(block, [kvtier.PrimaryTier(1 << 26)]))
+    cache = mgr.create_cache([1, 2, 3])
+    assert cache.resume() and cache.resize(block - 1)
+    stop = threading.Event()
+
+    def decode() -> None:
+        while not stop.is_set() and cache.num_committed_tokens < block - 2:
+            cache.commit([7])
+
+    worker = threading.Thread(target=decode)
+    try:
+        worker.start()
+        for _ in range(3000):
+            mgr.check_invariants()
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(old_interval)
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_two_threads_driving_one_manager_at_once_are_detected():
     """Two real threads run requests on one manager at once: the overlap raises, the invariants hold."""
     old_interval = sys.getswitchinterval()
