@@ -13,6 +13,7 @@ import os
 import threading
 import weakref
 
+import numpy as np
 import torch
 
 from kvtier.cache import KVCache
@@ -105,7 +106,7 @@ class KVCacheManager:
         Pages are moved as room allows (evicting colder pages, never locked or held ones below
         their due); they stay evictable, as recently used. Returns the number of pages promoted.
         """
-        match = self._match(tokens, scope)
+        match = self._match(tokens, scope, count_recomputed=False)
         if match is None:
             return 0
         moved = self._pool.prefetch(match, stream)
@@ -133,13 +134,15 @@ class KVCacheManager:
         self._pool.debug_check()
         return job
 
-    def _match(self, tokens, scope: ReuseScope, weigh_load_cost: bool = True) -> ReuseMatch | None:
+    def _match(
+        self, tokens, scope: ReuseScope, weigh_load_cost: bool = True, count_recomputed: bool = True
+    ) -> ReuseMatch | None:
         """The reusable prefix of ``tokens`` in ``scope`` (checked first: open manager, tokens, scope)."""
         self._check_open()
         token_array = as_token_array(tokens)
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
-        return self._pool.match(token_array, scope, weigh_load_cost=weigh_load_cost)
+        return self._pool.match(token_array, scope, weigh_load_cost=weigh_load_cost, count_recomputed=count_recomputed)
 
     @exclusive
     def maintain(self) -> int:
@@ -193,6 +196,7 @@ class KVCacheManager:
         """The prefill rate (tokens/s) last told to a manager on this disk tier's directory and kind of
         device, as its index kept it; None without a disk tier or such a rate. Not used by itself:
         an engine that trusts it passes it to ``set_prefill_rate`` until it measured its own."""
+        self._check_open()
         return self._pool.load_cost.remembered_prefill_rate
 
     # -- views -----------------------------------------------------------------------------------
@@ -205,6 +209,8 @@ class KVCacheManager:
         ``cache.page_indices(group_id)``.
         """
         self._check_open()
+        if isinstance(layer_id, np.integer):  # an id read from an array
+            layer_id = int(layer_id)
         views = self._views.get(layer_id)
         if views is None or type(layer_id) is not int:  # (True finds layer 1's views: refused here)
             group = self.spec.group_of(layer_id)  # ValueError for what is not a layer id

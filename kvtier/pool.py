@@ -18,6 +18,7 @@ import threading
 from array import array
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvtier.config import CacheConfig, DiskTier, HostTier, ReuseScope, write_behind_enabled
@@ -114,6 +115,8 @@ class PagePool:
 
     def rule(self, group_id: int) -> GroupRule:
         """The rule of a layer group; ``ValueError`` for an unknown group id."""
+        if isinstance(group_id, np.integer):  # an id read from an array
+            group_id = int(group_id)
         if isinstance(group_id, bool) or not isinstance(group_id, int) or not 0 <= group_id < len(self.rules):
             raise ValueError(f"unknown layer group id {group_id!r}: the model has groups 0..{len(self.rules) - 1}")
         return self.rules[group_id]
@@ -123,10 +126,17 @@ class PagePool:
         return self.tree.root(scope) if self.config.enable_reuse else None
 
     def match(
-        self, tokens: array, scope: ReuseScope, whole: bool = False, weigh_load_cost: bool = True
+        self,
+        tokens: array,
+        scope: ReuseScope,
+        whole: bool = False,
+        weigh_load_cost: bool = True,
+        count_recomputed: bool = True,
     ) -> ReuseMatch | None:
         """The reusable prefix of ``tokens``: up to ``len - 1`` tokens, or all of them if ``whole``;
-        cut where loading is slower than recomputing (``set_prefill_rate``) if ``weigh_load_cost``."""
+        cut where loading is slower than recomputing (``set_prefill_rate``) if ``weigh_load_cost``,
+        the tokens cut counted in ``recomputed_tokens`` if ``count_recomputed`` (a cache will
+        recompute them; a prefetch only moves less)."""
         num_tokens = len(tokens) + 1 if whole else len(tokens)
         if not self.config.enable_reuse or num_tokens < 2:
             return None
@@ -151,7 +161,8 @@ class PagePool:
         if cut == len(match.full_nodes):
             return match
         skipped = match.tokens - cut * self.tokens_per_block
-        self.counters.recomputed_tokens += skipped
+        if count_recomputed:
+            self.counters.recomputed_tokens += skipped
         log.debug(
             "recomputing %d cached tokens of %d: loading beyond block %d is slower (prefill %.0f tokens/s, "
             "tier bandwidths %s bytes/s)",

@@ -116,9 +116,31 @@ def test_bad_input_raises_and_changes_nothing():
         cache.page_indices(3)
     with pytest.raises(ValueError):
         mgr.kv_views(99)
+    for unordered_or_raw in (bytearray(16), memoryview(bytes(16)), {1: 2, 3: 4}, {1, 2}, frozenset({1})):
+        with pytest.raises(TypeError):  # raw bytes are not token ids; a set or dict has no order
+            mgr.create_cache(unordered_or_raw)
+        with pytest.raises(TypeError):
+            cache.commit(unordered_or_raw)
     assert (cache.capacity, cache.history_length, cache.num_committed_tokens, cache.page_indices(0).tolist()) == before
     assert mgr.stats().lookup_tokens == 3
     mgr.check_invariants()
+
+
+def test_numpy_integers_are_taken_as_the_ints_they_hold():
+    """As lengths and ids: their own arithmetic would wrap (unsigned) or overflow against Python ints."""
+    mgr, _ = make()
+    cache = mgr.create_cache([1, 2, 3])
+    cache.resume()
+    assert cache.resize(np.uint64(12))
+    assert cache.resize(np.int64(8)) and type(cache.capacity) is int
+    assert cache.resize(10**30) is False  # beyond every tier: False at once, nothing changed
+    assert cache.capacity == 8
+    assert cache.page_indices(np.int64(0)).tolist() == cache.page_indices(0).tolist()
+    assert mgr.kv_views(np.int64(1))["k"].data_ptr() == mgr.kv_views(1)["k"].data_ptr()
+    mgr.check_invariants()
+    mgr.close()
+    with pytest.raises(kvtier.CacheStateError):
+        mgr.remembered_prefill_rate  # noqa: B018 - closed: refused as every other call
 
 
 def test_quota_too_small_for_one_page():

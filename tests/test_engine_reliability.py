@@ -131,6 +131,10 @@ def bad_prompts(model) -> list[tuple[str, list, SamplingParams]]:
         (r"0\.\.2\*\*64", [1, -2, 3], ok),
         ("integer", [1, "2", 3], ok),
         ("integer", [1, 2.5], ok),
+        ("bools", [1, True, 3], ok),
+        ("ordered", {5: 1, 6: 2}, ok),  # a dict's keys, a set's arbitrary order: not a prompt
+        ("ordered", {5, 6, 7}, ok),
+        ("bytearray", bytearray(b"\x05\x06"), ok),
         ("max_tokens", [1, 2, 3], SamplingParams(max_tokens=10**12)),
         ("max_tokens", list(range(200)) * 4, ok),  # 800 tokens: 50 pages, the primary tier has 40
     ]

@@ -68,6 +68,8 @@ def test_create_cache_recomputes_what_loads_slower():
     assert serve(mgr, oracle, prompt + [1]) == 4 * TPB  # loaded from host: its bandwidth is measured now
     fill_primary(mgr, oracle, 5, 6000)
     mgr.set_prefill_rate(1e18)  # recomputing is (claimed) faster than any copy
+    mgr.prefetch(prompt + [2])  # moves nothing, and recomputes nothing: no request is made
+    assert mgr.stats().recomputed_tokens == 0
     assert serve(mgr, oracle, prompt + [2]) == 0
     assert mgr.stats().recomputed_tokens == 4 * TPB
     mgr.set_prefill_rate(1e-3)  # recomputing is slow: everything cached is loaded

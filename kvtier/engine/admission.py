@@ -52,6 +52,8 @@ class RequestLimits:
         """The prompt as a token array, or ``ValueError``/``TypeError`` saying what is wrong."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params for {where} must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, list | tuple) and any([type(token) is bool for token in prompt]):
+            raise TypeError(f"{where}: tokens must be integer ids, not bools")
         try:
             tokens = as_token_array(prompt)
         except (TypeError, ValueError) as exc:

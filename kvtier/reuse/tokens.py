@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Mapping, Set
 
 import numpy as np
 
@@ -20,10 +21,13 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 def as_token_array(tokens) -> array:
     """Tokens as ``array('Q')`` (unsigned 64-bit); ``TypeError`` for non-integers, ``ValueError`` for negatives.
 
-    Accepts a sequence of ints, an ``array``, a numpy integer array or a CPU torch tensor.
+    Accepts a sequence of ints, an ``array``, a numpy integer array or a CPU torch tensor; refuses
+    text and raw bytes (whose items are not token ids) and unordered collections (a set, a dict).
     """
-    if isinstance(tokens, str | bytes):
-        raise TypeError("tokens must be a sequence of integer token ids, not a string")
+    if isinstance(tokens, str | bytes | bytearray | memoryview):
+        raise TypeError(f"tokens must be a sequence of integer token ids, not {type(tokens).__name__}")
+    if isinstance(tokens, Set | Mapping):
+        raise TypeError(f"tokens must be an ordered sequence of integer token ids, not a {type(tokens).__name__}")
     if hasattr(tokens, "numpy") and hasattr(tokens, "dtype"):  # a torch tensor
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
