@@ -99,7 +99,14 @@ def _open_manager(plan: ModelPlan, settings: ConnectorSettings) -> KVCacheManage
         tiers: list[PrimaryTier | DiskTier] = [PrimaryTier(settings.host_bytes)]
         if disk_path is not None and settings.disk_bytes is not None:
             tiers.append(DiskTier(settings.disk_bytes, disk_path, write_behind=True, blocking_writes=False))
-        return KVCacheManager(plan.spec, CacheConfig(plan.block_size, tiers, device="cpu", enable_partial_reuse=False))
+        config = CacheConfig(plan.block_size, tiers, device="cpu", enable_partial_reuse=False)
+        try:
+            return KVCacheManager(plan.spec, config)
+        except ValueError as exc:  # the tiers' sizes: say which settings of kv_connector_extra_config set them
+            raise ValueError(
+                f"kvtier.vllm: host_bytes={settings.host_bytes} (the host memory tier, kvtier's primary one) and "
+                f"disk_bytes={settings.disk_bytes} of kv_connector_extra_config: {exc}"
+            ) from exc
 
     if settings.disk_path is None:
         return manager(None)

@@ -50,6 +50,17 @@ def test_bad_extra_config_is_refused_before_anything_is_built(tmp_path):
         KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config)
 
 
+@pytest.mark.parametrize("extra", [{"host_bytes": 100}, {"disk_bytes": 100}], ids=["host", "disk"])
+def test_a_tier_too_small_for_one_page_names_the_setting(tmp_path, extra):
+    if "disk_bytes" in extra:
+        extra["disk_path"] = str(tmp_path / "disk")
+    config = vllm_config(tmp_path, extra)
+    kv_config = kv_cache_config(config, [(layer_names(3), attention_spec())], 16)
+    with pytest.raises(ValueError, match=r"host_bytes=.* and disk_bytes=.*too small for one page"):
+        KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    assert host_pool.lookup(str(config.kv_transfer_config.engine_id)) is None
+
+
 @pytest.mark.parametrize("multi_connector", [False, True], ids=["alone", "in-multi-connector"])
 def test_a_load_failure_policy_that_fails_requests_is_warned_about_where_kvtier_reads_it(
     tmp_path, caplog, multi_connector
