@@ -205,6 +205,116 @@ def test_reserve_failure_cancels_and_computes_instead(llama, tmp_path):
     assert outputs[b].token_ids == llama.reference_generate(prompts[1], 4)
 
 
+_STEP_HOOKS = ("build_connector_meta", "start_load_kv", "wait_for_layer_load")  # called at every step
+
+
+class FailsOnce(FileSystemConnector):
+    """The shipped filesystem connector, whose hook named ``hook`` raises the first time it is
+    called once armed (a hook called at every step: in the step that delivers an offer)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.hook: str | None = None
+        self.delivered = False
+
+    def update_state_after_alloc(self, request, block_ids_by_layer_group):
+        self.delivered = True
+        super().update_state_after_alloc(request, block_ids_by_layer_group)
+
+    def __getattribute__(self, name):
+        attribute = super().__getattribute__(name)
+        state = object.__getattribute__(self, "__dict__")
+        if name != state.get("hook") or (name in _STEP_HOOKS and not state.get("delivered")):
+            return attribute
+
+        def once(*args, **kwargs):
+            self.hook = None
+            raise RuntimeError(f"{name} failed")
+
+        return once
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        *_STEP_HOOKS,
+        "save_kv_layer",
+        "wait_for_save",
+        "request_finished",
+    ],
+)
+def test_a_connector_hook_that_raises_fails_at_most_the_requests_it_was_loading(llama, tmp_path, hook):
+    """A third-party connector's bug is contained: a load that raised fails the requests it was
+    loading (``finish_reason="error"``: their chunks start past tokens that are not there); any
+    other hook loses an offer or a save at most. Every other request finishes with the dense
+    tokens. Before, a load hook that raised left its offers marked loaded (wrong tokens), and a
+    save hook left the batch's requests running with nothing left to compute (a hang)."""
+    shared = prompts_for(llama, [70], seed=5)[0]
+    seed_store(llama, tmp_path, [shared])
+    others = prompts_for(llama, [30, 45], seed=6)
+    prompts = [shared[:64] + others[0][:10], others[0], others[1]]  # the first is offered 64 tokens
+    conn = FailsOnce(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        eng.generate(prompts_for(llama, [250, 250], seed=7), SamplingParams(max_tokens=1))  # stale KV in pages
+        conn.hook = hook
+        outs = eng.generate(prompts, SamplingParams(max_tokens=6))
+        eng.cache_manager.check_invariants()
+    assert conn.hook is None  # it raised
+    loading = hook in ("update_state_after_alloc", *_STEP_HOOKS)
+    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+        if i == 0 and loading:
+            assert out.finish_reason == "error" and "failed to load" in out.error
+        else:
+            assert out.finish_reason == "length"
+            assert out.token_ids == llama.reference_generate(prompt, 6)
+
+
+def test_a_request_aborted_by_on_finish_ends_generate_with_its_abort(llama):
+    """``on_finish`` of the first request to finish aborts the two others: ``generate`` returns."""
+    prompts = prompts_for(llama, [30, 45, 50], seed=8)
+    params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=20), SamplingParams(max_tokens=20)]
+
+    def first_answer_is_enough(out) -> None:
+        if out.finish_reason == "length" and len(out.token_ids) == 1:
+            eng.abort_request(out.request_id + 1)
+            eng.abort_request(out.request_id + 2)
+
+    with engine(llama, 64, None) as eng:
+        outs = eng.generate(prompts, params, on_finish=first_answer_is_enough)
+        assert not eng.has_unfinished_requests()
+    assert [o.finish_reason for o in outs] == ["length", "abort", "abort"]
+
+
+def test_a_second_thread_driving_the_engine_is_refused_before_anything_changes(llama):
+    """While one thread is inside ``generate``, another's ``generate`` or ``step`` raises
+    ``CacheStateError`` at once and queues nothing. Before, both calls went on and failed with
+    errors that named neither thread (``commit past capacity``, a closed cache)."""
+    prompts = prompts_for(llama, [30, 45], seed=9)
+    refused: list[BaseException] = []
+
+    def second_thread(_out) -> None:
+        def drive() -> None:
+            for call in (lambda: eng.generate([prompts[0]], SamplingParams(max_tokens=2)), eng.step):
+                try:
+                    call()
+                except kvtier.CacheStateError as exc:
+                    refused.append(exc)
+
+        worker = threading.Thread(target=drive)
+        worker.start()
+        worker.join()
+
+    with engine(llama, 64, None) as eng:
+        outs = eng.generate(prompts, SamplingParams(max_tokens=3), on_finish=second_thread)
+        assert not eng.has_unfinished_requests()
+        again = eng.generate([prompts[0]], SamplingParams(max_tokens=3))  # from this thread: served
+    assert len(refused) == 4 and all("another thread" in str(exc) for exc in refused)
+    assert [o.token_ids for o in outs] == [llama.reference_generate(p, 3) for p in prompts]
+    assert again[0].token_ids == outs[0].token_ids
+
+
 def test_sliding_window_block_ids_keep_bad_page_index_in_place(tmp_path):
     model = build_model("tiny-swa", "cpu", torch.float64, seed=0)
     prompt = prompts_for(model, [160], seed=6)[0]

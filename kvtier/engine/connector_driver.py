@@ -31,6 +31,7 @@ import torch
 
 from kvtier.cache import KVCache
 from kvtier.connector.base import ConnectorRequest, SchedulerOutput
+from kvtier.connector.throttled_log import ThrottledWarning
 from kvtier.engine.batch_scheduler import ScheduledChunk
 from kvtier.engine.request import Offer, Request
 from kvtier.errors import InvariantError
@@ -38,6 +39,8 @@ from kvtier.lifecycle import GroupRule
 from kvtier.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
+
+FAILURE_WARN_INTERVAL_S = 60.0
 
 
 class ConnectorDriver:
@@ -47,6 +50,7 @@ class ConnectorDriver:
         self.connector = connector
         self.mgr = mgr
         self.saving: dict[int, KVCache] = {}
+        self._failures = ThrottledWarning(log, FAILURE_WARN_INTERVAL_S)
         connector.register_kv_cache_layout(mgr.layout())
 
     # -- the three phases (the first two and the hand-back are the scheduler's CacheHooks) -------------
@@ -57,14 +61,18 @@ class ConnectorDriver:
             raise InvariantError(f"request {request.request_id} was asked twice for one allocation")
         local = request.held_cache().num_committed_tokens
         view = self._view(request, with_blocks=False)
-        tokens, asynchronous = self.connector.get_num_new_matched_tokens(view, local)
-        end = local + max(0, int(tokens))
+        try:
+            tokens, asynchronous = self.connector.get_num_new_matched_tokens(view, local)
+            end = local + max(0, int(tokens))
+        except Exception as exc:  # a hook that raised, or a count that is no integer (NaN, None): no offer
+            self._connector_failed("an ask", exc)
+            return
         limit = len(request.prompt) - 1  # the last prompt token is always computed
         if end > limit:
             if self._window_grows(local, limit, end):  # it may not have the block the cut end needs
-                self.connector.cancel_load(view, local, end)
+                self._hand_back(view, local, end)
                 return
-            self.connector.cancel_load(view, max(local, limit), end)
+            self._hand_back(view, max(local, limit), end)
             end = limit
         if end > local:
             request.offer = Offer(local, end, bool(asynchronous))
@@ -83,7 +91,7 @@ class ConnectorDriver:
             request.loaded_until = offer.end
             return
         # It could not be had, or the cache started over below the offer: hand it back.
-        self.connector.cancel_load(self._view(request, with_blocks=False), offer.start, offer.end)
+        self._hand_back(self._view(request, with_blocks=False), offer.start, offer.end)
         request.offer = None
         request.loaded_until = 0
 
@@ -91,30 +99,39 @@ class ConnectorDriver:
         """Whether saves in flight hold pages that they will release."""
         return bool(self.saving)
 
-    def before_forward(self, batch: list[ScheduledChunk]) -> None:
-        """Phase 3 for the batch that runs: deliver, load, and commit what was loaded."""
+    def before_forward(self, batch: list[ScheduledChunk]) -> dict[int, str]:
+        """Phase 3 for the batch that runs: deliver, load, and commit what was loaded.
+
+        Returns the requests whose offers were not loaded (a hook raised, or a value it gave was
+        unusable), with why: nothing of their offers is committed, and they must not run (their
+        chunks start past tokens that are not there). Other requests of the batch run as usual."""
         delivered: list[tuple[Request, Offer]] = []
-        for chunk in batch:
-            offer = chunk.request.offer
-            if offer is not None and offer.reserved and not offer.delivered:
-                offer.delivered = True
-                view = self._view(chunk.request)
-                self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
-                delivered.append((chunk.request, offer))
-        output = SchedulerOutput(
-            [self._view(c.request) for c in batch], {c.request.request_id: c.num_tokens for c in batch}, []
-        )
-        self.connector.bind_connector_meta(self.connector.build_connector_meta(output))
-        stream = self._stream()
-        self.connector.start_load_kv(stream)
-        for layer_id in range(len(self.mgr.spec.layers)):
-            self.connector.wait_for_layer_load(layer_id, stream)
-        waiting = {request.request_id for request, offer in delivered if offer.asynchronous}
-        while waiting:
-            _, loaded = self.connector.get_finished([], sorted(waiting))
-            waiting -= set(loaded)
-            if waiting:
-                time.sleep(0.001)
+        try:
+            for chunk in batch:
+                offer = chunk.request.offer
+                if offer is not None and offer.reserved and not offer.delivered:
+                    offer.delivered = True
+                    delivered.append((chunk.request, offer))
+                    view = self._view(chunk.request)
+                    self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
+            output = SchedulerOutput(
+                [self._view(c.request) for c in batch], {c.request.request_id: c.num_tokens for c in batch}, []
+            )
+            self.connector.bind_connector_meta(self.connector.build_connector_meta(output))
+            stream = self._stream()
+            self.connector.start_load_kv(stream)
+            for layer_id in range(len(self.mgr.spec.layers)):
+                self.connector.wait_for_layer_load(layer_id, stream)
+            waiting = {request.request_id for request, offer in delivered if offer.asynchronous}
+            while waiting:
+                _, loaded = self.connector.get_finished([], sorted(waiting))
+                waiting -= set(loaded)
+                if waiting:
+                    time.sleep(0.001)
+        except Exception as exc:  # a connector's own bug: the loads of this step cannot be trusted
+            self._connector_failed("a load", exc)
+            why = f"the connector failed to load its offer ({type(exc).__name__}: {exc})"
+            return {request.request_id: why for request, _ in delivered}
         for request, offer in delivered:
             cache = request.held_cache()
             if cache.num_committed_tokens != offer.start:
@@ -122,20 +139,42 @@ class ConnectorDriver:
             cache.commit(request.tokens[offer.start : offer.end])
             request.reused_by_tier["connector"] = request.reused_by_tier.get("connector", 0) + offer.end - offer.start
             request.loaded_until = 0
+        return {}
 
     def after_forward(self, batch: list[ScheduledChunk]) -> None:
-        stream = self._stream()
-        for layer_id in range(len(self.mgr.spec.layers)):
-            self.connector.save_kv_layer(layer_id, stream)
-        self.connector.wait_for_save(stream)
+        """The batch's KV is computed: the connector's save hooks, then the saves that ended. A hook
+        that raises loses saves only (later misses): the step's tokens are the model's, kept."""
+        try:
+            stream = self._stream()
+            for layer_id in range(len(self.mgr.spec.layers)):
+                self.connector.save_kv_layer(layer_id, stream)
+            self.connector.wait_for_save(stream)
+        except Exception as exc:
+            self._connector_failed("a save", exc)
         self.poll()
+
+    def _hand_back(self, view: ConnectorRequest, start: int, end: int) -> None:
+        """``cancel_load``; a hook that raises only keeps what the connector holds for the offer."""
+        try:
+            self.connector.cancel_load(view, start, end)
+        except Exception as exc:
+            self._connector_failed("a hand-back", exc)
+
+    def _connector_failed(self, what: str, exc: Exception) -> None:
+        """One WARNING per kind of failure a minute: a connector failing every step must not flood the log."""
+        self._failures.warn(what, "kvtier engine: the connector failed %s (%s: %s)", what, type(exc).__name__, exc)
 
     # -- endings ----------------------------------------------------------------------------------
 
     def request_finished(self, request: Request) -> bool:
         """Tell the connector; True if its save runs on and the cache must stay open until it ends."""
         view = self._view(request)
-        if self.connector.request_finished(view, view.block_ids_by_layer_group):
+        try:
+            saving = self.connector.request_finished(view, view.block_ids_by_layer_group)
+        except Exception as exc:  # its save is lost (a later miss); the request finishes as it would
+            self._connector_failed("a request's save", exc)
+            return False
+        if saving:
             self.saving[request.request_id] = request.held_cache()
             return True
         return False
@@ -144,7 +183,7 @@ class ConnectorDriver:
         """The request's cache is closed before it finished: hand an undelivered offer back."""
         offer = request.offer
         if offer is not None and not offer.delivered:
-            self.connector.cancel_load(self._view(request, with_blocks=False), offer.start, offer.end)
+            self._hand_back(self._view(request, with_blocks=False), offer.start, offer.end)
         request.offer = None
         request.loaded_until = 0
 
@@ -152,7 +191,11 @@ class ConnectorDriver:
         """Close the caches of requests whose saves finished."""
         if not self.saving:
             return
-        saved, _ = self.connector.get_finished(sorted(self.saving), [])
+        try:
+            saved, _ = self.connector.get_finished(sorted(self.saving), [])
+        except Exception as exc:  # asked again next step
+            self._connector_failed("reporting its saves", exc)
+            return
         for request_id in saved:
             cache = self.saving.pop(request_id, None)
             if cache is not None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -80,6 +81,7 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}
         self._closed = False
         self.driver_thread = threading.get_ident()  # the thread that last drove this engine
+        self._driving = threading.RLock()  # held by the thread inside generate() or step()
         exit_close.track(self)
 
     # -- requests ---------------------------------------------------------------------------------
@@ -108,43 +110,68 @@ class LLMEngine:
 
         Every prompt is checked before any is queued: one that can never be served raises
         (``ValueError``/``TypeError`` naming ``prompts[i]``) and nothing runs. A request that
-        fails while served is in the outputs with ``finish_reason="error"``. Returns once the
+        fails while served is in the outputs with ``finish_reason="error"``, one aborted meanwhile
+        (``abort_request`` from ``on_finish``) with ``finish_reason="abort"``. Returns once the
         requests have finished and every save they started through the connector is complete.
         ``on_finish`` sees each output as it finishes, also those of requests queued earlier
         with ``add_request`` (which run alongside). ``CacheStateError`` once the model's weights
-        changed in place since the engine was built.
+        changed in place since the engine was built, or while another thread drives the engine.
         """
         self._check_open()
         self._check_weights()
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        _check_scope_and_priority(scope, priority)
-        pairs = list(zip(prompts, params, strict=True))
-        checked = [self.limits.check(prompt, sp, f"prompts[{i}]") for i, (prompt, sp) in enumerate(pairs)]
-        ids = [self._queue(list(tokens), sp, scope, priority) for tokens, (_, sp) in zip(checked, pairs, strict=True)]
-        done: dict[int, RequestOutput] = {}
-        mine = set(ids)
-        try:
-            while len(done) < len(ids):
-                for output in self.step():
-                    if output.request_id in mine:
-                        done[output.request_id] = output
-                    if on_finish is not None:
-                        on_finish(output)
-            if self.connector is not None:
-                self.connector.wait_for_saves(ids)
-        except BaseException:
-            for request_id in ids:  # nothing of this call stays queued
-                self.abort_request(request_id)
-            raise
-        return [done[i] for i in ids]
+        with self._driven():
+            if params is None or isinstance(params, SamplingParams):
+                params = [params or SamplingParams()] * len(prompts)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+            _check_scope_and_priority(scope, priority)
+            pairs = list(zip(prompts, params, strict=True))
+            checked = [self.limits.check(prompt, sp, f"prompts[{i}]") for i, (prompt, sp) in enumerate(pairs)]
+            ids = [
+                self._queue(list(tokens), sp, scope, priority) for tokens, (_, sp) in zip(checked, pairs, strict=True)
+            ]
+            requests = {request_id: self._requests[request_id] for request_id in ids}
+            done: dict[int, RequestOutput] = {}
+            try:
+                while len(done) < len(ids):
+                    for output in self.step():
+                        if output.request_id in requests:
+                            done[output.request_id] = output
+                        if on_finish is not None:
+                            on_finish(output)
+                    for request_id, request in requests.items():  # aborted meanwhile (by on_finish, say)
+                        if request_id not in done and request.finish_reason == "abort":
+                            done[request_id] = request.to_output()
+                if self.connector is not None:
+                    self.connector.wait_for_saves(ids)
+            except BaseException:
+                for request_id in ids:  # nothing of this call stays queued
+                    self.abort_request(request_id)
+                raise
+            return [done[i] for i in ids]
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward over the batch, sample; returns the requests that finished."""
         self._check_open()
-        self.driver_thread = threading.get_ident()
+        with self._driven():
+            return self._step()
+
+    @contextlib.contextmanager
+    def _driven(self) -> Iterator[None]:
+        """This thread drives the engine for the block (reentrant: ``on_finish`` may step);
+        ``CacheStateError`` at once, before anything changes, while another thread does."""
+        if not self._driving.acquire(blocking=False):
+            raise CacheStateError(
+                "another thread is inside generate() or step() of this engine: drive an engine from one thread "
+                "at a time (hand it over between calls, or serialise them with a lock)"
+            )
+        try:
+            self.driver_thread = threading.get_ident()
+            yield
+        finally:
+            self._driving.release()
+
+    def _step(self) -> list[RequestOutput]:
         if self.connector is not None:
             self.connector.poll()
         batch = self.scheduler.schedule()
@@ -157,7 +184,13 @@ class LLMEngine:
                 time.sleep(0.001)  # waiting for a save to release its pages
             return finished
         if self.connector is not None:
-            self.connector.before_forward(batch)
+            unloaded = self.connector.before_forward(batch)
+            if unloaded:  # the connector failed to load their offers: they fail, the rest of the batch runs
+                for chunk in [c for c in batch if c.request.request_id in unloaded]:
+                    finished.append(self._finish_failed(chunk.request, unloaded[chunk.request.request_id]))
+                batch = [c for c in batch if c.request.request_id not in unloaded]
+                if not batch:
+                    return finished
         meter = self.prefill
         mark = None if meter is None else meter.start(sum(c.num_tokens for c in batch if c.num_tokens > 1))
         sampled, errors = self.runner.run(batch)
@@ -197,6 +230,7 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.cache_dropped(request)
         self.scheduler.finish(request, "abort")
+        request.finish_time = time.perf_counter()
         self.runner.forget(request)
         self._requests.pop(request_id, None)
 
