@@ -14,7 +14,13 @@ again whenever the model's ``peft_config`` names other adapters (``add_adapter``
 (``unload()`` puts the base layers back and leaves ``peft_config`` as it was). A fingerprint is
 computed once per set of tensors (their identity, version and address), so training an adapter
 between calls makes a new scope too.
-Adapters merged into the weights are the base weights' business (``kvtier.weights.WeightWatch``).
+
+Adapters merged into the weights are the base weights' business (``kvtier.weights.WeightWatch``),
+but PEFT merges by writing through ``tensor.data`` (``merge_and_unload()``), which no version
+counter sees. So when tuner layers are listed, a fingerprint of their base layers' weights is
+kept, and when any of them leaves the model it is compared again (``merged_into_weights``): an
+adapter merged while the layers were seen by a call is noticed. One injected and merged between
+two calls never was: those writes go unseen, like any other ``.data`` write.
 """
 
 from __future__ import annotations
@@ -35,7 +41,16 @@ class AdapterScope:
         self._base = base
         self._names = _configured(model)
         self._paths, self._layers = _tuner_layers(model)
+        self._bases = _base_weights(self._layers)  # the tuner layers' base weights, and their fingerprint
+        self._merged = False  # base weights found changed when tuner layers left the model (a merge)
         self._fingerprints: dict[str, tuple[tuple, str]] = {}  # per adapter: its tensors' handles, fingerprint
+
+    def merged_into_weights(self) -> bool:
+        """Whether an adapter was merged into the base weights since construction, as far as seen:
+        tuner layers left the model (``merge_and_unload``, ``unload``) and their base weights had
+        changed. Sticky: those weights are not the ones the pages were computed with."""
+        self._refresh()
+        return self._merged
 
     def for_rows(self, count: int, kwargs: dict) -> list[ReuseScope]:
         """The scope of each of ``count`` batch rows: with PEFT's per-row ``adapter_names`` argument
@@ -67,8 +82,12 @@ class AdapterScope:
         names = _configured(self._model)
         model = self._model
         if names != self._names or not all(map(_in_place, [model] * len(self._paths), self._paths, self._layers)):
+            tensors, fingerprint = self._bases
+            if tensors and tensors_fingerprint(tensors) != fingerprint:
+                self._merged = True
             self._names = names
             self._paths, self._layers = _tuner_layers(model)
+            self._bases = _base_weights(self._layers)
 
     def _scope(self, active: list[str]) -> ReuseScope:
         key = "peft:" + "+".join(f"{name}@{self._fingerprint(name)}" for name in active)
@@ -115,6 +134,17 @@ def _tuner_layers(model: torch.nn.Module) -> tuple[list[tuple[str, ...]], list[t
         if hasattr(m, "adapter_layer_names") and hasattr(m, "active_adapters") and hasattr(m, "disable_adapters")
     ]
     return [path for path, _ in found], [layer for _, layer in found]
+
+
+def _base_weights(layers: list[torch.nn.Module]) -> tuple[list[tuple[str, torch.Tensor]], str]:
+    """The parameters of each tuner layer's base layer (the weights an adapter merges into), and
+    their fingerprint ("" with none)."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for i, layer in enumerate(layers):
+        base = getattr(layer, "base_layer", None)
+        if isinstance(base, torch.nn.Module):
+            tensors += [(f"{i}.{name}", t) for name, t in base.named_parameters()]
+    return tensors, tensors_fingerprint(tensors) if tensors else ""
 
 
 def _in_place(model: torch.nn.Module, path: tuple[str, ...], layer: torch.nn.Module) -> bool:

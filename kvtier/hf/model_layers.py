@@ -172,9 +172,9 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
     if len(kv_dtypes) != 1:
         raise NotImplementedError(f"attention layers keep different dtypes {sorted(map(str, kv_dtypes))}")
     weights = None
-    if model_id is None:  # transformers' version too: its model code computes the keys and values
+    if model_id is None:  # transformers' version and the attention kernels too: they compute the keys and values
         weights, model_id = default_model_id(model, config)
-        model_id += f"+transformers-{transformers_version()}"
+        model_id += f"+transformers-{transformers_version()}+attention-{attention_implementation(model)}"
     spec = ModelSpec(spec_layers, dtype=kv_dtypes.pop(), model_id=model_id)
     return ModelLayers(tuple(layers), spec, argument, weights, padding)
 
@@ -192,6 +192,12 @@ def _first_attention(kinds: list[LayerKind]) -> int | None:
 def transformers_version() -> str:
     """The version of the transformers whose model code computes the keys and values."""
     return transformers.__version__
+
+
+def attention_implementation(model: torch.nn.Module) -> str | None:
+    """The attention kernels the model runs (``eager``, ``sdpa``, ...): their keys and values
+    differ in the last bits, so pages of one are not served to calls of another."""
+    return getattr(model.config, "_attn_implementation", None)
 
 
 def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds: list[LayerKind]) -> None:

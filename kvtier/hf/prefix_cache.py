@@ -53,7 +53,7 @@ from kvtier.hf.adapters import AdapterScope
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
 from kvtier.hf.call_state import CallState
 from kvtier.hf.hf_cache import RecordingCache, StateRecorder
-from kvtier.hf.model_layers import ModelLayers, read_model
+from kvtier.hf.model_layers import ModelLayers, attention_implementation, read_model
 from kvtier.hf.prefill_rate import PrefillTiming
 from kvtier.hf.prefix_load import group_stacks, load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
@@ -83,14 +83,16 @@ class PrefixCache:
 
     ``cache_config.device`` must be the model's device. ``model_id`` names the weights (default:
     ``kvtier.weights_fingerprint(model)`` with a fingerprint of the model's configuration, whose
-    rotary settings decide keys too, and transformers' version, whose model code computes them),
-    so pages are only ever served to the same model computed the same way; a
-    later change of the model's weights in place (an optimizer step, ``load_state_dict``) makes
-    ``generate`` raise ``CacheStateError`` (``kvtier.weights.WeightWatch``): build a new PrefixCache
-    for the new weights. Not noticed: writes through ``tensor.data`` (torch does not count them)
-    and modules swapped in after construction (``set_input_embeddings``); after those, build a new
-    PrefixCache too. A ``model_id`` given names the weights, the rotary settings and the model
-    code alike: a disk tier serves its pages to any model given the same one.
+    rotary settings decide keys too, transformers' version, whose model code computes them, and
+    the attention implementation, whose kernels do), so pages are only ever served to the same
+    model computed the same way; a later change of the model's weights in place (an optimizer
+    step, ``load_state_dict``, a PEFT adapter merged while a call saw it) or of its attention
+    implementation makes ``generate`` raise ``CacheStateError`` (``kvtier.weights.WeightWatch``):
+    build a new PrefixCache for the new weights. Not noticed: other writes through
+    ``tensor.data`` (torch does not count them; an adapter injected and merged between two calls)
+    and modules swapped in after construction (``set_input_embeddings``); after those, build a
+    new PrefixCache too. A ``model_id`` given names the weights, the rotary settings, the model
+    code and the kernels alike: a disk tier serves its pages to any model given the same one.
     ``recompute_when_faster`` (default True): time each call's prompt forward and reuse a cached
     prefix below the GPU only as far as loading it is estimated faster than recomputing it (the
     tokens left are counted in ``manager.stats().recomputed_tokens``); with a disk tier, the rates
@@ -126,6 +128,7 @@ class PrefixCache:
         self._call_state.clear()  # the probe's forwards extend a cache too
         self._layers: ModelLayers = read_model(model, model_id)
         self._weights = WeightWatch(model, self._layers.weights)
+        self._attention = attention_implementation(model)  # the kernels its pages are computed with
         self.manager = _open_manager(self._layers.spec, cache_config)
         self._packing = state_packing(self._layers, self.manager)
         self._stacks = group_stacks(self.manager)  # how each call's load reads the pages
@@ -187,11 +190,17 @@ class PrefixCache:
                 f"the model moved to {device} since this PrefixCache was built with its pages on "
                 f"{self.manager.device}: move it back, or build a PrefixCache for {device}"
             )
-        if not self._weights.unchanged():
+        if attention_implementation(self.model) != self._attention:
+            raise CacheStateError(
+                f"the model's attention implementation changed since this PrefixCache was built ({self._attention} "
+                f"-> {attention_implementation(self.model)}): its pages hold keys and values of the other kernels. "
+                "Set it back, or build a new PrefixCache"
+            )
+        if not self._weights.unchanged() or self._scopes.merged_into_weights():
             raise CacheStateError(
                 "the model's weights changed since this PrefixCache was built (an optimizer step, "
-                "load_state_dict): its pages hold keys and values of the old weights. Build a new "
-                "PrefixCache for the new weights (close this one first to free its memory)"
+                "load_state_dict, an adapter merged into them): its pages hold keys and values of the old "
+                "weights. Build a new PrefixCache for the new weights (close this one first to free its memory)"
             )
         mask = attention_mask if attention_mask is not None else self._inferred_mask(input_ids, kwargs, config)
         pads = left_pads(mask)

@@ -117,6 +117,36 @@ def test_after_unload_the_adapters_pages_are_not_served_to_the_base_model():
         assert both(base, pc, [*prompt, 3]) == 40  # the base model's own
 
 
+@pytest.mark.parametrize("built_on", ["base", "adapter"])
+def test_an_adapter_merged_into_the_weights_after_a_call_saw_it_is_a_weight_change(built_on):
+    """PEFT's ``merge_and_unload()`` adds the adapter into the base weights through ``.data``, which
+    no version counter sees. Before, the next call was served the pages of the weights before the
+    merge (scores off by 0.45). Now it is a weight change: ``CacheStateError``. A plain ``unload()``
+    changes no weight and still serves the base model's pages."""
+    base = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(8), 40)
+    pc = PrefixCache(base, tiers_config(base, blocks=60))
+    if built_on == "base":
+        assert both(base, pc, prompt) == 0  # the base model's pages
+    model = peft.get_peft_model(base, lora(9))
+    model.eval()
+    assert both(model, pc, [*prompt, 1]) == 0  # the adapter is seen by a call
+    merged = model.merge_and_unload()
+    with pytest.raises(CacheStateError, match="adapter merged"):
+        pc.generate(torch.tensor([[*prompt, 2]]), max_new_tokens=2)
+    pc.close()
+    again = tiny_model("llama")  # the same weights: unloaded, not merged
+    pc = PrefixCache(again, tiers_config(again, blocks=60))
+    assert both(again, pc, prompt) == 0
+    unmerged = peft.get_peft_model(again, lora(9))
+    unmerged.eval()
+    assert both(unmerged, pc, [*prompt, 1]) == 0
+    plain = unmerged.unload()
+    assert both(plain, pc, [*prompt, 2]) == 40
+    pc.close()
+    assert merged is base
+
+
 def test_prefix_tuning_is_refused_by_name():
     """Before: ``TypeError: 'NoneType' object is not subscriptable`` from the padding probe: prefix
     tuning feeds keys of its own and leaves the cache it is given empty."""

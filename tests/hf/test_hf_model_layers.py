@@ -66,7 +66,7 @@ def test_model_id_is_a_fingerprint_of_the_weights_and_the_configuration_unless_g
     model = tiny_model("llama")
     model_id = read_model(model).spec.model_id
     assert model_id.startswith(f"weights:{kvtier.weights_fingerprint(model)}+config-")
-    assert model_id.endswith(f"+transformers-{transformers.__version__}")  # its model code computes the keys
+    assert model_id.endswith(f"+transformers-{transformers.__version__}+attention-sdpa")  # code, kernels
     assert read_model(tiny_model("llama", seed=1)).spec.model_id != model_id
     model.config.output_hidden_states = True  # a runtime switch: the same keys and values
     assert read_model(model).spec.model_id == model_id

@@ -116,3 +116,29 @@ def test_a_model_moved_to_another_device_is_refused_before_anything_changes():
         with pytest.raises(CacheStateError, match="the model moved to meta since this PrefixCache was built"):
             greedy(pc.generate, [*prompt, 5])
         assert pc.manager.stats() == before
+
+
+def test_pages_of_one_attention_implementation_are_never_served_to_another(tmp_path):
+    """eager and sdpa attention compute keys and values that differ in the last bits (scores 1.5e-8
+    apart in float64): another implementation is another model_id on disk, and switching it under
+    a PrefixCache is refused until it is switched back. Before, both were served the other's pages."""
+    prompt = tokens(torch.Generator().manual_seed(9), 40)
+    reused = []
+    for implementation in ("eager", "sdpa", "eager"):
+        model = tiny_model("llama")
+        model.set_attn_implementation(implementation)
+        with PrefixCache(model, tiers_config(model, 60, disk_blocks=60, disk_path=tmp_path)) as pc:
+            assert torch.equal(
+                greedy(pc.generate, [*prompt, len(reused)]), greedy(model.generate, [*prompt, len(reused)])
+            )
+            reused.append(pc.last_reused_tokens[0])
+    assert reused == [0, 0, 40]  # the third finds the first's pages on disk
+    model.set_attn_implementation("eager")
+    with PrefixCache(model, tiers_config(model, 60)) as pc:
+        greedy(pc.generate, prompt)
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(CacheStateError, match="attention implementation changed"):
+            greedy(pc.generate, [*prompt, 1])
+        model.set_attn_implementation("eager")
+        assert torch.equal(greedy(pc.generate, [*prompt, 1]), greedy(model.generate, [*prompt, 1]))
+        assert pc.last_reused_tokens == [40]
