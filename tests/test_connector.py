@@ -22,7 +22,7 @@ import torch
 import kvtier
 from kvtier.connector import FileSystemConnector, FileSystemStore, RedisConnector, StoreConnector
 from kvtier.connector.base import ConnectorRequest
-from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
+from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig, connector_driver
 from kvtier.models import build_model
 from tests.test_engine import check_against_oracle, page_bytes, prompts_for
 
@@ -269,6 +269,44 @@ def test_a_connector_hook_that_raises_fails_at_most_the_requests_it_was_loading(
         else:
             assert out.finish_reason == "length"
             assert out.token_ids == llama.reference_generate(prompt, 6)
+
+
+class LoadsLate(FileSystemConnector):
+    """Offers asynchronous loads, and reports them finished only once ``release`` is set."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.release = False
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, tokens > 0
+
+    def get_finished(self, finished_gen_ids, started_loading_ids):
+        saved, _ = super().get_finished(finished_gen_ids, started_loading_ids)
+        return saved, list(started_loading_ids) if self.release else []
+
+
+def test_an_asynchronous_load_never_reported_fails_its_request_only(llama, tmp_path, monkeypatch):
+    """A step waits ``ASYNC_LOAD_WAIT_S`` for an asynchronous load, then fails its request; the
+    others finish. Its pages stay held (the connector may still write them) until it reports the
+    load. Before, the step waited for ever: every request stalled."""
+    monkeypatch.setattr(connector_driver, "ASYNC_LOAD_WAIT_S", 0.2)
+    shared = prompts_for(llama, [70], seed=5)[0]
+    seed_store(llama, tmp_path, [shared])
+    others = prompts_for(llama, [30, 45], seed=6)
+    conn = LoadsLate(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        outs = eng.generate([shared[:64] + others[0][:10], *others], SamplingParams(max_tokens=4))
+        assert outs[0].finish_reason == "error" and "did not finish loading" in outs[0].error
+        for prompt, out in zip(others, outs[1:], strict=True):
+            assert out.token_ids == llama.reference_generate(prompt, 4)
+        held = eng.cache_manager.stats().tiers["primary"].pages_used
+        conn.release = True
+        eng.step()  # the connector reports the load: its pages go back
+        assert eng.cache_manager.stats().tiers["primary"].pages_used < held
+        assert not eng.connector.loading
+        eng.cache_manager.check_invariants()
 
 
 def test_a_request_aborted_by_on_finish_ends_generate_with_its_abort(llama):

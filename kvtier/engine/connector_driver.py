@@ -41,6 +41,7 @@ from kvtier.manager import KVCacheManager
 log = logging.getLogger(__name__)
 
 FAILURE_WARN_INTERVAL_S = 60.0
+ASYNC_LOAD_WAIT_S = 30.0  # how long a step waits for an asynchronous load before failing its request
 
 
 class ConnectorDriver:
@@ -50,6 +51,7 @@ class ConnectorDriver:
         self.connector = connector
         self.mgr = mgr
         self.saving: dict[int, KVCache] = {}
+        self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
         self._failures = ThrottledWarning(log, FAILURE_WARN_INTERVAL_S)
         connector.register_kv_cache_layout(mgr.layout())
 
@@ -96,8 +98,13 @@ class ConnectorDriver:
         request.loaded_until = 0
 
     def pages_pending_release(self) -> bool:
-        """Whether saves in flight hold pages that they will release."""
-        return bool(self.saving)
+        """Whether saves, or loads given up on, hold pages that they will release."""
+        return bool(self.saving or self.loading)
+
+    def keeps_cache(self, request: Request) -> bool:
+        """Whether the connector may still write the pages of ``request``'s cache (a load given up
+        on): the request finishes, its cache stays open until the connector reports the load."""
+        return request.request_id in self.loading
 
     def before_forward(self, batch: list[ScheduledChunk]) -> dict[int, str]:
         """Phase 3 for the batch that runs: deliver, load, and commit what was loaded.
@@ -123,7 +130,8 @@ class ConnectorDriver:
             for layer_id in range(len(self.mgr.spec.layers)):
                 self.connector.wait_for_layer_load(layer_id, stream)
             waiting = {request.request_id for request, offer in delivered if offer.asynchronous}
-            while waiting:
+            deadline = time.monotonic() + ASYNC_LOAD_WAIT_S
+            while waiting and time.monotonic() < deadline:
                 _, loaded = self.connector.get_finished([], sorted(waiting))
                 waiting -= set(loaded)
                 if waiting:
@@ -132,6 +140,16 @@ class ConnectorDriver:
             self._connector_failed("a load", exc)
             why = f"the connector failed to load its offer ({type(exc).__name__}: {exc})"
             return {request.request_id: why for request, _ in delivered}
+        if waiting:  # they fail; their pages stay theirs until the connector says it stopped writing them
+            self._connector_failed("to finish a load in time", TimeoutError(f"{ASYNC_LOAD_WAIT_S:g} s"))
+            late = [request for request, _ in delivered if request.request_id in waiting]
+            for request in late:
+                self.loading[request.request_id] = request.held_cache()
+            delivered = [(request, offer) for request, offer in delivered if request.request_id not in waiting]
+        unloaded = {
+            request_id: f"the connector did not finish loading its offer within {ASYNC_LOAD_WAIT_S:g} s"
+            for request_id in waiting
+        }
         for request, offer in delivered:
             cache = request.held_cache()
             if cache.num_committed_tokens != offer.start:
@@ -139,7 +157,7 @@ class ConnectorDriver:
             cache.commit(request.tokens[offer.start : offer.end])
             request.reused_by_tier["connector"] = request.reused_by_tier.get("connector", 0) + offer.end - offer.start
             request.loaded_until = 0
-        return {}
+        return unloaded
 
     def after_forward(self, batch: list[ScheduledChunk]) -> None:
         """The batch's KV is computed: the connector's save hooks, then the saves that ended. A hook
@@ -188,16 +206,16 @@ class ConnectorDriver:
         request.loaded_until = 0
 
     def poll(self) -> None:
-        """Close the caches of requests whose saves finished."""
-        if not self.saving:
+        """Close the caches of requests whose saves, or loads given up on, finished."""
+        if not self.saving and not self.loading:
             return
         try:
-            saved, _ = self.connector.get_finished(sorted(self.saving), [])
+            saved, loaded = self.connector.get_finished(sorted(self.saving), sorted(self.loading))
         except Exception as exc:  # asked again next step
             self._connector_failed("reporting its saves", exc)
             return
-        for request_id in saved:
-            cache = self.saving.pop(request_id, None)
+        for request_id in [*saved, *loaded]:
+            cache = self.saving.pop(request_id, None) or self.loading.pop(request_id, None)
             if cache is not None:
                 cache.close()
 

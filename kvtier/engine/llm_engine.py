@@ -180,7 +180,7 @@ class LLMEngine:
         self.cache_manager.maintain()
         finished = [self._finish_failed(request, request.error) for request in self.scheduler.take_failed()]
         if not batch:
-            if not finished and self.connector is not None and self.connector.saving:
+            if not finished and self.connector is not None and self.connector.pages_pending_release():
                 time.sleep(0.001)  # waiting for a save to release its pages
             return finished
         if self.connector is not None:
@@ -288,9 +288,11 @@ class LLMEngine:
     def _finish_failed(self, request: Request, error: str | None) -> RequestOutput:
         """Finish a request with an error (pages freed, nothing saved) and give its output."""
         if request.status is not RequestStatus.FINISHED:
+            keep = False
             if self.connector is not None:
                 self.connector.cache_dropped(request)
-            self.scheduler.finish(request, "error")
+                keep = self.connector.keeps_cache(request)  # a load still writing its pages: closed once done
+            self.scheduler.finish(request, "error", close_cache=not keep)
         request.error = error
         request.finish_time = time.perf_counter()
         self.runner.forget(request)
