@@ -285,10 +285,15 @@ def test_an_exception_inside_generate_leaves_nothing_queued(llama):
 
 def test_a_closed_engine_refuses_work(llama):
     eng = engine(llama, primary_blocks=20)
+    eng.add_request(prompts_for(llama, [10])[0], SamplingParams(max_tokens=4))
+    eng.step()  # running when the engine closes: dropped, not left unfinished for ever
     eng.close()
     eng.close()  # idempotent
+    assert not eng.has_unfinished_requests()
     with pytest.raises(kvtier.CacheStateError, match="closed"):
         eng.generate(prompts_for(llama, [10]))
+    with pytest.raises(kvtier.CacheStateError, match="closed"):
+        eng.step()
 
 
 # -- resize in O(1) -------------------------------------------------------------------------------

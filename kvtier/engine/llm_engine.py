@@ -220,7 +220,8 @@ class LLMEngine:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        """Whether requests wait or run (none once the engine is closed: closing drops them)."""
+        return not self._closed and self.scheduler.has_work()
 
     def abort_request(self, request_id: int) -> None:
         """Drop a request that has not finished; an undelivered connector offer is handed back."""
