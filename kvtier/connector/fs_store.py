@@ -25,7 +25,7 @@ whatever the umask (a directory that already exists is left as it is).
 
 I/O errors (a read-only or full disk, a file-size limit, a path that cannot exist) and damaged
 values are reported as failures and misses, never raised, and logged at WARNING: the first of
-each kind at once, then at most one line per ``warn_interval_s`` (``throttled_log``).
+each kind at once, then at most one line per ``warn_interval_s`` (``kvtier.storage.log_limit``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import Final
 
 from kvtier.connector.block_codec import HEADER_BYTES, Buffer, decode_page, encode_page
 from kvtier.connector.store import check_keys, check_sizes
-from kvtier.connector.throttled_log import ThrottledWarning
+from kvtier.storage.log_limit import RateLimitedWarning
 from kvtier.storage.page_files import default_io_threads
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,9 @@ class FileSystemStore:
         interval = warn_interval_s
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 <= interval < math.inf:
             raise ValueError(f"warn_interval_s must be a finite number >= 0, got {warn_interval_s!r}")
-        self._warnings = ThrottledWarning(log, warn_interval_s)
         self.root = Path(path).expanduser()  # ``~/kv``: the user's home, not a directory named ``~``
+        kinds = ("read", "verify", "write", "delete")  # each: the first logged at once, then a summary per interval
+        self._failures = {kind: RateLimitedWarning(log, f"fs store {self.root}", interval) for kind in kinds}
         self.max_bytes = max_bytes
         try:
             _make_private_dirs(self.root)
@@ -125,18 +126,9 @@ class FileSystemStore:
         errors = [r.error for r in reads if r.error is not None]
         damaged = sum(r.damaged for r in reads)
         if errors:
-            self._warnings.warn(
-                "read",
-                "kvtier fs store: %d of %d reads under %s failed: %s",
-                len(errors),
-                len(keys),
-                self.root,
-                errors[0],
-            )
+            self._failures["read"](f"{len(errors)} of {len(keys)} reads failed: {errors[0]}")
         if damaged:
-            self._warnings.warn(
-                "verify", "kvtier fs store: %d of %d values under %s failed verification", damaged, len(keys), self.root
-            )
+            self._failures["verify"](f"{damaged} of {len(keys)} values failed verification")
         return [r.payload for r in reads]
 
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
@@ -151,14 +143,7 @@ class FileSystemStore:
         errors = list(self._open_pool().map(self._put_one, keys, blobs))
         failed = [err for err in errors if err is not None]
         if failed:
-            self._warnings.warn(
-                "write",
-                "kvtier fs store: %d of %d writes under %s failed: %s",
-                len(failed),
-                len(keys),
-                self.root,
-                failed[0],
-            )
+            self._failures["write"](f"{len(failed)} of {len(keys)} writes failed: {failed[0]}")
         self._budget.add(sum(len(blob) for blob, err in zip(blobs, errors, strict=True) if err is None))
         return [err is None for err in errors]
 
@@ -179,12 +164,12 @@ class FileSystemStore:
             except OSError as exc:
                 failed.append(exc)
         if failed:
-            self._warnings.warn(
-                "delete", "kvtier fs store: %d deletes under %s failed: %s", len(failed), self.root, failed[0]
-            )
+            self._failures["delete"](f"{len(failed)} deletes failed: {failed[0]}")
 
     def close(self) -> None:
         """Stop the I/O threads. Idempotent."""
+        for failures in self._failures.values():
+            failures.flush()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -35,7 +35,7 @@ from kvtier.connector.redis_cluster import ClusterTransport
 from kvtier.connector.redis_health import ServerHealth
 from kvtier.connector.redis_urls import RedisTarget, parse_redis_url, redact_url
 from kvtier.connector.store import check_keys, check_sizes
-from kvtier.connector.throttled_log import ThrottledWarning
+from kvtier.storage.log_limit import RateLimitedWarning
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ class RedisStore:
         else:
             health = ServerHealth(self.url, log, retry_after_s, warn_interval_s)
             self._transport = _ServerTransport(target, socket_timeout_s, health)
-        self._warnings = ThrottledWarning(log, warn_interval_s)
+        self._verify_failures = RateLimitedWarning(log, f"redis store {self.url}", warn_interval_s)
+        self._put_failures = RateLimitedWarning(log, f"redis store {self.url}", warn_interval_s)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -113,13 +114,7 @@ class RedisStore:
             if blob is not None and payload is None
         ]
         if rejected:
-            self._warnings.warn(
-                "verify",
-                "kvtier redis store %s: %d of %d values failed verification",
-                self.url,
-                len(rejected),
-                len(keys),
-            )
+            self._verify_failures(f"{len(rejected)} of {len(keys)} values failed verification")
             damaged = [key for key, blob in rejected if decode_page(blob, None, key) is None]  # not just another size
             if damaged:
                 self._transport.unlink(damaged)  # so that the next put of their keys writes them again
@@ -134,14 +129,7 @@ class RedisStore:
         replies = self._transport.set(list(zip(keys, blobs, strict=True)), self._ttl_ms) if keys else []
         rejected = [r for r in replies if isinstance(r, BaseException)]
         if rejected:
-            self._warnings.warn(
-                "put",
-                "kvtier redis store %s: %d of %d puts rejected: %s",
-                self.url,
-                len(rejected),
-                len(keys),
-                rejected[0],
-            )
+            self._put_failures(f"{len(rejected)} of {len(keys)} puts rejected: {rejected[0]}")
         return [r is True for r in replies]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
@@ -162,6 +150,8 @@ class RedisStore:
         if not self._closed:
             self._closed = True
             self._transport.close()
+            self._verify_failures.flush()
+            self._put_failures.flush()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -31,16 +31,15 @@ import torch
 
 from kvtier.cache import KVCache
 from kvtier.connector.base import ConnectorRequest, SchedulerOutput
-from kvtier.connector.throttled_log import ThrottledWarning
 from kvtier.engine.batch_scheduler import ScheduledChunk
 from kvtier.engine.request import Offer, Request
 from kvtier.errors import InvariantError
 from kvtier.lifecycle import GroupRule
 from kvtier.manager import KVCacheManager
+from kvtier.storage.log_limit import RateLimitedWarning
 
 log = logging.getLogger(__name__)
 
-FAILURE_WARN_INTERVAL_S = 60.0
 ASYNC_LOAD_WAIT_S = 30.0  # how long a step waits for an asynchronous load before failing its request
 
 
@@ -52,7 +51,7 @@ class ConnectorDriver:
         self.mgr = mgr
         self.saving: dict[int, KVCache] = {}
         self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
-        self._failures = ThrottledWarning(log, FAILURE_WARN_INTERVAL_S)
+        self._failures: dict[str, RateLimitedWarning] = {}  # per kind of connector failure
         connector.register_kv_cache_layout(mgr.layout())
 
     # -- the three phases (the first two and the hand-back are the scheduler's CacheHooks) -------------
@@ -179,8 +178,11 @@ class ConnectorDriver:
             self._connector_failed("a hand-back", exc)
 
     def _connector_failed(self, what: str, exc: Exception) -> None:
-        """One WARNING per kind of failure a minute: a connector failing every step must not flood the log."""
-        self._failures.warn(what, "kvtier engine: the connector failed %s (%s: %s)", what, type(exc).__name__, exc)
+        """A rate-limited WARNING per kind of failure: a connector failing every step must not flood the log."""
+        failures = self._failures.get(what)
+        if failures is None:
+            failures = self._failures[what] = RateLimitedWarning(log, f"the engine's connector failed {what}")
+        failures(f"{type(exc).__name__}: {exc}")
 
     # -- endings ----------------------------------------------------------------------------------
 

@@ -24,20 +24,21 @@ def as_token_array(tokens) -> array:
     Accepts a sequence of ints, an ``array``, a numpy integer array or a CPU torch tensor; refuses
     text and raw bytes (whose items are not token ids) and unordered collections (a set, a dict).
     """
-    if isinstance(tokens, str | bytes | bytearray | memoryview):
-        raise TypeError(f"tokens must be a sequence of integer token ids, not {type(tokens).__name__}")
-    if isinstance(tokens, Set | Mapping):
-        raise TypeError(f"tokens must be an ordered sequence of integer token ids, not a {type(tokens).__name__}")
-    if hasattr(tokens, "numpy") and hasattr(tokens, "dtype"):  # a torch tensor
-        tokens = tokens.detach().cpu().numpy()
-    if isinstance(tokens, np.ndarray):
-        if tokens.dtype.kind not in "iu" or tokens.ndim != 1:
-            raise TypeError(f"tokens must be a 1-D integer array, got {tokens.dtype} with shape {tokens.shape}")
-        if tokens.size and tokens.min() < 0:
-            raise ValueError("token ids must be >= 0")
-        out = array("Q")
-        out.frombytes(tokens.astype("<u8", copy=False).tobytes())
-        return out
+    if type(tokens) is not list:  # (a list, the common case, needs none of these checks)
+        if isinstance(tokens, str | bytes | bytearray | memoryview):
+            raise TypeError(f"tokens must be a sequence of integer token ids, not {type(tokens).__name__}")
+        if isinstance(tokens, Set | Mapping):
+            raise TypeError(f"tokens must be an ordered sequence of integer token ids, not a {type(tokens).__name__}")
+        if hasattr(tokens, "numpy") and hasattr(tokens, "dtype"):  # a torch tensor
+            tokens = tokens.detach().cpu().numpy()
+        if isinstance(tokens, np.ndarray):
+            if tokens.dtype.kind not in "iu" or tokens.ndim != 1:
+                raise TypeError(f"tokens must be a 1-D integer array, got {tokens.dtype} with shape {tokens.shape}")
+            if tokens.size and tokens.min() < 0:
+                raise ValueError("token ids must be >= 0")
+            out = array("Q")
+            out.frombytes(tokens.astype("<u8", copy=False).tobytes())
+            return out
     try:
         if type(tokens) is list:  # the common case: ``fromlist`` converts a list a third faster than ``array(...)``
             out = array("Q")

@@ -9,6 +9,7 @@ second thus logs a line a minute, not 1,000 a second.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -16,7 +17,8 @@ SUMMARY_INTERVAL_S = 60.0
 
 
 class RateLimitedWarning:
-    """One kind of repeated failure, e.g. "page write failed". Not thread-safe: call it from one thread."""
+    """One kind of repeated failure, e.g. "page write failed". Thread-safe (a store fails on its
+    callers' threads and its own at once)."""
 
     def __init__(
         self,
@@ -33,9 +35,14 @@ class RateLimitedWarning:
         self._since_line = 0
         self._last_detail = ""
         self._last_line_at: float | None = None
+        self._lock = threading.Lock()
 
     def __call__(self, detail: str) -> None:
         """Record one failure described by ``detail``; log it now or fold it into the next summary."""
+        with self._lock:
+            self._record(detail)
+
+    def _record(self, detail: str) -> None:
         self.total += 1
         now = self.clock()
         if self._last_line_at is None:
@@ -51,8 +58,9 @@ class RateLimitedWarning:
 
     def flush(self) -> None:
         """Log the failures counted since the last line, if any."""
-        if self._since_line:
-            self._summarise(self.clock())
+        with self._lock:
+            if self._since_line:
+                self._summarise(self.clock())
 
     def _summarise(self, now: float) -> None:
         assert self._last_line_at is not None
