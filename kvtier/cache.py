@@ -23,7 +23,7 @@ from itertools import zip_longest
 import numpy as np
 
 from kvtier.block_table import BlockTable
-from kvtier.config import ReuseScope
+from kvtier.config import DiskTier, HostTier, PrimaryTier, ReuseScope
 from kvtier.errors import CacheStateError, InvariantError
 from kvtier.exclusive import exclusive
 from kvtier.invariants import Holdings
@@ -43,6 +43,8 @@ class CacheState(str, enum.Enum):
 
 
 _ACTIVE = CacheState.ACTIVE
+REUSE_TIERS = (PrimaryTier.name, HostTier.name, DiskTier.name)
+"""The keys of ``KVCache.reused_by_tier``: every tier, configured or not (an absent one reuses 0)."""
 
 
 class KVCache:
@@ -84,7 +86,7 @@ class KVCache:
         self._chain = PublishedChain(pool, pool.root(scope))
         self._pending: list[Page] = []  # pages to copy into private ones on first resume
         self.num_reused_tokens = 0
-        self.reused_by_tier = dict.fromkeys(pool.tier_names, 0)
+        self.reused_by_tier = dict.fromkeys(REUSE_TIERS, 0)
         match = pool.match(tokens, scope)
         if match is not None:
             self._adopt(match, tokens)

@@ -54,7 +54,7 @@ def test_new_cache_is_suspended_and_empty():
     assert cache.state is kvtier.CacheState.SUSPENDED
     assert (cache.capacity, cache.history_length, cache.num_committed_tokens) == (0, 0, 0)
     assert cache.num_reused_tokens == 0
-    assert cache.reused_by_tier == {"primary": 0}
+    assert cache.reused_by_tier == {"primary": 0, "host": 0, "disk": 0}  # every tier, configured or not
     with pytest.raises(kvtier.CacheStateError):
         cache.page_indices(0)
     assert cache.resume()
@@ -154,7 +154,7 @@ def test_full_block_reuse_shares_pages_and_bytes():
     run_request(mgr, oracle, tokens)
     again = mgr.create_cache(tokens + [5, 6])
     assert again.num_reused_tokens == 16  # the partial fifth block was never published
-    assert again.reused_by_tier == {"primary": 16}
+    assert again.reused_by_tier == {"primary": 16, "host": 0, "disk": 0}
     again.resume()
     oracle.check(again, tokens + [5, 6])
     mgr.check_invariants()

@@ -33,7 +33,7 @@ def by_coldest_tier(cache: kvtier.KVCache) -> dict[str, int]:
     pages (or, for the last block, the page it copies a partly reused block from) came from."""
     names = cache._pool.tier_names
     reused = cache.num_reused_tokens
-    out = dict.fromkeys(names, 0)
+    out = {"primary": 0, "host": 0, "disk": 0}  # every tier, configured or not
     num_blocks = -(-reused // TPB)
     for b in range(num_blocks):
         tiers = [blocks[b].tier for blocks in cache._table.blocks if b < len(blocks) and blocks[b] is not None]

@@ -53,7 +53,7 @@ def test_a_prefix_whose_tail_is_still_on_disk_keeps_its_head(tmp_path):
     assert cache.shorten_to_memory() == 2 * TPB
     after = mgr.stats()
     assert cache.num_reused_tokens == cache.num_committed_tokens == cache.reused_in_memory == 3 * TPB
-    assert cache.reused_by_tier == {"primary": 3 * TPB, "disk": 0}
+    assert cache.reused_by_tier == {"primary": 3 * TPB, "host": 0, "disk": 0}
     assert before.hit_tokens["disk"] - after.hit_tokens["disk"] == 5 * TPB
     assert after.hit_tokens["primary"] - before.hit_tokens["primary"] == 3 * TPB
     assert after.recomputed_tokens - before.recomputed_tokens == 2 * TPB
