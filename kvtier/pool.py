@@ -29,6 +29,7 @@ from kvtier.layout import PageGeometry
 from kvtier.lifecycle import GroupRule
 from kvtier.pages import Node, Page
 from kvtier.reuse.matching import ReuseMatch, find_reuse
+from kvtier.reuse.reuse_points import reuse_points
 from kvtier.reuse.tokens import encode_tokens
 from kvtier.reuse.tree import RadixTree
 from kvtier.spec import GroupId, GroupKind, ModelSpec
@@ -152,37 +153,34 @@ class PagePool:
             return match
         self.mover.measure()
         cost = self.load_cost
-        block_pages = self._block_pages(match)
-        seconds = [cost.block_seconds(pages) for pages in block_pages]
-        best = cost.best_cut(seconds, len(tokens), self.tokens_per_block)
-        cut = cost.with_probe(best, block_pages)
-        if cut > best:
-            log.debug("loading %d cached blocks past the cut at %d: a tier's speed is measured again", cut - best, best)
-        if cut == len(match.full_nodes):
+        points = reuse_points(match, self.rules, self.tiers[PRIMARY].storage.page_bytes, len(self.tiers))
+        seconds = cost.point_seconds(points.tier_bytes)
+        best = cost.best_point(points.tokens, seconds, len(tokens))
+        point = cost.with_probe(best, points.tier_bytes)
+        if point > best:
+            log.debug(
+                "loading %d cached tokens past the cut at %d: a tier's speed is measured again",
+                points.tokens[point] - points.tokens[best],
+                points.tokens[best],
+            )
+        reused = points.tokens[point]
+        if reused == match.tokens:
             return match
-        skipped = match.tokens - cut * self.tokens_per_block
+        skipped = match.tokens - reused
         if count_recomputed:
             self.counters.recomputed_tokens += skipped
         log.debug(
-            "recomputing %d cached tokens of %d: loading beyond block %d is slower (prefill %.0f tokens/s, "
+            "recomputing %d cached tokens of %d: loading more than %d is slower (prefill %.0f tokens/s, "
             "tier bandwidths %s bytes/s)",
             skipped,
             match.tokens,
-            cut,
+            reused,
             self.load_cost.prefill_rate,
             self.load_cost.bandwidth,
         )
-        if cut == 0:
+        if reused == 0:
             return None
-        return find_reuse(self.tree, root, token_bytes, cut * self.tokens_per_block + 1, self.rules, partial)
-
-    def _block_pages(self, match: ReuseMatch) -> list[list[tuple[int, int]]]:
-        """(tier, bytes) of each full block's pages below the primary tier, block by block."""
-        page_bytes = self.tiers[PRIMARY].storage.page_bytes
-        return [
-            [(p.tier, page_bytes[p.group]) for p in node.pages if p is not None and p.tier != PRIMARY]
-            for node in match.full_nodes
-        ]
+        return find_reuse(self.tree, root, token_bytes, reused + 1, self.rules, partial)
 
     def set_prefill_rate(self, tokens_per_second: float) -> None:
         """The engine's measured prefill rate: from now on, cached blocks that would load slower than

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,28 +18,30 @@ from tests.test_remembered_rates import TPB as TPB_DISK
 from tests.test_write_through import TPB, fill_primary, manager, serve
 
 
-def test_best_cut_weighs_each_block_against_recompute():
+def test_the_best_point_weighs_what_each_loads_against_recompute():
     cost = LoadCost(3)
     cost.set_prefill_rate(1000.0)  # 1 ms a token
     tpb = 16
-    # blocks: 2 resident (free), 2 at 5 ms each (cheaper than 16 ms of recompute), 2 at 40 ms each
-    seconds = [0.0, 0.0, 0.005, 0.005, 0.040, 0.040]
-    assert cost.best_cut(seconds, 6 * tpb + 1, tpb) == 4
-    assert cost.best_cut([0.040] * 3, 3 * tpb + 1, tpb) == 0
-    assert cost.best_cut([0.001] * 3, 3 * tpb + 1, tpb) == 3
-    assert cost.best_cut([], 10, tpb) == 0
+    points = [0, 16, 32, 48, 64, 80, 96]  # blocks: 2 resident (free), 2 at 5 ms each, 2 at 40 ms each
+    seconds = [0.0, 0.0, 0.0, 0.005, 0.010, 0.050, 0.090]
+    assert cost.best_point(points, seconds, 6 * tpb + 1) == 4
+    assert cost.best_point([0, 16, 32, 48], [0.0, 0.040, 0.080, 0.120], 3 * tpb + 1) == 0
+    assert cost.best_point([0, 16, 32, 48], [0.0, 0.001, 0.002, 0.003], 3 * tpb + 1) == 3
+    assert cost.best_point([0], [0.0], 10) == 0
+    # a point's load need not grow with it (a sliding window, a recurrent snapshot): each is priced alone
+    assert cost.best_point([0, 16, 32], [0.0, 0.100, 0.001], 33) == 2
 
 
 def test_no_prefill_rate_loads_everything():
     cost = LoadCost(2)
-    assert cost.best_cut([10.0, 10.0], 33, 16) == 2
+    assert cost.best_point([0, 16, 32], [0.0, 10.0, 20.0], 33) == 2
 
 
 def test_unmeasured_tier_is_assumed_to_win():
     cost = LoadCost(3)
     cost.observe(1, 1 << 20, 0.001)
-    assert cost.block_seconds([(2, 1 << 30), (0, 1 << 30)]) == 0.0
-    assert cost.block_seconds([(1, 1 << 20)]) == pytest.approx(0.001)
+    assert cost.point_seconds(np.array([[1 << 30, 0, 1 << 30]])).tolist() == [0.0]
+    assert cost.point_seconds(np.array([[0, 1 << 20, 0]]))[0] == pytest.approx(0.001)
 
 
 def test_bandwidth_rises_slowly_and_falls_at_once():
@@ -150,12 +153,14 @@ def test_recompute_when_faster_must_be_a_bool(value):
 def test_a_stale_estimate_is_probed_past_the_cut_once_an_interval(monkeypatch):
     cost = LoadCost(3)
     cost.observe(2, 1 << 20, 10.0)  # the disk (tier 2) read 100 KB/s
-    blocks = [[(1, 1 << 20), (2, 1 << 20)]] * 10  # each block: 1 MiB on host, 1 MiB on disk
+    blocks = np.arange(11)[:, None] * np.array([0, 1 << 20, 1 << 20])  # each block: 1 MiB on host, 1 MiB on disk
     assert cost.with_probe(0, blocks) == 0  # just sampled
     monkeypatch.setattr(load_cost, "PROBE_INTERVAL_S", 0.0)
     assert cost.with_probe(0, blocks) == 4  # stale: 4 MiB of the disk's past the cut
     assert cost.with_probe(10, blocks) == 10  # nothing past the cut
-    assert cost.with_probe(2, [[(1, 1 << 20)]] * 5) == 2  # host pages only: never measured, nothing to probe
+    assert cost.with_probe(7, blocks) == 10  # less than 4 MiB past it: to the last point
+    host_only = np.arange(6)[:, None] * np.array([0, 1 << 20, 0])
+    assert cost.with_probe(2, host_only) == 2  # host pages only: never measured, nothing to probe
     monkeypatch.setattr(load_cost, "PROBE_INTERVAL_S", 3600.0)
     assert cost.with_probe(0, blocks) == 0  # the probe counts as a sample
 

@@ -1,11 +1,13 @@
 """The load-or-recompute decision: never make time to first token worse than recomputing.
 
-Loading a cached block costs its bytes over the measured bandwidth of the tier it is on (0 on
-the primary tier); recomputing a token costs one over the engine's measured prefill rate. For a
-prompt of ``L`` tokens whose cached prefix has blocks ``0..n-1``, reusing the first ``c`` blocks
-costs ``load(0..c-1) + (L - c * tokens_per_block) / rate``; the cut ``c`` with the least cost is
-kept (the longest among equals), the rest is recomputed. Blocks are loaded in prefix order, so
-the cost is evaluated for every cut in one pass.
+Loading a page costs its bytes over the measured bandwidth of the tier it is on (0 on the
+primary tier); recomputing a token costs one over the engine's measured prefill rate. A cached
+prefix may be reused up to any of its reuse points (``kvtier.reuse.reuse_points``: the block
+boundaries where every layer group has a hit, and the match's own end); reusing ``p`` tokens of a
+prompt of ``L`` costs ``load(p) + (L - p) / rate``, where ``load(p)`` prices the pages a cache
+reusing ``p`` tokens would use: every earlier block of a full-attention group, only the window's
+blocks of a sliding-window group, the one snapshot of a recurrent group. The point with the least
+cost is kept (the longest among equals), the rest is recomputed.
 
 Bandwidths are measured online, per source tier, from the mover's own copies: a measurement
 slower than the estimate replaces it at once, a faster one moves it by a weighted mean (a disk
@@ -33,6 +35,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+
+import numpy as np
 
 from kvtier.storage.disk_index import DiskIndex
 
@@ -87,48 +91,40 @@ class LoadCost:
         if self._disk is not None:
             self._disk[1].remember(self._prefill_name, self.prefill_rate)
 
-    def block_seconds(self, tier_bytes: Sequence[tuple[int, int]]) -> float:
-        """Estimated seconds to load one block whose pages are ``(tier, bytes)``; 0 where unknown."""
-        total = 0.0
-        for tier, nbytes in tier_bytes:
-            bandwidth = self.bandwidth[tier]
-            if bandwidth is not None:
-                total += nbytes / bandwidth
-        return total
+    def point_seconds(self, tier_bytes: np.ndarray) -> np.ndarray:
+        """Estimated seconds to load what each reuse point uses: row ``k`` of ``tier_bytes`` holds its
+        bytes per tier; the primary tier and tiers never measured cost 0."""
+        known = np.array([0.0 if b is None else 1.0 / b for b in self.bandwidth])
+        return tier_bytes @ known
 
-    def with_probe(self, cut: int, block_pages: Sequence[Sequence[tuple[int, int]]]) -> int:
-        """``cut`` moved past ``PROBE_BYTES`` of a tier that the first block after it has pages on,
-        if that tier has an estimate last sampled ``PROBE_INTERVAL_S`` ago or more (the probe counts
-        as its sample until a read lands); else ``cut``. ``block_pages``: (tier, bytes) per block."""
-        if cut >= len(block_pages):
-            return cut
+    def best_point(self, point_tokens: Sequence[int], seconds: Sequence[float], prompt_tokens: int) -> int:
+        """The index of the reuse point (``point_tokens`` ascending, ``seconds`` to load each) that makes
+        a prompt of ``prompt_tokens`` cheapest: the longest among equals, the last with no prefill rate."""
+        rate = self.prefill_rate
+        if rate is None:
+            return len(point_tokens) - 1
+        best, best_cost = 0, math.inf
+        for k, (tokens, load) in enumerate(zip(point_tokens, seconds, strict=True)):
+            cost = load + max(prompt_tokens - tokens, 0) / rate
+            if cost <= best_cost:
+                best, best_cost = k, cost
+        return best
+
+    def with_probe(self, point: int, tier_bytes: np.ndarray) -> int:
+        """``point`` moved on until ``PROBE_BYTES`` more of a tier's bytes are loaded (or to the last
+        point), if the next point loads more from a tier whose estimate was last sampled
+        ``PROBE_INTERVAL_S`` ago or more (the probe counts as its sample until a read lands); else
+        ``point``. ``tier_bytes[k, t]``: what point ``k`` loads from tier ``t``."""
+        if point + 1 >= len(tier_bytes):
+            return point
         now = time.monotonic()
+        grows = np.flatnonzero(tier_bytes[point + 1] > tier_bytes[point])
         stale = [
-            t
-            for t, _ in block_pages[cut]
-            if self.bandwidth[t] is not None and now - self._sampled_at[t] >= PROBE_INTERVAL_S
+            int(t) for t in grows if self.bandwidth[t] is not None and now - self._sampled_at[t] >= PROBE_INTERVAL_S
         ]
         if not stale:
-            return cut
+            return point
         tier = stale[0]
         self._sampled_at[tier] = now
-        probed = 0
-        while cut < len(block_pages) and probed < PROBE_BYTES:
-            probed += sum(nbytes for t, nbytes in block_pages[cut] if t == tier)
-            cut += 1
-        return cut
-
-    def best_cut(self, block_seconds: Sequence[float], prompt_tokens: int, tokens_per_block: int) -> int:
-        """The number of leading cached blocks worth loading for a prompt of ``prompt_tokens``."""
-        rate = self.prefill_rate
-        n = len(block_seconds)
-        if rate is None or n == 0:
-            return n
-        best, best_cost = 0, prompt_tokens / rate
-        load = 0.0
-        for c in range(1, n + 1):
-            load += block_seconds[c - 1]
-            cost = load + max(prompt_tokens - c * tokens_per_block, 0) / rate
-            if cost <= best_cost:
-                best, best_cost = c, cost
-        return best
+        probed = np.flatnonzero(tier_bytes[point + 1 :, tier] - tier_bytes[point, tier] >= PROBE_BYTES)
+        return point + 1 + int(probed[0]) if len(probed) else len(tier_bytes) - 1
