@@ -142,6 +142,23 @@ def test_an_engine_recomputes_a_prefix_on_a_tier_slower_than_its_prefill(tmp_pat
                 assert out[0].reused_tokens_by_tier["disk"] == len(prompt) - 1 and recomputed == 0
 
 
+@pytest.mark.parametrize("rate", [np.float32(2500.0), np.int64(2500), 2500, 2500.0])
+def test_a_prefill_rate_may_be_any_real_number(rate):
+    mgr, _, _ = manager(primary_pages=4, host_pages=4)
+    mgr.set_prefill_rate(rate)
+    assert mgr._pool.load_cost.prefill_rate == 2500.0
+    mgr.close()
+
+
+@pytest.mark.parametrize(("rate", "error"), [(10**400, ValueError), (True, TypeError), ("9", TypeError)])
+def test_a_prefill_rate_out_of_floats_or_not_a_number_is_refused(rate, error):
+    mgr, _, _ = manager(primary_pages=4, host_pages=4)
+    with pytest.raises(error, match="prefill rate"):
+        mgr.set_prefill_rate(rate)
+    assert mgr._pool.load_cost.prefill_rate is None
+    mgr.close()
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_recompute_when_faster_must_be_a_bool(value):
     from kvtier.engine import SchedulerConfig
@@ -161,6 +178,8 @@ def test_a_stale_estimate_is_probed_past_the_cut_once_an_interval(monkeypatch):
     assert cost.with_probe(7, blocks) == 10  # less than 4 MiB past it: to the last point
     host_only = np.arange(6)[:, None] * np.array([0, 1 << 20, 0])
     assert cost.with_probe(2, host_only) == 2  # host pages only: never measured, nothing to probe
+    primary_grows = np.arange(11)[:, None] * np.array([1 << 20, 0, 0]) + np.array([0, 0, 1 << 20])
+    assert cost.with_probe(0, primary_grows) == 0  # primary pages cost nothing: never probed
     monkeypatch.setattr(load_cost, "PROBE_INTERVAL_S", 3600.0)
     assert cost.with_probe(0, blocks) == 0  # the probe counts as a sample
 

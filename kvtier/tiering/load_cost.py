@@ -33,6 +33,7 @@ a minute loads a few MiB more than it would, and the tier is measured again.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Sequence
 
@@ -83,11 +84,15 @@ class LoadCost:
             self._disk[1].remember(self._bandwidth_name, self.bandwidth[tier])
 
     def set_prefill_rate(self, tokens_per_second: float) -> None:
-        if isinstance(tokens_per_second, bool) or not isinstance(tokens_per_second, int | float):
+        if isinstance(tokens_per_second, bool | np.bool_) or not isinstance(tokens_per_second, numbers.Real):
             raise TypeError(f"a prefill rate is a number of tokens per second, got {tokens_per_second!r}")
-        if not tokens_per_second > 0 or not math.isfinite(tokens_per_second):
+        try:
+            rate = float(tokens_per_second)
+        except OverflowError:
+            rate = math.inf
+        if not rate > 0 or not math.isfinite(rate):
             raise ValueError(f"a prefill rate is a finite number of tokens per second > 0, got {tokens_per_second!r}")
-        self.prefill_rate = float(tokens_per_second)
+        self.prefill_rate = rate
         if self._disk is not None:
             self._disk[1].remember(self._prefill_name, self.prefill_rate)
 
@@ -96,6 +101,11 @@ class LoadCost:
         bytes per tier; the primary tier and tiers never measured cost 0."""
         known = np.array([0.0 if b is None else 1.0 / b for b in self.bandwidth])
         return tier_bytes @ known
+
+    def _estimated(self, tier: int) -> bool:
+        """Whether the tier's bandwidth is a measured estimate (the primary tier's is known: free)."""
+        bandwidth = self.bandwidth[tier]
+        return bandwidth is not None and math.isfinite(bandwidth)
 
     def best_point(self, point_tokens: Sequence[int], seconds: Sequence[float], prompt_tokens: int) -> int:
         """The index of the reuse point (``point_tokens`` ascending, ``seconds`` to load each) that makes
@@ -119,9 +129,7 @@ class LoadCost:
             return point
         now = time.monotonic()
         grows = np.flatnonzero(tier_bytes[point + 1] > tier_bytes[point])
-        stale = [
-            int(t) for t in grows if self.bandwidth[t] is not None and now - self._sampled_at[t] >= PROBE_INTERVAL_S
-        ]
+        stale = [int(t) for t in grows if self._estimated(int(t)) and now - self._sampled_at[t] >= PROBE_INTERVAL_S]
         if not stale:
             return point
         tier = stale[0]
