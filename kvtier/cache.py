@@ -23,7 +23,7 @@ from itertools import zip_longest
 import numpy as np
 
 from kvtier.block_table import BlockTable
-from kvtier.config import DiskTier, HostTier, PrimaryTier, ReuseScope
+from kvtier.config import TIER_NAMES, ReuseScope
 from kvtier.errors import CacheStateError, InvariantError
 from kvtier.exclusive import exclusive
 from kvtier.invariants import Holdings
@@ -43,8 +43,6 @@ class CacheState(str, enum.Enum):
 
 
 _ACTIVE = CacheState.ACTIVE
-REUSE_TIERS = (PrimaryTier.name, HostTier.name, DiskTier.name)
-"""The keys of ``KVCache.reused_by_tier``: every tier, configured or not (an absent one reuses 0)."""
 
 
 class KVCache:
@@ -86,7 +84,7 @@ class KVCache:
         self._chain = PublishedChain(pool, pool.root(scope))
         self._pending: list[Page] = []  # pages to copy into private ones on first resume
         self.num_reused_tokens = 0
-        self.reused_by_tier = dict.fromkeys(REUSE_TIERS, 0)
+        self.reused_by_tier = dict.fromkeys(TIER_NAMES, 0)
         match = pool.match(tokens, scope)
         if match is not None:
             self._adopt(match, tokens)
@@ -213,7 +211,7 @@ class KVCache:
         lost = len(self._tokens)
         tokens = self._tokens
         self._let_go(locked=True)
-        match = self._pool.match(tokens, self.scope, whole=True)
+        match = self._match_again(tokens, weigh_load_cost=True)
         if match is not None:
             self._adopt(match, tokens)
         log.warning(
@@ -244,7 +242,7 @@ class KVCache:
         while (kept := self.reused_in_memory) < self.num_reused_tokens:
             tokens = self._tokens[:kept]
             self._let_go(locked=False)
-            match = self._pool.match(tokens, self.scope, whole=True, weigh_load_cost=False)
+            match = self._match_again(tokens, weigh_load_cost=False)
             if match is not None:
                 self._adopt(match, tokens)
         given_up = reused - self.num_reused_tokens
@@ -272,6 +270,14 @@ class KVCache:
             found.append((self.num_reused_tokens - 1) // self._tpb)
         first = min((b for b in found if b is not None), default=None)
         return self.num_reused_tokens if first is None else min(first * self._tpb, self.num_reused_tokens)
+
+    def _match_again(self, tokens: array, weigh_load_cost: bool) -> ReuseMatch | None:
+        """What the tree holds of the cache's own ``tokens``, to adopt after letting go of its pages;
+        None once its scope was forgotten (the tree then holds blocks of other weights, which a
+        cache of the old ones must not take: it reuses nothing, as with reuse off)."""
+        if self._chain.root is None:
+            return None
+        return self._pool.match(tokens, self.scope, whole=True, weigh_load_cost=weigh_load_cost)
 
     def _stop_publishing(self) -> None:
         """Its scope was forgotten (``KVCacheManager.forget_scope``): the blocks it commits from now on

@@ -94,6 +94,8 @@ class DiskTier:
 
 
 TierConfig = PrimaryTier | HostTier | DiskTier
+TIER_NAMES = (PrimaryTier.name, HostTier.name, DiskTier.name)
+"""Every tier's name, hottest first: the keys of reuse counts by tier (0 for a tier not configured)."""
 
 
 @dataclass(frozen=True, slots=True)

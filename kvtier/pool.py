@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtier.config import CacheConfig, DiskTier, HostTier, ReuseScope, write_behind_enabled
+from kvtier.config import TIER_NAMES, CacheConfig, DiskTier, HostTier, ReuseScope, write_behind_enabled
 from kvtier.errors import InvariantError, OutOfPagesError
 from kvtier.invariants import PageHolder, check_pages
 from kvtier.knobs import debug_enabled
@@ -393,7 +393,7 @@ class PagePool:
             tiers[tier.name] = TierStats(total, used, bytes_total, bytes_used)
         return CacheStats(
             tiers=tiers,
-            hit_tokens={name: c.hit_tokens[name] for name in self.tier_names},
+            hit_tokens={name: c.hit_tokens[name] for name in TIER_NAMES},
             lookup_tokens=c.lookup_tokens,
             evictions=c.evictions,
             demotions=c.demotions,

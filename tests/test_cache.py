@@ -373,7 +373,7 @@ def test_stats_count_hits_lookups_and_occupancy():
     mgr.create_cache(tokens + [1])
     stats = mgr.stats()
     assert stats.lookup_tokens == 17 + 18
-    assert stats.hit_tokens == {"primary": 16}
+    assert stats.hit_tokens == {"primary": 16, "host": 0, "disk": 0}
     assert stats.tiers["primary"].pages_used == 4
     assert stats.tiers["primary"].bytes_used == 4 * mgr.page_bytes(0)
     assert 0 < stats.hit_rate < 1

@@ -3,6 +3,8 @@ holds stay with it until it lets go), other scopes keep theirs, and a restart fi
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -138,6 +140,44 @@ def test_a_cache_open_while_its_scope_is_forgotten_publishes_nothing_more(tmp_pa
     cache = mgr.create_cache([*tokens, 1], OLD)
     assert cache.num_reused_tokens == 6 * TPB and cache.resume()
     new.check(cache, [*tokens, 1])  # every reused byte of the new weights
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_a_cache_that_starts_over_after_its_scope_was_forgotten_adopts_nothing(tmp_path):
+    """Before: a suspended cache of the old weights whose disk page failed its checksum after
+    ``forget_scope`` matched its tokens again and adopted the blocks a request of the new weights
+    had published there: a prefix of other weights under its own later blocks."""
+    rng = np.random.default_rng(8)
+    mgr = make(tmp_path / "disk", pages=8)
+    tokens = rng.integers(3, 30_000, 6 * TPB).tolist()
+    old, new = PageOracle(mgr), PageOracle(mgr, weights=1)
+    running = mgr.create_cache([*tokens, 1], OLD)
+    assert running.resume() and running.resize(2 * TPB)
+    old.write(running, tokens, 0, 2 * TPB)
+    running.commit(tokens[: 2 * TPB])
+    running.suspend()
+    for _ in range(12):  # other requests push its pages down to disk
+        publish(mgr, PageOracle(mgr), rng.integers(3, 30_000, 4 * TPB).tolist(), OTHER).close()
+        mgr.maintain()
+    pool = mgr._pool
+    disk = next(t for t in pool.tiers if t.is_disk)
+    held = running._table.live_pages()
+    assert held and all(page.tier == disk.index for page in held)
+    mgr.forget_scope(OLD)
+    publish(mgr, new, tokens[: 2 * TPB], OLD).close()  # the new weights publish the same two blocks
+    page = held[0]
+    os.pwrite(disk.storage._fds[page.group], b"\xff" * 64, page.slot * disk.storage.page_bytes[page.group])
+    assert running.resume()  # the damaged page: the cache starts over
+    assert running.num_committed_tokens == 0  # as with reuse off: nothing of the new weights adopted
+    assert running.resize(6 * TPB)
+    old.write(running, tokens, 0, 6 * TPB)
+    running.commit(tokens)
+    running.close()
+    cache = mgr.create_cache([*tokens, 1], OLD)
+    assert cache.num_reused_tokens == 2 * TPB and cache.resume()
+    new.check(cache, [*tokens[: 2 * TPB], 1])
     cache.close()
     mgr.check_invariants()
     mgr.close()

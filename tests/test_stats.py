@@ -92,7 +92,7 @@ def test_manager_stats_count_lookups_hits_and_copies():
         cache.close()
         s = mgr.stats()
         assert s.lookup_tokens == 12 + 13 + 16
-        assert s.hit_tokens == {"primary": 12, "host": 0}
+        assert s.hit_tokens == {"primary": 12, "host": 0, "disk": 0}
         assert s.hit_rate == pytest.approx(12 / 41)
         assert s.demotions == s.evictions == 3
         assert s.bytes_copied == {"primary->host:cpu": 3 * page_bytes}
