@@ -150,8 +150,10 @@ class KVCacheManager:
         (``PrimaryTier.free_reserve``) and copy published pages to host memory (``HostTier.write_through``).
 
         Copies are queued on a low-priority stream and this returns at once; a new batch starts only
-        when the previous one has finished. Later copies and allocations are ordered after it.
-        Returns the number of pages planned (0 with neither feature on).
+        when the previous one has finished. Later copies and allocations are ordered after it. It
+        also lands the prefetches from disk whose reads are over (``prefetch_to_host``) and starts
+        the disk tier's next write-behind batch. Returns the number of pages the reserve and the
+        write-through planned (0 with neither on; the other work is not counted).
         """
         self._check_open()
         planned = self._pool.maintain()

@@ -88,6 +88,29 @@ def test_cancelled_prefetch_leaves_unread_pages_on_disk(three_tiers, monkeypatch
     mgr.close()
 
 
+def test_a_prefetch_whose_reads_raise_is_logged_and_lands_nothing(three_tiers, monkeypatch, caplog):
+    """Before: ``wait`` raised the read's own exception, and nothing logged it."""
+    mgr, oracle = three_tiers()
+    prompt = [2400 + i for i in range(5 * TPB + 1)]
+    to_disk(mgr, oracle, prompt)
+
+    def broken(self, job):
+        raise RuntimeError("a read went wrong")
+
+    monkeypatch.setattr(host_prefetch.HostPrefetcher, "_read", broken)
+    job = mgr.prefetch_to_host(prompt + [1])
+    assert job.wait(10)
+    mgr.maintain()
+    assert "a prefetch from disk to host memory failed" in caplog.text
+    cache = mgr.create_cache(prompt + [2])
+    assert cache.reused_by_tier["disk"] == 5 * TPB  # the pages stay on disk, reused from there
+    assert cache.resume()
+    oracle.check(cache, prompt + [2])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
 @pytest.fixture
 def held_reads(monkeypatch):
     """Prefetch reads wait for ``release`` before they start; ``started`` is set when one waits."""

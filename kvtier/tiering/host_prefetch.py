@@ -23,17 +23,19 @@ Invariants: a reserved host slot is allocated and owned by no page until its pre
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from kvtier.pages import Page
 from kvtier.stats import Counters
 from kvtier.tiering.load_cost import LoadCost
 from kvtier.tiering.residency import Residency
 from kvtier.tiering.tier import Tier
+
+log = logging.getLogger(__name__)
 
 PART_BYTES = 64 << 20  # a cancelled prefetch stops after the part it is reading
 
@@ -62,10 +64,10 @@ class HostPrefetch:
         return self.future is None or self.future.done()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds for the reads; returns ``done()``."""
+        """Wait up to ``timeout`` seconds for the reads; returns ``done()`` (reads that failed are
+        done too: the pool lands nothing of them)."""
         if self.future is not None:
-            with contextlib.suppress(TimeoutError):
-                self.future.result(timeout)
+            wait([self.future], timeout)
         return self.done()
 
     def cancel(self) -> None:
@@ -164,7 +166,9 @@ class HostPrefetcher:
     def _land(self, job: HostPrefetch) -> int:
         """On the pool's thread: move each page read intact into its host slot; free the rest."""
         disk, host, residency = self.disk, self.host, self.residency
-        if job.future is not None and job.future.exception() is not None:
+        failure = job.future.exception() if job.future is not None else None
+        if failure is not None:
+            log.error("kvtier: a prefetch from disk to host memory failed; its pages stay on disk", exc_info=failure)
             job.intact = [None] * len(job.pages)  # a failed worker: nothing it read is trusted
         elif job.read_bytes:
             self.load_cost.observe(disk.index, job.read_bytes, job.read_seconds)
