@@ -398,3 +398,31 @@ def test_generate_returns_once_its_saves_are_written(llama, tmp_path):
     assert not eng.connector.saving
     opener.join()
     eng.close()
+
+
+@pytest.mark.parametrize("nested", ["generate", "step"])
+def test_generate_returns_when_on_finish_steps_the_engine_itself(llama, nested):
+    """``on_finish`` starts the next turn with a nested ``generate`` or ``step``, in which another
+    request of the outer call finishes. Before, that output went to the nested call only and the
+    outer ``generate`` looped for ever; now it returns every output, and ``on_finish`` sees each once."""
+    eng = engine(llama, primary_blocks=40, max_num_tokens=256)
+    prompts = prompts_for(llama, [10, 20], seed=4)
+    seen: list[int] = []
+    follow_ups = []
+
+    def next_turn(out):
+        seen.append(out.request_id)
+        if out.request_id == 0:
+            follow_up = out.prompt_token_ids + out.token_ids + [1, 2]
+            follow_ups.append(follow_up)
+            if nested == "generate":
+                check_against_oracle(llama, [follow_up], eng.generate([follow_up], SamplingParams(max_tokens=4)), 4)
+            else:
+                eng.add_request(follow_up, SamplingParams(max_tokens=4))
+                for _ in range(3):
+                    eng.step()
+
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=4)], on_finish=next_turn)
+    assert [out.token_ids for out in outs] == [llama.reference_generate(p, n) for p, n in zip(prompts, (2, 4))]
+    assert seen.count(0) == 1 and seen.count(1) == 1
+    eng.close()

@@ -139,9 +139,11 @@ class LLMEngine:
                             done[output.request_id] = output
                         if on_finish is not None:
                             on_finish(output)
-                    for request_id, request in requests.items():  # aborted meanwhile (by on_finish, say)
-                        if request_id not in done and request.finish_reason == "abort":
-                            done[request_id] = request.to_output()
+                    for request_id, request in requests.items():  # finished in a step on_finish called, or aborted
+                        if request_id not in done and request.finish_reason is not None:
+                            done[request_id] = output = request.to_output()
+                            if on_finish is not None and request.finish_reason != "abort":
+                                on_finish(output)  # (the nested step's caller took it: this call's own, seen here too)
                 if self.connector is not None:
                     self.connector.wait_for_saves(ids)
             except BaseException:
