@@ -423,6 +423,51 @@ def test_generate_returns_when_on_finish_steps_the_engine_itself(llama, nested):
                     eng.step()
 
     outs = eng.generate(prompts, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=4)], on_finish=next_turn)
-    assert [out.token_ids for out in outs] == [llama.reference_generate(p, n) for p, n in zip(prompts, (2, 4))]
+    expected = [llama.reference_generate(p, n) for p, n in zip(prompts, (2, 4), strict=True)]
+    assert [out.token_ids for out in outs] == expected
     assert seen.count(0) == 1 and seen.count(1) == 1
+    eng.close()
+
+
+def test_the_smallest_temperature_samples_the_greedy_token(llama):
+    """Before: a temperature below ~1e-45 divided in float32 gave NaN probabilities, and
+    ``torch.multinomial`` raised an untyped ``RuntimeError`` from inside the step."""
+    eng = engine(llama, primary_blocks=40)
+    prompt = prompts_for(llama, [30], seed=21)[0]
+    out = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=5e-324, seed=1))[0]
+    assert out.finish_reason == "length" and out.token_ids == llama.reference_generate(prompt, 5)
+    eng.close()
+
+
+def test_a_step_that_raises_leaves_no_request_stalled(llama, monkeypatch):
+    """The forward of a step raises after a request beside the caller's was committed in full.
+    Before: that request had every token cached and no token sampled; no later step ever ran
+    it (``has_unfinished_requests()`` stayed True for ever). Now it fails, and the next step reports it."""
+    eng = engine(llama, primary_blocks=40)
+    first, second = prompts_for(llama, [20, 30], seed=22)
+    beside = eng.add_request(first, SamplingParams(max_tokens=6))
+    eng.step()  # prefilled: decoding from now on
+    real = eng.runner._sample
+
+    def broken(request, logits):
+        if request.request_id != beside:
+            raise RuntimeError("a sampler that breaks")
+        return real(request, logits)
+
+    monkeypatch.setattr(eng.runner, "_sample", broken)
+    with pytest.raises(RuntimeError, match="a sampler that breaks"):
+        eng.generate([second], SamplingParams(max_tokens=3))
+    monkeypatch.setattr(eng.runner, "_sample", real)
+    outs = []
+    for _ in range(20):
+        outs += eng.step()
+        if not eng.has_unfinished_requests():
+            break
+    assert not eng.has_unfinished_requests()
+    assert [out.request_id for out in outs] == [beside]
+    assert outs[0].finish_reason in ("length", "error")
+    if outs[0].finish_reason == "length":
+        assert outs[0].token_ids == llama.reference_generate(first, 6)
+    eng.cache_manager.check_invariants()
+    assert sum(t.pages_used for t in eng.cache_manager.stats().tiers.values()) >= 0
     eng.close()

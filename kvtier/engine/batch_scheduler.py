@@ -165,7 +165,7 @@ class Scheduler:
             if self.running or batch or self.hooks.pages_pending_release():
                 break  # memory comes back as running requests finish
             if not self._recompute_waiting(but=request):
-                self._fail(request, f"it cannot run even alone: {chunk.reason}")
+                self.fail(request, f"it cannot run even alone: {chunk.reason}")
         if not reads_first:
             self._prefetch_waiting()  # for the requests still waiting after admission
         if not batch and passed and not self.running:
@@ -184,6 +184,11 @@ class Scheduler:
             self.running.remove(request)
         if request in self.waiting:
             self.waiting.remove(request)
+
+    def forget_failed(self, request: Request) -> None:
+        """``request`` (failed) is not to be handed over by ``take_failed``: it was aborted."""
+        if request in self.failed:
+            self.failed.remove(request)
 
     def take_failed(self) -> list[Request]:
         """The requests that finished with an error since the last call."""
@@ -305,7 +310,8 @@ class Scheduler:
         request.loaded_until = 0
         self.num_recomputes += 1
 
-    def _fail(self, request: Request, reason: str) -> None:
+    def fail(self, request: Request, reason: str) -> None:
+        """Finish ``request`` with an error, its cache closed; ``take_failed`` hands it over."""
         request.error = f"request {request.request_id} failed: {reason}"
         log.warning("kvtier engine: %s", request.error)
         if request.cache is not None:

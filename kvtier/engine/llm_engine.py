@@ -15,7 +15,7 @@ import torch
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
 from kvtier.engine import exit_close
 from kvtier.engine.admission import RequestLimits
-from kvtier.engine.batch_scheduler import Scheduler
+from kvtier.engine.batch_scheduler import ScheduledChunk, Scheduler
 from kvtier.engine.connector_driver import ConnectorDriver
 from kvtier.engine.params import SamplingParams, SchedulerConfig
 from kvtier.engine.prefill_meter import CALIBRATION_TOKENS, PrefillMeter
@@ -195,7 +195,11 @@ class LLMEngine:
                     return finished
         meter = self.prefill
         mark = None if meter is None else meter.start(sum(c.num_tokens for c in batch if c.num_tokens > 1))
-        sampled, errors = self.runner.run(batch)
+        try:
+            sampled, errors = self.runner.run(batch)
+        except BaseException:
+            self._fail_unsampled(batch)
+            raise
         rate = None if meter is None else meter.finish(mark)
         if self.connector is not None:
             self.connector.after_forward(batch)
@@ -230,7 +234,9 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return
-        if self.connector is not None:
+        if request.status is RequestStatus.FINISHED:  # failed, not reported yet: aborted instead
+            self.scheduler.forget_failed(request)
+        elif self.connector is not None:
             self.connector.cache_dropped(request)
         self.scheduler.finish(request, "abort")
         request.finish_time = time.perf_counter()
@@ -287,6 +293,15 @@ class LLMEngine:
         self.scheduler.finish(request, reason, close_cache=not saving)
         self.runner.forget(request)
         self._requests.pop(request.request_id, None)
+
+    def _fail_unsampled(self, batch: list[ScheduledChunk]) -> None:
+        """After a forward that raised: a request whose every token is cached now lost the token
+        sampled from them and can never go on, so it fails (the next step reports it); the others
+        compute what is left later."""
+        for chunk in batch:
+            request = chunk.request
+            if request.status is RequestStatus.RUNNING and request.next_position >= len(request.tokens):
+                self.scheduler.fail(request, "the step that computed its last token raised before sampling it")
 
     def _finish_failed(self, request: Request, error: str | None) -> RequestOutput:
         """Finish a request with an error (pages freed, nothing saved) and give its output."""

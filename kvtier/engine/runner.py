@@ -103,7 +103,8 @@ class ModelRunner:
             generator = torch.Generator(device=logits.device)
             generator.manual_seed(params.seed if params.seed is not None else request.request_id)
             self._generators[request.request_id] = generator
-        logits = logits.float()
-        # Shifted so that the largest is 0: a tiny temperature gives -inf, never inf or NaN.
+        # In float64, shifted so that the largest is 0: any temperature > 0 a float holds (down to
+        # 5e-324) gives -inf for the others, never inf or NaN (in float32 one below ~1e-45 is 0).
+        logits = logits.double()
         probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator))
