@@ -18,6 +18,7 @@ import enum
 import logging
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from itertools import zip_longest
 
 import numpy as np
@@ -232,14 +233,32 @@ class KVCache:
         given up (0: none was on disk); they leave ``reused_by_tier`` and the manager's
         ``hit_tokens`` for ``recomputed_tokens``.
         """
+        return self._give_up_reuse("shorten_to_memory", lambda: self.reused_in_memory)
+
+    @exclusive
+    def shorten_reuse(self, max_tokens: int) -> int:
+        """Give up the reused tokens past ``max_tokens``, for a caller that cannot fit the reuse (a
+        partly reused block's copy needs one more primary page than the block itself): they are
+        recomputed instead.
+
+        As ``shorten_to_memory``, only for a SUSPENDED cache holding nothing but its reused prefix;
+        the cache keeps the reuse a new cache over its first ``max_tokens`` tokens would have (a
+        sliding window or a recurrent state may end it sooner). Returns the reused tokens given up.
+        """
+        limit = _check_length("max_tokens", max_tokens)
+        return self._give_up_reuse("shorten_reuse", lambda: min(limit, self.num_reused_tokens))
+
+    def _give_up_reuse(self, caller: str, keep: Callable[[], int]) -> int:
+        """Adopt again what the tree holds of the first ``keep()`` reused tokens until ``keep()`` is
+        all of them; the tokens given up move from ``hit_tokens`` to ``recomputed_tokens``."""
         if self._state is not CacheState.SUSPENDED or len(self._tokens) != self.num_reused_tokens:
             raise CacheStateError(
-                f"shorten_to_memory needs a SUSPENDED cache holding only its reused prefix; this one is "
+                f"{caller} needs a SUSPENDED cache holding only its reused prefix; this one is "
                 f"{self._state.value} with {len(self._tokens)} committed of {self.num_reused_tokens} reused tokens"
             )
         before = dict(self.reused_by_tier)
         reused = self.num_reused_tokens
-        while (kept := self.reused_in_memory) < self.num_reused_tokens:
+        while (kept := keep()) < self.num_reused_tokens:
             tokens = self._tokens[:kept]
             self._let_go(locked=False)
             match = self._match_again(tokens, weigh_load_cost=False)

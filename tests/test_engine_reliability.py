@@ -471,3 +471,19 @@ def test_a_step_that_raises_leaves_no_request_stalled(llama, monkeypatch):
     eng.cache_manager.check_invariants()
     assert sum(t.pages_used for t in eng.cache_manager.stats().tiers.values()) >= 0
     eng.close()
+
+
+@pytest.mark.parametrize(("length", "max_tokens"), [(10 * TPB, 1), (10 * TPB - 10, 11), (10 * TPB - 1, 2)])
+def test_a_prompt_that_fills_the_primary_tier_runs_again(llama, length, max_tokens):
+    """Before: the second run reused the last block partly, whose private copy needs one page
+    more than the primary tier has, and failed: "it cannot run even alone"."""
+    eng = engine(llama, primary_blocks=10, host_blocks=4, max_num_tokens=512)
+    prompt = prompts_for(llama, [length], seed=23)[0]
+    expected = llama.reference_generate(prompt, max_tokens)
+    for _ in range(2):
+        out = eng.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]
+        assert (out.finish_reason, out.token_ids) == ("length", expected)
+    assert out.reused_tokens_by_tier["primary"] + out.reused_tokens_by_tier["host"] == (length - 1) // TPB * TPB
+    assert eng.cache_manager.stats().recomputed_tokens == (length - 1) % TPB
+    eng.cache_manager.check_invariants()
+    eng.close()

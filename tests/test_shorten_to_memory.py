@@ -152,3 +152,32 @@ def test_shortened_caches_resume_from_memory_byte_for_byte(kind, seed, tmp_path)
         mgr.check_invariants()
     assert given_up > 0  # pages were on disk
     mgr.close()
+
+
+def test_shorten_reuse_gives_up_what_lies_past_its_limit_byte_for_byte():
+    mgr = kvtier.KVCacheManager(small_spec("llama"), kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
+    oracle = PageOracle(mgr)
+    serve(mgr, oracle, [8900 + i for i in range(4 * TPB + 1)])
+    prompt = [8900 + i for i in range(3 * TPB + 2)]
+    cache = mgr.create_cache(prompt + [1])  # three whole blocks, and a partly reused fourth
+    assert cache.num_reused_tokens == 3 * TPB + 2
+    for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error):
+            cache.shorten_reuse(bad)
+    assert cache.num_reused_tokens == 3 * TPB + 2  # refused: nothing changed
+    before = mgr.stats()
+    assert cache.shorten_reuse(3 * TPB) == 2
+    assert cache.shorten_reuse(3 * TPB) == 0
+    assert cache.num_reused_tokens == cache.num_committed_tokens == 3 * TPB
+    assert cache.reused_by_tier["primary"] == 3 * TPB
+    after = mgr.stats()
+    assert before.hit_tokens["primary"] - after.hit_tokens["primary"] == 2
+    assert after.recomputed_tokens - before.recomputed_tokens == 2
+    assert cache.resume()
+    oracle.check(cache, prompt[: 3 * TPB])
+    assert cache.resize(len(prompt))
+    with pytest.raises(kvtier.CacheStateError, match="shorten_reuse needs a SUSPENDED"):
+        cache.shorten_reuse(0)
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()

@@ -164,7 +164,7 @@ class Scheduler:
                 continue
             if self.running or batch or self.hooks.pages_pending_release():
                 break  # memory comes back as running requests finish
-            if not self._recompute_waiting(but=request):
+            if not self._recompute_waiting(but=request) and not self._reuse_whole_blocks(request):
                 self.fail(request, f"it cannot run even alone: {chunk.reason}")
         if not reads_first:
             self._prefetch_waiting()  # for the requests still waiting after admission
@@ -300,6 +300,17 @@ class Scheduler:
         for request in holders:
             self._drop_cache(request)
         return bool(holders)
+
+    def _reuse_whole_blocks(self, request: Request) -> bool:
+        """Give up the partly reused last block of a request that cannot run even alone: copying
+        it needs one more primary page than the block itself (a prompt that fills the primary
+        tier). False when its cache holds no such reuse (or more than its reused prefix)."""
+        cache = request.cache
+        if cache is None or cache.num_committed_tokens != cache.num_reused_tokens:
+            return False
+        tpb = self.mgr.config.tokens_per_block
+        whole = cache.num_reused_tokens // tpb * tpb
+        return whole < cache.num_reused_tokens and cache.shorten_reuse(whole) > 0
 
     def _drop_cache(self, request: Request) -> None:
         """Close the cache of an unfinished request: it will be recomputed from what was published."""
