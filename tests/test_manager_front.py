@@ -472,3 +472,20 @@ def test_a_bool_is_neither_a_layer_id_nor_a_prefill_rate():
             mgr.set_prefill_rate(rate)
     mgr.set_prefill_rate(100)
     mgr.close()
+
+
+def test_the_submodules_load_on_first_use_after_import_kvtier():
+    """``import kvtier`` then ``kvtier.hf.PrefixCache`` (the README's example) works; before, it
+    raised ``AttributeError``. Nothing heavy is imported until then."""
+    code = (
+        "import sys, kvtier\n"
+        "assert 'transformers' not in sys.modules and 'kvtier.engine' not in sys.modules\n"
+        "print(kvtier.hf.PrefixCache.__name__, kvtier.engine.LLMEngine.__name__, kvtier.models.build_model.__name__)\n"
+        "print(kvtier.connector.FileSystemConnector.__name__, kvtier.metrics.__name__)\n"
+        "try:\n    kvtier.no_such_module\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == [
+        "PrefixCache", "LLMEngine", "build_model", "FileSystemConnector", "kvtier.metrics",
+        "module", "'kvtier'", "has", "no", "attribute", "'no_such_module'",
+    ]  # fmt: skip
