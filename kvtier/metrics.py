@@ -54,6 +54,7 @@ class CacheCollector(Collector):
             ("drops", "Pages discarded from the cache"),
             ("checksum_failures", "Pages that failed their checksum when read back"),
             ("disk_resets", "Disk tier directories that could not be read and started empty"),
+            ("recomputed_tokens", "Cached prompt tokens recomputed because loading them was estimated slower"),
         ):
             yield CounterMetricFamily(f"kvtier_{name}", doc, value=getattr(stats, name))
         copied = CounterMetricFamily(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import urllib.request
 
@@ -40,6 +41,9 @@ def test_metrics_mirror_stats(tmp_path):
     assert f"kvtier_lookup_tokens_total {float(stats.lookup_tokens)}" in text
     assert 'kvtier_bytes_copied_total{dst="host",path="cpu",src="primary"}' in text
     assert stats.demotions > 0 and stats.hit_tokens["host"] > 0
+    for field in dataclasses.fields(stats):  # every counter of the stats is exported (a missing one was)
+        if field.type == "int" or field.type is int:
+            assert f"kvtier_{field.name}_total {float(getattr(stats, field.name))}" in text, field.name
 
 
 def test_metrics_over_http(tmp_path):
