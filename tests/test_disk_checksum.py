@@ -119,8 +119,11 @@ def test_the_disk_tier_reads_and_writes_with_the_threads_the_knob_sets(tmp_path,
 
 
 @pytest.mark.parametrize("raw", ["0", "65", "-2", "four", ""])
-def test_a_disk_io_threads_value_out_of_range_or_not_an_integer_warns_and_keeps_the_default(raw, caplog):
+def test_a_disk_io_threads_value_out_of_range_or_not_an_integer_warns_once_and_keeps_the_default(raw, caplog):
+    parse_io_threads.cache_clear()
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         assert parse_io_threads(raw) == default_io_threads()
+        assert parse_io_threads(raw) == default_io_threads()  # a second disk tier opened: no second line
     assert "KVTIER_DISK_IO_THREADS" in caplog.text and "default" in caplog.text
+    assert len(caplog.records) == 1
     assert parse_io_threads(None) == default_io_threads() and parse_io_threads(" 12 ") == 12

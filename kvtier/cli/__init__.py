@@ -23,9 +23,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 # bench targets -> (module, help), under ``kvtier bench``.
 BENCHES: dict[str, tuple[str, str]] = {
-    "manager": ("kvtier.cli.bench_manager", "manager CPU overhead (PERF.md target 2)"),
-    "copy": ("kvtier.cli.bench_copy", "host<->GPU page copy paths (PERF.md target 1)"),
-    "e2e": ("kvtier.cli.bench_e2e", "TTFT of a prefix back from each tier, a full GPU, a busy queue (PERF.md 3-5)"),
+    "manager": ("kvtier.cli.bench_manager", "manager CPU overhead (docs/benchmarks.md target 2)"),
+    "copy": ("kvtier.cli.bench_copy", "host<->GPU page copy paths (docs/benchmarks.md target 1)"),
+    "e2e": ("kvtier.cli.bench_e2e", "TTFT of a prefix back from each tier, a full GPU, a busy queue (targets 3-5)"),
     "vllm": ("kvtier.cli.bench_vllm", "the vLLM connector's block saves and loads in vLLM's KV layout (GPU)"),
     "hf": ("kvtier.cli.bench_hf", "kvtier.hf: TTFT of a transformers chat's second turn, history on GPU/host/disk"),
 }

@@ -20,6 +20,7 @@ is collected (a manager dropped without ``close``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -46,8 +47,10 @@ def default_io_threads() -> int:
     return min(8, max(2, os.cpu_count() or 2))
 
 
+@functools.cache
 def parse_io_threads(raw: str | None) -> int:
-    """``KVTIER_DISK_IO_THREADS`` from its raw value: 1..64 threads; unset or bad (WARNING) -> the default."""
+    """``KVTIER_DISK_IO_THREADS`` from its raw value: 1..64 threads; unset or bad (WARNING) -> the
+    default. Cached per value, so a bad one is reported once, not at every disk tier opened."""
     default = default_io_threads()
     instead = f"keeping the default of {default} threads"
     value = parse_int64(DISK_IO_THREADS_ENV, raw, instead)
