@@ -487,3 +487,51 @@ def test_a_prompt_that_fills_the_primary_tier_runs_again(llama, length, max_toke
     assert eng.cache_manager.stats().recomputed_tokens == (length - 1) % TPB
     eng.cache_manager.check_invariants()
     eng.close()
+
+
+def test_a_long_prompt_of_a_sliding_window_model_is_computed_in_chunks_its_window_fits():
+    """Only sliding-window layers (as a Mistral checkpoint loads): admission counts the window's
+    pages, so a prompt longer than the primary tier is accepted. Before, its first chunk was as
+    long as ``max_num_tokens``, needed a page for every block of it at once, and the request
+    failed: "it cannot run even alone"."""
+    from kvtier.models import LayerKind, ModelConfig
+    from kvtier.models.random_init import random_model
+
+    config = ModelConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        layer_kinds=(LayerKind.SLIDING_ATTENTION,) * 2,
+        sliding_window=3 * TPB,
+    )
+    model = random_model(config, torch.device("cpu"), torch.float64, 0)
+    eng = engine(model, primary_blocks=8, policy="max_utilization", max_num_tokens=16 * TPB)
+    prompt = prompts_for(model, [25 * TPB], seed=24)[0]  # three times the primary tier
+    out = eng.generate([prompt], SamplingParams(max_tokens=4))[0]
+    assert (out.finish_reason, out.token_ids) == ("length", model.reference_generate(prompt, 4))
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
+def test_outputs_of_a_step_whose_on_finish_raised_reach_the_next_step(llama):
+    """Two requests queued with ``add_request`` finish in the step where the call's ``on_finish``
+    raises at the first output. Before, the outputs after it in that step were lost."""
+    eng = engine(llama, primary_blocks=60)
+    beside = prompts_for(llama, [20, 20], seed=25)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=3)) for p in beside]
+    mine = prompts_for(llama, [20], seed=26)
+
+    def explode(output):
+        raise RuntimeError("the caller's callback failed")
+
+    with pytest.raises(RuntimeError, match="callback"):
+        eng.generate(mine, SamplingParams(max_tokens=3), on_finish=explode)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    # All three finish in one step, in the order they came; on_finish raised at the first one.
+    assert {out.request_id: out.token_ids for out in outs} == {ids[1]: llama.reference_generate(beside[1], 3)}
+    eng.close()

@@ -78,6 +78,19 @@ class RequestLimits:
                 )
         return tokens
 
+    def chunk_that_fits(self, start: int, history: int, want: int) -> int:
+        """The most tokens, up to ``want``, that a chunk from ``start`` may compute while the cache's
+        history is ``history``, with every group's live pages in the primary tier at once (at
+        least 1): a long prompt of a sliding-window model is computed in chunks its window fits."""
+        low, high = 1, want
+        while low < high:  # the pages a chunk needs grow with its end
+            mid = (low + high + 1) // 2
+            if all(rule.pages_needed(start + mid, history) <= self.primary_pages[rule.group_id] for rule in self.rules):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def min_pages(self, rule: GroupRule, num_prompt: int, max_tokens: int) -> int:
         """The fewest pages of a group that the request must hold at once, in O(1).
 

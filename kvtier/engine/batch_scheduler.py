@@ -41,6 +41,7 @@ from typing import Protocol
 
 from kvtier.cache import CacheState
 from kvtier.config import DiskTier, HostTier
+from kvtier.engine.admission import RequestLimits
 from kvtier.engine.params import SchedulerConfig
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.errors import InvariantError
@@ -110,9 +111,12 @@ class Scheduler:
     connector's save until that ends).
     """
 
-    def __init__(self, config: SchedulerConfig, mgr: KVCacheManager, hooks: CacheHooks | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, mgr: KVCacheManager, limits: RequestLimits, hooks: CacheHooks | None = None
+    ) -> None:
         self.config = config
         self.mgr = mgr
+        self.limits = limits
         self.hooks: CacheHooks = hooks if hooks is not None else NoHooks()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -229,12 +233,17 @@ class Scheduler:
         """Tokens of ``request`` to compute this step within ``budget`` (0: not this step).
 
         A recomputed request is chunked even without ``chunked_prefill``: its prompt fit in one
-        step, but the prompt with its output may not.
+        step, but the prompt with its output may not. A chunk is no longer than its pages fit in
+        the primary tier at once (``RequestLimits.chunk_that_fits``: a sliding-window model's long
+        prompt, admitted for the window it holds, is computed a few blocks at a time).
         """
         want = len(request.tokens) - request.next_position
-        if want <= budget:
-            return want
-        return budget if self.config.chunked_prefill or request.output else 0
+        if want > budget and not (self.config.chunked_prefill or request.output):
+            return 0
+        n = min(want, budget)
+        if n > 1 and (self.config.chunked_prefill or request.output):
+            n = self.limits.chunk_that_fits(request.next_position, request.held_cache().history_length, n)
+        return n
 
     def _admit(self, request: Request, budget: int, batch: list[ScheduledChunk]) -> ScheduledChunk | _Blocked:
         if request.cache is None:

@@ -69,16 +69,18 @@ class LLMEngine:
         self._weights = WeightWatch(model, weights)  # and notice weights changed in place later
         self.cache_manager = KVCacheManager(spec, cache_config)
         self.connector = None if connector is None else ConnectorDriver(connector, self.cache_manager)
-        self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache_manager, hooks=self.connector)
+        config = scheduler_config or SchedulerConfig()
+        self.limits = RequestLimits.of(model.vocab_size, self.cache_manager, config)
+        self.scheduler = Scheduler(config, self.cache_manager, self.limits, hooks=self.connector)
         self.runner = ModelRunner(model, self.cache_manager)
         self.prefill: PrefillMeter | None = None  # without it, every cached block is loaded
         if self.scheduler.config.recompute_when_faster:
             self.prefill = PrefillMeter(model.device)
             tokens = min(self.scheduler.config.max_num_tokens, CALIBRATION_TOKENS)
             self.cache_manager.set_prefill_rate(self.prefill.calibrate(model, tokens))
-        self.limits = RequestLimits.of(model.vocab_size, self.cache_manager, self.scheduler.config)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
+        self._undelivered: list[RequestOutput] = []  # finished in a step whose caller raised first
         self._closed = False
         self.driver_thread = threading.get_ident()  # the thread that last drove this engine
         self._driving = threading.RLock()  # held by the thread inside generate() or step()
@@ -134,11 +136,16 @@ class LLMEngine:
             done: dict[int, RequestOutput] = {}
             try:
                 while len(done) < len(ids):
-                    for output in self.step():
+                    outputs = self.step()
+                    for k, output in enumerate(outputs):
                         if output.request_id in requests:
                             done[output.request_id] = output
                         if on_finish is not None:
-                            on_finish(output)
+                            try:
+                                on_finish(output)
+                            except BaseException:  # the step's other outputs go to the next step's caller
+                                self._undelivered += [o for o in outputs[k + 1 :] if o.request_id not in requests]
+                                raise
                     for request_id, request in requests.items():  # finished in a step on_finish called, or aborted
                         if request_id not in done and request.finish_reason is not None:
                             done[request_id] = output = request.to_output()
@@ -174,6 +181,10 @@ class LLMEngine:
             self._driving.release()
 
     def _step(self) -> list[RequestOutput]:
+        undelivered, self._undelivered = self._undelivered, []
+        return undelivered + self._run_step()
+
+    def _run_step(self) -> list[RequestOutput]:
         if self.connector is not None:
             self.connector.poll()
         batch = self.scheduler.schedule()
@@ -226,8 +237,9 @@ class LLMEngine:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        """Whether requests wait or run (none once the engine is closed: closing drops them)."""
-        return not self._closed and self.scheduler.has_work()
+        """Whether requests wait or run, or outputs wait for the next ``step`` (none once the engine
+        is closed: closing drops them)."""
+        return not self._closed and (self.scheduler.has_work() or bool(self._undelivered))
 
     def abort_request(self, request_id: int) -> None:
         """Drop a request that has not finished; an undelivered connector offer is handed back."""
