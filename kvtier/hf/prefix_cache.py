@@ -54,6 +54,7 @@ from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, relea
 from kvtier.hf.call_state import CallState
 from kvtier.hf.hf_cache import RecordingCache, StateRecorder
 from kvtier.hf.model_layers import ModelLayers, attention_implementation, read_model
+from kvtier.hf.numerics import with_numerics
 from kvtier.hf.prefill_rate import PrefillTiming
 from kvtier.hf.prefix_load import group_stacks, load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
@@ -63,7 +64,7 @@ from kvtier.manager import KVCacheManager
 from kvtier.spec import ModelSpec
 from kvtier.storage.disk_replicas import open_first_free
 from kvtier.storage.log_limit import RateLimitedWarning
-from kvtier.weights import WeightWatch
+from kvtier.weights import WeightWatch, config_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class PrefixCache:
         self._layers: ModelLayers = read_model(model, model_id)
         self._weights = WeightWatch(model, self._layers.weights)
         self._attention = attention_implementation(model)  # the kernels its pages are computed with
+        self._config = config_fingerprint(model.config)  # the settings its pages are computed with
         self.manager = _open_manager(self._layers.spec, cache_config)
         self._packing = state_packing(self._layers, self.manager)
         self._stacks = group_stacks(self.manager)  # how each call's load reads the pages
@@ -196,6 +198,12 @@ class PrefixCache:
                 f"-> {attention_implementation(self.model)}): its pages hold keys and values of the other kernels. "
                 "Set it back, or build a new PrefixCache"
             )
+        if config_fingerprint(self.model.config) != self._config:
+            raise CacheStateError(
+                "the model's configuration changed since this PrefixCache was built (a setting such as "
+                "sliding_window or the rotary scaling): its pages were computed, and are laid out, with the old "
+                "one. Set it back, or build a new PrefixCache"
+            )
         if not self._weights.unchanged() or self._scopes.merged_into_weights():
             raise CacheStateError(
                 "the model's weights changed since this PrefixCache was built (an optimizer step, "
@@ -237,7 +245,7 @@ class PrefixCache:
         host_ids = input_ids.detach().to("cpu")
         rows = []
         try:
-            scopes = self._scopes.for_rows(len(pads), kwargs)
+            scopes = [with_numerics(scope, mgr.device) for scope in self._scopes.for_rows(len(pads), kwargs)]
             bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
             for i, (pad, bound, scope) in enumerate(zip(pads, bounds, scopes, strict=True)):
                 prompt = host_ids[i, pad:].numpy()

@@ -142,3 +142,38 @@ def test_pages_of_one_attention_implementation_are_never_served_to_another(tmp_p
         model.set_attn_implementation("eager")
         assert torch.equal(greedy(pc.generate, [*prompt, 1]), greedy(model.generate, [*prompt, 1]))
         assert pc.last_reused_tokens == [40]
+
+
+def test_pages_computed_under_autocast_are_served_only_to_calls_under_the_same_autocast():
+    """A float32 model: a call under ``torch.autocast("cpu", bfloat16)`` computes keys rounded to
+    bfloat16. Before, its pages were served to plain float32 calls (other tokens: scores 2.25 off)."""
+    model = tiny_model("llama").to(torch.float32)
+    prompt = tokens(torch.Generator().manual_seed(10), 48)
+    longer = [*prompt, *tokens(torch.Generator().manual_seed(11), 8)]
+    with PrefixCache(model, tiers_config(model, 60)) as pc:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected_autocast = greedy(model.generate, prompt)
+            assert torch.equal(greedy(pc.generate, prompt), expected_autocast)
+        assert torch.equal(greedy(pc.generate, longer), greedy(model.generate, longer))
+        assert pc.last_reused_tokens == [0]  # the autocast call's pages are not this call's
+        greedy(pc.generate, prompt)  # a plain call saves the prompt's pages in float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(greedy(pc.generate, [*prompt, 5]), greedy(model.generate, [*prompt, 5]))
+            assert pc.last_reused_tokens == [48]  # the first autocast call's pages
+
+
+def test_a_configuration_changed_in_place_is_refused_until_it_is_set_back():
+    """Mistral's window changed on its config after the PrefixCache was built. Before, a call that
+    reused crashed inside the model, and pages saved under the other window were served once it
+    was set back (other tokens: scores 0.56 off)."""
+    model = tiny_model("mistral")
+    window = model.config.sliding_window
+    prompt = tokens(torch.Generator().manual_seed(12), 40)
+    with PrefixCache(model, tiers_config(model, 60)) as pc:
+        greedy(pc.generate, prompt)
+        model.config.sliding_window = 2 * window
+        with pytest.raises(CacheStateError, match="configuration changed"):
+            greedy(pc.generate, [*prompt, 1])
+        model.config.sliding_window = window
+        assert torch.equal(greedy(pc.generate, [*prompt, 1]), greedy(model.generate, [*prompt, 1]))
+        assert pc.last_reused_tokens == [40]

@@ -1,0 +1,40 @@
+"""The numerics a call computes keys and values with, beyond the weights and the attention kernels:
+torch's autocast on the pages' device (and, on CUDA, the float32 matmul precision: TF32).
+
+They are part of each call's reuse scope (``with_numerics``), so pages computed under autocast are
+served only to calls under the same autocast, and a plain call never reads them: a bfloat16-rounded
+key in a float32 page changes the tokens that follow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.config import ReuseScope
+
+TAG = "numerics:"
+
+
+def numerics_tag(device: torch.device) -> str | None:
+    """What a call on ``device`` computes with now, if not the model's own precision; else None."""
+    parts = []
+    if torch.is_autocast_enabled(device.type):
+        parts.append(f"autocast-{torch.get_autocast_dtype(device.type)}")
+    if device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        parts.append(f"matmul-{torch.get_float32_matmul_precision()}")
+    return TAG + "+".join(parts) if parts else None
+
+
+def with_numerics(scope: ReuseScope, device: torch.device) -> ReuseScope:
+    """``scope``, its salt extended with ``numerics_tag`` when a call on ``device`` has one."""
+    tag = numerics_tag(device)
+    if tag is None:
+        return scope
+    salt = scope.salt
+    if salt is None:
+        salt = tag
+    elif isinstance(salt, bytes):
+        salt = salt + b"|" + tag.encode()
+    else:
+        salt = f"{salt}|{tag}"
+    return ReuseScope(lora_id=scope.lora_id, salt=salt)
