@@ -87,9 +87,11 @@ class PrefixCache:
     rotary settings decide keys too, transformers' version, whose model code computes them, and
     the attention implementation, whose kernels do), so pages are only ever served to the same
     model computed the same way; a later change of the model's weights in place (an optimizer
-    step, ``load_state_dict``, a PEFT adapter merged while a call saw it) or of its attention
-    implementation makes ``generate`` raise ``CacheStateError`` (``kvtier.weights.WeightWatch``):
-    build a new PrefixCache for the new weights. Not noticed: other writes through
+    step, ``load_state_dict``, a PEFT adapter merged while a call saw it), of its configuration or
+    of its attention implementation makes ``generate`` raise ``CacheStateError``
+    (``kvtier.weights.WeightWatch``): build a new PrefixCache for the new weights. A call under
+    ``torch.autocast`` (or TF32 matmuls on CUDA) reuses and saves in a scope of its own
+    (``kvtier.hf.numerics``). Not noticed: other writes through
     ``tensor.data`` (torch does not count them; an adapter injected and merged between two calls)
     and modules swapped in after construction (``set_input_embeddings``); after those, build a
     new PrefixCache too. A ``model_id`` given names the weights, the rotary settings, the model
