@@ -147,10 +147,17 @@ class Lease:
         """Host slots of blocks ``[first_block, end_block)`` of a group (``BAD_PAGE_INDEX`` where none)."""
         return self.cache.page_indices(group_id)[first_block:end_block].astype(np.int64)
 
-    def grow(self, end: int) -> bool:
-        """Pages up to token ``end`` for a save; False (saving stops) when the host tier has no room."""
+    def grow(self, end: int, history: int | None = None) -> bool:
+        """Pages up to token ``end`` for a save; False (saving stops) when the host tier has no room.
+
+        ``history``: the tokens vLLM computed before this step, given while no job of the lease is in
+        flight. The cache's history is raised to it, so that the blocks vLLM let go of past a sliding
+        window are stale here too (published with the other groups' pages only), not pages no save
+        could fill."""
         assert self.state is LeaseState.ACTIVE and end > self.planned
-        if not self.saving or not self.cache.resize(end):
+        if history is not None:
+            history = min(max(history, self.cache.history_length), end)
+        if not self.saving or not self.cache.resize(end, history):
             self.saving = False
             return False
         return True

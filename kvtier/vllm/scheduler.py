@@ -369,8 +369,10 @@ class KVTierScheduler:
             if end > lease.planned:
                 self._add_save(rid, lease, request, end)
         prefill = 0
-        if self._measure_prefill:  # chunks of prompts: a decode step schedules one token a request
-            prefill = sum(n for n in scheduler_output.num_scheduled_tokens.values() if n > 1)
+        if self._measure_prefill:  # chunks of prompts: a decode step schedules one token a request,
+            drafting = scheduler_output.scheduled_spec_decode_tokens  # or one more per draft token
+            scheduled = scheduler_output.num_scheduled_tokens.items()
+            prefill = sum(n for rid, n in scheduled if n > 1 and rid not in drafting)
         meta = KVTierMetadata(self._step_jobs, sorted(flush), self._delayed, prefill)
         self._step_jobs, self._delayed = [], []
         return meta
@@ -378,7 +380,8 @@ class KVTierScheduler:
     def _add_save(self, rid: str, lease: Lease, request: Request, end: int) -> None:
         tpb = self._tpb
         start = lease.planned
-        if not lease.grow(end):
+        history = None if lease.busy else request.num_computed_tokens  # (a job may read the pages it would let go)
+        if not lease.grow(end, history):
             return
         block_ids = self.block_ids_of(rid)
         first, stop = start // tpb, end // tpb

@@ -416,6 +416,34 @@ def test_a_request_waits_for_another_requests_read_only_so_long(tmp_path, monkey
     e.shutdown()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_sliding_window_request_whose_vllm_hit_is_longer_than_kvtiers_still_saves(tmp_path, async_scheduling):
+    """vLLM's own cache holds a longer prefix than kvtier's (kvtier evicted it; or, scheduling
+    asynchronously, its saves were not committed yet), so vLLM's table has null sliding-window
+    blocks where kvtier's cache still wanted pages. Before, the save stopped at the first of them
+    and the request saved nothing for the rest of its life; now those blocks are stale in kvtier
+    too, saved with the full-attention group's pages, and a later request loads past them."""
+    config = vllm_config(tmp_path, {"host_bytes": 24 * HOST_PAGE}, async_scheduling=async_scheduling)
+    groups = [(layer_names(2), attention_spec()), (layer_names(1, first=2), attention_spec(window=32))]
+    e = Engine(config, kv_cache_config(config, groups, 160))
+    shared = prompt(1, 130)
+    e.add("r1", shared, max_tokens=1)
+    e.run()
+    e.add("x", prompt(2, 400), max_tokens=1)  # pushes r1's pages out of kvtier, not out of vLLM's cache
+    e.run()
+    longer = shared + prompt(3, 100)
+    e.add("r2", longer, max_tokens=1)
+    e.run()
+    assert first_step_of(e, "r2")[0] == 128  # vLLM's own hit
+    e.reset_prefix_cache()
+    e.poison()
+    e.add("r3", longer + [5], max_tokens=1)
+    e.run()
+    assert first_step_of(e, "r3")[0] == 224  # r2's blocks, saved by kvtier
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 @pytest.mark.parametrize("wait_s", [30.0, 0.0], ids=["waits-for-room", "no-wait"])
 def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, wait_s):
     """Twelve requests whose prefixes are on disk, with host memory for five of them at once:
@@ -925,5 +953,27 @@ def test_a_sliding_window_model_keeps_its_hybrid_groups(tmp_path):
     e.add("r2", shared + [9], max_tokens=2)
     e.run()
     assert first_step_of(e, "r2")[0] == 112
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_decode_steps_with_draft_tokens_are_not_timed_as_prefill(tmp_path):
+    """With speculative decoding a decode step schedules a token per draft besides its own. Before,
+    such steps counted as prompt tokens and dragged the measured prefill rate down."""
+    e = engine(tmp_path, disk=True, recompute_when_faster=True, spec_tokens=3)
+    timed = []
+    schedule = e.schedule
+
+    def recorded():
+        out = schedule()
+        timed.append((dict(out.num_scheduled_tokens), out.kv_connector_metadata.prefill_tokens))
+        return out
+
+    e.schedule = recorded
+    e.add("r1", prompt(21, 40), max_tokens=12)
+    e.run()
+    assert timed[0] == ({"r1": 40}, 40)  # the prompt
+    assert len(timed) > 2 and all(prefill == 0 for _, prefill in timed[1:])  # decode steps, drafts and all
+    assert any(n.get("r1", 0) > 1 for n, _ in timed[1:])  # some scheduled a draft
     e.assert_no_leaks()
     e.shutdown()
