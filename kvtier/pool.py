@@ -69,8 +69,9 @@ class PagePool:
         except (MemoryError, RuntimeError) as exc:
             if not _is_allocation_failure(exc):
                 raise
+            why = str(exc) or "out of memory"
             raise OutOfPagesError(
-                f"cannot allocate the tiers' memory ({exc or 'out of memory'}): free memory or configure smaller quotas"
+                f"cannot allocate the tiers' memory ({why}): free memory or configure smaller quotas"
             ) from exc
         self.tier_names = tuple(t.name for t in self.tiers)
         self.counters = Counters()

@@ -1,9 +1,12 @@
 """Slot allocation for one buffer: a free stack with O(1) allocate and free.
 
-Invariant: every slot in ``0..num_slots-1`` is either on the free stack exactly once or
-allocated, never both; ``num_free + num_used == num_slots``. ``times_freed(slot)`` only grows: a
-slot whose count did not change between two moments held the same bytes in between (a slot
-handed to a holder with other bytes without being freed is counted too: ``count_as_freed``).
+Invariant: every slot in ``0..num_slots-1`` is exactly one of: on the free stack (once), at or
+above the high-water mark ``_next`` (never handed out: free), or allocated;
+``num_free + num_used == num_slots``. The never-used slots are not listed, so making an
+allocator costs no Python object per slot (a disk tier of small pages has tens of millions).
+``times_freed(slot)`` only grows: a slot whose count did not change between two moments held the
+same bytes in between (a slot handed to a holder with other bytes without being freed is counted
+too: ``count_as_freed``).
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ BULK_SLOTS = 64  # from this many slots a call marks the free map with numpy ins
 class SlotAllocator:
     """A LIFO free list of slot numbers. The stack is preallocated; allocate/free do not allocate."""
 
-    __slots__ = ("_free", "_free_map", "_freed", "_freed_counts", "_is_free", "num_slots")
+    __slots__ = ("_free", "_free_map", "_freed", "_freed_counts", "_is_free", "_next", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         self.num_slots = num_slots
-        # Popping from the end hands out low slots first, which keeps a lightly used buffer compact.
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free: list[int] = []  # slots given back, the last one on top (handed out first)
+        self._next = 0  # slots from here up were never handed out: the lowest goes first
         self._is_free = bytearray(b"\x01") * num_slots
         self._free_map = np.frombuffer(self._is_free, dtype=np.uint8)  # the same bytes, for bulk updates
         self._freed = array("Q", bytes(8 * num_slots))  # times each slot was freed
@@ -35,17 +38,21 @@ class SlotAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_slots - self._next
 
     @property
     def num_used(self) -> int:
-        return self.num_slots - len(self._free)
+        return self._next - len(self._free)
 
     def allocate(self) -> int | None:
         """A free slot, or None when every slot is in use."""
-        if not self._free:
+        if self._free:
+            slot = self._free.pop()
+        elif self._next < self.num_slots:
+            slot = self._next
+            self._next += 1
+        else:
             return None
-        slot = self._free.pop()
         self._is_free[slot] = 0
         return slot
 
@@ -61,13 +68,18 @@ class SlotAllocator:
         """``count`` free slots, the ones ``count`` calls of ``allocate`` would give, in that order; None
         (nothing allocated) when fewer are free."""
         free = self._free
-        if count > len(free) or count < 0:
+        if count > self.num_free or count < 0:
             return None
         if count == 0:
             return []
-        slots = free[-count:]
-        del free[-count:]
+        given = min(count, len(free))
+        slots = free[len(free) - given :]
+        del free[len(free) - given :]
         slots.reverse()
+        if given < count:
+            fresh = count - given
+            slots += range(self._next, self._next + fresh)
+            self._next += fresh
         if count >= BULK_SLOTS:
             self._free_map[np.asarray(slots, dtype=np.int64)] = 0
         else:
@@ -83,8 +95,9 @@ class SlotAllocator:
             index = np.asarray(slots, dtype=np.int64)
             free_map = self._free_map
             if index.min() >= 0 and index.max() < num_slots and not free_map[index].any():
+                before = self.num_free
                 free_map[index] = 1
-                if np.count_nonzero(free_map) == len(free) + len(slots):
+                if np.count_nonzero(free_map) == before + len(slots):
                     self._freed_counts[index] += 1
                     free.extend(slots)
                     return
@@ -105,12 +118,16 @@ class SlotAllocator:
             self._freed_counts[np.asarray(slots, dtype=np.int64)] += 1
 
     def reserve(self, slots: list[int]) -> None:
-        """Mark these free slots as allocated (restoring a persisted state); rebuilds the stack once."""
+        """Mark these free slots as allocated (restoring a persisted state); rebuilds the stack once:
+        the never-used slots below the highest one reserved are listed, lowest on top."""
         for slot in slots:
             if not 0 <= slot < self.num_slots or not self._is_free[slot]:
                 raise InvariantError(f"slot {slot} reserved twice")
             self._is_free[slot] = 0
-        self._free = [s for s in self._free if self._is_free[s]]
+        top = max(slots, default=-1) + 1
+        unlisted = [s for s in range(top - 1, self._next - 1, -1) if self._is_free[s]] if top > self._next else []
+        self._free = unlisted + [s for s in self._free if self._is_free[s]]
+        self._next = max(self._next, top)
 
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])
@@ -120,10 +137,12 @@ class SlotAllocator:
         return self._freed[slot]
 
     def check(self) -> None:
-        """Raise ``InvariantError`` unless the free stack and the free map agree."""
+        """Raise ``InvariantError`` unless the free stack, the high-water mark and the free map agree."""
         if len(set(self._free)) != len(self._free):
             raise InvariantError("a slot is on the free stack twice")
-        if sum(self._is_free) != len(self._free):
+        if sum(self._is_free) != self.num_free:
             raise InvariantError("free map and free stack disagree")
-        if not all(self._is_free[s] for s in self._free):
-            raise InvariantError("a slot on the free stack is marked used")
+        if not all(self._is_free[s] and s < self._next for s in self._free):
+            raise InvariantError("a slot on the free stack is marked used, or was never handed out")
+        if not self._free_map[self._next :].all():
+            raise InvariantError("a slot never handed out is marked used")

@@ -56,7 +56,7 @@ import numpy as np
 
 from kvtier.config import CacheConfig, DiskTier, PrimaryTier, ReuseScope
 from kvtier.connector.keys import BlockKeyspace
-from kvtier.errors import InvariantError
+from kvtier.errors import InvariantError, OutOfPagesError
 from kvtier.manager import KVCacheManager
 from kvtier.pages import BAD_PAGE_INDEX
 from kvtier.storage.disk_replicas import open_first_free
@@ -102,8 +102,8 @@ def _open_manager(plan: ModelPlan, settings: ConnectorSettings) -> KVCacheManage
         config = CacheConfig(plan.block_size, tiers, device="cpu", enable_partial_reuse=False)
         try:
             return KVCacheManager(plan.spec, config)
-        except ValueError as exc:  # the tiers' sizes: say which settings of kv_connector_extra_config set them
-            raise ValueError(
+        except (ValueError, OutOfPagesError) as exc:  # the tiers' sizes: say which settings set them
+            raise type(exc)(
                 f"kvtier.vllm: host_bytes={settings.host_bytes} (the host memory tier, kvtier's primary one) and "
                 f"disk_bytes={settings.disk_bytes} of kv_connector_extra_config: {exc}"
             ) from exc

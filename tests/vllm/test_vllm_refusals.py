@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
+import kvtier
 from kvtier.vllm import KVTierConnector, host_pool
 from kvtier.vllm.connector import check_one_process
 from tests.vllm.harness import BLOCK, attention_spec, kv_cache_config, layer_names, vllm_config
@@ -75,3 +76,12 @@ def test_a_load_failure_policy_that_fails_requests_is_warned_about_where_kvtier_
     warned = [r.getMessage() for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
     assert len(warned) == 1 and "'fail'" in warned[0] and "in kvtier's entry too" in warned[0]
     connector.shutdown()
+
+
+def test_a_disk_tier_too_large_to_track_names_the_setting(tmp_path):
+    """Before: ``OutOfPagesError: cannot allocate the tiers' memory ()``, naming nothing."""
+    config = vllm_config(tmp_path, {"disk_bytes": 2**62, "disk_path": str(tmp_path / "disk")})
+    kv_config = kv_cache_config(config, [(layer_names(3), attention_spec())], 16)
+    with pytest.raises(kvtier.OutOfPagesError, match=r"host_bytes=.* and disk_bytes=.*out of memory"):
+        KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    assert host_pool.lookup(str(config.kv_transfer_config.engine_id)) is None
