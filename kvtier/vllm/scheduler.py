@@ -67,7 +67,7 @@ from kvtier.vllm.kv_groups import ModelPlan
 from kvtier.vllm.lease import Lease, LeaseState
 from kvtier.vllm.meta import KVTierMetadata, KVTierWorkerMeta
 from kvtier.vllm.settings import ConnectorSettings
-from kvtier.vllm.store_tier import BlockChain, StoreTier, open_store
+from kvtier.vllm.store_tier import BlockChain, StoreTier, check_store_url, open_store
 from kvtier.vllm.transfer import Direction, GroupBlocks, GroupPlan, TransferJob
 
 if TYPE_CHECKING:
@@ -118,6 +118,8 @@ class KVTierScheduler:
 
     def __init__(self, plan: ModelPlan, settings: ConnectorSettings, engine_id: str) -> None:
         self.plan = plan
+        if settings.store_url is not None:  # refused before the tiers are made (a disk directory)
+            _check_store(plan, settings.store_url)
         self.manager = _open_manager(plan, settings)
         self._engine_id = engine_id
         layout = self.manager.layout()
@@ -540,11 +542,15 @@ class KVTierScheduler:
         host_pool.withdraw(self._engine_id)
 
 
-def _store_tier(plan: ModelPlan, url: str, buffers: tuple[torch.Tensor, ...]) -> StoreTier:
-    """The store ``store_url`` names over the host pages; ``NotImplementedError`` for a model with a
-    sliding window, ``ValueError`` for a URL that names no store."""
+def _check_store(plan: ModelPlan, url: str) -> None:
+    """``NotImplementedError`` for a model with a sliding window, ``ValueError`` for a URL that names no store."""
     if plan.has_sliding_window:
         raise NotImplementedError("kvtier.vllm: store_url is served for full-attention models only")
+    check_store_url(url)
+
+
+def _store_tier(plan: ModelPlan, url: str, buffers: tuple[torch.Tensor, ...]) -> StoreTier:
+    """The store ``store_url`` names over the host pages (``_check_store`` passed)."""
     keyspace = BlockKeyspace.for_model(plan.spec, plan.block_size)
     return StoreTier(open_store(url), keyspace, buffers, [g.host_page_bytes for g in plan.groups])
 

@@ -40,24 +40,31 @@ REDIS_SCHEMES = ("redis", "rediss", "redis-cluster", "redis-sentinel")
 FIRST_PROBE = 8  # blocks checked before the rest of a request's blocks are
 
 
-def open_store(url: str) -> BlockStore:
-    """The store a ``store_url`` names: a Redis/Valkey URL, or ``file:///path`` (a shared directory)."""
-    scheme = urlparse(url).scheme
-    if scheme in REDIS_SCHEMES:
-        return RedisStore(url)
-    if scheme == "file":
-        parsed = urlparse(url)
+def check_store_url(url: str) -> None:
+    """``ValueError`` unless ``url`` is a Redis/Valkey URL or ``file:///path`` (checked before
+    anything is built: the URL's form only, not whether the store answers)."""
+    parsed = urlparse(url)
+    if parsed.scheme in REDIS_SCHEMES:
+        return
+    if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):  # file://dir/x: "dir" is a host, the path /x
             raise ValueError(
                 f"kvtier.vllm: store_url {url!r} names the host {parsed.netloc!r}; a shared directory is "
                 "file:///absolute/path"
             )
-        path = parsed.path
-        if not path:
+        if not parsed.path:
             raise ValueError(f"kvtier.vllm: store_url {url!r} names no directory (file:///path)")
-        return FileSystemStore(os.fspath(path))
+        return
     schemes = [*REDIS_SCHEMES, "file"]
     raise ValueError(f"kvtier.vllm: store_url must start with one of {schemes}://, got {redact_url(url)!r}")
+
+
+def open_store(url: str) -> BlockStore:
+    """The store a ``store_url`` names: a Redis/Valkey URL, or ``file:///path`` (a shared directory)."""
+    check_store_url(url)
+    if urlparse(url).scheme in REDIS_SCHEMES:
+        return RedisStore(url)
+    return FileSystemStore(os.fspath(urlparse(url).path))
 
 
 class BlockChain:

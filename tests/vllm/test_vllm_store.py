@@ -294,3 +294,8 @@ def test_store_settings_are_checked(tmp_path):
     groups = [(layer_names(2), attention_spec()), (layer_names(2, first=2), attention_spec(window=32))]
     with pytest.raises(NotImplementedError, match="full-attention models only"):
         KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(config, groups, 16))
+    disk = {"disk_bytes": 1 << 20, "disk_path": str(tmp_path / "disk")}
+    config = vllm_config(tmp_path, {**disk, "store_url": "http://x"})
+    with pytest.raises(ValueError, match="store_url must start with"):
+        KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    assert not (tmp_path / "disk").exists()  # refused before the disk tier was made (before: its files stayed)
