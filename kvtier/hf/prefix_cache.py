@@ -291,6 +291,9 @@ class PrefixCache:
                 arguments["use_cache"] = True  # over a generation config's use_cache=False (checked: not the call's)
                 out = self.model.generate(input_ids, attention_mask=attention_mask, **arguments)
                 self._last.tokens = reused  # (a call made from inside this one, by a callback, set its own)
+            except BaseException:
+                self._last.tokens = [0] * len(reused)  # a call that raised gave nothing: it reused nothing
+                raise
             finally:
                 for hook in hooks:
                     hook.remove()

@@ -439,3 +439,27 @@ def test_a_call_made_from_inside_another_leaves_each_its_own_reuse():
         got = pc.generate(ids, max_new_tokens=3, prefix_allowed_tokens_fn=allowed)
         assert torch.equal(got, model.generate(ids, max_new_tokens=3, prefix_allowed_tokens_fn=allowed))
         assert seen["inner"] == [36] and pc.last_reused_tokens == [40]
+
+
+def test_a_call_that_raises_inside_generate_reports_no_reuse():
+    """A stopping criterion that raises: ``generate`` fails after kvtier loaded the prefix. Before,
+    ``last_reused_tokens`` still told of the reuse the failed call had planned."""
+    model = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(13), 40)
+
+    class Broken(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            raise RuntimeError("a stopping criterion that breaks")
+
+    with PrefixCache(model, tiers_config(model, 60)) as pc:
+        pc.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False)
+        with pytest.raises(RuntimeError, match="breaks"):
+            pc.generate(
+                torch.tensor([[*prompt, 5]]),
+                max_new_tokens=2,
+                do_sample=False,
+                stopping_criteria=transformers.StoppingCriteriaList([Broken()]),
+            )
+        assert pc.last_reused_tokens == [0]
+        pc.generate(torch.tensor([[*prompt, 5]]), max_new_tokens=2, do_sample=False)
+        assert pc.last_reused_tokens == [40]
