@@ -29,7 +29,7 @@ from prometheus_client import generate_latest
 import kvtier
 from kvtier.metrics import registry_for
 from tests.kvdata import PageOracle
-from tests.test_tiers import convo, manager, prefill
+from tests.test_tiers import TPB, convo, manager, prefill
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = [4242 + (i % 5) for i in range(16)]  # a shared system prompt: 4 blocks of 4 tokens
@@ -657,3 +657,29 @@ def test_repeated_failures_log_a_first_line_then_summaries(caplog):
     assert "slot 0" in lines[0] and "summarised every 60 s" in lines[0]
     assert "600 more in the last 60 s (601 in all; the last: slot 600" in lines[1]
     assert "399 more" in lines[2] and "1000 in all" in lines[2] and "slot 999" in lines[2]
+
+
+def test_a_restart_with_a_smaller_disk_quota_says_so_and_serves_what_fits(tmp_path, caplog):
+    """Before: the pages past the smaller quota were reported at ERROR as rows that "did not check
+    out", the words of damage."""
+    mgr = manager(tmp_path, primary=4, host=0, disk=32)
+    oracle = PageOracle(mgr)
+    prompts = [convo(i, 3 * TPB) + [7] for i in range(8)]  # 24 pages pushed onto the disk
+    for tokens in prompts:
+        prefill(mgr, oracle, tokens)
+    mgr.close()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        again = manager(tmp_path, primary=4, host=0, disk=8)
+    assert "lay past its quota" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    served = 0
+    oracle = PageOracle(again)
+    for tokens in prompts:  # what fits is served, byte for byte
+        cache = again.create_cache(tokens + [1])
+        served += cache.num_reused_tokens
+        assert cache.resume()
+        oracle.check(cache, tokens + [1])
+        cache.close()
+    assert served > 0
+    again.check_invariants()
+    again.close()

@@ -5,8 +5,9 @@ level up, and its tokens must hash (under the parent's key) to its key; a top bl
 the dormant root of its scope's tag (``RadixTree.dormant_root``) and is checked against the
 scope's root key when the scope is first used. A page row must name a restored block, a group,
 slot and snapshot offset that fit this manager, and no slot or (block, group) another row took.
-A row that fails is deleted, and an ERROR line says how many were lost. Page bytes are verified
-against their checksum when they are first read.
+A row that fails is deleted, and an ERROR line says how many were lost; rows of slots past a
+quota that shrank since are dropped with a WARNING that says so (they are not damage). Page bytes
+are verified against their checksum when they are first read.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], count
             nodes[row.block_key] = node
             tier.written[row.block_key] = node
     taken: list[set[int]] = [set() for _ in rules]
-    restored = rejected_pages = 0
+    restored = rejected_pages = past_quota = 0
     for row in index.pages:
-        if _restore_page(row, tier, tree, rules, nodes, taken) is None:
+        if 0 <= row.group < len(rules) and row.slot >= tier.storage.slots[row.group].num_slots:
+            past_quota += 1  # written under a larger disk_bytes: not damage
+            index.delete(row.block_key, row.group, row.snapshot_offset)
+        elif _restore_page(row, tier, tree, rules, nodes, taken) is None:
             rejected_pages += 1
             index.delete(row.block_key, row.group, row.snapshot_offset)
         else:
@@ -72,6 +76,14 @@ def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], count
             index.path,
             index.rejected + rejected_nodes,
             rejected_pages,
+            restored,
+        )
+    if past_quota:
+        log.warning(
+            "kvtier disk tier: %d pages of %s lay past its quota (disk_bytes is smaller than when they were "
+            "written) and were dropped; %d pages restored",
+            past_quota,
+            index.path,
             restored,
         )
     if not tier.writable and index.directory.readable:
