@@ -661,7 +661,8 @@ def test_repeated_failures_log_a_first_line_then_summaries(caplog):
 
 def test_a_restart_with_a_smaller_disk_quota_says_so_and_serves_what_fits(tmp_path, caplog):
     """Before: the pages past the smaller quota were reported at ERROR as rows that "did not check
-    out", the words of damage."""
+    out", the words of damage, and the blocks below them kept their slots though no match could
+    reach them."""
     mgr = manager(tmp_path, primary=4, host=0, disk=32)
     oracle = PageOracle(mgr)
     prompts = [convo(i, 3 * TPB) + [7] for i in range(8)]  # 24 pages pushed onto the disk
@@ -681,5 +682,9 @@ def test_a_restart_with_a_smaller_disk_quota_says_so_and_serves_what_fits(tmp_pa
         oracle.check(cache, tokens + [1])
         cache.close()
     assert served > 0
+    # Every page kept on disk is reachable: a chain whose head went past the quota lost its
+    # children too (before, they kept their slots, never to be reused, until evicted).
+    assert again.stats().tiers["disk"].pages_used == served // TPB
+    assert "could never be reused" in caplog.text
     again.check_invariants()
     again.close()

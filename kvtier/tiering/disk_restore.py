@@ -6,7 +6,8 @@ the dormant root of its scope's tag (``RadixTree.dormant_root``) and is checked 
 scope's root key when the scope is first used. A page row must name a restored block, a group,
 slot and snapshot offset that fit this manager, and no slot or (block, group) another row took.
 A row that fails is deleted, and an ERROR line says how many were lost; rows of slots past a
-quota that shrank since are dropped with a WARNING that says so (they are not damage). Page bytes
+quota that shrank since are dropped with a WARNING that says so (they are not damage). Pages no
+match could reach (below a block left without a full-attention page) are dropped too. Page bytes
 are verified against their checksum when they are first read.
 """
 
@@ -58,6 +59,7 @@ def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], count
             index.delete(row.block_key, row.group, row.snapshot_offset)
         else:
             restored += 1
+    unreachable = _drop_unreachable(tree, tier, rules, index, taken)
     for group, slots in enumerate(taken):
         tier.storage.slots[group].reserve(sorted(slots))
     for group in range(len(rules)):
@@ -85,6 +87,13 @@ def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], count
             past_quota,
             index.path,
             restored,
+        )
+    if unreachable:
+        log.warning(
+            "kvtier disk tier: %d pages of %s lay below blocks with no page left (lost, or past the quota) and "
+            "could never be reused; they were dropped",
+            unreachable,
+            index.path,
         )
     if not tier.writable and index.directory.readable:
         log.warning(
@@ -147,6 +156,34 @@ def _restore_page(
     tier.owners[row.group][row.slot] = page
     taken[row.group].add(row.slot)
     return page
+
+
+def _drop_unreachable(
+    tree: RadixTree, tier: Tier, rules: list[GroupRule], index: DiskIndex, taken: list[set[int]]
+) -> int:
+    """Drop the restored pages no match can reach: those of a block, and of every block below it,
+    when the block has no page of a full-attention group (a match needs every earlier block's).
+    Their rows are deleted and their slots left free. Returns how many were dropped."""
+    full = [rule.group_id for rule in rules if rule.kind is GroupKind.ATTENTION]
+    if not full:
+        return 0
+    dropped = 0
+    roots = [*tree.roots.values(), *tree.dormant.values()]
+    stack = [(child, True) for root in roots for child in root.children.values()]
+    while stack:
+        node, reachable = stack.pop()
+        reachable = reachable and all(node.pages[g] is not None for g in full)
+        if not reachable:
+            for page in [*node.snapshots.values(), *(p for p in node.pages if p is not None)]:
+                index.delete(node.key, page.group, page.snapshot_offset)
+                tier.owners[page.group][page.slot] = None
+                taken[page.group].discard(page.slot)
+                page.node = None
+                dropped += 1
+            node.pages = [None] * len(node.pages)
+            node.snapshots = {}
+        stack.extend((child, reachable) for child in node.children.values())
+    return dropped
 
 
 def _prune(tree: RadixTree, tier: Tier) -> None:
