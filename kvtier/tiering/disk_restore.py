@@ -130,7 +130,7 @@ def _restore_page(
     node = nodes.get(row.block_key)
     if node is None or not 0 <= row.group < len(rules):
         return None
-    if not 0 <= row.slot < tier.storage.slots[row.group].num_slots or row.slot in taken[row.group]:
+    if row.slot < 0 or row.slot in taken[row.group]:  # (slots past the quota were dropped before)
         return None
     if not 0 <= row.priority <= 100:
         return None

@@ -62,9 +62,8 @@ def check_store_url(url: str) -> None:
 def open_store(url: str) -> BlockStore:
     """The store a ``store_url`` names: a Redis/Valkey URL, or ``file:///path`` (a shared directory)."""
     check_store_url(url)
-    if urlparse(url).scheme in REDIS_SCHEMES:
-        return RedisStore(url)
-    return FileSystemStore(os.fspath(urlparse(url).path))
+    parsed = urlparse(url)
+    return RedisStore(url) if parsed.scheme in REDIS_SCHEMES else FileSystemStore(os.fspath(parsed.path))
 
 
 class BlockChain:
