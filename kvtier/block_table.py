@@ -117,11 +117,13 @@ class BlockTable:
             self.stale_end[g] = new_end
 
     def release_all(self, locked: bool) -> None:
-        """Release every page, newest first, and empty the table."""
-        self._res.release_all(self.live_pages()[::-1], locked)
+        """Empty the table, then release every page it held, newest first (an interrupt in between
+        never leaves the table holding pages already released)."""
+        pages = self.live_pages()[::-1]
         self.blocks = [[] for _ in self._rules]
         self.state_page = None
         self.stale_end = [rule.sink_blocks for rule in self._rules]
+        self._res.release_all(pages, locked)
 
     def refresh_slots(self) -> None:
         """Rewrite every slot array from the blocks (after pages moved)."""

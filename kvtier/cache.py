@@ -88,7 +88,11 @@ class KVCache:
         self.reused_by_tier = dict.fromkeys(TIER_NAMES, 0)
         match = pool.match(tokens, scope)
         if match is not None:
-            self._adopt(match, tokens)
+            try:
+                self._adopt(match, tokens)
+            except BaseException:  # an interrupt: nothing stays held by a cache that never was
+                self._release_holds(locked=False)
+                raise
         pool.holders.add(self)
 
     # -- public state ------------------------------------------------------------------------------
@@ -306,14 +310,25 @@ class KVCache:
     def _let_go(self, locked: bool) -> None:
         """Release every page (``locked``: the cache's locks too), pending source and the chain: the
         cache holds nothing after, as a new cache that matched nothing."""
-        self._table.release_all(locked)
-        for source in self._pending:
-            self._res.release(source, locked=False)
-        self._pending = []
-        self._chain.drop()
+        self._release_holds(locked)
         self._tokens = array("Q")
         self._num_blocks = self._capacity = self._history = self.num_reused_tokens = 0
         self.reused_by_tier = dict.fromkeys(self.reused_by_tier, 0)
+
+    def _release_holds(self, locked: bool) -> None:
+        """Release the table's pages (``locked``: their locks too), the pending sources and the chain.
+
+        Each hold is detached from the cache before it is released, and every release is tried
+        even when one is interrupted: an interrupt never releases a page twice nor leaves one held.
+        """
+        pending, self._pending = self._pending, []
+        try:
+            self._table.release_all(locked)
+        finally:
+            try:
+                self._res.release_all(pending, locked=False)
+            finally:
+                self._chain.drop()
 
     @exclusive
     def suspend(self) -> None:
@@ -321,8 +336,8 @@ class KVCache:
         if self._state is not _ACTIVE:
             self._check_open()
             return
+        self._state = CacheState.SUSPENDED  # first: an interrupt below never unlocks twice
         self._res.unlock_all(self._table.live_pages()[::-1])
-        self._state = CacheState.SUSPENDED
         self._pool.debug_check()
 
     @exclusive
@@ -330,14 +345,11 @@ class KVCache:
         """Release every page; published blocks stay in the tree for reuse. Idempotent."""
         if self._state is CacheState.CLOSED:
             return
-        self._table.release_all(locked=self._state is _ACTIVE)
-        for source in self._pending:
-            self._res.release(source, locked=False)
-        self._pending = []
-        self._chain.drop()
+        locked = self._state is _ACTIVE
+        self._state = CacheState.CLOSED  # first: a close retried after an interrupt releases nothing twice
         self._num_blocks = 0
-        self._state = CacheState.CLOSED
         self._pool.holders.discard(self)
+        self._release_holds(locked)
         self._pool.debug_check()
 
     # -- growth ------------------------------------------------------------------------------------

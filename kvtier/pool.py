@@ -5,7 +5,8 @@ planner (what to move), the mover (the copies), the layer groups' rules and the 
 Caches (``kvtier.cache``) and the manager (``kvtier.manager``) both stand on it. Every
 operation that moves pages fills a ``MovePlan`` through the planner and hands it to ``apply``:
 the mover copies the data, ordered before later work on the caller's stream, then the planner
-finishes the bookkeeping.
+finishes the bookkeeping. A plan whose planning or copies raise is abandoned (``_moving``): the
+pages it was to write are never served.
 
 ``guard`` is the lock that ``kvtier.exclusive`` claims (one thread at a time changes the pool);
 ``holders`` are the open caches, which the invariant check counts.
@@ -16,7 +17,8 @@ from __future__ import annotations
 import logging
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -190,14 +192,28 @@ class PagePool:
 
     # -- moving pages ------------------------------------------------------------------------------
 
-    def apply(self, plan: MovePlan, stream: torch.cuda.Stream | None = None) -> int:
+    def apply(self, plan: MovePlan, stream: torch.cuda.Stream | None = None, background: bool = False) -> int:
         """Run the plan's copies (ordered before later work on ``stream``), then finish its bookkeeping.
 
         Returns how many pages failed their checksum on the way (they are marked damaged).
         """
-        damaged = self.mover.run(plan, stream)
+        damaged = self.mover.run(plan, stream, background)
         self.planner.finish(plan)
         return damaged
+
+    @contextmanager
+    def _moving(self) -> Iterator[MovePlan]:
+        """A new plan, for the body to fill and ``apply``. When the body raises (an interrupt, a
+        failing copy or disk write) the plan is abandoned: the pages it was to write are lost,
+        never served (``MovePlanner.abandon``), and the exception goes on."""
+        plan = MovePlan()
+        try:
+            yield plan
+        except BaseException:
+            if plan.edges or plan.landed or plan.kept_copies or plan.deferred_frees:
+                log.warning("kvtier: page moves cut short by an exception; the pages they were writing are dropped")
+            self.planner.abandon(plan)
+            raise
 
     def primary_slots(self, group: int) -> int:
         """Slots of a layer group in the primary tier: more pages than this can never be locked at once."""
@@ -205,9 +221,9 @@ class PagePool:
 
     def reserve(self, need: dict[int, int]) -> bool:
         """Make room in the primary tier for ``need[g]`` new pages of each group (evictions run now)."""
-        plan = MovePlan()
-        ok = all(self.planner.make_room(PRIMARY, g, n, plan) for g, n in need.items())
-        self.apply(plan)
+        with self._moving() as plan:
+            ok = all(self.planner.make_room(PRIMARY, g, n, plan) for g, n in need.items())
+            self.apply(plan)
         return ok
 
     def new_page(self, group: GroupId, priority: int, locked: bool) -> Page:
@@ -232,20 +248,26 @@ class PagePool:
         need, damaged = res.lock_all(pages)
         cold = pages if need else []  # only pages outside the primary tier move
         _, damaged_copy = res.lock_all(copies)
-        for page in copies:
-            need[page.group] = need.get(page.group, 0) + 1
-        for group in fresh:
-            need[group] = need.get(group, 0) + 1
-        plan = MovePlan()
-        ok = self.planner.promote(cold, plan, need)
         new: list[Page] = []
-        if ok:
-            for source in copies:
-                page = self.new_page(source.group, priority, locked=True)
-                plan.add(source.tier, PRIMARY, source.group, source.slot, page.slot)
-                new.append(page)
-            new.extend(self.new_page(group, priority, locked=True) for group in fresh)
-        damaged = self.apply(plan, stream) > 0 or damaged or damaged_copy
+        try:
+            for page in copies:
+                need[page.group] = need.get(page.group, 0) + 1
+            for group in fresh:
+                need[group] = need.get(group, 0) + 1
+            with self._moving() as plan:
+                ok = self.planner.promote(cold, plan, need)
+                if ok:
+                    for source in copies:
+                        page = self.new_page(source.group, priority, locked=True)
+                        plan.add(source.tier, PRIMARY, source.group, source.slot, page.slot)
+                        new.append(page)
+                    new.extend(self.new_page(group, priority, locked=True) for group in fresh)
+                damaged = self.apply(plan, stream) > 0 or damaged or damaged_copy
+        except BaseException:  # an interrupt or a failed copy: the caller's holds as they were
+            res.release_all(new, locked=True)
+            res.unlock_all(pages)
+            res.unlock_all(copies)
+            raise
         if not ok:
             res.unlock_all(pages)
             res.unlock_all(copies)
@@ -258,13 +280,13 @@ class PagePool:
         """A new primary page holding a copy of ``source`` (a primary page), held unlocked by the
         caller; None when no room can be made for it."""
         group = source.group
-        plan = MovePlan()
-        if not self.planner.make_room(PRIMARY, group, 1, plan):
+        with self._moving() as plan:
+            if not self.planner.make_room(PRIMARY, group, 1, plan):
+                self.apply(plan)
+                return None
+            page = self.new_page(group, priority, locked=False)
+            plan.add(PRIMARY, PRIMARY, group, source.slot, page.slot)
             self.apply(plan)
-            return None
-        page = self.new_page(group, priority, locked=False)
-        plan.add(PRIMARY, PRIMARY, group, source.slot, page.slot)
-        self.apply(plan)
         return page
 
     def prefetch(self, match: ReuseMatch, stream=None) -> int:
@@ -279,11 +301,13 @@ class PagePool:
         res = self.residency
         need, _ = res.lock_all(pages)
         cold = [page for page in pages if page.tier != PRIMARY]
-        plan = MovePlan()
-        if not self.planner.promote(cold, plan, need):
-            self._promote_while_room([page for page in cold if page.tier != PRIMARY], plan)
-        self.apply(plan, stream)
-        res.unlock_all(pages[::-1])
+        try:
+            with self._moving() as plan:
+                if not self.planner.promote(cold, plan, need):
+                    self._promote_while_room([page for page in cold if page.tier != PRIMARY], plan)
+                self.apply(plan, stream)
+        finally:
+            res.unlock_all(pages[::-1])
         return sum([page.tier == PRIMARY for page in cold])
 
     def _promote_while_room(self, pages: list[Page], plan: MovePlan) -> None:
@@ -306,10 +330,9 @@ class PagePool:
         background = self.background
         if not background.enabled or self.mover.background_busy():
             return 0
-        plan = MovePlan()
-        planned = background.plan(plan)
-        self.mover.run(plan, background=True)
-        self.planner.finish(plan)
+        with self._moving() as plan:
+            planned = background.plan(plan)
+            self.apply(plan, background=True)
         return planned
 
     def forget_scope(self, scope: ReuseScope) -> int:
@@ -338,22 +361,22 @@ class PagePool:
             return None
         pages = match.pages(self.rules)
         res = self.residency
-        for page in pages:
-            res.lock(page)  # making room in host memory never evicts the prefix itself
-        need: dict[int, int] = {}
-        for page in pages:
-            if page.tier == prefetcher.disk.index and not page.damaged and not prefetcher.pins[id(page)]:
-                need[page.group] = need.get(page.group, 0) + 1
-        plan = MovePlan()
-        host = prefetcher.host
-        for group, count in need.items():  # room for as many as can be had: the first pages of the prefix
-            room = host.storage.slots[group].num_free + len(host.evictable[group])  # an upper bound
-            self.planner.make_room(host.index, group, min(count, room), plan)
-        self.apply(plan)
-        self.mover.synchronize()  # host slots it may take (a copy's) can still be landing from the device
-        job = prefetcher.start(pages)
-        res.unlock_all(pages[::-1])
-        return job
+        res.lock_all(pages)  # making room in host memory never evicts the prefix itself
+        try:
+            need: dict[int, int] = {}
+            for page in pages:
+                if page.tier == prefetcher.disk.index and not page.damaged and not prefetcher.pins[id(page)]:
+                    need[page.group] = need.get(page.group, 0) + 1
+            host = prefetcher.host
+            with self._moving() as plan:
+                for group, count in need.items():  # room for as many as can be had: the prefix's first pages
+                    room = host.storage.slots[group].num_free + len(host.evictable[group])  # an upper bound
+                    self.planner.make_room(host.index, group, min(count, room), plan)
+                self.apply(plan)
+            self.mover.synchronize()  # host slots it may take (a copy's) can still be landing from the device
+            return prefetcher.start(pages)
+        finally:
+            res.unlock_all(pages[::-1])
 
     def persist(self) -> None:
         """Write published pages still in memory to the disk tier's free slots, parents first (at close),
@@ -362,9 +385,9 @@ class PagePool:
             self.prefetcher.close()  # its pins and reserved slots go before anything is written
         if self.write_behind is not None:
             self.write_behind.close()
-        plan = MovePlan()
-        self.planner.persist(plan)
-        self.apply(plan)
+        with self._moving() as plan:
+            self.planner.persist(plan)
+            self.apply(plan)
 
     def close(self) -> None:
         """Release the tiers' memory and files (every holder has let go)."""

@@ -106,11 +106,13 @@ class PublishedChain:
 
     def drop(self) -> None:
         """Let go of the pending snapshot and of the chain (pruning what no one else uses)."""
-        if self.pending_snapshot is not None:
-            self._pool.residency.release(self.pending_snapshot, locked=False)
-            self.pending_snapshot = None
-        if self.nodes:
-            deepest = self.nodes[-1]
-            deepest.users -= 1
-            self._pool.tree.prune(deepest)
-        self.nodes = []
+        snapshot, nodes = self.pending_snapshot, self.nodes  # detached first: an interrupt never releases twice
+        self.pending_snapshot, self.nodes = None, []
+        try:
+            if snapshot is not None:
+                self._pool.residency.release(snapshot, locked=False)
+        finally:
+            if nodes:
+                deepest = nodes[-1]
+                deepest.users -= 1
+                self._pool.tree.prune(deepest)

@@ -25,7 +25,7 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Final
 
 import numpy as np
@@ -105,8 +105,8 @@ class DiskStorage:
             try:
                 checksum = page_checksum(data)
                 written = os.pwrite(fd, memoryview(data), slot * pb)
-            except OSError as exc:
-                return f"group {group} slot {slot}: {exc}"
+            except Exception as exc:  # the disk's (OSError) or the host's (MemoryError): not written
+                return f"group {group} slot {slot}: {type(exc).__name__}: {exc}"
             if written != pb:
                 return f"group {group} slot {slot}: short write ({written} of {pb} bytes)"
             return checksum
@@ -126,9 +126,9 @@ class DiskStorage:
         def one(slot: int, out: np.ndarray, checksum: int) -> bool | str:
             try:
                 got = os.preadv(fd, [memoryview(out)], slot * pb)
-            except OSError as exc:
-                return f"group {group} slot {slot}: {exc}"
-            return got == pb and page_checksum(out) == checksum
+                return got == pb and page_checksum(out) == checksum
+            except Exception as exc:  # the disk's (OSError) or the host's (MemoryError): not read
+                return f"group {group} slot {slot}: {type(exc).__name__}: {exc}"
 
         results = _run(self._pool, one, slots, into, checksums)
         _log_failures(results, self._read_failures)
@@ -167,7 +167,13 @@ def _run(pool: ThreadPoolExecutor, fn, *iterables) -> list:
         futures = [pool.submit(fn, *args) for args in zip(*iterables, strict=True)]
     except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
         return [fn(*args) for args in zip(*iterables, strict=True)]
-    return [future.result() for future in futures]
+    try:
+        return [future.result() for future in futures]
+    except BaseException:  # an interrupt: none is left writing into buffers the caller hands on
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        raise
 
 
 def _open_page_file(directory: DiskDirectory, group: int, size: int) -> int | None:

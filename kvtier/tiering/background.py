@@ -2,9 +2,9 @@
 
 *Write-through*: published primary pages that became evictable (``Tier.watch``, oldest first)
 are copied to free host slots, or to slots of copies whose originals left the primary tier,
-never pushing a page out (pages waiting for room stay watched). The copy
-is owned by the host tier (``Tier.add_copy``, spare: the first to go when room is wanted there),
-so evicting the original later takes the copy's slot and moves no byte.
+never pushing a page out (pages waiting for room stay watched). Once its copy has run, the copy
+is owned by the host tier (the plan's ``kept_copies``, spare: the first to go when room is wanted
+there), so evicting the original later takes the copy's slot and moves no byte.
 
 *Free reserve*: each layer group keeps ``PrimaryTier.free_reserve`` of its slots free by
 demoting its coldest pages (those with a copy below move no byte).
@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-from kvtier.pages import Page
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.planner import MovePlanner
 from kvtier.tiering.residency import PRIMARY
@@ -80,7 +79,6 @@ class BackgroundWork:
         page_bytes = self.primary.storage.page_bytes
         budget = self.batch_bytes
         full: set[int] = set()
-        planned_copies: set[Page] = set()
         planned = 0
         for _ in range(len(watch)):
             if budget <= 0 or len(full) == len(page_bytes):
@@ -97,14 +95,15 @@ class BackgroundWork:
                 continue  # nothing to copy, now or later
             # never in place of another copy of a primary page: those are as good, and older ones
             # are nearer to eviction (a copy's slot is taken only from pages gone from the GPU)
-            slot = None if group in full else host.slot_for_copy(group, planned_copies, unless_original_in=PRIMARY)
+            slot = None if group in full else host.slot_for_copy(group, unless_original_in=PRIMARY)
             if slot is None:
                 full.add(group)
                 watch[page] = None  # kept for a later batch, when host memory has room again
                 continue
             plan.add(PRIMARY, host.index, group, page.slot, slot)
-            host.add_copy(page, slot, 0, spare=True)
-            planned_copies.add(host.copies[page])
+            copies, slots = plan.kept_copies[host.index]  # owned by the host once written (``finish``)
+            copies.append(page)
+            slots.append(slot)
             budget -= page_bytes[group]
             planned += 1
         return planned

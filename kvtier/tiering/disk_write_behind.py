@@ -164,10 +164,13 @@ class DiskWriteBehind:
             if slot is None:
                 break
             found.append(slot)
-        if found and not disk.disk_index.flush():  # a slot is rewritten only once no row names it
-            allocator.free_all(found)
-            return []
-        return found
+        committed = False
+        try:
+            committed = not found or disk.disk_index.flush()  # a slot is rewritten only once no row names it
+        finally:
+            if not committed:  # a failed commit or an interrupt: the slots go back
+                allocator.free_all(found)
+        return found if committed else []
 
     def _write(self, batch: WriteBatch, wait_for_device: Callable[[], None]) -> None:
         """On the worker thread: wait for the device, then write and checksum the batch's pages."""

@@ -17,6 +17,7 @@ where the bytes of a page are and when they have landed).
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from typing import Protocol
 
@@ -24,6 +25,8 @@ from kvtier.pages import Page
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.residency import Residency
 from kvtier.tiering.tier import Tier
+
+log = logging.getLogger(__name__)
 
 PERSIST_CHUNK_BYTES = 64 << 20  # the close-time persist commits the index after each part of this size
 
@@ -80,7 +83,7 @@ class DiskWritePlanner:
             pending.append(page)
             slots.append(slot)
         if pending:
-            checksums = self.writer.write_pages(pending, slots)
+            checksums = self._write(pending, slots)
             for page, slot, checksum in zip(pending, slots, checksums, strict=True):
                 if checksum is None:
                     allocator.free(slot)
@@ -89,6 +92,19 @@ class DiskWritePlanner:
                     self._land(page, slot, checksum)
         if blocking:
             self._copy_ancestors(victims, plan)
+
+    def _write(self, pages: list[Page], slots: list[int]) -> list[int | None]:
+        """``DiskWriter.write_pages`` into slots allocated for them. An error on the way (a failing
+        device copy into the staging buffer) fails every write (None each, logged); an interrupt
+        frees the slots again and goes on."""
+        try:
+            return self.writer.write_pages(pages, slots)
+        except Exception:
+            log.exception("kvtier disk tier: writing %d pages failed; they are not written", len(pages))
+            return [None] * len(pages)
+        except BaseException:
+            self.disk.storage.slots[pages[0].group].free_all(slots)
+            raise
 
     def land_on_copies(self, victims: list[Page]) -> list[Page]:
         """Demote the victims (one tier, one group) whose copy is on disk into the copy's slot, with no
@@ -142,7 +158,7 @@ class DiskWritePlanner:
         priority = max(p.priority for p in victims)
         for pages in by_tier.values():
             slots = [allocator.allocate() for _ in pages]
-            for page, slot, checksum in zip(pages, slots, self.writer.write_pages(pages, slots), strict=True):
+            for page, slot, checksum in zip(pages, slots, self._write(pages, slots), strict=True):
                 if checksum is None:
                     allocator.free(slot)
                 else:

@@ -23,6 +23,7 @@ are and waits for them to land before writing them to disk.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
@@ -37,6 +38,8 @@ from kvtier.tiering.duplex import NO_WAIT, READY, schedule
 from kvtier.tiering.load_cost import LoadCost
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.tier import Tier
+
+log = logging.getLogger(__name__)
 
 DISK_CHUNK_BYTES = 64 << 20  # disk reads go to the GPU in parts of this size, each copied as the next is read
 
@@ -65,7 +68,8 @@ class Mover:
         ``background``: on the mover's low-priority stream, after the work queued on the current
         stream; the next plan run on any other stream waits for it, even a plan without copies
         (its slots may be ones the background copies still read). Returns how many pages failed
-        their checksum on the way (listed in ``plan.damaged``).
+        their checksum on the way (listed in ``plan.damaged``). An exception raised on the way
+        (an interrupt, a failing copy) leaves no copy running; the caller abandons the plan.
         """
         damaged = 0
         if self._background_pending and not background and not self.background_busy():
@@ -73,13 +77,26 @@ class Mover:
         if plan.edges or self._background_pending:
             stream = self._stream(stream, background)
             if plan.edges:
-                self._run_edges(plan, stream)
+                try:
+                    self._run_edges(plan, stream)
+                except BaseException:
+                    self._drain()
+                    raise
             self._record(stream)
             self._background_pending = background and stream is not None
             if self._background_pending:
                 self._background_event = self._last_event
             damaged = len(plan.damaged)
         return damaged
+
+    def _drain(self) -> None:
+        """After copies were cut short: wait for those already queued on the device, so that none
+        writes a slot after the planner has handed it on (a device in error is left to the caller)."""
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:
+                log.warning("kvtier: the device failed while copies were cut short", exc_info=True)
 
     def background_busy(self) -> bool:
         """Whether copies of the last background plan may still be running."""

@@ -21,7 +21,9 @@ class MovePlan:
     ``deferred_frees``: slots per (tier, group) read by the plan, freed after it ran;
     ``kept_copies``: per source tier, promoted pages whose bytes stay behind there as a copy, and
     their slots there (two lists in step);
-    ``damaged``: pages whose bytes failed their checksum on the way (filled by the mover).
+    ``damaged``: pages whose bytes failed their checksum on the way (filled by the mover);
+    ``lost``: pages whose bytes may not have arrived because the copies were cut short by an
+    exception (filled by ``MovePlanner.abandon``).
     """
 
     edges: defaultdict[tuple[int, int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
@@ -31,6 +33,7 @@ class MovePlan:
         default_factory=lambda: defaultdict(lambda: ([], []))
     )
     damaged: list[Page] = field(default_factory=list)
+    lost: list[Page] = field(default_factory=list)
 
     def add(self, src_tier: int, dst_tier: int, group: int, src_slot: int, dst_slot: int) -> None:
         edge = self.edges[(src_tier, dst_tier, group)]

@@ -329,6 +329,8 @@ class MovePlanner:
             tiers[tier_index].index_arrivals(list(run))
         for page in plan.damaged:
             residency.mark_damaged(page)
+        for page in plan.lost:
+            residency.mark_damaged(page, failed_checksum=False)
         for tier_index, (pages, slots) in plan.kept_copies.items():
             tiers[tier_index].add_spare_copies(pages, slots)
         plan.kept_copies.clear()
@@ -336,8 +338,32 @@ class MovePlanner:
         plan.landed.clear()
         plan.edges.clear()
         plan.damaged.clear()
+        plan.lost.clear()
         if self.disk_writes is not None:
             self.disk_writes.disk.disk_index.flush()
+
+    def abandon(self, plan: MovePlan) -> None:
+        """``finish`` a plan whose copies were cut short by an exception (any number of them ran).
+
+        Every page a copy of the plan was to write is lost (marked damaged: never reused, its
+        holders start over), and so is every copy the plan was to leave in a slot it wrote
+        (a write-through copy); copies left behind in slots the plan only read stay valid.
+        """
+        written: set[tuple[int, int, int]] = set()
+        for (_, dst_index, group), flat in plan.edges.items():
+            owners = self.tiers[dst_index].owners[group]
+            for slot in flat[1::2]:
+                written.add((dst_index, group, slot))
+                if owners[slot] is not None:
+                    plan.lost.append(owners[slot])
+        for tier_index, (pages, slots) in plan.kept_copies.items():
+            valid = [(tier_index, page.group, slot) not in written for page, slot in zip(pages, slots, strict=True)]
+            for page, slot, ok in zip(pages, slots, valid, strict=True):
+                if not ok:
+                    self.tiers[tier_index].storage.slots[page.group].free(slot)
+            pages[:] = [page for page, ok in zip(pages, valid, strict=True) if ok]
+            slots[:] = [slot for slot, ok in zip(slots, valid, strict=True) if ok]
+        self.finish(plan)
 
 
 def _by_slot(pages: list[Page]) -> list[Page]:

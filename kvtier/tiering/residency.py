@@ -236,12 +236,13 @@ class Residency:
         self.counters.drops += len(nodes)
         self.tree.prune_all(nodes)
 
-    def mark_damaged(self, page: Page) -> None:
-        """``page``'s bytes failed their checksum: never reuse it; its holders start over on resume."""
+    def mark_damaged(self, page: Page, failed_checksum: bool = True) -> None:
+        """``page``'s bytes failed their checksum (or, ``failed_checksum`` False, may never have
+        arrived): never reuse it; its holders start over on resume."""
         if page.damaged:
             return
         page.damaged = True
-        self.counters.checksum_failures += 1
+        self.counters.checksum_failures += failed_checksum
         if page.node is not None:
             self.unpublish(page)
 

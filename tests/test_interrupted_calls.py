@@ -1,0 +1,229 @@
+"""Calls cut short: Ctrl-C while a resume waits for its disk reads, a copy that raises (a CUDA
+error, out of memory), a disk write that raises, an interrupt inside ``close``.
+
+Whatever was cut short, no page is served with bytes it never received (now, or after a restart
+on the same directory), no page stays locked or held by a call that is gone, and the call can
+be made again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvtier
+import kvtier.storage.page_files as page_files
+from kvtier.copy.copier import PageCopier
+from kvtier.tiering.mover import Mover
+from kvtier.tiering.tier import Tier
+from tests.kvdata import PageOracle, small_spec
+from tests.test_tiers import TPB, page_demand, prefill
+
+
+def three_tiers(path: Path, primary: int = 8, host: int = 8, disk: int = 32, write_through: bool = False):
+    spec = small_spec("llama")
+    d = page_demand(spec)
+    tiers = [
+        kvtier.PrimaryTier(int(d * primary) + 1),
+        kvtier.HostTier(int(d * host) + 1, write_through=write_through),
+        kvtier.DiskTier(int(d * disk) + 1, path),
+    ]
+    return kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers))
+
+
+def conversation(i: int, n: int = 12) -> list[int]:
+    return [10_000 * (i + 1) + 37 * j + 5 for j in range(n)]
+
+
+PROMPTS = [conversation(i) for i in range(6)]
+
+
+def serve_every_prompt(mgr: kvtier.KVCacheManager) -> None:
+    """Every prompt's reused prefix holds exactly its own bytes; the invariants hold."""
+    oracle = PageOracle(mgr)
+    for prompt in PROMPTS:
+        tokens = [*prompt, 1]
+        cache = mgr.create_cache(tokens)
+        assert cache.resume()
+        oracle.check(cache, tokens)
+        cache.close()
+    mgr.check_invariants()
+    assert mgr.stats().checksum_failures == 0
+
+
+def interrupt_disk_reads(monkeypatch, times: int = 1) -> None:
+    """The next ``times`` waits for page reads raise KeyboardInterrupt (Ctrl-C while waiting)."""
+    real = page_files._run
+    left = [times]
+
+    def run(pool, fn, *iterables):
+        if left[0] and "out" in fn.__code__.co_varnames:  # the page read's worker
+            left[0] -= 1
+            raise KeyboardInterrupt
+        return real(pool, fn, *iterables)
+
+    monkeypatch.setattr(page_files, "_run", run)
+
+
+def failing_copies(monkeypatch, error: BaseException) -> None:
+    def copy(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(PageCopier, "copy", copy)
+
+
+@pytest.mark.parametrize("fault", ["ctrl-c during the disk read", "a copy raising"])
+def test_a_resume_cut_short_never_serves_bytes_that_did_not_arrive(tmp_path, monkeypatch, fault):
+    mgr = three_tiers(tmp_path)
+    oracle = PageOracle(mgr)
+    for prompt in PROMPTS:
+        prefill(mgr, oracle, prompt)  # 6 x 3 pages through 8 + 8: the first prompt ends on disk
+    tokens = [*PROMPTS[0], 1]
+    cache = mgr.create_cache(tokens)
+    assert cache.reused_by_tier["disk"] > 0
+    with monkeypatch.context() as patch:
+        if fault == "a copy raising":
+            failing_copies(patch, RuntimeError("CUDA error: out of memory"))
+            expected = RuntimeError
+        else:
+            interrupt_disk_reads(patch)
+            expected = KeyboardInterrupt
+        with pytest.raises(expected):
+            cache.resume()
+    assert cache.state is kvtier.CacheState.SUSPENDED
+    mgr.check_invariants()
+    assert cache.resume()  # the call made again: exact bytes (re-read, or recomputed after a miss)
+    oracle.check(cache, tokens)
+    cache.close()
+    serve_every_prompt(mgr)
+    mgr.close()
+    restarted = three_tiers(tmp_path)
+    serve_every_prompt(restarted)
+    restarted.close()
+
+
+def test_resumes_cut_short_leave_no_page_locked(tmp_path, monkeypatch):
+    mgr = three_tiers(tmp_path, disk=64)
+    oracle = PageOracle(mgr)
+    prompts = [conversation(i) for i in range(10)]
+    for prompt in prompts:
+        prefill(mgr, oracle, prompt)
+    for prompt in prompts[:5]:
+        cache = mgr.create_cache([*prompt, 1])
+        with monkeypatch.context() as patch:
+            interrupt_disk_reads(patch)
+            with pytest.raises(KeyboardInterrupt):
+                cache.resume()
+        cache.close()
+        mgr.check_invariants()
+    whole = mgr.create_cache([3])  # every primary page can still be had
+    assert whole.resume() and whole.resize(8 * TPB)
+    whole.close()
+    mgr.close()
+
+
+def test_write_through_cut_short_leaves_no_copy_without_its_bytes(tmp_path, monkeypatch):
+    mgr = three_tiers(tmp_path, host=24, write_through=True)
+    oracle = PageOracle(mgr)
+    for prompt in PROMPTS[:5]:
+        prefill(mgr, oracle, prompt)
+        mgr.maintain()
+    prefill(mgr, oracle, PROMPTS[5])
+    with monkeypatch.context() as patch:
+        failing_copies(patch, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            mgr.maintain()
+    for _ in range(3):
+        mgr.maintain()
+    serve_every_prompt(mgr)  # demoting a page onto a copy that was never written would serve other bytes
+    mgr.close()
+    restarted = three_tiers(tmp_path, host=24, write_through=True)
+    serve_every_prompt(restarted)
+    restarted.close()
+
+
+def test_a_close_interrupted_then_made_again_releases_each_page_once(monkeypatch):
+    spec = small_spec("llama")
+    d = page_demand(spec)
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(int(d * 8) + 1)]))
+    oracle = PageOracle(mgr)
+    shared = conversation(0, 8)  # two full blocks
+    first = prefill(mgr, oracle, [*shared, 7, 7, 7], keep=True)
+    second = mgr.create_cache([*shared, 9])  # holds the two shared pages too
+    assert second.num_reused_tokens == 8
+
+    def interrupted(self, pages):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Tier, "reindex_all", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            first.close()
+    assert first.state is kvtier.CacheState.CLOSED
+    first.close()  # made again: releases nothing a second time
+    assert [page.refs for page in second._table.live_pages()] == [1, 1]
+    filler = mgr.create_cache(conversation(5, 1))  # pressure: the second cache's pages must survive it
+    assert filler.resume()
+    filler.resize(6 * TPB)
+    filler.close()
+    assert second.resume()
+    oracle.check(second, [*shared, 9])
+    second.close()
+    mgr.close()
+
+
+@pytest.mark.parametrize("error", [MemoryError("checksum buffer"), OSError(5, "Input/output error")])
+def test_a_disk_write_that_raises_is_a_page_not_written(tmp_path, monkeypatch, error):
+    mgr = three_tiers(tmp_path)
+    oracle = PageOracle(mgr)
+
+    def checksum(data):
+        raise error
+
+    with monkeypatch.context() as patch:
+        patch.setattr(page_files, "page_checksum", checksum)
+        for prompt in PROMPTS:
+            prefill(mgr, oracle, prompt)  # victims pushed out of host memory are dropped, not written
+    assert mgr.stats().tiers["disk"].pages_used == 0
+    mgr.check_invariants()
+    serve_every_prompt(mgr)
+    mgr.close()
+
+
+def test_an_interrupted_disk_write_frees_its_slots(tmp_path, monkeypatch):
+    mgr = three_tiers(tmp_path)
+    oracle = PageOracle(mgr)
+    for prompt in PROMPTS[:5]:
+        prefill(mgr, oracle, prompt)
+    disk_slots = mgr._pool.tiers[2].storage.slots[0]
+    free = disk_slots.num_free
+
+    def interrupted(self, pages, slots):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Mover, "write_pages", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            prefill(mgr, oracle, PROMPTS[5])  # host memory is full: its victims go to disk
+    assert disk_slots.num_free == free
+    mgr.check_invariants()
+    serve_every_prompt(mgr)
+    mgr.close()
+
+
+def test_a_create_cache_interrupted_while_it_adopts_its_prefix_holds_nothing(tmp_path, monkeypatch):
+    mgr = three_tiers(tmp_path)
+    oracle = PageOracle(mgr)
+    prefill(mgr, oracle, PROMPTS[0])
+
+    def interrupted(self, reused):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kvtier.KVCache, "_count_reuse_by_tier", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.create_cache([*PROMPTS[0], 1])
+    mgr.check_invariants()  # a page held by no open cache would be reported
+    serve_every_prompt(mgr)
+    mgr.close()
