@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import builtins
+import errno
 import os
 import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvtier.connector import FileSystemConnector, FileSystemStore
+from kvtier.connector import FileSystemConnector, FileSystemStore, fs_store
 from kvtier.connector.block_codec import HEADER_BYTES
 from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, STALE_TEMP_S
 
@@ -131,6 +134,103 @@ def test_files_outside_the_store_layout_are_left_alone(tmp_path):
     for i in range(10):
         assert store.put_many([(f"k/{i}", page_for(f"k/{i}"))]) == [True]
     assert (tmp_path / "notes.txt").exists() and (tmp_path / "zz" / "other.page").exists()
+    store.close()
+
+
+def files_bytes(root: Path) -> int:
+    """The bytes of every file under ``root``: values and temporary files."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(root) for f in names)
+
+
+class SmallDisk:
+    """Fault injection into a real store: its file writes fail with ``code`` (ENOSPC: a full file
+    system; EDQUOT: a spent quota) where the files under ``root`` would pass ``size`` bytes."""
+
+    def __init__(self, root: Path, size: int, code: int) -> None:
+        self.root, self.size, self.code = root, size, code
+        self._lock = threading.Lock()  # the store writes on several threads: one check and write at a time
+
+    def open(self, file, mode="r", *args, **kwargs):
+        """``open`` as the store's module sees it: a file opened for writing is held to the size."""
+        f = builtins.open(file, mode, *args, **kwargs)  # noqa: SIM115 - returned open, as open does
+        if "w" in mode:
+            write = f.write
+
+            def write_within(data):
+                with self._lock:
+                    if files_bytes(self.root) + len(data) > self.size:
+                        raise OSError(self.code, os.strerror(self.code))
+                    written = write(data)
+                    f.flush()  # on disk now, so the next check counts it
+                    return written
+
+            f.write = write_within
+        return f
+
+
+def write_past_a_full_disk(store: FileSystemStore, batches: list[list[str]], size: int) -> None:
+    """Put ``batches``, in order of time, into a store on a file system that holds only the last few:
+    every put is stored, the newest values read back whole, the oldest are gone, and every read
+    is its key's value or a miss."""
+    for batch in batches:
+        assert store.put_many([(k, page_for(k, size)) for k in batch]) == [True] * len(batch)
+        time.sleep(TICK_S)
+    keys = [k for batch in batches for k in batch]
+    got = store.get_many(keys, [size] * len(keys))
+    assert all(g is None or g == page_for(k, size).tobytes() for k, g in zip(keys, got, strict=True))
+    newest = batches[-2] + batches[-1]
+    assert got[-len(newest) :] == [page_for(k, size).tobytes() for k in newest]
+    oldest = batches[0] + batches[1]
+    assert got[: len(oldest)] == [None] * len(oldest)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
+def test_a_full_file_system_makes_room_for_new_values(tmp_path, monkeypatch, code):
+    disk = SmallDisk(tmp_path, 12 * VALUE_BYTES, code)  # far below the default budget of 64 GiB
+    monkeypatch.setattr(fs_store, "open", disk.open, raising=False)
+    store = FileSystemStore(tmp_path)
+    write_past_a_full_disk(store, [[f"block/{b}/{i}" for i in range(3)] for b in range(10)], PAYLOAD)
+    store.close()
+
+
+def test_a_full_file_system_drops_stale_temporary_files(tmp_path, monkeypatch):
+    disk = SmallDisk(tmp_path, 4 * VALUE_BYTES, errno.ENOSPC)
+    monkeypatch.setattr(fs_store, "open", disk.open, raising=False)
+    store = FileSystemStore(tmp_path)
+    leaf = store.path_of("a").parent
+    leaf.mkdir(parents=True)
+    stale = leaf / ".x.page.1.aaaaaaaa.tmp"  # left by a killed writer: the disk is full of it
+    stale.write_bytes(b"half a value" * (disk.size // 12))
+    old = time.time() - STALE_TEMP_S - 60
+    os.utime(stale, (old, old))
+    assert store.put_many([("a", page_for("a"))]) == [True]
+    assert not stale.exists()
+    assert store.get_many(["a"], [PAYLOAD]) == [page_for("a").tobytes()]
+    store.close()
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    """A real file system of 512 KiB (a tmpfs), or a skip where this user may not mount one."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount_point)], capture_output=True, text=True
+        )
+    except FileNotFoundError:
+        pytest.skip("no mount command")
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_real_full_file_system_makes_room_for_new_values(small_file_system):
+    store = FileSystemStore(small_file_system / "kv")  # 32 values of 16 KB fill it
+    write_past_a_full_disk(store, [[f"block/{b}/{i}" for i in range(5)] for b in range(16)], 16_000)
     store.close()
 
 

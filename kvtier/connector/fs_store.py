@@ -18,7 +18,9 @@ The directory holds at most about ``max_bytes`` of values (default ``DEFAULT_MAX
 past it the least recently used values are removed (``_Budget``). A value's last use is its
 file's modification time: set by the write, refreshed by every read and every ``contains_many``
 hit. Removal is an ``unlink``, so a reader in another process that has the file open still reads
-the whole value and a later one misses: never a torn value.
+the whole value and a later one misses: never a torn value. A file system that fills before the
+budget does (writes fail with ``ENOSPC`` or ``EDQUOT``) also has its least recently used values
+removed, to make room for the writes that failed, which are tried once more.
 
 Everything the store creates is private to the user: directories 0700, files 0600, set exactly
 whatever the umask (a directory that already exists is left as it is).
@@ -61,6 +63,7 @@ EVICT_TO: Final = 0.9  # an eviction pass leaves at most this share of the budge
 STALE_TEMP_S: Final = 600.0  # a temporary file this old was left by a killed writer
 PRIVATE_DIR: Final = 0o700
 PRIVATE_FILE: Final = 0o600
+NO_SPACE: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # a full file system or quota: eviction makes room
 _HEX: Final = frozenset("0123456789abcdef")
 
 
@@ -134,18 +137,34 @@ class FileSystemStore:
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store each payload under its key, atomically; per item True if it was stored.
 
-        A value larger than the whole budget is not stored. Past the budget, the least recently
-        used values are evicted before this returns (on the calling thread).
+        A value larger than the whole budget is not stored. Past the budget, or when the file system
+        is full, the least recently used values are evicted before this returns (on the calling thread).
         """
         items = list(items)
         keys = check_keys([key for key, _ in items])
         blobs = [encode_page(data, key) for key, (_, data) in zip(keys, items, strict=True)]
-        errors = list(self._open_pool().map(self._put_one, keys, blobs))
+        errors = self._write_all(keys, blobs)
         failed = [err for err in errors if err is not None]
         if failed:
             self._failures["write"](f"{len(failed)} of {len(keys)} writes failed: {failed[0]}")
         self._budget.add(sum(len(blob) for blob, err in zip(blobs, errors, strict=True) if err is None))
         return [err is None for err in errors]
+
+    def _write_all(self, keys: list[str], blobs: list[bytes]) -> list[OSError | None]:
+        """Write every blob under its key; per key the error, if any.
+
+        The writes that found the file system full are tried once more, after an eviction pass made
+        room for them; an error left is the one of that second try.
+        """
+        pool = self._open_pool()
+        errors = list(pool.map(self._put_one, keys, blobs))
+        full = [i for i, err in enumerate(errors) if err is not None and err.errno in NO_SPACE]
+        if full:
+            self._budget.make_room(sum(len(blobs[i]) for i in full))
+            retried = pool.map(self._put_one, [keys[i] for i in full], [blobs[i] for i in full])
+            for i, err in zip(full, retried, strict=True):
+                errors[i] = err
+        return errors
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Per key whether its file exists (not verified); a hit counts as a use, like a read."""
@@ -221,15 +240,21 @@ class FileSystemStore:
 
 
 class _Budget:
-    """Keeps a store's directory under ``max_bytes`` by evicting the least recently used values.
+    """Keeps a store's directory under ``max_bytes``, and within a full file system, by evicting the
+    least recently used values.
 
-    Each process keeps an estimate of the directory's bytes: a scan (at its first write), plus
-    what it wrote since. When the estimate passes ``max_bytes`` it scans the directory again, so
-    every process's files count, and removes the values used longest ago until at most
-    ``EVICT_TO`` of the budget is left; a value used again since the scan (its time changed) is
-    kept. Between passes each writing process adds at most about ``(1 - EVICT_TO) * max_bytes``
-    unseen by the others, so P processes writing at once may overshoot by about P times that.
-    Passes of several processes may overlap: each only removes files, and one already gone is fine.
+    Each process keeps an estimate of the directory's bytes: its last scan (at its first write,
+    then at each pass), less what that pass removed, plus what it wrote since. When the estimate
+    passes ``max_bytes`` it scans the directory again, so every process's files count, and removes
+    the values used longest ago until at most ``EVICT_TO`` of the budget is left; a value used
+    again since the scan (its time changed) is kept. Between passes each writing process adds at
+    most about ``(1 - EVICT_TO) * max_bytes`` unseen by the others, so P processes writing at once
+    may overshoot by about P times that.
+
+    A file system smaller than ``max_bytes`` (or a quota) fills before the estimate passes it:
+    writes then fail for want of space, and ``make_room`` runs a pass sized by the bytes the scan
+    finds and the writes that failed instead. Passes of several processes may overlap: each only
+    removes files, and one already gone is fine.
     """
 
     def __init__(self, root: Path, max_bytes: int) -> None:
@@ -248,7 +273,16 @@ class _Budget:
             else:
                 self._used += written
             if self._used > self.max_bytes:
-                self._used = self.evict(int(self.max_bytes * EVICT_TO))
+                self._used = self.evict(self.scan(), int(self.max_bytes * EVICT_TO))
+
+    def make_room(self, needed: int) -> None:
+        """After writes of ``needed`` bytes found the file system full: remove the least recently
+        used values until at most ``EVICT_TO`` of the value bytes there are left, and at least
+        ``needed`` bytes of them are gone (all of them, if there are fewer)."""
+        with self._lock:
+            values = self.scan()
+            present = sum(v.size for v in values)
+            self._used = self.evict(values, max(0, min(int(present * EVICT_TO), present - needed)))
 
     def scan(self) -> list[_Value]:
         """Every value file under the root; temporary files older than ``STALE_TEMP_S`` are removed."""
@@ -268,9 +302,9 @@ class _Budget:
                         os.unlink(entry.path)
         return values
 
-    def evict(self, target: int) -> int:
-        """Remove the least recently used values until at most ``target`` bytes remain; the bytes left."""
-        values = self.scan()
+    def evict(self, values: list[_Value], target: int) -> int:
+        """Remove the least recently used of ``values`` (a scan) until at most ``target`` bytes of them
+        remain; the bytes left."""
         left = sum(v.size for v in values)
         values.sort(key=lambda v: v.mtime_ns)
         failed: list[OSError] = []
