@@ -50,6 +50,7 @@ class KVCache:
     """The KV cache of one request. Create it with ``KVCacheManager.create_cache``."""
 
     __slots__ = (
+        "__weakref__",
         "_capacity",
         "_chain",
         "_guard",
@@ -91,9 +92,16 @@ class KVCache:
             try:
                 self._adopt(match, tokens)
             except BaseException:  # an interrupt: nothing stays held by a cache that never was
+                self._state = CacheState.CLOSED
                 self._release_holds(locked=False)
                 raise
         pool.holders.add(self)
+
+    def __del__(self) -> None:
+        """Dropped without ``close``: kept alive in the pool's ``dropped`` list, closed at its next
+        claimed call (this may run on any thread, at any point of another operation)."""
+        if getattr(self, "_state", CacheState.CLOSED) is not CacheState.CLOSED and not self._pool.orphaned:
+            self._pool.dropped.append(self)
 
     # -- public state ------------------------------------------------------------------------------
 

@@ -68,10 +68,12 @@ class KVCacheManager:
             )
         self._pool = PagePool(spec, config, self._geometries)
         disk = self._pool.tiers[self._pool.disk_tier] if self._pool.disk_tier is not None else None
-        self._dropped: weakref.finalize | None = None
+        self._dropped: weakref.finalize
         if disk is not None and disk.disk_index is not None:  # dropped without close(): closed all the same
             self._dropped = weakref.finalize(self, _close_dropped, self._pool, disk.disk_index.directory)
-            self._dropped.atexit = False  # at exit ``_close_at_exit`` closes the managers still open
+        else:  # dropped without close(): its caches dropped unclosed never keep the pool alive in a cycle
+            self._dropped = weakref.finalize(self, _orphan, self._pool)
+        self._dropped.atexit = False  # at exit ``_close_at_exit`` closes the managers still open
         self._guard = self._pool.guard  # claimed by calls that change the pool (kvtier.exclusive)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._closed = False
@@ -91,6 +93,7 @@ class KVCacheManager:
         check_priority(priority)
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
+        self._pool.release_dropped()
         cache = KVCache(self._pool, tokens, scope, priority)
         counters = self._pool.counters
         counters.lookup_tokens += len(tokens)
@@ -263,8 +266,7 @@ class KVCacheManager:
         """
         if self._closed:
             return
-        if self._dropped is not None:
-            self._dropped.detach()
+        self._dropped.detach()
         _close_pool(self._pool, persist)
         self._closed = True
         self._views.clear()
@@ -322,11 +324,20 @@ def _host_memory_bytes() -> int | None:
 
 def _close_pool(pool: PagePool, persist: bool) -> None:
     """Close a manager's caches, persist its published pages in memory (``persist``), release its pool."""
+    pool.release_dropped()
     for cache in list(pool.holders):
         cache.close()
     if persist:
         pool.persist()
     pool.close()
+
+
+def _orphan(pool: PagePool) -> None:
+    """The finalizer of a manager without a disk tier dropped without ``close()``: nothing is left to
+    persist; caches dropped unclosed, now or later, no longer queue themselves in the pool (which
+    they would keep alive in a reference cycle with its memory)."""
+    pool.orphaned = True
+    pool.dropped.clear()
 
 
 def _close_dropped(pool: PagePool, directory: DiskDirectory) -> None:

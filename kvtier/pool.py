@@ -9,13 +9,16 @@ finishes the bookkeeping. A plan whose planning or copies raise is abandoned (``
 pages it was to write are never served.
 
 ``guard`` is the lock that ``kvtier.exclusive`` claims (one thread at a time changes the pool);
-``holders`` are the open caches, which the invariant check counts.
+``holders`` are the open caches, which the invariant check counts (held weakly: a cache dropped
+without ``close`` queues itself in ``dropped`` and is closed at the pool's next ``release_dropped``,
+which runs only inside claimed calls, never in the middle of another operation).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -111,9 +114,12 @@ class PagePool:
         if disk is not None:
             restore_disk_tier(disk, self.tree, self.rules, self.counters)
             sample_disk_speed(disk, self.load_cost)  # its speed is weighed from the first disk hit on
-        self.holders: set[PageHolder] = set()
+        self.holders: weakref.WeakSet[PageHolder] = weakref.WeakSet()  # a cache dropped unclosed leaves
+        self.dropped: list[PageHolder] = []  # open caches dropped without close: released at ``release_dropped``
+        self.orphaned = False  # its manager was dropped without close and nothing is left to persist
         self.guard = threading.RLock()
         self.debug = debug_enabled()
+        self._warned_dropped = False
 
     # -- rules and reuse ---------------------------------------------------------------------------
 
@@ -221,6 +227,7 @@ class PagePool:
 
     def reserve(self, need: dict[int, int]) -> bool:
         """Make room in the primary tier for ``need[g]`` new pages of each group (evictions run now)."""
+        self.release_dropped()
         with self._moving() as plan:
             ok = all(self.planner.make_room(PRIMARY, g, n, plan) for g, n in need.items())
             self.apply(plan)
@@ -244,6 +251,7 @@ class PagePool:
         involved is damaged (failed its checksum, now or before); None when the primary tier
         cannot hold them all, with nothing locked and the caller's holds unchanged.
         """
+        self.release_dropped()
         res = self.residency
         need, damaged = res.lock_all(pages)
         cold = pages if need else []  # only pages outside the primary tier move
@@ -341,8 +349,8 @@ class PagePool:
         if root is None:
             return 0
         dropped = self.residency.forget_below(root)
-        if not root.children and root.users == 0:
-            del self.tree.roots[scope]
+        if not root.children:
+            self.tree.forget_root(root)
         if self.disk_tier is not None:
             disk_index = self.tiers[self.disk_tier].disk_index
             if disk_index is not None:
@@ -429,8 +437,23 @@ class PagePool:
             recomputed_tokens=c.recomputed_tokens,
         )
 
+    def release_dropped(self) -> None:
+        """Close the caches dropped without ``close`` since the last call (one WARNING per pool);
+        called inside claimed calls only (``kvtier.exclusive``)."""
+        if not self.dropped:
+            return
+        if not self._warned_dropped:
+            self._warned_dropped = True
+            log.warning(
+                "kvtier: a KVCache was dropped without close(); its pages were held until the manager's next "
+                "call. Close every cache so that its pages are freed at once"
+            )
+        while self.dropped:
+            self.dropped.pop().close()
+
     def check(self) -> None:
         """Raise ``InvariantError`` unless every invariant of the pool and its holders holds (slow)."""
+        self.release_dropped()
         check_pages(self.tiers, self.tree, self.holders, None if self.prefetcher is None else self.prefetcher.pins)
 
     def debug_check(self) -> None:

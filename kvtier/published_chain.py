@@ -47,9 +47,11 @@ class PublishedChain:
         tree = pool.tree
         tpb = pool.tokens_per_block
         deepest = self.deepest
-        parent = deepest or self.root
-        if parent is None:
+        if self.root is None:
             raise InvariantError("publishing needs a root: reuse is off")
+        if deepest is None:
+            self.root = tree.live_root(self.root)  # the scope's root may have emptied and gone meanwhile
+        parent = deepest or self.root
         for b in range(len(self.nodes), full_blocks):
             node = tree.child(parent, encode_tokens(tokens[b * tpb : (b + 1) * tpb]))
             self.nodes.append(node)

@@ -18,11 +18,14 @@ OTHER = kvtier.ReuseScope(salt="tenant")
 
 
 def make(path, pages: int = 12) -> kvtier.KVCacheManager:
+    """Primary and host tiers of ``pages`` pages each, and a disk tier on ``path`` (None: none)."""
     spec = small_spec()
     probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
     page = sum(probe.page_bytes(g.group_id) for g in probe.layer_groups)
     probe.close()
-    tiers = [kvtier.PrimaryTier(page * pages), kvtier.HostTier(page * pages), kvtier.DiskTier(page * 8 * pages, path)]
+    tiers = [kvtier.PrimaryTier(page * pages), kvtier.HostTier(page * pages)]
+    if path is not None:
+        tiers.append(kvtier.DiskTier(page * 8 * pages, path))
     return kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
 
 
@@ -179,5 +182,39 @@ def test_a_cache_that_starts_over_after_its_scope_was_forgotten_adopts_nothing(t
     assert cache.num_reused_tokens == 2 * TPB and cache.resume()
     new.check(cache, [*tokens[: 2 * TPB], 1])
     cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_scopes_used_once_leave_nothing_behind_once_their_blocks_are_gone():
+    mgr = make(None, pages=6)  # primary + host, no disk: blocks pushed out of host memory are dropped
+    oracle = PageOracle(mgr)
+    for i in range(40):  # a salt per request, as per-user isolation gives
+        tokens = [300 + 7 * i + j for j in range(9)]
+        publish(mgr, oracle, tokens, kvtier.ReuseScope(salt=f"user-{i}")).close()
+    assert len(mgr._pool.tree.roots) <= 12  # only the scopes whose blocks are still cached
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_a_cache_whose_scope_root_emptied_meanwhile_publishes_where_it_is_found():
+    mgr = make(None, pages=6)
+    oracle = PageOracle(mgr)
+    scope = kvtier.ReuseScope(salt="quiet")
+    tokens = [41 + 3 * j for j in range(9)]
+    waiting = mgr.create_cache(tokens, scope)  # holds its scope's root, has published nothing yet
+    publish(mgr, oracle, [7, 8, 9, 10, 11], scope).close()
+    for i in range(8):  # other requests push that block out of both tiers: the root empties and goes
+        publish(mgr, oracle, [500 + 11 * i + j for j in range(9)], OTHER).close()
+    assert scope not in mgr._pool.tree.roots
+    assert waiting.resume() and waiting.resize(len(tokens))
+    oracle.write(waiting, tokens, 0, len(tokens))
+    waiting.commit(tokens)
+    waiting.close()
+    again = mgr.create_cache([*tokens, 1], scope)
+    assert again.num_reused_tokens == 8
+    assert again.resume()
+    oracle.check(again, [*tokens, 1])
+    again.close()
     mgr.check_invariants()
     mgr.close()

@@ -419,6 +419,47 @@ def test_the_exit_registry_does_not_keep_a_dropped_manager_alive():
     assert ref() is None
 
 
+@pytest.mark.parametrize("state", ["suspended", "active"])
+def test_caches_dropped_without_close_give_their_pages_back(caplog, state):
+    mgr = manager(pages=16)
+    oracle = PageOracle(mgr)
+    rng = np.random.default_rng()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        for _ in range(12):  # each holds 4 of the 16 pages: without release the fifth could not run
+            tokens = fresh_tokens(rng, 4 * TPB)
+            cache = mgr.create_cache(tokens)
+            assert cache.resume() and cache.resize(len(tokens))
+            oracle.write(cache, tokens, 0, len(tokens))
+            cache.commit(tokens)
+            if state == "suspended":
+                cache.suspend()
+            ref = weakref.ref(cache)
+            del cache  # a script that forgets close()
+        assert ref() is not None  # kept until the manager's next call releases it
+        mgr.check_invariants()
+        assert ref() is None
+    assert sum("dropped without close()" in r.getMessage() for r in caplog.records) == 1
+    tokens = fresh_tokens(rng, 16 * TPB - 1)  # the whole tier, for one request
+    whole = mgr.create_cache(tokens)
+    assert whole.resume() and whole.resize(len(tokens))
+    whole.close()
+    mgr.close()
+
+
+def test_a_dropped_manager_and_its_unclosed_caches_free_their_memory_at_once():
+    mgr = manager()
+    caches = [mgr.create_cache([5, 6, 7, 8, 9, 10 + i]) for i in range(3)]
+    assert caches[0].resume()
+    pool = weakref.ref(mgr._pool)
+    gc.disable()  # freed by reference counting alone, not by a later cycle collection
+    try:
+        del caches[1]  # dropped while the manager lives: queued for release
+        del mgr, caches
+        assert pool() is None
+    finally:
+        gc.enable()
+
+
 # ------------------------------------------------------------------------------- invariant check
 
 

@@ -234,7 +234,7 @@ def test_partial_children_rank_by_common_tokens():
     assert tree.partial_children(root, b"") == []
 
 
-def test_prune_removes_empty_nodes_upwards_and_keeps_roots():
+def test_prune_removes_empty_nodes_upwards_and_then_the_emptied_root():
     tree = RadixTree(2, TPB)
     root = tree.root(DEFAULT_SCOPE)
     a, b, c = chain(tree, root, TOKENS[:12])
@@ -250,9 +250,10 @@ def test_prune_removes_empty_nodes_upwards_and_keeps_roots():
     a.pages[1] = None
     tree.prune(a)
     assert root.children == {}
-    assert tree.roots == {DEFAULT_SCOPE: root}  # roots stay
-    tree.prune(root)
-    assert tree.roots == {DEFAULT_SCOPE: root}
+    assert tree.roots == {}  # a scope's emptied root goes too: a scope used once costs nothing after
+    again = tree.root(DEFAULT_SCOPE)
+    assert again is not root and again.key == root.key
+    assert tree.live_root(root) is again and tree.live_root(again) is again
 
 
 def test_prune_walks_up_through_empty_ancestors():

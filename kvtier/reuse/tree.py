@@ -7,7 +7,8 @@ needs no cryptographic hash; every node also carries its chained block key
 
 A node (``kvtier.pages.Node``) holds, per layer group, the page published for its block (or
 None), and recurrent state snapshots keyed by the offset inside the block after which they were
-taken. A node with no page, no snapshot, no child and no cache using it is pruned.
+taken. A node with no page, no snapshot, no child and no cache using it is pruned; a scope's
+root with no child left is dropped (created again when the scope is used again).
 
 Walking a long prompt compares whole runs of ``JUMP_BLOCKS`` blocks at once where it can: an
 *anchor* (a root, or a node whose depth is a multiple of ``JUMP_BLOCKS``) remembers the run of
@@ -162,7 +163,8 @@ class RadixTree:
         return found
 
     def prune(self, node: Node) -> None:
-        """Remove ``node`` and then its ancestors while they are empty (roots stay)."""
+        """Remove ``node`` and then its ancestors while they are empty (a scope's root, once
+        emptied, is dropped too)."""
         if node.parent is not None and node.is_empty():  # (else nothing to remove: no batch to set up)
             self.prune_all((node,))
 
@@ -190,6 +192,8 @@ class RadixTree:
                 node, parent = parent, parent.parent
                 if parent is None or node.children or node.snapshots or node.users or any(node.pages):
                     break
+            if parent is None and not node.children:
+                self.forget_root(node)
             if (node.block + 1) % JUMP_BLOCKS:
                 stops.append(node)
         walked: set[Node] = set()
@@ -200,6 +204,18 @@ class RadixTree:
                 walked.add(node)
                 node = node.parent  # type: ignore[assignment]  # (attached below an anchor)
             jumps.pop(node, None)  # the anchor, or a node walked from before (its anchor is gone)
+
+    def forget_root(self, root: Node) -> None:
+        """Drop an emptied scope root (not a dormant one), so that a scope used once costs nothing
+        after its blocks are gone. A cache of the scope that still refers to it publishes under the
+        scope's current root instead (``live_root``)."""
+        if root.scope is not None and self.roots.get(root.scope) is root:
+            del self.roots[root.scope]
+            self._jumps.pop(root, None)
+
+    def live_root(self, root: Node) -> Node:
+        """``root``, or the scope's current root if ``root`` was dropped meanwhile (``forget_root``)."""
+        return root if self.roots.get(root.scope) is root else self.root(root.scope)  # type: ignore[arg-type]
 
     def check_runs(self) -> None:
         """``InvariantError`` unless every remembered run is ``JUMP_BLOCKS`` attached nodes chained

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -41,6 +42,7 @@ from kvtier.tiering.tier import Tier
 
 log = logging.getLogger(__name__)
 
+TIMED_COPIES = 64  # copies into the primary tier kept for timing until ``measure`` asks (no prefill rate: never)
 DISK_CHUNK_BYTES = 64 << 20  # disk reads go to the GPU in parts of this size, each copied as the next is read
 
 
@@ -52,7 +54,8 @@ class Mover:
         self.counters = counters
         self.device = device
         self.load_cost = load_cost
-        self._timed: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []  # (tier, bytes, start, end)
+        # (tier, bytes, start, end) of the latest copies into the primary tier; older ones fall off unmeasured
+        self._timed: deque[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = deque(maxlen=TIMED_COPIES)
         self.copier = PageCopier(device)
         self._last_event: torch.cuda.Event | None = None
         self._last_stream: torch.cuda.Stream | None = None
@@ -250,9 +253,8 @@ class Mover:
     def measure(self) -> None:
         """Hand the bandwidth of timed copies into the primary tier that have finished to the load cost."""
         while self._timed and self._timed[0][3].query():
-            tier, nbytes, start, end = self._timed.pop(0)
+            tier, nbytes, start, end = self._timed.popleft()
             self.load_cost.observe(tier, nbytes, start.elapsed_time(end) / 1e3)
-        del self._timed[:-64]  # copies never measured (nobody asked) are not kept forever
 
     def _read_edge(self, edge: tuple[int, int, int], pairs: np.ndarray, stream, damaged: list[Page]) -> None:
         """Disk -> memory: read and verify each page, through pinned staging when the target is a GPU."""
