@@ -69,3 +69,66 @@ def test_a_partly_reused_block_copied_into_a_slot_a_racing_demotion_reads():
         state.mgr.check_invariants()
     finally:
         state.teardown()
+
+
+@pytest.mark.parametrize("failing_call", [1, 2, 3])
+def test_a_copy_failing_midway_on_gpu_never_serves_what_did_not_arrive(tmp_path, monkeypatch, failing_call):
+    """A resume whose ``failing_call``-th copy raises (copies before it are queued on the device's
+    streams, both directions of the link at once): the pages the plan was writing are dropped,
+    and every prompt is served exact bytes afterwards, before and after a restart."""
+    from kvtier.copy.copier import PageCopier
+
+    mgr = manager(tmp_path, primary=8, host=8, disk=32, device="cuda")
+    oracle = PageOracle(mgr)
+    prompts = [convo(i) for i in range(6)]
+    for tokens in prompts:
+        prefill(mgr, oracle, tokens)
+    real, calls = PageCopier.copy, [0]
+
+    def copy(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == failing_call:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(self, *args, **kwargs)
+
+    cache = mgr.create_cache([*prompts[1], 1])
+    monkeypatch.setattr(PageCopier, "copy", copy)
+    with pytest.raises(RuntimeError):
+        cache.resume()
+    monkeypatch.setattr(PageCopier, "copy", real)
+    assert cache.resume()
+    oracle.check(cache, [*prompts[1], 1])
+    cache.close()
+    mgr.check_invariants()
+    serve_exact(mgr, prompts)
+    mgr.close()
+    restarted = manager(tmp_path, primary=8, host=8, disk=32, device="cuda")
+    serve_exact(restarted, prompts)
+    restarted.close()
+
+
+def serve_exact(mgr, prompts) -> None:
+    oracle = PageOracle(mgr)
+    for tokens in prompts:
+        cache = mgr.create_cache([*tokens, 1])
+        assert cache.resume()
+        oracle.check(cache, [*tokens, 1])
+        cache.close()
+    mgr.check_invariants()
+
+
+def test_promotions_without_a_prefill_rate_keep_a_bounded_timing_record(tmp_path):
+    from kvtier.tiering.mover import TIMED_COPIES
+
+    mgr = manager(tmp_path, primary=8, host=8, disk=0, device="cuda")
+    oracle = PageOracle(mgr)
+    prompts = [convo(i) for i in range(4)]
+    for tokens in prompts:
+        prefill(mgr, oracle, tokens)
+    for round_ in range(60):  # each resume promotes a prompt back from host memory
+        tokens = [*prompts[round_ % 4], 1]
+        cache = mgr.create_cache(tokens)
+        assert cache.resume()
+        cache.close()
+    assert len(mgr._pool.mover._timed) <= TIMED_COPIES
+    mgr.close()
