@@ -8,6 +8,7 @@ a wrong byte, a crash at startup, or a lost delete.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
@@ -484,6 +485,93 @@ def test_a_manager_in_another_process_holds_the_directory(tmp_path):
         child.kill()
         child.wait()
     manager(tmp_path, primary=6, host=0, disk=40).close()  # the lock died with its holder
+
+
+def sleeping_fork() -> int:
+    """A forked child that sleeps until killed, as a DataLoader worker or a pool process lives on."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def descriptor_of(path: Path) -> int:
+    """This process's open descriptor of ``path``."""
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == os.path.realpath(path):
+                return int(fd)
+    raise LookupError(path)
+
+
+@pytest.mark.parametrize("copy", ["forked", "passed"])
+def test_a_closed_manager_frees_the_directory_while_its_child_lives(tmp_path, copy):
+    """A child of the manager's process outlives ``close`` with a copy of the lock's descriptor: forked
+    (a DataLoader worker, a multiprocessing pool), or passed on (as by a fork outside Python).
+
+    Before: the child shared the lock, so a new manager on the directory was refused until it exited.
+    """
+    first = manager(tmp_path, primary=6, host=0, disk=40)
+    oracle = PageOracle(first)
+    for i in range(4):
+        prefill(first, oracle, convo(i))
+    if copy == "forked":
+        child = sleeping_fork()
+    else:
+        lock = descriptor_of(kvtier_dir(tmp_path) / "lock")
+        child = subprocess.Popen(["sleep", "30"], pass_fds=[lock]).pid
+    try:
+        with pytest.raises(kvtier.DiskTierBusyError, match=f"pid {os.getpid()} "):
+            manager(tmp_path, primary=6, host=0, disk=40)  # the child did not release the lock
+        first.close()
+        second = manager(tmp_path, primary=6, host=0, disk=40)
+        cache = serve(second, convo(0) + [1])
+        assert cache.reused_by_tier["disk"] > 0
+        cache.close()
+        second.close()
+        assert os.waitpid(child, os.WNOHANG) == (0, 0)  # it lived throughout
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
+def test_a_killed_manager_frees_the_directory_while_its_forked_child_lives(tmp_path):
+    """Before: after the holder was killed (-9), its forked child kept the lock until it exited."""
+    code = f"""
+    import os, time
+    from tests.test_tiers import manager
+    mgr = manager({str(tmp_path)!r}, primary=6, host=0, disk=40)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    print(pid, flush=True)
+    time.sleep(30)
+    """
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    owner = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+    )
+    grandchild = None
+    try:
+        grandchild = int(owner.stdout.readline())
+        with pytest.raises(kvtier.DiskTierBusyError, match=f"pid {owner.pid} "):
+            manager(tmp_path, primary=6, host=0, disk=40)  # the grandchild did not release the lock
+        owner.kill()
+        owner.wait()
+        os.kill(grandchild, 0)  # still there
+        manager(tmp_path, primary=6, host=0, disk=40).close()
+    finally:
+        owner.kill()
+        owner.wait()
+        if grandchild is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(grandchild, signal.SIGKILL)
 
 
 # -- item 12: private files, no scope in plain text ------------------------------------------------

@@ -22,6 +22,11 @@ manager dropped without ``close``). A dropped manager whose background work (a d
 read) is still running stays alive until that work ends, holding the directory: a new manager
 of the same process waits for it (up to ``ABANDONED_WAIT_S``), but refuses at once a directory
 whose manager is still in use (``abandon`` tells them apart).
+
+The lock belongs to the process that took it, not to its forked children (a DataLoader worker, a
+multiprocessing pool): a child closes its copies of the lock's descriptor as it starts, without
+unlocking them, and ``close`` unlocks before it closes. So the lock is released when its holder
+closes the manager or dies, whether or not children it forked still run.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ PRIVATE_DIR = 0o700
 ABANDONED_WAIT_S = 30.0  # how long a new manager waits for a dropped one's background work to end
 
 _HELD: weakref.WeakValueDictionary[str, DiskDirectory] = weakref.WeakValueDictionary()  # this process's, by real path
+_LOCK_FDS: set[int] = set()  # the descriptors of the locks this process holds
 
 
 def check_disk_path(path: Path) -> None:
@@ -144,7 +150,8 @@ class DiskDirectory:
                     "one another DiskTier path, or share prefixes between processes with a connector"
                 )
         self._lock_fd = fd
-        self._finalizer = weakref.finalize(self, os.close, fd)
+        _LOCK_FDS.add(fd)
+        self._finalizer = weakref.finalize(self, _release, fd, os.getpid())
         self._finalizer.atexit = False  # the process's end releases it, after managers closed at exit
         _HELD[_key(self.path)] = self
         _write_holder(fd)
@@ -288,6 +295,31 @@ def _try_lock(fd: int) -> bool:
     except BlockingIOError:
         return False
     return True
+
+
+def _release(fd: int, pid: int) -> None:
+    """Unlock and close the lock descriptor ``fd`` that process ``pid`` took. Unlocking releases the
+    lock even while a forked child still has a copy of the descriptor. In a forked child (another
+    pid) nothing is done: the child closed its copy as it started, and ``fd`` may now be another file."""
+    if os.getpid() != pid:
+        return
+    _LOCK_FDS.discard(fd)
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _close_inherited_locks() -> None:
+    """In a forked child: close the copies of the parent's lock descriptors, never unlocking them
+    (``LOCK_UN`` on a copy would release the parent's lock): the lock then lives only as long as the
+    parent holds it."""
+    for fd in _LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 def _read_holder(fd: int) -> str:
