@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import kvtier
-from kvtier.connector import FileSystemConnector, StoreConnector
+from kvtier.connector import FileSystemConnector, FileSystemStore, RedisConnector, StoreConnector
 from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
 from kvtier.models import build_model
 from tests.test_connector import GatedStore
@@ -329,7 +329,7 @@ def test_a_huge_max_tokens_is_refused_at_once(llama):
 
 CHILD = """
 import sys, torch, kvtier
-from kvtier.connector import FileSystemConnector, StoreConnector
+from kvtier.connector import FileSystemConnector, FileSystemStore, RedisConnector, StoreConnector
 from kvtier.engine import LLMEngine, SamplingParams
 from kvtier.models import build_model
 
@@ -534,4 +534,118 @@ def test_outputs_of_a_step_whose_on_finish_raised_reach_the_next_step(llama):
         outs += eng.step()
     # All three finish in one step, in the order they came; on_finish raised at the first one.
     assert {out.request_id: out.token_ids for out in outs} == {ids[1]: llama.reference_generate(beside[1], 3)}
+    eng.close()
+
+
+# -- arguments and calls refused at the door ------------------------------------------------------
+
+
+class RefusesTheLayout(FileSystemConnector):
+    """Refuses the layout the engine registers, once the engine has built its cache manager."""
+
+    def register_kv_cache_layout(self, layout):
+        raise ValueError("this connector refuses the layout")
+
+
+def test_a_refused_engine_leaves_its_disk_directory_free(llama, tmp_path):
+    """Each refusal is kept (as a notebook keeps the last traceback) while the next engine opens
+    the same disk directory. Before, ``None`` for the model or the config and a connector that is
+    no connector raised ``AttributeError``, and an engine refused after it built its cache manager
+    left the manager open: the directory stayed locked (``DiskTierBusyError``)."""
+    pb = page_bytes(llama)
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(40 * pb), kvtier.DiskTier(40 * pb, tmp_path / "disk")])
+    sc = SchedulerConfig(recompute_when_faster=False)
+    refusals = [
+        (TypeError, "cache_config", lambda: LLMEngine(llama, None)),
+        (TypeError, "model", lambda: LLMEngine(None, config)),
+        (TypeError, "connector", lambda: LLMEngine(llama, config, sc, connector=object())),
+        (TypeError, "connector", lambda: LLMEngine(llama, config, sc, connector=str(tmp_path / "store"))),
+        (ValueError, "refuses the layout", lambda: LLMEngine(llama, config, sc, connector=RefusesTheLayout(tmp_path))),
+    ]
+    kept = []
+    for error, what, build in refusals:
+        with pytest.raises(error, match=what) as info:
+            build()
+        kept.append(info)
+        LLMEngine(llama, config, sc).close()  # the directory is free
+    with LLMEngine(llama, config, sc) as eng:
+        prompt = prompts_for(llama, [30], seed=27)
+        check_against_oracle(llama, prompt, eng.generate(prompt, SamplingParams(max_tokens=2)), 2)
+
+
+@pytest.mark.parametrize(
+    ("error", "rank", "world"),
+    [(ValueError, 1, 1), (ValueError, 5, 2), (ValueError, -1, 2), (ValueError, 0, 0), (TypeError, "0", 1)]
+    + [(TypeError, True, 2), (TypeError, 0, 2.0)],
+)
+def test_a_connector_with_a_bad_tensor_parallel_shard_is_refused_when_built(tmp_path, error, rank, world):
+    """Before, the connectors took any ``tp_rank`` / ``tp_world_size`` and the engine they were given
+    to raised, after building its cache manager."""
+    with pytest.raises(error, match="tp_"):
+        FileSystemConnector(tmp_path / "store", rank, world)
+    assert not (tmp_path / "store").exists()
+    with pytest.raises(error, match="tp_"):
+        RedisConnector("redis://localhost:1", tp_rank=rank, tp_world_size=world)
+    with pytest.raises(error, match="tp_"):
+        StoreConnector(FileSystemStore(tmp_path / "other"), rank, world)
+
+
+class DrivesTheEngine(FileSystemConnector):
+    """Its first ask calls ``drive``: a hook that drives the engine asking it."""
+
+    drive = None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        drive, self.drive = self.drive, None
+        if drive is not None:
+            drive()
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+@pytest.mark.parametrize("nested", ["step", "generate"])
+def test_a_connector_hook_that_drives_the_engine_is_refused_and_the_engine_goes_on(llama, tmp_path, nested):
+    """A hook called while the engine schedules calls ``step`` or ``generate``. Before, the nested
+    step admitted requests under the outer schedule: ``generate`` raised ``IndexError`` and a
+    request stayed unfinished for ever. Now the nested call raises ``CacheStateError`` (the
+    connector's failed ask costs its offer only) and every output equals the oracle."""
+    connector = DrivesTheEngine(tmp_path)
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(60 * page_bytes(llama))])
+    eng = LLMEngine(llama, config, SchedulerConfig(recompute_when_faster=False), connector=connector)
+    prompts = prompts_for(llama, [40, 50, 30], seed=28)
+    refused = []
+
+    def drive():
+        try:
+            eng.step() if nested == "step" else eng.generate(prompts[:1], SamplingParams(max_tokens=2))
+        except kvtier.CacheStateError as exc:
+            refused.append(str(exc))
+
+    connector.drive = drive
+    check_against_oracle(llama, prompts, eng.generate(prompts, SamplingParams(max_tokens=3)), 3)
+    assert len(refused) == 1 and "inside a step" in refused[0]
+    assert not eng.has_unfinished_requests()
+    check_against_oracle(llama, prompts, eng.generate(prompts, SamplingParams(max_tokens=3)), 3)
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
+def test_generate_refuses_arguments_of_the_wrong_type_before_running_anything(llama):
+    """Before, ``on_finish=5`` ran a whole step before raising (its outputs lost), a dict for
+    ``params`` was "1 SamplingParams for 2 prompts", and ``None`` prompts or ``params=5`` raised
+    ``TypeError: object of type ... has no len()``."""
+    eng = engine(llama, primary_blocks=40)
+    prompts = prompts_for(llama, [40, 50], seed=29)
+    calls = [
+        ("on_finish must be a callable", lambda: eng.generate(prompts, SamplingParams(max_tokens=2), on_finish=5)),
+        ("params must be a SamplingParams", lambda: eng.generate(prompts, {"max_tokens": 2})),
+        ("params must be a SamplingParams", lambda: eng.generate(prompts, 5)),
+        ("prompts must be a sequence", lambda: eng.generate(None)),
+    ]
+    for what, call in calls:
+        with pytest.raises(TypeError, match=what):
+            call()
+        assert not eng.has_unfinished_requests() and eng.cache_manager.stats().lookup_tokens == 0, what
+    outs = eng.generate(prompts, SamplingParams(max_tokens=2))
+    check_against_oracle(llama, prompts, outs, 2)
+    assert [sum(out.reused_tokens_by_tier.values()) for out in outs] == [0, 0]
     eng.close()

@@ -77,12 +77,15 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
     """Supplies prefixes from, and saves finished blocks to, one ``BlockStore``.
 
     ``save_policy``: which finished blocks to save, a ``SavePolicy`` or its text form
-    (``"all"``, ``"priority>=P"``, ``"seen>=N"``); ``ValueError`` for a bad one.
+    (``"all"``, ``"priority>=P"``, ``"seen>=N"``); ``ValueError`` for a bad one. ``tp_rank`` /
+    ``tp_world_size``: this process's tensor-parallel shard, ints with ``0 <= tp_rank <
+    tp_world_size`` (``TypeError`` / ``ValueError`` at construction otherwise).
     """
 
     def __init__(
         self, store: BlockStore, tp_rank: int = 0, tp_world_size: int = 1, *, save_policy: str | SavePolicy = "all"
     ) -> None:
+        _check_tp_shard(tp_rank, tp_world_size)
         self.save_policy = SavePolicy.parse(save_policy)
         self.store = store
         self.tp_rank = tp_rank
@@ -319,6 +322,7 @@ class FileSystemConnector(StoreConnector):
     """
 
     def __init__(self, path, tp_rank: int = 0, tp_world_size: int = 1, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        _check_tp_shard(tp_rank, tp_world_size)  # before the store makes its directory
         super().__init__(FileSystemStore(path, max_bytes=max_bytes), tp_rank, tp_world_size)
 
 
@@ -342,8 +346,21 @@ class RedisConnector(StoreConnector):
         retry_after_s: float = RETRY_AFTER_S,
         save_policy: str | SavePolicy = "all",
     ) -> None:
+        _check_tp_shard(tp_rank, tp_world_size)  # before the store connects
         store = RedisStore(url, ttl_seconds=ttl_seconds, socket_timeout_s=timeout_s, retry_after_s=retry_after_s)
         super().__init__(store, tp_rank, tp_world_size, save_policy=save_policy)
+
+
+def _check_tp_shard(tp_rank: int, tp_world_size: int) -> None:
+    """``TypeError`` unless both are ints (not bools), ``ValueError`` unless ``0 <= tp_rank < tp_world_size``:
+    the rules of ``BlockKeyspace``, checked where the connector is built rather than where an engine registers."""
+    for name, value in (("tp_rank", tp_rank), ("tp_world_size", tp_world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if tp_world_size <= 0:
+        raise ValueError(f"tp_world_size must be > 0, got {tp_world_size}")
+    if not 0 <= tp_rank < tp_world_size:
+        raise ValueError(f"tp_rank must be in 0..{tp_world_size - 1}, got {tp_rank}")
 
 
 def _needed(rules: list[GroupRule], first: int, end: int) -> list[tuple[int, int]]:

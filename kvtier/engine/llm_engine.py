@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
+from kvtier.connector.base import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtier.engine import exit_close
 from kvtier.engine.admission import RequestLimits
 from kvtier.engine.batch_scheduler import ScheduledChunk, Scheduler
@@ -37,14 +38,19 @@ class LLMEngine:
     (reuse, demotion to host or disk, preemption, a connector's load) when the model runs in
     float64; ``engine.cache_manager`` gives the manager's stats and layout.
 
-    Errors: a request that can never be served is refused before anything is queued
-    (``ValueError`` naming the field, ``TypeError`` for a wrong type; kvtier.engine.admission);
-    one that fails while served (it cannot run even alone, non-finite logits) finishes with
-    ``finish_reason="error"`` and ``error`` set, its pages freed, and the others go on.
+    Errors: a constructor argument of the wrong type is a ``TypeError`` naming it, before the
+    cache manager exists; a constructor that raises later closes the manager it built, so a
+    refused engine never holds a disk tier's directory. A request that can never be served is
+    refused before anything is queued (``ValueError`` naming the field, ``TypeError`` for a
+    wrong type; kvtier.engine.admission); one that fails while served (it cannot run even
+    alone, non-finite logits) finishes with ``finish_reason="error"`` and ``error`` set, its
+    pages freed, and the others go on.
 
-    One thread drives an engine. ``close()`` (idempotent; also a context manager) finishes the
-    connector's saves and closes the cache manager; an engine never closed is closed when the
-    interpreter exits (kvtier.engine.exit_close).
+    One thread drives an engine, and never from inside a step: ``generate`` and ``step`` called
+    while a step runs (from a connector hook) raise ``CacheStateError`` before changing anything;
+    ``on_finish`` runs between steps and may drive the engine. ``close()`` (idempotent; also a
+    context manager) finishes the connector's saves and closes the cache manager; an engine
+    never closed is closed when the interpreter exits (kvtier.engine.exit_close).
     """
 
     def __init__(
@@ -54,6 +60,17 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         connector: object | None = None,
     ) -> None:
+        if not isinstance(model, DecoderModel):
+            raise TypeError(f"model must be a DecoderModel (kvtier.models.build_model), got {type(model).__name__}")
+        if not isinstance(cache_config, CacheConfig):
+            raise TypeError(f"cache_config must be a kvtier.CacheConfig, got {type(cache_config).__name__}")
+        if connector is not None and not (
+            isinstance(connector, KvCacheConnectorScheduler) and isinstance(connector, KvCacheConnectorWorker)
+        ):
+            raise TypeError(
+                "connector must implement both KvCacheConnectorScheduler and KvCacheConnectorWorker "
+                f"(e.g. kvtier.connector.FileSystemConnector), got {type(connector).__name__}"
+            )
         if torch.device(cache_config.device).type != model.device.type:
             raise ValueError(
                 f"the cache lives on {cache_config.device} but the model on {model.device}: give both the same device"
@@ -68,22 +85,27 @@ class LLMEngine:
             spec = dataclasses.replace(spec, model_id=model_id)
         self._weights = WeightWatch(model, weights)  # and notice weights changed in place later
         self.cache_manager = KVCacheManager(spec, cache_config)
-        self.connector = None if connector is None else ConnectorDriver(connector, self.cache_manager)
-        config = scheduler_config or SchedulerConfig()
-        self.limits = RequestLimits.of(model.vocab_size, self.cache_manager, config)
-        self.scheduler = Scheduler(config, self.cache_manager, self.limits, hooks=self.connector)
-        self.runner = ModelRunner(model, self.cache_manager)
-        self.prefill: PrefillMeter | None = None  # without it, every cached block is loaded
-        if self.scheduler.config.recompute_when_faster:
-            self.prefill = PrefillMeter(model.device)
-            tokens = min(self.scheduler.config.max_num_tokens, CALIBRATION_TOKENS)
-            self.cache_manager.set_prefill_rate(self.prefill.calibrate(model, tokens))
+        try:
+            self.connector = None if connector is None else ConnectorDriver(connector, self.cache_manager)
+            config = scheduler_config or SchedulerConfig()
+            self.limits = RequestLimits.of(model.vocab_size, self.cache_manager, config)
+            self.scheduler = Scheduler(config, self.cache_manager, self.limits, hooks=self.connector)
+            self.runner = ModelRunner(model, self.cache_manager)
+            self.prefill: PrefillMeter | None = None  # without it, every cached block is loaded
+            if self.scheduler.config.recompute_when_faster:
+                self.prefill = PrefillMeter(model.device)
+                tokens = min(self.scheduler.config.max_num_tokens, CALIBRATION_TOKENS)
+                self.cache_manager.set_prefill_rate(self.prefill.calibrate(model, tokens))
+        except BaseException:  # e.g. the connector refused the layout: release the disk directory too
+            self.cache_manager.close()
+            raise
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
         self._undelivered: list[RequestOutput] = []  # finished in a step whose caller raised first
         self._closed = False
         self.driver_thread = threading.get_ident()  # the thread that last drove this engine
         self._driving = threading.RLock()  # held by the thread inside generate() or step()
+        self._stepping = False  # a step runs: schedule, connector hooks, forward, sampling
         exit_close.track(self)
 
     # -- requests ---------------------------------------------------------------------------------
@@ -117,15 +139,17 @@ class LLMEngine:
         requests have finished and every save they started through the connector is complete.
         ``on_finish`` sees each output as it finishes, also those of requests queued earlier
         with ``add_request`` (which run alongside). ``CacheStateError`` once the model's weights
-        changed in place since the engine was built, or while another thread drives the engine.
+        changed in place since the engine was built, while another thread drives the engine, or
+        from inside a step (a connector hook). ``TypeError`` naming the argument for ``prompts``
+        that is no sequence, ``params`` that is neither a ``SamplingParams`` nor a sequence of
+        them, an ``on_finish`` that is not callable.
         """
         self._check_open()
         self._check_weights()
         with self._driven():
-            if params is None or isinstance(params, SamplingParams):
-                params = [params or SamplingParams()] * len(prompts)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+            params = _params_per_prompt(prompts, params)
+            if on_finish is not None and not callable(on_finish):
+                raise TypeError(f"on_finish must be a callable taking a RequestOutput, got {type(on_finish).__name__}")
             _check_scope_and_priority(scope, priority)
             pairs = list(zip(prompts, params, strict=True))
             checked = [self.limits.check(prompt, sp, f"prompts[{i}]") for i, (prompt, sp) in enumerate(pairs)]
@@ -160,21 +184,28 @@ class LLMEngine:
             return [done[i] for i in ids]
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward over the batch, sample; returns the requests that finished."""
+        """Schedule, run one forward over the batch, sample; returns the requests that finished.
+        ``CacheStateError``, nothing changed, from inside a step (a connector hook)."""
         self._check_open()
         with self._driven():
             return self._step()
 
     @contextlib.contextmanager
     def _driven(self) -> Iterator[None]:
-        """This thread drives the engine for the block (reentrant: ``on_finish`` may step);
-        ``CacheStateError`` at once, before anything changes, while another thread does."""
+        """This thread drives the engine for the block (reentrant between steps: ``on_finish`` may
+        step); ``CacheStateError`` at once, before anything changes, while another thread does, or
+        from inside a step (its queues are mid-change)."""
         if not self._driving.acquire(blocking=False):
             raise CacheStateError(
                 "another thread is inside generate() or step() of this engine: drive an engine from one thread "
                 "at a time (hand it over between calls, or serialise them with a lock)"
             )
         try:
+            if self._stepping:
+                raise CacheStateError(
+                    "generate() or step() called from inside a step of this engine (from a connector hook): a hook "
+                    "must not drive the engine; on_finish, which runs between steps, may"
+                )
             self.driver_thread = threading.get_ident()
             yield
         finally:
@@ -182,7 +213,11 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         undelivered, self._undelivered = self._undelivered, []
-        return undelivered + self._run_step()
+        self._stepping = True
+        try:
+            return undelivered + self._run_step()
+        finally:
+            self._stepping = False
 
     def _run_step(self) -> list[RequestOutput]:
         if self.connector is not None:
@@ -341,6 +376,27 @@ class LLMEngine:
                 "the model's weights changed since this engine was built (its cached pages are of the old "
                 "weights): build a new LLMEngine for the new weights"
             )
+
+
+def _params_per_prompt(
+    prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None
+) -> list[SamplingParams]:
+    """``params`` as one entry per prompt (checked as ``SamplingParams`` at admission), or
+    ``TypeError`` naming the argument when ``prompts`` has no length or ``params`` is neither a
+    ``SamplingParams`` nor a sequence (a dict of its fields, a number)."""
+    try:
+        count = len(prompts)
+    except TypeError:
+        raise TypeError(f"prompts must be a sequence of token id lists, got {type(prompts).__name__}") from None
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if not isinstance(params, Sequence):
+        raise TypeError(
+            f"params must be a SamplingParams or a sequence of them, one per prompt, got {type(params).__name__}"
+        )
+    if len(params) != count:
+        raise ValueError(f"{len(params)} SamplingParams for {count} prompts")
+    return list(params)
 
 
 def _check_scope_and_priority(scope: object, priority: object) -> None:
