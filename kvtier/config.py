@@ -57,9 +57,16 @@ class HostTier:
             raise ValueError(f"HostTier.write_through_min_priority must be an int in 0..100, got {p!r}")
 
 
+MAX_DISK_BYTES = 1 << 60
+"""The largest ``DiskTier.bytes``: 1 EiB, within the int64 offsets of its page files, and far past
+any file system they would be on (a larger quota is a typo, refused before anything is created)."""
+
+
 @dataclass(frozen=True, slots=True)
 class DiskTier:
     """Preallocated page files and a persistent index under ``path`` (a leading ``~`` is the user's home).
+
+    ``bytes``: 1 to ``MAX_DISK_BYTES``.
 
     Each model (its ``model_id``: by default a fingerprint of the weights, so each checkpoint),
     block size and page layout gets a directory of its own under ``path``, each up to ``bytes``;
@@ -85,6 +92,10 @@ class DiskTier:
 
     def __post_init__(self) -> None:
         _check_quota(self)
+        if self.bytes > MAX_DISK_BYTES:
+            raise ValueError(
+                f"DiskTier.bytes must be at most 2**60 (1 EiB, more than any file system holds), got {self.bytes}"
+            )
         if not isinstance(self.path, str | os.PathLike) or not os.fspath(self.path):
             raise TypeError(f"DiskTier.path must be a non-empty path, got {self.path!r}")
         if self.write_behind is not None and not isinstance(self.write_behind, bool):

@@ -21,6 +21,8 @@ class CacheCollector(Collector):
     """Exports one manager's stats; names start with ``kvtier_``."""
 
     def __init__(self, manager: KVCacheManager) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise TypeError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
         self.manager = manager
 
     def collect(self) -> Iterator[Metric]:
@@ -75,7 +77,14 @@ def registry_for(manager: KVCacheManager) -> CollectorRegistry:
 
 
 def serve(manager: KVCacheManager, port: int, addr: str = "127.0.0.1") -> CollectorRegistry:
-    """Serve the manager's metrics at ``http://addr:port/metrics`` from a background thread."""
+    """Serve the manager's metrics at ``http://addr:port/metrics`` from a background thread.
+
+    ``port``: 0..65535 (0: any free port); ``TypeError``/``ValueError`` otherwise, before anything
+    is served."""
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise TypeError(f"port must be an int, got {port!r}")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be a TCP port (0-65535), got {port}")
     registry = registry_for(manager)
     start_http_server(port, addr=addr, registry=registry)
     return registry

@@ -18,6 +18,10 @@ import torch
 LayerId = NewType("LayerId", int)
 GroupId = NewType("GroupId", int)
 
+MAX_UNIFORM_LAYERS = 1 << 16
+"""The most layers ``ModelSpec.uniform`` builds: far more than any model has (hundreds at most); it
+builds each one, so a larger count (a typo) would only run out of memory."""
+
 
 class GroupKind(str, enum.Enum):
     """The life cycle of a layer group's pages."""
@@ -124,8 +128,10 @@ class ModelSpec:
         window: int | None = None,
         model_id: str | None = None,
     ) -> ModelSpec:
-        """``num_layers`` identical attention layers."""
+        """``num_layers`` (1 to ``MAX_UNIFORM_LAYERS``) identical attention layers."""
         _check_positive_int("num_layers", num_layers)
+        if num_layers > MAX_UNIFORM_LAYERS:
+            raise ValueError(f"num_layers must be <= {MAX_UNIFORM_LAYERS}, got {num_layers}")
         layers = [AttentionLayer(num_kv_heads, head_dim, window=window) for _ in range(num_layers)]
         return cls(layers, dtype, model_id)
 

@@ -37,6 +37,16 @@ from kvtier.cli import main
         (["bench", "hf", "--histories", "0"], "argument --histories: must be >= 1, got 0 (a comma-separated"),
         (["probe", "--disk-mib", "-5"], "argument --disk-mib: must be >= 256, got -5"),
         (["probe", "--disk-mib", "9000"], "argument --disk-mib: must be <= 4096, got 9000"),
+        # Before: refused only once running (the seed, the model, the size, after the model was
+        # built; the timeout after ~20 s of benchmark), or a traceback (--system-tokens).
+        (["demo", "--seed", str(10**30)], "argument --seed: must be <= 18446744073709551615, got 1000"),
+        (["demo", "--model", ""], "argument --model: must not be empty"),
+        (["demo", "--primary-mib", "1e-9"], "argument --primary-mib: must be at least 1 byte (9.54e-07 MiB), got 1e-9"),
+        (["bench", "e2e", "--disk-gib", "1e-10"], "argument --disk-gib: must be at least 1 byte (9.31e-10 GiB)"),
+        (["demo", "--system-tokens", str(10**12)], "argument --system-tokens: must be <= 1048576, got 1000000000000"),
+        (["bench", "e2e", "--prefetch-timeout-s", "nan"], "argument --prefetch-timeout-s: must be a finite number"),
+        (["bench", "e2e", "--prefetch-timeout-s", "-1"], "argument --prefetch-timeout-s: must be a finite number"),
+        (["bench", "e2e", "--model", ""], "argument --model: must not be empty"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_the_option(capsys, argv, message):

@@ -6,6 +6,7 @@ import dataclasses
 import socket
 import urllib.request
 
+import pytest
 from prometheus_client import generate_latest
 
 import kvtier
@@ -61,3 +62,18 @@ def test_a_closed_manager_exports_nothing(tmp_path):
     registry = registry_for(mgr)
     mgr.close()
     assert "kvtier_tier_pages_total" not in generate_latest(registry).decode()
+
+
+def test_a_registry_needs_a_manager():
+    """Before, registry_for(None) was accepted and every scrape failed with an AttributeError."""
+    with pytest.raises(TypeError, match="manager must be a KVCacheManager, got NoneType"):
+        registry_for(None)
+
+
+@pytest.mark.parametrize(("port", "error"), [(70000, ValueError), (-1, ValueError), ("9100", TypeError)])
+def test_serve_names_a_bad_port_before_serving(tmp_path, port, error):
+    """Before, OverflowError from bind (70000) or socket.gaierror (-1)."""
+    mgr = busy_manager(tmp_path)
+    with pytest.raises(error, match="port must be"):
+        serve(mgr, port)
+    mgr.close()

@@ -59,6 +59,11 @@ def test_defaults_and_a_full_configuration():
         ({"prefill_tokens_per_s": 0}, ValueError, "prefill_tokens_per_s must be > 0"),
         ({"prefill_tokens_per_s": float("inf")}, ValueError, "finite"),
         ({"prefill_tokens_per_s": 1e4}, ValueError, "only with recompute_when_faster=True"),
+        # Before: OverflowError (an int past float's range), and a ValueError of dict() for a string.
+        ({"disk_read_wait_s": 10**400}, ValueError, "disk_read_wait_s must be finite"),
+        ({"recompute_when_faster": True, "prefill_tokens_per_s": 10**400}, ValueError, "must be finite"),
+        ("host_bytes=1", TypeError, "kv_connector_extra_config must be a dict, got str"),
+        (["host_bytes"], TypeError, "kv_connector_extra_config must be a dict, got list"),
     ],
 )
 def test_bad_settings_are_refused_with_what_to_fix(extra, error, words):

@@ -41,7 +41,7 @@ def between(low: int, high: int) -> Callable[[str], int]:
 
 
 def positive(text: str) -> float:
-    """A finite number > 0 (a size in MiB or GiB)."""
+    """A finite number > 0."""
     try:
         value = float(text)
     except ValueError:
@@ -49,6 +49,41 @@ def positive(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def size_in(unit: int, unit_name: str) -> Callable[[str], float]:
+    """A size in ``unit`` bytes (``size_in(1 << 20, "MiB")``): a finite number > 0 that is at
+    least one byte, as the tier it sizes (``int(value * unit)`` bytes) must be."""
+
+    def parse(text: str) -> float:
+        value = positive(text)
+        if value * unit < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1 byte ({1 / unit:.3g} {unit_name}), got {text}")
+        return value
+
+    return parse
+
+
+mebibytes = size_in(1 << 20, "MiB")
+gibibytes = size_in(1 << 30, "GiB")
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
+def non_empty(text: str) -> str:
+    """Any text but the empty string."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def device(text: str) -> str:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.cli import bench_e2e_pressure as pressure
-from kvtier.cli.arguments import at_least, device, lengths, positive
+from kvtier.cli.arguments import at_least, device, gibibytes, lengths, non_empty
 from kvtier.cli.bench_e2e_report import add_targets, print_table
 from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
 
@@ -52,7 +52,7 @@ def _sized(name: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-8b-shape")
+    parser.add_argument("--model", type=non_empty, default="llama-8b-shape")
     parser.add_argument("--device", type=device, default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
     parser.add_argument("--prefixes", type=lengths, default=[4096, 16384, 32768], help="prefix lengths in tokens")
@@ -60,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--greedy-tokens", type=at_least(1), default=4, help="tokens compared with the dense path")
     parser.add_argument("--tokens-per-block", type=at_least(1), default=32)
-    parser.add_argument("--primary-gib", type=positive, default=None, help=_sized("primary_gib"))
-    parser.add_argument("--host-gib", type=positive, default=None, help=_sized("host_gib"))
-    parser.add_argument("--disk-gib", type=positive, default=None, help=_sized("disk_gib"))
+    parser.add_argument("--primary-gib", type=gibibytes, default=None, help=_sized("primary_gib"))
+    parser.add_argument("--host-gib", type=gibibytes, default=None, help=_sized("host_gib"))
+    parser.add_argument("--disk-gib", type=gibibytes, default=None, help=_sized("disk_gib"))
     parser.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp dir)")
     parser.add_argument(
         "--chunk", type=at_least(1), default=8192, help="prefill chunk (max_num_tokens) when populating"

@@ -34,7 +34,7 @@ import statistics
 import tempfile
 from collections.abc import Iterator
 
-from kvtier.cli.arguments import at_least, positive
+from kvtier.cli.arguments import at_least, gibibytes, seconds
 from kvtier.cli.bench_machine import drop_page_cache
 
 FILLER_PRIORITY = 100  # suspended fillers outrank every published page: the others go down first
@@ -45,13 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=True, help="host-full cases")
     parser.add_argument(
         "--pressure-primary-gib",
-        type=positive,
+        type=gibibytes,
         default=None,
         help="primary tier of host-full (default: 3 x the KV bytes of the longest prefix)",
     )
     parser.add_argument(
         "--pressure-host-gib",
-        type=positive,
+        type=gibibytes,
         default=None,
         help="host tier of host-full: prefix + a copy of the primary (default: 5 x the longest prefix's KV bytes)",
     )
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["off", "best_effort", "timeout", "wait_complete"],
         help="SchedulerConfig.prefetch_policy of the queued cases (default: the engine's)",
     )
-    parser.add_argument("--prefetch-timeout-s", type=float, default=None, help="SchedulerConfig.prefetch_timeout_s")
+    parser.add_argument("--prefetch-timeout-s", type=seconds, default=None, help="SchedulerConfig.prefetch_timeout_s")
 
 
 # -- host-full ---------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import statistics
 import tempfile
 import time
 
-from kvtier.cli.arguments import at_least, device, lengths, positive
+from kvtier.cli.arguments import at_least, device, gibibytes, lengths
 from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
 
 LLAMA_8B = dict(
@@ -74,9 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix", type=at_least(1), default=64, help="new prompt tokens of the second turn")
     parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--tokens-per-block", type=at_least(1), default=32)
-    parser.add_argument("--primary-gib", type=positive, default=None, help="default: 24 (0.5 with --tiny)")
-    parser.add_argument("--host-gib", type=positive, default=None, help="default: 12 (0.25 with --tiny)")
-    parser.add_argument("--disk-gib", type=positive, default=None, help="default: 12 (0.25 with --tiny)")
+    parser.add_argument("--primary-gib", type=gibibytes, default=None, help="default: 24 (0.5 with --tiny)")
+    parser.add_argument("--host-gib", type=gibibytes, default=None, help="default: 12 (0.25 with --tiny)")
+    parser.add_argument("--disk-gib", type=gibibytes, default=None, help="default: 12 (0.25 with --tiny)")
     parser.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp dir)")
     parser.add_argument("--tiny", action="store_true", help="a two-layer model (a smoke run, e.g. on a CPU)")
 

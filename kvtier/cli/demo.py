@@ -16,28 +16,33 @@ import json
 import statistics
 import tempfile
 
-from kvtier.cli.arguments import at_least, device, free_port, output_file, plot_file, positive
+from kvtier.cli.arguments import at_least, between, device, free_port, mebibytes, non_empty, output_file, plot_file
 from kvtier.cli.run_summary import common_prefix_share, percentile
+
+MAX_PART_TOKENS = 1 << 20  # a system prompt, user turn or answer: longer than any model's context
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default="small-llama", help="a kvtier.models name or a Llama/Mistral checkpoint directory"
+        "--model",
+        type=non_empty,
+        default="small-llama",
+        help="a kvtier.models name or a Llama/Mistral checkpoint directory",
     )
     parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16", "float16"])
     parser.add_argument("--conversations", type=at_least(1), default=8)
     parser.add_argument("--turns", type=at_least(1), default=5)
-    parser.add_argument("--system-tokens", type=at_least(0), default=512)
-    parser.add_argument("--user-tokens", type=at_least(1), default=48)
-    parser.add_argument("--answer-tokens", type=at_least(1), default=24)
-    parser.add_argument("--primary-mib", type=positive, default=4.0)
-    parser.add_argument("--host-mib", type=positive, default=3.0)
-    parser.add_argument("--disk-mib", type=positive, default=64.0)
+    parser.add_argument("--system-tokens", type=between(0, MAX_PART_TOKENS), default=512)
+    parser.add_argument("--user-tokens", type=between(1, MAX_PART_TOKENS), default=48)
+    parser.add_argument("--answer-tokens", type=between(1, MAX_PART_TOKENS), default=24)
+    parser.add_argument("--primary-mib", type=mebibytes, default=4.0)
+    parser.add_argument("--host-mib", type=mebibytes, default=3.0)
+    parser.add_argument("--disk-mib", type=mebibytes, default=64.0)
     parser.add_argument("--plot", type=plot_file, default="kvtier-demo-ttft.png", help="where to write the TTFT plot")
     parser.add_argument("--json", metavar="PATH", type=output_file, help="write the figures as JSON")
     parser.add_argument("--metrics-port", type=free_port, help="serve kvtier's Prometheus metrics on this port")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=between(-(1 << 63), (1 << 64) - 1), default=0, help="in torch's seed range")
     parser.add_argument("--hf", action="store_true", help="the workload on a transformers Llama via kvtier.hf")
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -81,7 +82,7 @@ class RedisStore:
         target = parse_redis_url(url)
         self.url = target.shown
         self._ttl_ms = None if ttl_seconds is None else max(1, round(_positive("ttl_seconds", ttl_seconds) * 1000))
-        _positive("socket_timeout_s", socket_timeout_s)
+        _positive("socket_timeout_s (RedisConnector's timeout_s)", socket_timeout_s)
         _positive("warn_interval_s", warn_interval_s)
         _positive("retry_after_s", retry_after_s, zero_ok=True)
         _import_redis()
@@ -245,8 +246,14 @@ class _ServerTransport:
 
 
 def _positive(name: str, value: float, zero_ok: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    """``value`` as a float > 0 (>= 0 with ``zero_ok``); ``ValueError`` naming ``name`` for anything
+    else: a non-number, nan, an infinity, an int too large for a float."""
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {reprlib.repr(value)}")
     if value < 0 or (value == 0 and not zero_ok):
         raise ValueError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
     return float(value)

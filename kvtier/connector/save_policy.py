@@ -55,7 +55,8 @@ class SavePolicy:
         for part in text.split(","):
             name, sep, value = part.strip().partition(">=")
             key = {"priority": "min_priority", "seen": "min_seen"}.get(name.strip())
-            if not sep or key is None or key in fields or not value.strip().isdigit():
+            value = value.strip()
+            if not sep or key is None or key in fields or not (value.isascii() and value.isdigit()):
                 raise ValueError(
                     f"bad save policy {text!r}: expected 'all', 'priority>=P', 'seen>=N' or 'priority>=P,seen>=N'"
                 )

@@ -51,7 +51,12 @@ class PageCopier:
     def __init__(
         self, device: str | torch.device, *, policy: CopyPolicy | None = None, link: LinkInfo | None = None
     ) -> None:
-        dev = torch.device(device)
+        if not isinstance(device, str | torch.device):
+            raise TypeError(f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device {str(device)!r} asks for CUDA, which is not available here; use 'cpu'")

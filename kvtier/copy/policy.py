@@ -107,7 +107,9 @@ class CopyPolicy:
 
     def choose(self, page_bytes: int, *, coherent_link: bool = False, runs: int | None = None) -> DevicePath:
         """The path for pages of ``page_bytes`` bytes between host and GPU (or GPU and GPU), for a
-        call of ``runs`` runs (None: a call of many)."""
+        call of ``runs`` runs (None: a call of many). ``TypeError`` unless ``page_bytes`` is an int."""
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int):
+            raise TypeError(f"page_bytes must be an int, got {page_bytes!r}")
         if page_bytes < 0:
             raise ValueError(f"page_bytes must be >= 0, got {page_bytes}")
         if coherent_link:

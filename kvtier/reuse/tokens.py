@@ -16,13 +16,15 @@ import numpy as np
 TOKEN_BYTES = 8
 MAX_TOKEN = (1 << 64) - 1
 _LITTLE_ENDIAN = sys.byteorder == "little"
+_SCAN_BELOW = 128  # sequences shorter than this are checked for bools item by item, longer ones by numpy
 
 
 def as_token_array(tokens) -> array:
     """Tokens as ``array('Q')`` (unsigned 64-bit); ``TypeError`` for non-integers, ``ValueError`` for negatives.
 
     Accepts a sequence of ints, an ``array``, a numpy integer array or a CPU torch tensor; refuses
-    text and raw bytes (whose items are not token ids) and unordered collections (a set, a dict).
+    text and raw bytes (whose items are not token ids), unordered collections (a set, a dict) and
+    bools in a list or tuple (``array`` takes ``True`` as token 1).
     """
     if type(tokens) is not list:  # (a list, the common case, needs none of these checks)
         if isinstance(tokens, str | bytes | bytearray | memoryview):
@@ -43,12 +45,27 @@ def as_token_array(tokens) -> array:
         if type(tokens) is list:  # the common case: ``fromlist`` converts a list a third faster than ``array(...)``
             out = array("Q")
             out.fromlist(tokens)
-            return out
-        return array("Q", tokens)
+        else:
+            out = array("Q", tokens)
     except OverflowError:
         raise ValueError("token ids must be in 0..2**64-1") from None
     except TypeError as exc:
         raise TypeError(f"tokens must be integer ids ({exc})") from None
+    if (type(tokens) is list or type(tokens) is tuple) and _holds_bool(tokens, out):
+        raise TypeError("tokens must be integer ids, not bools")
+    return out
+
+
+def _holds_bool(tokens: list | tuple, converted: array) -> bool:
+    """Whether ``tokens`` (converted to ``converted``) holds a bool.
+
+    A bool converts to 0 or 1, so a long sequence has only the items that became 0 or 1 looked
+    at, found by numpy; a short one (where numpy's fixed cost dominates) is scanned whole in C.
+    """
+    if len(tokens) < _SCAN_BELOW:
+        return bool in map(type, tokens)
+    low = np.flatnonzero(np.frombuffer(converted, dtype=np.uint64) <= 1)
+    return bool in map(type, map(tokens.__getitem__, low.tolist()))
 
 
 def encode_tokens(tokens: array) -> bytes:

@@ -31,8 +31,9 @@ class SlotAllocator:
         self.num_slots = num_slots
         self._free: list[int] = []  # slots given back, the last one on top (handed out first)
         self._next = 0  # slots from here up were never handed out: the lowest goes first
-        self._is_free = bytearray(b"\x01") * num_slots
-        self._free_map = np.frombuffer(self._is_free, dtype=np.uint8)  # the same bytes, for bulk updates
+        self._is_free = bytearray(num_slots)  # zeroed, then filled: a failed ``bytearray(b"\x01") * n``
+        self._free_map = np.frombuffer(self._is_free, dtype=np.uint8)  # prints a stray SystemError (CPython 3.11)
+        self._free_map.fill(1)  # the same bytes as ``_is_free``, for bulk updates
         self._freed = array("Q", bytes(8 * num_slots))  # times each slot was freed
         self._freed_counts = np.frombuffer(self._freed, dtype=np.uint64)  # the same counts, for bulk updates
 

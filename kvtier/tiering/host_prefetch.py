@@ -65,7 +65,17 @@ class HostPrefetch:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the reads; returns ``done()`` (reads that failed are
-        done too: the pool lands nothing of them)."""
+        done too: the pool lands nothing of them).
+
+        None, or more than ``threading.TIMEOUT_MAX`` (centuries), waits without limit; 0 or less
+        not at all. ``TypeError`` for a non-number, ``ValueError`` for nan."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+                raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+            if timeout != timeout:  # nan, the one number unequal to itself
+                raise ValueError("timeout must be a number of seconds or None, got nan")
+            if timeout > threading.TIMEOUT_MAX:
+                timeout = None
         if self.future is not None:
             wait([self.future], timeout)
         return self.done()

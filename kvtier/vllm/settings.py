@@ -37,11 +37,14 @@ Anything else is a ``ValueError`` naming the known keys; a value of the wrong ty
 
 from __future__ import annotations
 
+import math
 import os
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.config import MAX_DISK_BYTES
 from kvtier.vllm.file_stamp import model_weights_stamp
 from kvtier.weights import config_fingerprint
 
@@ -72,7 +75,10 @@ class ConnectorSettings:
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
-        """Settings from ``kv_connector_extra_config``; ``ValueError``/``TypeError`` for bad input."""
+        """Settings from ``kv_connector_extra_config`` (a mapping or None); ``ValueError``/``TypeError``
+        for bad input."""
+        if extra is not None and not isinstance(extra, Mapping):
+            raise TypeError(f"kvtier.vllm: kv_connector_extra_config must be a dict, got {type(extra).__name__}")
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(KNOWN_KEYS))
         if unknown:
@@ -86,29 +92,27 @@ class ConnectorSettings:
             raise ValueError("kvtier.vllm: give both disk_bytes and disk_path for a disk tier, or neither")
         if disk_bytes is not None:
             disk_bytes = _positive_int("disk_bytes", disk_bytes)
+            if disk_bytes > MAX_DISK_BYTES:
+                raise ValueError(f"kvtier.vllm: disk_bytes must be at most 2**60 (1 EiB), got {disk_bytes}")
             if not isinstance(disk_path, str | os.PathLike) or not os.fspath(disk_path):
                 raise TypeError(f"kvtier.vllm: disk_path must be a non-empty path, got {disk_path!r}")
             disk_path = os.fspath(disk_path)
         store_url = _optional_text("store_url", extra.get("store_url"))
         model_id = _optional_text("model_id", extra.get("model_id"))
-        wait = extra.get("disk_read_wait_s", DEFAULT_DISK_READ_WAIT_S)
-        if isinstance(wait, bool) or not isinstance(wait, int | float):
-            raise TypeError(f"kvtier.vllm: disk_read_wait_s must be a number of seconds, got {wait!r}")
-        if not 0 <= wait < float("inf"):
+        wait = _finite("disk_read_wait_s", extra.get("disk_read_wait_s", DEFAULT_DISK_READ_WAIT_S))
+        if wait < 0:
             raise ValueError(f"kvtier.vllm: disk_read_wait_s must be >= 0 and finite, got {wait}")
         weigh = extra.get("recompute_when_faster", False)
         if not isinstance(weigh, bool):
             raise TypeError(f"kvtier.vllm: recompute_when_faster must be a bool, got {weigh!r}")
         rate = extra.get("prefill_tokens_per_s")
         if rate is not None:
-            if isinstance(rate, bool) or not isinstance(rate, int | float):
-                raise TypeError(f"kvtier.vllm: prefill_tokens_per_s must be a number, got {rate!r}")
-            if not 0 < rate < float("inf"):
+            rate = _finite("prefill_tokens_per_s", rate)
+            if rate <= 0:
                 raise ValueError(f"kvtier.vllm: prefill_tokens_per_s must be > 0 and finite, got {rate}")
             if not weigh:
                 raise ValueError("kvtier.vllm: prefill_tokens_per_s is used only with recompute_when_faster=True")
-            rate = float(rate)
-        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id, float(wait), weigh, rate)
+        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id, wait, weigh, rate)
 
 
 def model_identity(vllm_config: Any, kv_cache_layout: str | None, model_id: str | None = None) -> str:
@@ -155,6 +159,20 @@ def _positive_int(name: str, value: object) -> int:
     if value <= 0:
         raise ValueError(f"kvtier.vllm: {name} must be > 0, got {value}")
     return value
+
+
+def _finite(name: str, value: object) -> float:
+    """``value`` as a finite float: ``TypeError`` for a non-number, ``ValueError`` for nan, an
+    infinity or an int too large for a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"kvtier.vllm: {name} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        number = float("inf")
+    if not math.isfinite(number):
+        raise ValueError(f"kvtier.vllm: {name} must be finite, got {reprlib.repr(value)}")
+    return number
 
 
 def _optional_text(name: str, value: object) -> str | None:

@@ -80,8 +80,11 @@ def test_a_load_failure_policy_that_fails_requests_is_warned_about_where_kvtier_
 
 def test_a_disk_tier_too_large_to_track_names_the_setting(tmp_path):
     """Before: ``OutOfPagesError: cannot allocate the tiers' memory ()``, naming nothing."""
-    config = vllm_config(tmp_path, {"disk_bytes": 2**62, "disk_path": str(tmp_path / "disk")})
+    config = vllm_config(tmp_path, {"disk_bytes": 2**59, "disk_path": str(tmp_path / "disk")})
     kv_config = kv_cache_config(config, [(layer_names(3), attention_spec())], 16)
     with pytest.raises(kvtier.OutOfPagesError, match=r"host_bytes=.* and disk_bytes=.*out of memory"):
         KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config)
     assert host_pool.lookup(str(config.kv_transfer_config.engine_id)) is None
+    beyond = vllm_config(tmp_path, {"disk_bytes": 2**62, "disk_path": str(tmp_path / "disk")})
+    with pytest.raises(ValueError, match=r"disk_bytes must be at most 2\*\*60"):
+        KVTierConnector(beyond, KVConnectorRole.SCHEDULER, kv_config)
