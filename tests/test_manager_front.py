@@ -438,7 +438,7 @@ def test_caches_dropped_without_close_give_their_pages_back(caplog, state):
         assert ref() is not None  # kept until the manager's next call releases it
         mgr.check_invariants()
         assert ref() is None
-    assert sum("dropped without close()" in r.getMessage() for r in caplog.records) == 1
+    assert sum("KVCache was dropped without close()" in r.getMessage() for r in caplog.records) == 1
     tokens = fresh_tokens(rng, 16 * TPB - 1)  # the whole tier, for one request
     whole = mgr.create_cache(tokens)
     assert whole.resume() and whole.resize(len(tokens))

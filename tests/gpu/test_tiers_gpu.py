@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -75,7 +77,8 @@ def test_a_partly_reused_block_copied_into_a_slot_a_racing_demotion_reads():
 def test_a_copy_failing_midway_on_gpu_never_serves_what_did_not_arrive(tmp_path, monkeypatch, failing_call):
     """A resume whose ``failing_call``-th copy raises (copies before it are queued on the device's
     streams, both directions of the link at once): the pages the plan was writing are dropped,
-    and every prompt is served exact bytes afterwards, before and after a restart."""
+    and every prompt is served exact bytes afterwards, before and after a restart. (A copy into
+    the staging buffer of a disk write fails that write instead: the resume goes on.)"""
     from kvtier.copy.copier import PageCopier
 
     mgr = manager(tmp_path, primary=8, host=8, disk=32, device="cuda")
@@ -93,9 +96,10 @@ def test_a_copy_failing_midway_on_gpu_never_serves_what_did_not_arrive(tmp_path,
 
     cache = mgr.create_cache([*prompts[1], 1])
     monkeypatch.setattr(PageCopier, "copy", copy)
-    with pytest.raises(RuntimeError):
+    with contextlib.suppress(RuntimeError):  # raised, unless the failing copy was a disk write's
         cache.resume()
     monkeypatch.setattr(PageCopier, "copy", real)
+    assert calls[0] >= failing_call  # the fault fired inside the resume
     assert cache.resume()
     oracle.check(cache, [*prompts[1], 1])
     cache.close()
