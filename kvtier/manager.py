@@ -216,8 +216,8 @@ class KVCacheManager:
         self._check_open()
         if isinstance(layer_id, np.integer):  # an id read from an array
             layer_id = int(layer_id)
-        views = self._views.get(layer_id)
-        if views is None or type(layer_id) is not int:  # (True finds layer 1's views: refused here)
+        views = self._views.get(layer_id) if type(layer_id) is int else None  # (not True: layer 1's views)
+        if views is None:
             group = self.spec.group_of(layer_id)  # ValueError for what is not a layer id
             buffer = self._pool.tiers[PRIMARY].storage.buffers[group.group_id]
             with torch.inference_mode(False):  # kept: later calls write through them, inside inference mode or not

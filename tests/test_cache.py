@@ -114,8 +114,9 @@ def test_bad_input_raises_and_changes_nothing():
         cache.resize(-1)
     with pytest.raises(ValueError):
         cache.page_indices(3)
-    with pytest.raises(ValueError):
-        mgr.kv_views(99)
+    for not_a_layer in (99, [0], True, "0"):
+        with pytest.raises(ValueError, match="layer"):
+            mgr.kv_views(not_a_layer)
     for unordered_or_raw in (bytearray(16), memoryview(bytes(16)), {1: 2, 3: 4}, {1, 2}, frozenset({1})):
         with pytest.raises(TypeError):  # raw bytes are not token ids; a set or dict has no order
             mgr.create_cache(unordered_or_raw)

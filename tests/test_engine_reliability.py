@@ -629,6 +629,38 @@ def test_a_connector_hook_that_drives_the_engine_is_refused_and_the_engine_goes_
     eng.close()
 
 
+class AbortsWhatItIsAsked(FileSystemConnector):
+    """Its first ask aborts the request it is asked about (as a client that went away would)."""
+
+    engine = None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.abort_request(request.request_id)
+            with pytest.raises(kvtier.CacheStateError, match="inside a step"):
+                engine.close()
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+def test_a_connector_hook_may_abort_a_request_and_never_close_the_engine(llama, tmp_path):
+    """Before, a hook's abort closed the request's cache under the schedule asking about it, and
+    ``generate`` raised ``CacheStateError: the cache is closed``; a hook's ``close()`` closed the
+    cache manager under the step. Now the abort is done as the step ends and the close is refused."""
+    connector = AbortsWhatItIsAsked(tmp_path)
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(60 * page_bytes(llama))])
+    eng = LLMEngine(llama, config, SchedulerConfig(recompute_when_faster=False), connector=connector)
+    prompts = prompts_for(llama, [40, 50, 30], seed=31)
+    connector.engine = eng
+    outputs = eng.generate(prompts, SamplingParams(max_tokens=3))
+    assert outputs[0].finish_reason == "abort"
+    check_against_oracle(llama, prompts[1:], outputs[1:], 3)
+    assert not eng.has_unfinished_requests()
+    check_against_oracle(llama, prompts, eng.generate(prompts, SamplingParams(max_tokens=3)), 3)
+    eng.cache_manager.check_invariants()
+    eng.close()
+
+
 def test_generate_refuses_arguments_of_the_wrong_type_before_running_anything(llama):
     """Before, ``on_finish=5`` ran a whole step before raising (its outputs lost), a dict for
     ``params`` was "1 SamplingParams for 2 prompts", and ``None`` prompts or ``params=5`` raised

@@ -106,6 +106,7 @@ class LLMEngine:
         self.driver_thread = threading.get_ident()  # the thread that last drove this engine
         self._driving = threading.RLock()  # held by the thread inside generate() or step()
         self._stepping = False  # a step runs: schedule, connector hooks, forward, sampling
+        self._aborted_in_step: list[int] = []  # aborts asked for by a hook, done as the step ends
         exit_close.track(self)
 
     # -- requests ---------------------------------------------------------------------------------
@@ -218,6 +219,9 @@ class LLMEngine:
             return undelivered + self._run_step()
         finally:
             self._stepping = False
+            aborted, self._aborted_in_step = self._aborted_in_step, []
+            for request_id in aborted:
+                self.abort_request(request_id)
 
     def _run_step(self) -> list[RequestOutput]:
         if self.connector is not None:
@@ -277,7 +281,11 @@ class LLMEngine:
         return not self._closed and (self.scheduler.has_work() or bool(self._undelivered))
 
     def abort_request(self, request_id: int) -> None:
-        """Drop a request that has not finished; an undelivered connector offer is handed back."""
+        """Drop a request that has not finished; an undelivered connector offer is handed back.
+        Called from inside a step (a connector hook), the request is dropped as the step ends."""
+        if self._stepping:
+            self._aborted_in_step.append(request_id)
+            return
         request = self._requests.get(request_id)
         if request is None:
             return
@@ -304,6 +312,8 @@ class LLMEngine:
         """
         if self._closed:
             return True
+        if self._stepping:
+            raise CacheStateError("close() called from inside a step of this engine (from a connector hook)")
         self._closed = True
         exit_close.untrack(self)
         saved = True
