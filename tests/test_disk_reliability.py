@@ -541,15 +541,11 @@ def test_a_closed_manager_frees_the_directory_while_its_child_lives(tmp_path, co
 def test_a_killed_manager_frees_the_directory_while_its_forked_child_lives(tmp_path):
     """Before: after the holder was killed (-9), its forked child kept the lock until it exited."""
     code = f"""
-    import os, time
+    import time
+    from tests.test_disk_reliability import sleeping_fork
     from tests.test_tiers import manager
     mgr = manager({str(tmp_path)!r}, primary=6, host=0, disk=40)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            time.sleep(30)
-        finally:
-            os._exit(0)
+    pid = sleeping_fork()
     print(pid, flush=True)
     time.sleep(30)
     """
