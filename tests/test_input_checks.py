@@ -111,6 +111,7 @@ def test_uniform_model_spec_bounds_its_layer_count():
     ("kwargs", "words"),
     [
         ({"ttl_seconds": 10**400}, "ttl_seconds must be a finite number"),  # before: OverflowError
+        ({"ttl_seconds": 1e300}, "ttl_seconds must be at most"),  # before: accepted, every save then refused
         ({"timeout_s": 0}, "RedisConnector's timeout_s) must be > 0"),  # before: named socket_timeout_s only
         ({"timeout_s": 10**400}, "timeout_s) must be a finite number"),
     ],

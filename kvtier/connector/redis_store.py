@@ -49,6 +49,9 @@ T = TypeVar("T")
 __all__ = ["RedisStore", "redact_url"]
 
 
+MAX_TTL_MS = 1 << 62  # the longest expiry kept (146 million years): Redis refuses one past 2**63 ms with the clock
+
+
 class _Transport(Protocol):
     """How the store's four operations reach the servers; failures are answered, never raised."""
 
@@ -82,6 +85,10 @@ class RedisStore:
         target = parse_redis_url(url)
         self.url = target.shown
         self._ttl_ms = None if ttl_seconds is None else max(1, round(_positive("ttl_seconds", ttl_seconds) * 1000))
+        if self._ttl_ms is not None and self._ttl_ms > MAX_TTL_MS:
+            raise ValueError(
+                f"ttl_seconds must be at most {MAX_TTL_MS // 1000} (2**62 ms; Redis refuses longer), got {ttl_seconds}"
+            )
         _positive("socket_timeout_s (RedisConnector's timeout_s)", socket_timeout_s)
         _positive("warn_interval_s", warn_interval_s)
         _positive("retry_after_s", retry_after_s, zero_ok=True)
