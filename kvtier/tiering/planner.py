@@ -357,12 +357,14 @@ class MovePlanner:
                 if owners[slot] is not None:
                     plan.lost.append(owners[slot])
         for tier_index, (pages, slots) in plan.kept_copies.items():
-            valid = [(tier_index, page.group, slot) not in written for page, slot in zip(pages, slots, strict=True)]
-            for page, slot, ok in zip(pages, slots, valid, strict=True):
-                if not ok:
+            kept_pages, kept_slots = [], []
+            for page, slot in zip(pages, slots, strict=True):
+                if (tier_index, page.group, slot) in written:
                     self.tiers[tier_index].storage.slots[page.group].free(slot)
-            pages[:] = [page for page, ok in zip(pages, valid, strict=True) if ok]
-            slots[:] = [slot for slot, ok in zip(slots, valid, strict=True) if ok]
+                else:
+                    kept_pages.append(page)
+                    kept_slots.append(slot)
+            pages[:], slots[:] = kept_pages, kept_slots
         self.finish(plan)
 
 
