@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -80,6 +81,75 @@ def test_a_chain_on_disk_loses_its_deepest_blocks_first(tmp_path):
     assert cache.resume()
     oracle.check(cache, first + [1])
     cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_a_copy_a_promotion_left_above_a_chain_on_disk_outlives_the_chain(tmp_path, caplog):
+    """Before: a resume of a chain's first block left a spare copy of it on disk, above the chain's
+    other blocks, and a spare copy was the first page to go when the disk needed room. A process
+    killed then left blocks no restart could reach (dropped with a WARNING), and the prefix was
+    lost. Now the disk drops a chain from its deepest block up: what a kill leaves restores whole."""
+    mgr = manager(tmp_path / "live", primary=4, host=0, disk=4)
+    oracle = PageOracle(mgr)
+    first, second, third = (convo(i, 3 * TPB) + [7] for i in range(3))
+    prefill(mgr, oracle, first)
+    prefill(mgr, oracle, second)  # pushes the first prompt's 3 blocks to the disk
+    head = mgr.create_cache(first[:TPB] + [1])
+    assert head.resume()  # its first block up: the disk keeps a copy, above the other two
+    prefill(mgr, oracle, third[: 2 * TPB] + [5])  # the second prompt goes down; the disk drops 2 pages
+    shutil.copytree(tmp_path / "live", tmp_path / "killed")  # the files as a kill leaves them
+    after = manager(tmp_path / "killed", primary=4, host=0, disk=4)
+    assert not [r for r in caplog.records if "lay below blocks with no page left" in r.getMessage()]
+    back = first + [1]
+    cache = after.create_cache(back)
+    assert cache.reused_by_tier["disk"] == TPB  # the chain's top block: what was left of it
+    assert cache.resume()
+    PageOracle(after).check(cache, back)
+    cache.close()
+    after.check_invariants()
+    after.close()
+    head.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_room_for_a_chain_on_disk_never_drops_the_blocks_above_it(tmp_path, caplog):
+    """Before: a prompt's 2 blocks (priority 20) came back from the disk, grew 2 more (priority 60),
+    and all 4 went down again: the first 2 onto their copies, then the room the other 2 needed
+    was made by dropping those 2, the disk's lowest priority. The disk kept blocks no match or
+    restart could reach. Now blocks on the disk above ones arriving outlive them, at their priority."""
+    mgr = manager(tmp_path / "live", primary=6, host=0, disk=6)
+    oracle = PageOracle(mgr)
+
+    def compute(tokens, priority):
+        cache = mgr.create_cache(tokens, priority=priority)
+        assert cache.resume()
+        start = cache.num_committed_tokens
+        assert cache.resize(len(tokens))
+        oracle.write(cache, tokens, start, len(tokens))
+        cache.commit(tokens[start:])
+        cache.close()
+
+    base = convo(0, 2 * TPB)
+    longer = base + convo(2, 2 * TPB)
+    compute(base + [7], 20)
+    compute(convo(1, 5 * TPB) + [7], 35)  # pushes the 2 blocks to the disk
+    compute(longer + [7], 60)  # they come back up, 2 more blocks below them
+    compute(convo(3, 5 * TPB) + [7], 35)  # pushes all 4 to the disk
+    cache = mgr.create_cache(longer + [1])
+    assert cache.reused_by_tier["disk"] == 4 * TPB
+    cache.close()
+    shutil.copytree(tmp_path / "live", tmp_path / "killed")  # the files as a kill leaves them
+    after = manager(tmp_path / "killed", primary=6, host=0, disk=6)
+    assert not [r for r in caplog.records if "lay below blocks with no page left" in r.getMessage()]
+    cache = after.create_cache(longer + [1])
+    assert cache.reused_by_tier["disk"] == 4 * TPB
+    assert cache.resume()
+    PageOracle(after).check(cache, longer + [1])
+    cache.close()
+    after.check_invariants()
+    after.close()
     mgr.check_invariants()
     mgr.close()
 

@@ -18,7 +18,7 @@ import torch
 
 from kvtier.config import CacheConfig, DiskTier, HostTier, PrimaryTier, write_through_enabled
 from kvtier.layout import PageGeometry
-from kvtier.spec import ModelSpec
+from kvtier.spec import GroupKind, ModelSpec
 from kvtier.storage.disk_dir import DiskDirectory, other_directories
 from kvtier.storage.disk_index import DiskIndex
 from kvtier.storage.memory import MemoryStorage
@@ -38,9 +38,9 @@ def build_tiers(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageG
     slots = [slots_per_group(t.bytes, geometries, config.snapshot_interval_blocks, t.name) for t in config.tiers]
     disk: Tier | None = None
     if isinstance(config.tiers[last], DiskTier):
-        disk = _disk_tier(
-            config.tiers[last], last, layout_fingerprint(spec, config, geometries), page_bytes, slots[last]
-        )
+        chain_groups = frozenset(g.group_id for g in spec.groups if g.kind is GroupKind.ATTENTION)
+        fingerprint = layout_fingerprint(spec, config, geometries)
+        disk = _disk_tier(config.tiers[last], last, fingerprint, page_bytes, slots[last], chain_groups)
     tiers: list[Tier] = []
     try:
         for index, tier_config in enumerate(config.tiers):
@@ -65,9 +65,16 @@ def build_tiers(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageG
     return tiers
 
 
-def _disk_tier(config: DiskTier, index: int, fingerprint: str, page_bytes: list[int], slots: list[int]) -> Tier:
+def _disk_tier(
+    config: DiskTier,
+    index: int,
+    fingerprint: str,
+    page_bytes: list[int],
+    slots: list[int],
+    chain_groups: frozenset[int],
+) -> Tier:
     """The disk tier in ``<path>/kvtier-<fingerprint>`` (``~`` in ``path`` is the user's home): its
-    directory, index and page files."""
+    directory, index and page files; ``chain_groups`` are the full-attention groups (``Tier.chain_groups``)."""
     directory = DiskDirectory(Path(os.fspath(config.path)).expanduser() / f"kvtier-{fingerprint}")
     _warn_of_other_directories(directory.path, config.bytes)
     try:
@@ -76,7 +83,7 @@ def _disk_tier(config: DiskTier, index: int, fingerprint: str, page_bytes: list[
     except BaseException:
         directory.close()
         raise
-    return Tier(config.name, index, storage, is_last=True, disk_index=disk_index)
+    return Tier(config.name, index, storage, is_last=True, disk_index=disk_index, chain_groups=chain_groups)
 
 
 def _warn_of_other_directories(path: Path, capacity: int) -> None:

@@ -8,8 +8,9 @@ named it; if it cannot, nothing is written (a row never names a slot holding oth
 A block written to disk brings along copies of its ancestors (same layer group) that are not on
 disk yet (``Tier.add_copy``): a hot prefix that is never demoted is on disk with its first child,
 so a process killed at any point leaves chains that restore whole. Ancestors on disk or copied
-are refreshed in the disk's LRU order with every descendant written, so a chain's upper blocks
-outlive its lower ones there.
+are refreshed in the disk's LRU order, at the priority of the blocks below if higher, before room
+is made for a descendant and with every descendant written, so a chain's upper blocks outlive its
+lower ones there; the disk drops a chain from its deepest block up (``Residency.drop_some``).
 
 The bytes are written by a ``DiskWriter`` handed over at construction (the mover, which knows
 where the bytes of a page are and when they have landed).

@@ -9,7 +9,8 @@ removed, by the victim search that passes them (``take``), or go when the page i
 or leaves the tier. Updates are O(1): one ordered dict per priority level, in the order pages
 became evictable, so the first evictable entry of the lowest non-empty level is the victim. A
 *redundant* page (a disk copy of a page whose original is in a memory tier) goes before every
-level: evicting it loses no bytes, evicting anything else on the last tier drops data.
+level: evicting it loses no bytes, evicting anything else on the last tier drops data (the disk
+tier keeps one that blocks below it need: ``Tier.holds_chain_below``).
 """
 
 from __future__ import annotations

@@ -186,11 +186,15 @@ class Residency:
         return slots.num_free >= count
 
     def drop_some(self, tier_index: int, group: int, count: int) -> None:
-        """Drop ``count`` pages only the tree holds from a tier, in eviction order, or none if there are fewer."""
+        """Drop ``count`` pages only the tree holds from a tier, in eviction order, or none if there are fewer.
+        On the disk tier a chain goes from its deepest block up (``_chain_ends``)."""
         tier = self.tiers[tier_index]
         # (on the last tier every evictable page is one no cache holds)
         last = tier.is_last
-        victims = tier.evictable[group].take(count, held_stale=last, unheld_only=not last)
+        if tier.chain_groups:
+            victims = self._chain_ends(tier, group, count)
+        else:
+            victims = tier.evictable[group].take(count, held_stale=last, unheld_only=not last)
         if len(victims) < count:
             return
         originals = tier.originals
@@ -204,6 +208,25 @@ class Residency:
                 continue
             self.counters.evictions += 1
             self._drop_all(tier, group, [page])
+
+    @staticmethod
+    def _chain_ends(tier: Tier, group: int, count: int) -> list[Page]:
+        """Up to ``count`` droppable pages of the disk tier in eviction order, deepest first, none
+        that a block below needs unless that block's pages go too: a page that holds a chain below
+        is kept (``Tier.keep_for_chain``: it moves behind the pages below it) and the search runs
+        again, so that a restart after any drop still reaches every page left on disk."""
+        index = tier.evictable[group]
+        for _ in range(count + len(index) + 1):  # each pass moves a page behind the chain below it
+            victims = index.take(count, held_stale=True)
+            if len(victims) < count:
+                return victims  # too few: nothing is dropped
+            leaving = {id(page) for page in victims}
+            chained = [page for page in victims if tier.holds_chain_below(page, leaving)]
+            if not chained:
+                return sorted(victims, key=lambda page: -page.node.block)  # blocks below go first
+            for page in sorted(chained, key=lambda page: -page.node.block):
+                tier.keep_for_chain(page)
+        return []
 
     def _drop_all(self, tier: Tier, group: int, pages: list[Page]) -> None:
         """``drop`` for droppable pages of one tier and group, in order: unpublished, their slots freed,

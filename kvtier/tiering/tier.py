@@ -43,6 +43,7 @@ class Tier:
 
     __slots__ = (
         "_sweep_at",
+        "chain_groups",
         "copies",
         "disk_index",
         "evictable",
@@ -69,6 +70,7 @@ class Tier:
         is_last: bool,
         disk_index: DiskIndex | None = None,
         keeps_copies: bool | None = None,
+        chain_groups: frozenset[int] = frozenset(),
     ) -> None:
         self.name = name
         self.index = index
@@ -85,6 +87,7 @@ class Tier:
         self.copies: dict[Page, Page] = {}
         self.originals: dict[Page, Page] = {}
         self.spare_copies: set[Page] = set()  # copies no restore needs: the first to go when room is wanted
+        self.chain_groups = chain_groups  # on the disk tier: groups whose page a restore needs above each block
         self.written: dict[bytes, Node] = {}  # blocks with an index row: key -> the node it was written for
         self._sweep_at = SWEEP_MIN
 
@@ -227,20 +230,71 @@ class Tier:
     ) -> int | None:
         """A free slot of ``group``, or else the slot of its least recently used spare copy, which is
         removed; None when neither exists (no page is ever pushed out). That copy is kept (None is
-        returned) if it is one of ``keep`` or its original is in tier ``unless_original_in``."""
+        returned) if it is one of ``keep`` or its original is in tier ``unless_original_in``. A spare
+        copy that blocks below need (``holds_chain_below``) is spare no more (``keep_for_chain``)."""
         slots = self.storage.slots[group]
         slot = slots.allocate()
-        if slot is None:
+        while slot is None:
             first = self.evictable[group].first()
             if (
-                first is not None
-                and first in self.spare_copies
-                and first not in keep
-                and self.originals[first].tier != unless_original_in
+                first is None
+                or first not in self.spare_copies
+                or first in keep
+                or self.originals[first].tier == unless_original_in
             ):
-                self.remove_copy(first)
-                slot = slots.allocate()
+                break
+            if self.holds_chain_below(first):
+                self.keep_for_chain(first)
+                continue
+            self.remove_copy(first)
+            slot = slots.allocate()
         return slot
+
+    def holds_chain_below(self, page: Page, leaving: set[int] | frozenset = frozenset()) -> bool:
+        """On the disk tier: whether ``page`` (here, an original or a copy) is a page of a group in
+        ``chain_groups`` whose block has a block right below it with a page here (ids in ``leaving``,
+        pages on their way out with it, aside). Dropping it would leave that chain unreachable after a
+        restart: a restored block needs a page of each such group in every block above it."""
+        node = page.node
+        if node is None or not node.children or page.group not in self.chain_groups or page.snapshot_offset:
+            return False
+        index, copies = self.index, self.copies
+        for child in node.children.values():
+            for below in (*child.pages, *child.snapshots.values()):
+                if below is None:
+                    continue
+                here = below if below.tier == index else copies.get(below)
+                if here is not None and id(here) not in leaving:
+                    return True
+        return False
+
+    def keep_for_chain(self, page: Page) -> None:
+        """Keep ``page`` (``holds_chain_below``) here, ``_outlive`` the pages right below it."""
+        index, copies = self.index, self.copies
+        priority = page.priority
+        for child in page.node.children.values():
+            for below in (*child.pages, *child.snapshots.values()):
+                here = None if below is None else below if below.tier == index else copies.get(below)
+                if here is not None and here.priority > priority:
+                    priority = here.priority
+        self._outlive(page, priority)
+
+    def keep_ancestors(self, arriving: list[Page]) -> None:
+        """Before room is made here for ``arriving`` pages (one group): their ancestors here, or
+        copied here, ``_outlive`` them, so that the room is not made by dropping the blocks that a
+        restart needs above them."""
+        self.uncopied_ancestors(arriving, set())
+
+    def _outlive(self, page: Page, priority: int) -> None:
+        """``page`` (here, an original or a copy) becomes the most recently used at ``priority``
+        if that is higher than its own, and is a spare copy no more: pages below it in its chain
+        leave this tier before it. Its index row records a new priority."""
+        self.evictable[page.group].discard(page)
+        self.spare_copies.discard(page)
+        if priority > page.priority:
+            page.priority = priority
+            self.record(page)
+        self.reindex(page)
 
     def take_copy(self, original: Page) -> tuple[int, int] | None:
         """(slot, checksum) of ``original``'s copy, handed over to it (it is being demoted here); or None."""
@@ -266,7 +320,7 @@ class Tier:
         first in each chain; pages whose ids are in ``moving`` are left out.
 
         Ancestors already here, or copied here, become the most recently used (a spare copy is
-        spare no more), and a copy takes the priority of the blocks below it if higher: a
+        spare no more) and take the priority of the blocks below them if higher (``_outlive``): a
         chain's upper blocks outlive its lower ones on disk. The walk covers the whole chain
         (each block once per call).
         """
@@ -285,13 +339,8 @@ class Tier:
                     present = page if page.tier == self.index else self.copies.get(page)
                     if present is None:
                         chain.append(page)
-                    elif present in self.originals and present.priority < victim.priority:
-                        self.evictable[group].discard(present)
-                        present.priority = victim.priority
-                        self.record(present)
-                    if present is not None:
-                        self.spare_copies.discard(present)  # a chain below needs it now
-                        self.reindex(present)
+                    else:
+                        self._outlive(present, victim.priority)  # a chain below needs it now
                 node = node.parent
             out.extend(reversed(chain))
         return out
