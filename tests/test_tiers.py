@@ -154,6 +154,24 @@ def test_room_for_a_chain_on_disk_never_drops_the_blocks_above_it(tmp_path, capl
     mgr.close()
 
 
+def test_a_block_dropped_from_the_disk_takes_its_sliding_window_page_along(tmp_path, caplog):
+    """Before: the disk dropped a block's full-attention page and kept its sliding-window page, which
+    no match could reach any more: it held a disk slot until it was the least recently used, and a
+    restart dropped it with a WARNING. Now it goes with the block's full-attention page."""
+    mgr = manager(tmp_path / "live", kind="swa", primary=6, host=0, disk=8)
+    oracle = PageOracle(mgr)
+    for i in range(6):  # each pushes the one before it to the disk, which drops the oldest
+        prefill(mgr, oracle, convo(i, 3 * TPB) + [7])
+    assert mgr.stats().drops > 0
+    mgr.check_invariants()
+    shutil.copytree(tmp_path / "live", tmp_path / "killed")  # the files as a kill leaves them
+    after = manager(tmp_path / "killed", kind="swa", primary=6, host=0, disk=8)
+    assert not [r for r in caplog.records if "lay below blocks with no page left" in r.getMessage()]
+    assert after.stats().tiers["disk"].pages_used == mgr.stats().tiers["disk"].pages_used
+    after.close()
+    mgr.close()
+
+
 def test_cascade_demotes_to_host_then_disk_and_promotes_back(tmp_path):
     mgr = manager(tmp_path, primary=8, host=8, disk=32)
     oracle = PageOracle(mgr)

@@ -197,17 +197,32 @@ class Residency:
             victims = tier.evictable[group].take(count, held_stale=last, unheld_only=not last)
         if len(victims) < count:
             return
+        orphans = tier.orphans(victims)
         originals = tier.originals
         if not originals:
             self.counters.evictions += count
             self._drop_all(tier, group, victims)
-            return
-        for page in victims:
-            if page in originals:
-                tier.remove_copy(page)  # a copy: its original stays where it is
-                continue
-            self.counters.evictions += 1
-            self._drop_all(tier, group, [page])
+        else:
+            for page in victims:
+                if page in originals:
+                    tier.remove_copy(page)  # a copy: its original stays where it is
+                    continue
+                self.counters.evictions += 1
+                self._drop_all(tier, group, [page])
+        if orphans:
+            self._drop_orphans(tier, orphans)
+
+    def _drop_orphans(self, tier: Tier, orphans: list[Page]) -> None:
+        """Drop ``Tier.orphans`` from the disk tier: copies are freed, originals dropped."""
+        by_group: dict[int, list[Page]] = {}
+        for page in orphans:
+            if page in tier.originals:
+                tier.remove_copy(page)
+            elif page.node is not None:
+                by_group.setdefault(page.group, []).append(page)
+        for group, pages in by_group.items():
+            self.counters.evictions += len(pages)
+            self._drop_all(tier, group, pages)
 
     @staticmethod
     def _chain_ends(tier: Tier, group: int, count: int) -> list[Page]:

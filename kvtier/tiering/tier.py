@@ -29,6 +29,7 @@ that order, oldest first; the write-through copies them below. Bounded: the olde
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from kvtier.errors import InvariantError
 from kvtier.pages import Node, Page
@@ -251,33 +252,55 @@ class Tier:
         return slot
 
     def holds_chain_below(self, page: Page, leaving: set[int] | frozenset = frozenset()) -> bool:
-        """On the disk tier: whether ``page`` (here, an original or a copy) is a page of a group in
-        ``chain_groups`` whose block has a block right below it with a page here (ids in ``leaving``,
-        pages on their way out with it, aside). Dropping it would leave that chain unreachable after a
-        restart: a restored block needs a page of each such group in every block above it."""
-        node = page.node
-        if node is None or not node.children or page.group not in self.chain_groups or page.snapshot_offset:
-            return False
-        index, copies = self.index, self.copies
-        for child in node.children.values():
-            for below in (*child.pages, *child.snapshots.values()):
-                if below is None:
-                    continue
-                here = below if below.tier == index else copies.get(below)
-                if here is not None and id(here) not in leaving:
-                    return True
-        return False
+        """On the disk tier: whether pages here need ``page`` (here, an original or a copy of a group
+        in ``chain_groups``) to be reached after a restart (``_dependents``), other than those whose
+        ids are in ``leaving`` (on their way out with it): a restored block needs a page of each such
+        group in itself and in every block above it."""
+        return any(id(dependent) not in leaving for dependent in self._dependents(page))
 
     def keep_for_chain(self, page: Page) -> None:
-        """Keep ``page`` (``holds_chain_below``) here, ``_outlive`` the pages right below it."""
+        """Keep ``page`` (``holds_chain_below``) here, ``_outlive`` the pages that need it."""
+        self._outlive(page, max(dependent.priority for dependent in self._dependents(page)))
+
+    def _dependents(self, page: Page) -> Iterator[Page]:
+        """The pages here (originals or copies) that a restart reaches only through ``page``, a
+        chain group's page here: those of the blocks right below its block, and, when ``page`` is a
+        copy, its block's pages of the other groups (when an original goes, they go with it:
+        ``orphans``)."""
+        node = page.node
+        if node is None or page.group not in self.chain_groups or page.snapshot_offset:
+            return
         index, copies = self.index, self.copies
-        priority = page.priority
-        for child in page.node.children.values():
-            for below in (*child.pages, *child.snapshots.values()):
-                here = None if below is None else below if below.tier == index else copies.get(below)
-                if here is not None and here.priority > priority:
-                    priority = here.priority
-        self._outlive(page, priority)
+        blocks = list(node.children.values())
+        if page in self.originals:
+            blocks.append(node)
+        for block in blocks:
+            for other in (*block.pages, *block.snapshots.values()):
+                if other is None or other is page or (block is node and other.group == page.group):
+                    continue
+                here = other if other.tier == index else copies.get(other)
+                if here is not None and here is not page:
+                    yield here
+
+    def orphans(self, dropped: list[Page]) -> list[Page]:
+        """On the disk tier, for chain-group originals about to be dropped from here: their blocks'
+        pages of other groups here (copies, and originals no cache holds), which no match or
+        restart could reach without them."""
+        if not self.chain_groups or not dropped or dropped[0].group not in self.chain_groups:
+            return []
+        index, copies, originals = self.index, self.copies, self.originals
+        out = []
+        for page in dropped:
+            node = page.node
+            if node is None or page in originals:
+                continue
+            for other in (*node.pages, *node.snapshots.values()):
+                if other is None or other.group == page.group:
+                    continue
+                here = other if other.tier == index else copies.get(other)
+                if here is not None and (here in originals or not (here.refs or here.locks)):
+                    out.append(here)
+        return out
 
     def keep_ancestors(self, arriving: list[Page]) -> None:
         """Before room is made here for ``arriving`` pages (one group): their ancestors here, or
