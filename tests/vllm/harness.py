@@ -383,21 +383,28 @@ class Engine:
         drafts = [self._draft(self.tokens(rid)) for rid in going_on]
         self.scheduler.update_draft_token_ids(DraftTokenIds(going_on, drafts))
 
-    def _draft(self, tokens: list[int]) -> list[int]:
-        """The next ``spec_tokens`` tokens after ``tokens``, right up to a random point, wrong after it."""
+    def _draft(self, tokens: list[int], right: int | None = None) -> list[int]:
+        """The next ``spec_tokens`` tokens after ``tokens``, right up to a point (``right``, or a
+        random one), wrong after it."""
         seq = list(tokens)
-        right = int(self._drafts_rng.integers(0, self.spec_tokens + 1))
+        if right is None:
+            right = int(self._drafts_rng.integers(0, self.spec_tokens + 1))
         for i in range(self.spec_tokens):
             seq.append(sample(seq) if i < right else (sample(seq) + 1) % 997)
         return seq[len(tokens) :]
 
     def _drafts_of(self, rid: str, out) -> list[int]:
         """The drafts a step verifies for ``rid``: the scheduler's, or under asynchronous scheduling
-        (where it schedules placeholders) as many of the runner's own."""
+        (where it schedules placeholders) as many of the runner's own. A request whose prefill ends
+        in this step (its prompt loaded from the connector) has none yet: its placeholders stand for
+        drafts that are all wrong, as vLLM's runner rejects placeholders it never filled."""
         scheduled = list(out.scheduled_spec_decode_tokens.get(rid, ()))
         if not self.async_scheduling or not scheduled:
             return scheduled
-        return self._drafts.pop(rid)[: len(scheduled)]
+        drafts = self._drafts.pop(rid, None)
+        if drafts is None:
+            drafts = self._draft(self.tokens(rid), right=0)
+        return drafts[: len(scheduled)]
 
     def _unheard_rejections(self, rid: str) -> int:
         """Positions the scheduler counts as computed that the runner rejected in the step just before

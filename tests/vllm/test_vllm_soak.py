@@ -107,3 +107,10 @@ def test_random_sessions_serve_only_each_requests_own_kv_and_leave_nothing_behin
     for seed in range(first, first + SEEDS_PER_CASE):
         (tmp_path / str(seed)).mkdir()
         session(seed, tmp_path / str(seed))
+
+
+def test_a_request_whose_prefill_ends_with_draft_placeholders_is_served(tmp_path):
+    """Seed 128: a prompt loaded from the connector but for its last token is scheduled, under
+    asynchronous scheduling with speculative decoding, with draft placeholders in its first step,
+    before the runner ever drafted for it (the runner once failed on the missing drafts)."""
+    session(128, tmp_path)
