@@ -17,6 +17,7 @@ import pytest
 import kvtier
 from kvtier.storage import disk_dir
 from kvtier.tiering import duplex, mover
+from kvtier.tiering.tier import Tier
 from tests.kvdata import PageOracle, small_spec
 from tests.test_write_through import copied
 
@@ -150,6 +151,42 @@ def test_room_for_a_chain_on_disk_never_drops_the_blocks_above_it(tmp_path, capl
     cache.close()
     after.check_invariants()
     after.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_a_long_chain_restored_top_first_is_dropped_in_one_walk(tmp_path, monkeypatch):
+    """A restart indexes the disk's pages in slot order: a chain's top first, each block holding up
+    the next. Before: making room walked the whole chain below the search's deepest block, once per
+    block (600 blocks: 40,705 walks of a page's dependents). Now the search keeps the chain from its
+    highest block in one walk, and the drops then go from the deepest block up."""
+    blocks = 600
+    walks = 0
+    dependents = Tier._dependents
+
+    def counted(self, page):
+        nonlocal walks
+        walks += 1
+        return dependents(self, page)
+
+    def compute(mgr, tokens):
+        cache = mgr.create_cache(tokens)
+        assert cache.resume() and cache.resize(len(tokens))
+        cache.commit(tokens[cache.num_committed_tokens :])
+        cache.close()
+
+    mgr = manager(tmp_path, primary=blocks + 50, host=0, disk=blocks + 10)
+    compute(mgr, convo(0, blocks * TPB) + [7])
+    mgr.close()  # persisted: the chain is on the disk, in slot order
+    mgr = manager(tmp_path, primary=blocks + 50, host=0, disk=blocks + 10)
+    monkeypatch.setattr(Tier, "_dependents", counted)
+    for i in range(1, 40):  # each pushes 30 blocks down: the disk drops most of the chain
+        compute(mgr, convo(i, blocks // 20 * TPB) + [7])
+    assert mgr.stats().drops > blocks // 2
+    assert walks < 10 * blocks
+    cache = mgr.create_cache(convo(0, blocks * TPB) + [1])
+    assert 0 < cache.reused_by_tier["disk"] < blocks * TPB  # the chain's top is left, reachable
+    cache.close()
     mgr.check_invariants()
     mgr.close()
 

@@ -64,6 +64,13 @@ class DiskWritePlanner:
         """
         self._write_down(victims, plan, blocking=self.blocking)
 
+    def keep_ancestors(self, victims: list[Page]) -> None:
+        """Before the disk makes room for ``victims`` (one group): the ancestors there of those that
+        ``demote`` would write outlive them (``Tier.keep_ancestors``)."""
+        arriving = victims if self.blocking else [page for page in victims if page.refs]
+        if arriving:
+            self.disk.keep_ancestors(arriving)
+
     def _write_down(self, victims: list[Page], plan: MovePlan, blocking: bool) -> None:
         """``demote``, writing (``blocking``) or dropping the victims without a disk copy."""
         disk = self.disk

@@ -94,8 +94,8 @@ class MovePlanner:
                 if leaving and leaving[0].tier == dst_index and self._swap(victims, leaving, plan):
                     count -= len(leaving)  # they hold primary slots of the room asked for now
                     break
-                if dst.is_disk:
-                    dst.keep_ancestors(victims)
+                if dst.is_disk and self.disk_writes is not None:
+                    self.disk_writes.keep_ancestors(victims)
                 if self.make_room(dst_index, group, len(victims), plan):
                     self._demote(victims, dst_index, plan)
                     break

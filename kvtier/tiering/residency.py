@@ -228,8 +228,9 @@ class Residency:
     def _chain_ends(tier: Tier, group: int, count: int) -> list[Page]:
         """Up to ``count`` droppable pages of the disk tier in eviction order, deepest first, none
         that a block below needs unless that block's pages go too: a page that holds a chain below
-        is kept (``Tier.keep_for_chain``: it moves behind the pages below it) and the search runs
-        again, so that a restart after any drop still reaches every page left on disk."""
+        is kept (``Tier.keep_for_chain``: it moves behind the pages below it, which move deepest
+        first) and the search runs again, so that a restart after any drop still reaches every
+        page left on disk."""
         index = tier.evictable[group]
         for _ in range(count + len(index) + 1):  # each pass moves a page behind the chain below it
             victims = index.take(count, held_stale=True)
@@ -239,8 +240,11 @@ class Residency:
             chained = [page for page in victims if tier.holds_chain_below(page, leaving)]
             if not chained:
                 return sorted(victims, key=lambda page: -page.node.block)  # blocks below go first
-            for page in sorted(chained, key=lambda page: -page.node.block):
-                tier.keep_for_chain(page)
+            kept: set[int] = set()
+            for page in chained:  # from the highest block of the search above it: each chain walked once
+                top = tier.highest_above(page, leaving)
+                if id(top) not in kept:
+                    kept.update(map(id, tier.keep_for_chain(top)))
         return []
 
     def _drop_all(self, tier: Tier, group: int, pages: list[Page]) -> None:

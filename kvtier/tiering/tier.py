@@ -258,9 +258,36 @@ class Tier:
         group in itself and in every block above it."""
         return any(id(dependent) not in leaving for dependent in self._dependents(page))
 
-    def keep_for_chain(self, page: Page) -> None:
-        """Keep ``page`` (``holds_chain_below``) here, ``_outlive`` the pages that need it."""
-        self._outlive(page, max(dependent.priority for dependent in self._dependents(page)))
+    def keep_for_chain(self, page: Page) -> list[Page]:
+        """Keep ``page`` (``holds_chain_below``) here: the pages here that need it, and those that
+        need them, ``_outlive`` in turn from the deepest up, each at the highest priority below it,
+        ``page`` last. Dropping that chain later goes from its deepest page up, one pass each.
+        Returns the pages kept, ``page`` among them."""
+        order: list[Page] = []  # the chain below ``page``, children before parents
+        stack: list[tuple[Page, bool]] = [(page, False)]
+        while stack:
+            top, expanded = stack.pop()
+            if expanded:
+                order.append(top)
+            else:
+                stack.append((top, True))
+                stack.extend((dependent, False) for dependent in self._dependents(top))
+        for kept in order:
+            self._outlive(kept, max([kept.priority, *(d.priority for d in self._dependents(kept))]))
+        return order
+
+    def highest_above(self, page: Page, among: set[int]) -> Page:
+        """The highest page here (original or copy) of ``page``'s group in the blocks above
+        ``page``'s that are all here with ids in ``among``; ``page`` when its parent's is not."""
+        node = page.node.parent if page.node is not None else None
+        while node is not None and node.parent is not None:
+            above = node.pages[page.group]
+            here = None if above is None else above if above.tier == self.index else self.copies.get(above)
+            if here is None or id(here) not in among:
+                break
+            page = here
+            node = node.parent
+        return page
 
     def _dependents(self, page: Page) -> Iterator[Page]:
         """The pages here (originals or copies) that a restart reaches only through ``page``, a
@@ -276,9 +303,7 @@ class Tier:
             blocks.append(node)
         for block in blocks:
             for other in (*block.pages, *block.snapshots.values()):
-                if other is None or other is page or (block is node and other.group == page.group):
-                    continue
-                here = other if other.tier == index else copies.get(other)
+                here = None if other is None else other if other.tier == index else copies.get(other)
                 if here is not None and here is not page:
                     yield here
 
