@@ -251,6 +251,12 @@ class Tier:
             slot = slots.allocate()
         return slot
 
+    def here(self, page: Page | None) -> Page | None:
+        """``page`` if it is in this tier, else its copy here, else None."""
+        if page is None or page.tier == self.index:
+            return page
+        return self.copies.get(page)
+
     def holds_chain_below(self, page: Page, leaving: set[int] | frozenset = frozenset()) -> bool:
         """On the disk tier: whether pages here need ``page`` (here, an original or a copy of a group
         in ``chain_groups``) to be reached after a restart (``_dependents``), other than those whose
@@ -264,16 +270,16 @@ class Tier:
         ``page`` last. Dropping that chain later goes from its deepest page up, one pass each.
         Returns the pages kept, ``page`` among them."""
         order: list[Page] = []  # the chain below ``page``, children before parents
-        stack: list[tuple[Page, bool]] = [(page, False)]
+        stack: list[tuple[Page, list[Page] | None]] = [(page, None)]
         while stack:
-            top, expanded = stack.pop()
-            if expanded:
+            top, below = stack.pop()
+            if below is None:
+                below = list(self._dependents(top))
+                stack.append((top, below))
+                stack.extend((dependent, None) for dependent in below)
+            else:  # the pages below have outlived it already: their priorities are final
+                self._outlive(top, max([top.priority, *(d.priority for d in below)]))
                 order.append(top)
-            else:
-                stack.append((top, True))
-                stack.extend((dependent, False) for dependent in self._dependents(top))
-        for kept in order:
-            self._outlive(kept, max([kept.priority, *(d.priority for d in self._dependents(kept))]))
         return order
 
     def highest_above(self, page: Page, among: set[int]) -> Page:
@@ -281,8 +287,7 @@ class Tier:
         ``page``'s that are all here with ids in ``among``; ``page`` when its parent's is not."""
         node = page.node.parent if page.node is not None else None
         while node is not None and node.parent is not None:
-            above = node.pages[page.group]
-            here = None if above is None else above if above.tier == self.index else self.copies.get(above)
+            here = self.here(node.pages[page.group])
             if here is None or id(here) not in among:
                 break
             page = here
@@ -297,13 +302,12 @@ class Tier:
         node = page.node
         if node is None or page.group not in self.chain_groups or page.snapshot_offset:
             return
-        index, copies = self.index, self.copies
         blocks = list(node.children.values())
         if page in self.originals:
             blocks.append(node)
         for block in blocks:
             for other in (*block.pages, *block.snapshots.values()):
-                here = None if other is None else other if other.tier == index else copies.get(other)
+                here = self.here(other)
                 if here is not None and here is not page:
                     yield here
 
@@ -311,18 +315,16 @@ class Tier:
         """On the disk tier, for chain-group originals about to be dropped from here: their blocks'
         pages of other groups here (copies, and originals no cache holds), which no match or
         restart could reach without them."""
-        if not self.chain_groups or not dropped or dropped[0].group not in self.chain_groups:
-            return []
-        index, copies, originals = self.index, self.copies, self.originals
+        if len(self.owners) == 1 or not dropped or dropped[0].group not in self.chain_groups:
+            return []  # (one layer group: a block has no other pages)
+        originals = self.originals
         out = []
         for page in dropped:
             node = page.node
             if node is None or page in originals:
                 continue
             for other in (*node.pages, *node.snapshots.values()):
-                if other is None or other.group == page.group:
-                    continue
-                here = other if other.tier == index else copies.get(other)
+                here = None if other is None or other.group == page.group else self.here(other)
                 if here is not None and (here in originals or not (here.refs or here.locks)):
                     out.append(here)
         return out
@@ -384,7 +386,7 @@ class Tier:
                 seen.add(id(node))
                 page = node.pages[group]
                 if page is not None and id(page) not in moving:
-                    present = page if page.tier == self.index else self.copies.get(page)
+                    present = self.here(page)
                     if present is None:
                         chain.append(page)
                     else:
