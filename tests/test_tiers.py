@@ -115,6 +115,41 @@ def test_a_copy_a_promotion_left_above_a_chain_on_disk_outlives_the_chain(tmp_pa
     mgr.close()
 
 
+def test_a_copy_kept_above_a_chain_on_disk_does_not_renew_the_chain(tmp_path, caplog):
+    """Before: when the spare copy a resume left above a chain on disk was the disk's first victim,
+    the copy and the whole chain below it became the disk's most recently used pages, so a newer
+    prompt's blocks went before that older chain. Now the copy is kept and the chain keeps its
+    place: the disk still drops least recently used first, and what a kill leaves restores whole."""
+    mgr = manager(tmp_path / "live", primary=4, host=0, disk=6)
+    oracle = PageOracle(mgr)
+    older, newer, third, fourth = (convo(i, 3 * TPB) + [7] for i in range(4))
+    prefill(mgr, oracle, older)
+    prefill(mgr, oracle, newer)  # pushes the older prompt's 3 blocks to the disk
+    head = mgr.create_cache(older[:TPB] + [1])
+    assert head.resume()  # its first block up: the disk keeps a copy, above the other two
+    prefill(mgr, oracle, third[: 2 * TPB] + [5])  # the newer prompt's 3 blocks go down: the disk is full
+    prefill(mgr, oracle, fourth[: 2 * TPB] + [5])  # 2 more: the older chain's 2 blocks make the room
+    cache = mgr.create_cache(newer)
+    assert cache.reused_by_tier.get("disk") == 3 * TPB
+    cache.close()
+    cache = mgr.create_cache(older)
+    assert cache.num_reused_tokens == TPB  # the block in memory; the 2 below it were the oldest
+    cache.close()
+    shutil.copytree(tmp_path / "live", tmp_path / "killed")  # the files as a kill leaves them
+    after = manager(tmp_path / "killed", primary=4, host=0, disk=6)
+    assert not [r for r in caplog.records if "lay below blocks with no page left" in r.getMessage()]
+    cache = after.create_cache(newer)
+    assert cache.reused_by_tier["disk"] == 3 * TPB
+    assert cache.resume()
+    PageOracle(after).check(cache, newer)
+    cache.close()
+    after.check_invariants()
+    after.close()
+    head.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_room_for_a_chain_on_disk_never_drops_the_blocks_above_it(tmp_path, caplog):
     """Before: a prompt's 2 blocks (priority 20) came back from the disk, grew 2 more (priority 60),
     and all 4 went down again: the first 2 onto their copies, then the room the other 2 needed

@@ -227,12 +227,16 @@ class Residency:
     @staticmethod
     def _chain_ends(tier: Tier, group: int, count: int) -> list[Page]:
         """Up to ``count`` droppable pages of the disk tier in eviction order, deepest first, none
-        that a block below needs unless that block's pages go too: a page that holds a chain below
-        is kept (``Tier.keep_for_chain``: it moves behind the pages below it, which move deepest
-        first) and the search runs again, so that a restart after any drop still reaches every
-        page left on disk."""
+        that a block below needs unless that block's pages go too, so that a restart after any
+        drop still reaches every page left on disk. A page that holds a chain below is kept and
+        the search runs again: a spare copy (a promotion left it above blocks it did not promote)
+        with the pages of the search above it, the chain below keeping its places
+        (``Tier.keep_above_chain``); any other page (the chain below is behind it: a higher
+        priority, or restored top first) moves behind the chain, which moves deepest first
+        (``Tier.keep_for_chain``)."""
         index = tier.evictable[group]
-        for _ in range(count + len(index) + 1):  # each pass moves a page behind the chain below it
+        spare = tier.spare_copies
+        for _ in range(count + len(index) + 1):  # each pass keeps a page or a chain
             victims = index.take(count, held_stale=True)
             if len(victims) < count:
                 return victims  # too few: nothing is dropped
@@ -241,10 +245,14 @@ class Residency:
             if not chained:
                 return sorted(victims, key=lambda page: -page.node.block)  # blocks below go first
             kept: set[int] = set()
+            above: dict[int, Page] = {}
             for page in chained:  # from the highest block of the search above it: each chain walked once
-                top = tier.highest_above(page, leaving)
-                if id(top) not in kept:
-                    kept.update(map(id, tier.keep_for_chain(top)))
+                path = tier.path_above(page, leaving)
+                if page in spare:
+                    above.update((id(p), p) for p in path)
+                elif id(path[-1]) not in kept:
+                    kept.update(map(id, tier.keep_for_chain(path[-1])))
+            tier.keep_above_chain([page for key, page in above.items() if key not in kept])
         return []
 
     def _drop_all(self, tier: Tier, group: int, pages: list[Page]) -> None:

@@ -232,7 +232,7 @@ class Tier:
         """A free slot of ``group``, or else the slot of its least recently used spare copy, which is
         removed; None when neither exists (no page is ever pushed out). That copy is kept (None is
         returned) if it is one of ``keep`` or its original is in tier ``unless_original_in``. A spare
-        copy that blocks below need (``holds_chain_below``) is spare no more (``keep_for_chain``)."""
+        copy that blocks below need (``holds_chain_below``) is spare no more (``keep_above_chain``)."""
         slots = self.storage.slots[group]
         slot = slots.allocate()
         while slot is None:
@@ -245,7 +245,7 @@ class Tier:
             ):
                 break
             if self.holds_chain_below(first):
-                self.keep_for_chain(first)
+                self.keep_above_chain([first])
                 continue
             self.remove_copy(first)
             slot = slots.allocate()
@@ -282,17 +282,27 @@ class Tier:
                 order.append(top)
         return order
 
-    def highest_above(self, page: Page, among: set[int]) -> Page:
-        """The highest page here (original or copy) of ``page``'s group in the blocks above
-        ``page``'s that are all here with ids in ``among``; ``page`` when its parent's is not."""
+    def keep_above_chain(self, pages: list[Page]) -> None:
+        """Keep pages here that blocks below need (``holds_chain_below``) without renewing those
+        blocks: deepest block first, each ``_outlive``s at the highest priority of itself and the
+        pages right below it, so each outlives what needs it, while the pages below keep their
+        places in the eviction order (blocks a promotion left below its spare copies age as they
+        would have)."""
+        for page in sorted(pages, key=_deepest_first):
+            self._outlive(page, max([page.priority, *(d.priority for d in self._dependents(page))]))
+
+    def path_above(self, page: Page, among: set[int]) -> list[Page]:
+        """``page``, then the pages here (originals or copies) of its group in the blocks above it,
+        parent by parent, while each is here with its id in ``among``."""
+        path = [page]
         node = page.node.parent if page.node is not None else None
         while node is not None and node.parent is not None:
             here = self.here(node.pages[page.group])
             if here is None or id(here) not in among:
                 break
-            page = here
+            path.append(here)
             node = node.parent
-        return page
+        return path
 
     def _dependents(self, page: Page) -> Iterator[Page]:
         """The pages here (originals or copies) that a restart reaches only through ``page``, a
@@ -454,3 +464,7 @@ class Tier:
                     watch.popitem(last=False)
         else:
             self.evictable[page.group].discard(page)
+
+
+def _deepest_first(page: Page) -> int:
+    return -page.node.block if page.node is not None else 0
