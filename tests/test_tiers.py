@@ -86,6 +86,21 @@ def test_a_chain_on_disk_loses_its_deepest_blocks_first(tmp_path):
     mgr.close()
 
 
+def restart_as_killed(tmp_path, caplog, tokens, from_disk, **sizes) -> None:
+    """Start a manager on a copy of ``tmp_path / "live"`` (the files as a kill leaves them): no page
+    is dropped as unreachable, and ``tokens`` reuse ``from_disk`` tokens from the disk, exactly."""
+    shutil.copytree(tmp_path / "live", tmp_path / "killed")
+    after = manager(tmp_path / "killed", **sizes)
+    assert not [r for r in caplog.records if "lay below blocks with no page left" in r.getMessage()]
+    cache = after.create_cache(tokens)
+    assert cache.reused_by_tier["disk"] == from_disk
+    assert cache.resume()
+    PageOracle(after).check(cache, tokens)
+    cache.close()
+    after.check_invariants()
+    after.close()
+
+
 def test_a_copy_a_promotion_left_above_a_chain_on_disk_outlives_the_chain(tmp_path, caplog):
     """Before: a resume of a chain's first block left a spare copy of it on disk, above the chain's
     other blocks, and a spare copy was the first page to go when the disk needed room. A process
@@ -99,17 +114,7 @@ def test_a_copy_a_promotion_left_above_a_chain_on_disk_outlives_the_chain(tmp_pa
     head = mgr.create_cache(first[:TPB] + [1])
     assert head.resume()  # its first block up: the disk keeps a copy, above the other two
     prefill(mgr, oracle, third[: 2 * TPB] + [5])  # the second prompt goes down; the disk drops 2 pages
-    shutil.copytree(tmp_path / "live", tmp_path / "killed")  # the files as a kill leaves them
-    after = manager(tmp_path / "killed", primary=4, host=0, disk=4)
-    assert not [r for r in caplog.records if "lay below blocks with no page left" in r.getMessage()]
-    back = first + [1]
-    cache = after.create_cache(back)
-    assert cache.reused_by_tier["disk"] == TPB  # the chain's top block: what was left of it
-    assert cache.resume()
-    PageOracle(after).check(cache, back)
-    cache.close()
-    after.check_invariants()
-    after.close()
+    restart_as_killed(tmp_path, caplog, first + [1], TPB, primary=4, host=0, disk=4)  # the chain's top block
     head.close()
     mgr.check_invariants()
     mgr.close()
@@ -135,16 +140,7 @@ def test_a_copy_kept_above_a_chain_on_disk_does_not_renew_the_chain(tmp_path, ca
     cache = mgr.create_cache(older)
     assert cache.num_reused_tokens == TPB  # the block in memory; the 2 below it were the oldest
     cache.close()
-    shutil.copytree(tmp_path / "live", tmp_path / "killed")  # the files as a kill leaves them
-    after = manager(tmp_path / "killed", primary=4, host=0, disk=6)
-    assert not [r for r in caplog.records if "lay below blocks with no page left" in r.getMessage()]
-    cache = after.create_cache(newer)
-    assert cache.reused_by_tier["disk"] == 3 * TPB
-    assert cache.resume()
-    PageOracle(after).check(cache, newer)
-    cache.close()
-    after.check_invariants()
-    after.close()
+    restart_as_killed(tmp_path, caplog, newer, 3 * TPB, primary=4, host=0, disk=6)
     head.close()
     mgr.check_invariants()
     mgr.close()
