@@ -146,6 +146,40 @@ def test_a_copy_kept_above_a_chain_on_disk_does_not_renew_the_chain(tmp_path, ca
     mgr.close()
 
 
+def test_a_block_on_disk_stays_while_a_block_below_it_is_in_memory(tmp_path):
+    """Before: a prompt recomputed over its prefix on disk (its reuse given up) published 2 new
+    blocks below it in memory; when the disk made room, it dropped that prefix's last blocks, which
+    nothing on disk needed, and the 2 blocks in memory could never be matched again (the prompt's
+    next turn reused 1 block). Now a block on disk stays while a block below it is in memory."""
+    mgr = manager(tmp_path, primary=6, host=0, disk=4)
+    oracle = PageOracle(mgr)
+
+    def compute(tokens, priority, recompute=False):
+        cache = mgr.create_cache(tokens, priority=priority)
+        if recompute:
+            cache.shorten_reuse(0)
+        assert cache.resume()
+        start = cache.num_committed_tokens
+        assert cache.resize(len(tokens))
+        oracle.write(cache, tokens, start, len(tokens))
+        cache.commit(tokens[start:])
+        cache.close()
+
+    prefix, turn = convo(0, 3 * TPB), convo(1, 2 * TPB)
+    compute(prefix + [7], 10)
+    compute(prefix + turn + [7], 90, recompute=True)  # 2 blocks below the prefix, in memory
+    compute(convo(3, 3 * TPB) + [7], 50)  # the prefix (priority 10) goes to the disk
+    compute(convo(4, 3 * TPB) + [7], 50)  # the disk makes room: its lowest priority is the prefix
+    back = prefix + turn + [1]
+    cache = mgr.create_cache(back)
+    assert cache.reused_by_tier == {"primary": 2 * TPB, "host": 0, "disk": 3 * TPB}
+    assert cache.resume()
+    oracle.check(cache, back)
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_room_for_a_chain_on_disk_never_drops_the_blocks_above_it(tmp_path, caplog):
     """Before: a prompt's 2 blocks (priority 20) came back from the disk, grew 2 more (priority 60),
     and all 4 went down again: the first 2 onto their copies, then the room the other 2 needed

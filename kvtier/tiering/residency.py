@@ -228,14 +228,15 @@ class Residency:
     def _chain_ends(tier: Tier, group: int, count: int) -> list[Page]:
         """Up to ``count`` droppable pages of the disk tier in eviction order, deepest first, none
         that a block below needs unless that block's pages go too, so that a restart after any
-        drop still reaches every page left on disk. A page that holds a chain below is kept and
-        the search runs again: a spare copy (a promotion left it above blocks it did not promote)
-        with the pages of the search above it, the chain below keeping its places
-        (``Tier.keep_above_chain``); any other page (the chain below is behind it: a higher
-        priority, or restored top first) moves behind the chain, which moves deepest first
-        (``Tier.keep_for_chain``)."""
+        drop still reaches every page left on disk, and a match every block below in memory
+        (``Tier.holds_chain_below``). A page that holds a chain below is kept and the search runs
+        again: a spare copy (a promotion left it above blocks it did not promote) with the pages
+        of the search above it, the chain below keeping its places (``Tier.keep_above_chain``);
+        any other page (the chain below is behind it: a higher priority, or restored top first)
+        moves behind the chain, which moves deepest first (``Tier.keep_for_chain``)."""
         index = tier.evictable[group]
         spare = tier.spare_copies
+        kept_before: set[int] = set()
         for _ in range(count + len(index) + 1):  # each pass keeps a page or a chain
             victims = index.take(count, held_stale=True)
             if len(victims) < count:
@@ -253,6 +254,10 @@ class Residency:
                 elif id(path[-1]) not in kept:
                     kept.update(map(id, tier.keep_for_chain(path[-1])))
             tier.keep_above_chain([page for key, page in above.items() if key not in kept])
+            kept.update(above)
+            if kept <= kept_before:
+                return []  # the search came round to pages it kept already: every page is needed
+            kept_before |= kept
         return []
 
     def _drop_all(self, tier: Tier, group: int, pages: list[Page]) -> None:

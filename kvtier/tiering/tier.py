@@ -261,8 +261,26 @@ class Tier:
         """On the disk tier: whether pages here need ``page`` (here, an original or a copy of a group
         in ``chain_groups``) to be reached after a restart (``_dependents``), other than those whose
         ids are in ``leaving`` (on their way out with it): a restored block needs a page of each such
-        group in itself and in every block above it."""
-        return any(id(dependent) not in leaving for dependent in self._dependents(page))
+        group in itself and in every block above it. An original is also needed while a block right
+        below it has a page of such a group in a memory tier (``_above_memory``): no match could
+        reach that block without it."""
+        if any(id(dependent) not in leaving for dependent in self._dependents(page)):
+            return True
+        return page not in self.originals and self._above_memory(page)
+
+    def _above_memory(self, page: Page) -> bool:
+        """Whether a block right below ``page``'s (a page of a chain group here) has a page of a chain
+        group in a memory tier (a colder tier than this one is never a memory tier)."""
+        node = page.node
+        if node is None or page.group not in self.chain_groups or page.snapshot_offset:
+            return False
+        here = self.index
+        for child in node.children.values():
+            for group in self.chain_groups:
+                below = child.pages[group]
+                if below is not None and below.tier < here:
+                    return True
+        return False
 
     def keep_for_chain(self, page: Page) -> list[Page]:
         """Keep ``page`` (``holds_chain_below``) here: the pages here that need it, and those that
