@@ -86,6 +86,20 @@ def test_a_chain_on_disk_loses_its_deepest_blocks_first(tmp_path):
     mgr.close()
 
 
+def compute(mgr, oracle, tokens, priority, recompute=False) -> None:
+    """Create a cache at ``priority``, resume it (its reuse given up if ``recompute``), compute and
+    commit the rest of ``tokens``, close it."""
+    cache = mgr.create_cache(tokens, priority=priority)
+    if recompute:
+        cache.shorten_reuse(0)
+    assert cache.resume()
+    start = cache.num_committed_tokens
+    assert cache.resize(len(tokens))
+    oracle.write(cache, tokens, start, len(tokens))
+    cache.commit(tokens[start:])
+    cache.close()
+
+
 def restart_as_killed(tmp_path, caplog, tokens, from_disk, **sizes) -> None:
     """Start a manager on a copy of ``tmp_path / "live"`` (the files as a kill leaves them): no page
     is dropped as unreachable, and ``tokens`` reuse ``from_disk`` tokens from the disk, exactly."""
@@ -153,23 +167,11 @@ def test_a_block_on_disk_stays_while_a_block_below_it_is_in_memory(tmp_path):
     next turn reused 1 block). Now a block on disk stays while a block below it is in memory."""
     mgr = manager(tmp_path, primary=6, host=0, disk=4)
     oracle = PageOracle(mgr)
-
-    def compute(tokens, priority, recompute=False):
-        cache = mgr.create_cache(tokens, priority=priority)
-        if recompute:
-            cache.shorten_reuse(0)
-        assert cache.resume()
-        start = cache.num_committed_tokens
-        assert cache.resize(len(tokens))
-        oracle.write(cache, tokens, start, len(tokens))
-        cache.commit(tokens[start:])
-        cache.close()
-
     prefix, turn = convo(0, 3 * TPB), convo(1, 2 * TPB)
-    compute(prefix + [7], 10)
-    compute(prefix + turn + [7], 90, recompute=True)  # 2 blocks below the prefix, in memory
-    compute(convo(3, 3 * TPB) + [7], 50)  # the prefix (priority 10) goes to the disk
-    compute(convo(4, 3 * TPB) + [7], 50)  # the disk makes room: its lowest priority is the prefix
+    compute(mgr, oracle, prefix + [7], 10)
+    compute(mgr, oracle, prefix + turn + [7], 90, recompute=True)  # 2 blocks below the prefix, in memory
+    compute(mgr, oracle, convo(3, 3 * TPB) + [7], 50)  # the prefix (priority 10) goes to the disk
+    compute(mgr, oracle, convo(4, 3 * TPB) + [7], 50)  # the disk makes room: its lowest priority is the prefix
     back = prefix + turn + [1]
     cache = mgr.create_cache(back)
     assert cache.reused_by_tier == {"primary": 2 * TPB, "host": 0, "disk": 3 * TPB}
@@ -188,21 +190,12 @@ def test_room_for_a_chain_on_disk_never_drops_the_blocks_above_it(tmp_path, capl
     mgr = manager(tmp_path / "live", primary=6, host=0, disk=6)
     oracle = PageOracle(mgr)
 
-    def compute(tokens, priority):
-        cache = mgr.create_cache(tokens, priority=priority)
-        assert cache.resume()
-        start = cache.num_committed_tokens
-        assert cache.resize(len(tokens))
-        oracle.write(cache, tokens, start, len(tokens))
-        cache.commit(tokens[start:])
-        cache.close()
-
     base = convo(0, 2 * TPB)
     longer = base + convo(2, 2 * TPB)
-    compute(base + [7], 20)
-    compute(convo(1, 5 * TPB) + [7], 35)  # pushes the 2 blocks to the disk
-    compute(longer + [7], 60)  # they come back up, 2 more blocks below them
-    compute(convo(3, 5 * TPB) + [7], 35)  # pushes all 4 to the disk
+    compute(mgr, oracle, base + [7], 20)
+    compute(mgr, oracle, convo(1, 5 * TPB) + [7], 35)  # pushes the 2 blocks to the disk
+    compute(mgr, oracle, longer + [7], 60)  # they come back up, 2 more blocks below them
+    compute(mgr, oracle, convo(3, 5 * TPB) + [7], 35)  # pushes all 4 to the disk
     cache = mgr.create_cache(longer + [1])
     assert cache.reused_by_tier["disk"] == 4 * TPB
     cache.close()
