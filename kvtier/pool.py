@@ -284,6 +284,18 @@ class PagePool:
         res.release_all(copies, locked=True)
         return new, damaged
 
+    def touch(self, pages: list[Page]) -> None:
+        """Pages of blocks that a cache computed again below nothing it matched (a match that stopped
+        above them: a recurrent state only at a snapshot, a reuse given up) and then built on: each
+        page still in its tier's eviction order becomes the most recently used there, in order, as
+        a match through them would have left it. (Blocks published below them must not outlive
+        them: no match could reach those without them.)"""
+        for page in pages:
+            tier = self.tiers[page.tier]
+            index = tier.evictable[page.group]
+            if page in index:
+                index.add(page, redundant=page in tier.spare_copies)
+
     def copy_page(self, source: Page, priority: int) -> Page | None:
         """A new primary page holding a copy of ``source`` (a primary page), held unlocked by the
         caller; None when no room can be made for it."""

@@ -3,7 +3,8 @@
 ``nodes[b]`` is the tree node of the cache's committed full block ``b``. Only the deepest node
 counts the cache as a user: every ancestor has a child, so none of the chain is pruned while
 the cache uses it. Publishing a block puts the cache's pages of it in its node, where the node
-has none for that group yet (the page then points back at the node).
+has none for that group yet (the page then points back at the node); a page the node has
+already (the cache computed the block again) is used as a match would use it (``PagePool.touch``).
 
 A recurrent state snapshot taken where no block of the chain ends yet (the end of the input,
 inside a block) waits as ``pending_snapshot``, held by the cache, until its block is published.
@@ -52,13 +53,17 @@ class PublishedChain:
         if deepest is None:
             self.root = tree.live_root(self.root)  # the scope's root may have emptied and gone meanwhile
         parent = deepest or self.root
+        found: list[Page] = []  # pages the tree had for blocks computed again
         for b in range(len(self.nodes), full_blocks):
             node = tree.child(parent, encode_tokens(tokens[b * tpb : (b + 1) * tpb]))
             self.nodes.append(node)
             for rule in pool.attention_rules:
                 g = rule.group_id
                 page = table.blocks[g][b]
-                if page is not None and page.node is None and node.pages[g] is None:
+                there = node.pages[g]
+                if there is not None and there is not page:
+                    found.append(there)
+                elif page is not None and page.node is None:
                     node.pages[g] = page
                     page.node = node
             pending = self.pending_snapshot
@@ -69,6 +74,8 @@ class PublishedChain:
         self.nodes[-1].users += 1  # the use moves to the new deepest node; the old one has a child now
         if deepest is not None:
             deepest.users -= 1
+        if found:
+            pool.touch(found[::-1])  # deepest first: a block's parent ends the more recently used
 
     def snapshot(self, position: int, state_page: Page, priority: int) -> None:
         """Keep a copy of the live recurrent state after ``position`` tokens, for reuse.

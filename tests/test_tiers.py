@@ -182,6 +182,34 @@ def test_a_block_on_disk_stays_while_a_block_below_it_is_in_memory(tmp_path):
     mgr.close()
 
 
+def test_blocks_computed_again_and_built_on_stay_with_the_blocks_below():
+    """Before: a cache made before a prompt's blocks were published computed them again and built 2
+    blocks below them; the tree kept its older pages of those blocks, which nothing had used since,
+    and the last tier dropped them first, so the 2 blocks could never be matched (1 block was
+    reused). Now a cache that builds on blocks it computed again uses their pages as a match would."""
+    mgr = manager(None, primary=8, host=8, disk=0)
+    oracle = PageOracle(mgr)
+    prefix, turn = convo(0, 3 * TPB), convo(1, 2 * TPB)
+    late = mgr.create_cache(prefix + turn + [7])  # made before the prefix is published: matches nothing
+    compute(mgr, oracle, prefix + [7], 35)
+    for i in range(2):
+        compute(mgr, oracle, convo(10 + i, 3 * TPB) + [7], 35)  # the prefix goes down to the host tier
+    assert late.resume() and late.resize(len(prefix + turn) + 1)
+    oracle.write(late, prefix + turn + [7], 0, len(prefix + turn) + 1)
+    late.commit(prefix + turn + [7])
+    late.close()
+    for i in range(2):
+        compute(mgr, oracle, convo(20 + i, 3 * TPB) + [7], 35)  # the host tier drops its oldest pages
+    back = prefix + turn + [1]
+    cache = mgr.create_cache(back)
+    assert cache.num_reused_tokens == 5 * TPB
+    assert cache.resume()
+    oracle.check(cache, back)
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_room_for_a_chain_on_disk_never_drops_the_blocks_above_it(tmp_path, caplog):
     """Before: a prompt's 2 blocks (priority 20) came back from the disk, grew 2 more (priority 60),
     and all 4 went down again: the first 2 onto their copies, then the room the other 2 needed
