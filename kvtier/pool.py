@@ -285,11 +285,12 @@ class PagePool:
         return new, damaged
 
     def touch(self, pages: list[Page]) -> None:
-        """Pages of blocks that a cache computed again below nothing it matched (a match that stopped
-        above them: a recurrent state only at a snapshot, a reuse given up) and then built on: each
-        page still in its tier's eviction order becomes the most recently used there, in order, as
-        a match through them would have left it. (Blocks published below them must not outlive
-        them: no match could reach those without them.)"""
+        """Pages the tree already had for blocks that a cache computed again and then built on (its
+        match stopped above them: a recurrent state resumes only at a snapshot; a reuse given up;
+        a cache made before they were published): each page still in its tier's eviction order
+        becomes the most recently used there, in order, as a match through them would have left
+        it. The blocks published below them must not outlive them: no match reaches those without
+        them."""
         for page in pages:
             tier = self.tiers[page.tier]
             index = tier.evictable[page.group]
