@@ -293,9 +293,8 @@ class PagePool:
         them."""
         for page in pages:
             tier = self.tiers[page.tier]
-            index = tier.evictable[page.group]
-            if page in index:
-                index.add(page, redundant=page in tier.spare_copies)
+            if page in tier.evictable[page.group]:
+                tier.reindex(page)
 
     def copy_page(self, source: Page, priority: int) -> Page | None:
         """A new primary page holding a copy of ``source`` (a primary page), held unlocked by the
