@@ -234,6 +234,24 @@ def test_a_real_full_file_system_makes_room_for_new_values(small_file_system):
     store.close()
 
 
+def test_a_value_larger_than_the_file_system_leaves_the_store_whole(small_file_system):
+    """A put that could not fit even in an emptied store fails without evicting anything; the
+    values of the same call that can fit are stored as on any full file system."""
+    store = FileSystemStore(small_file_system / "kv")
+    kept = [f"old/{i}" for i in range(20)]  # 320 KB of the 512 KiB
+    assert store.put_many([(k, page_for(k, 16_000)) for k in kept]) == [True] * len(kept)
+    huge = page_for("huge", 600_000)
+    assert store.put_many([("huge", huge)]) == [False]
+    assert store.get_many(kept, [16_000] * len(kept)) == [page_for(k, 16_000).tobytes() for k in kept]
+    new = [f"new/{i}" for i in range(16)]  # more than the file system has left
+    assert store.put_many([("huge", huge)] + [(k, page_for(k, 16_000)) for k in new]) == [False] + [True] * len(new)
+    assert store.get_many(new, [16_000] * len(new)) == [page_for(k, 16_000).tobytes() for k in new]
+    left = store.get_many(kept, [16_000] * len(kept))
+    assert 0 < sum(v is not None for v in left) < len(kept)  # room made for the new values only
+    assert store.get_many(["huge"], [600_000]) == [None]
+    store.close()
+
+
 WRITER = """
 import sys, time
 import numpy as np

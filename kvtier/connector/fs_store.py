@@ -20,7 +20,8 @@ file's modification time: set by the write, refreshed by every read and every ``
 hit. Removal is an ``unlink``, so a reader in another process that has the file open still reads
 the whole value and a later one misses: never a torn value. A file system that fills before the
 budget does (writes fail with ``ENOSPC`` or ``EDQUOT``) also has its least recently used values
-removed, to make room for the writes that failed, which are tried once more.
+removed, to make room for the writes that failed, which are tried once more; a value that could
+not fit even in an emptied store removes nothing and is not stored.
 
 Everything the store creates is private to the user: directories 0700, files 0600, set exactly
 whatever the umask (a directory that already exists is left as it is).
@@ -160,7 +161,7 @@ class FileSystemStore:
         errors = list(pool.map(self._put_one, keys, blobs))
         full = [i for i, err in enumerate(errors) if err is not None and err.errno in NO_SPACE]
         if full:
-            self._budget.make_room(sum(len(blobs[i]) for i in full))
+            full = [full[j] for j in self._budget.make_room([len(blobs[i]) for i in full])]
             retried = pool.map(self._put_one, [keys[i] for i in full], [blobs[i] for i in full])
             for i, err in zip(full, retried, strict=True):
                 errors[i] = err
@@ -275,14 +276,25 @@ class _Budget:
             if self._used > self.max_bytes:
                 self._used = self.evict(self.scan(), int(self.max_bytes * EVICT_TO))
 
-    def make_room(self, needed: int) -> None:
-        """After writes of ``needed`` bytes found the file system full: remove the least recently
-        used values until at most ``EVICT_TO`` of the value bytes there are left, and at least
-        ``needed`` bytes of them are gone (all of them, if there are fewer)."""
+    def make_room(self, sizes: list[int]) -> list[int]:
+        """After writes of ``sizes`` bytes each found the file system full: the indices of those that
+        removing values can make room for (in order, while their sum fits in the values' bytes plus
+        the space still free), and remove the least recently used values until at most ``EVICT_TO``
+        of the value bytes there are left and at least that sum of them is gone. A write that could
+        not fit even in an emptied store removes nothing for itself."""
         with self._lock:
             values = self.scan()
             present = sum(v.size for v in values)
-            self._used = self.evict(values, max(0, min(int(present * EVICT_TO), present - needed)))
+            room = present + _free_bytes(self.root)
+            fitting: list[int] = []
+            needed = 0
+            for i, size in enumerate(sizes):
+                if needed + size <= room:
+                    fitting.append(i)
+                    needed += size
+            if fitting:
+                self._used = self.evict(values, max(0, min(int(present * EVICT_TO), present - needed)))
+            return fitting
 
     def scan(self) -> list[_Value]:
         """Every value file under the root; temporary files older than ``STALE_TEMP_S`` are removed."""
@@ -346,6 +358,16 @@ def _entries(path: str | Path) -> list[os.DirEntry]:
 def _is_fan_out(entry: os.DirEntry) -> bool:
     name = entry.name
     return len(name) == 2 and name[0] in _HEX and name[1] in _HEX and entry.is_dir(follow_symlinks=False)
+
+
+def _free_bytes(root: Path) -> float:
+    """Bytes a writer may still add to the file system under ``root``; infinite when it cannot be
+    told (a quota may allow less: ``make_room`` then removes values that do not suffice)."""
+    try:
+        st = os.statvfs(root)
+    except (OSError, AttributeError):  # no such directory any more; no statvfs on this platform
+        return math.inf
+    return st.f_bavail * st.f_frsize
 
 
 def _touch(path: Path) -> bool:
