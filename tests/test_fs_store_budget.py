@@ -18,7 +18,8 @@ import pytest
 
 from kvtier.connector import FileSystemConnector, FileSystemStore, fs_store
 from kvtier.connector.block_codec import HEADER_BYTES
-from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, STALE_TEMP_S
+from kvtier.connector.fs_budget import STALE_TEMP_S
+from kvtier.connector.fs_store import DEFAULT_MAX_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 PAYLOAD = 1000

@@ -15,7 +15,7 @@ Values are framed by ``block_codec`` and verified on every read. There is no fsy
 a cache, and a value torn by a power loss fails its checksum and reads as a miss.
 
 The directory holds at most about ``max_bytes`` of values (default ``DEFAULT_MAX_BYTES``, 64 GiB):
-past it the least recently used values are removed (``_Budget``). A value's last use is its
+past it the least recently used values are removed (``kvtier.connector.fs_budget``). A value's last use is its
 file's modification time: set by the write, refreshed by every read and every ``contains_many``
 hit. Removal is an ``unlink``, so a reader in another process that has the file open still reads
 the whole value and a later one misses: never a torn value. A file system that fills before the
@@ -40,15 +40,14 @@ import logging
 import math
 import os
 import secrets
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from kvtier.connector.block_codec import HEADER_BYTES, Buffer, decode_page, encode_page
+from kvtier.connector.fs_budget import TEMP_SUFFIX, VALUE_SUFFIX, StoreBudget
 from kvtier.connector.store import check_keys, check_sizes
 from kvtier.storage.log_limit import RateLimitedWarning
 from kvtier.storage.page_files import default_io_threads
@@ -56,16 +55,11 @@ from kvtier.storage.page_files import default_io_threads
 log = logging.getLogger(__name__)
 
 IO_THREADS = default_io_threads()  # the disk tier's default: file I/O and checksums overlap on a few threads
-VALUE_SUFFIX = ".page"
-TEMP_SUFFIX = ".tmp"
 DEFAULT_MAX_BYTES: Final = 64 << 30
 WARN_INTERVAL_S: Final = 60.0
-EVICT_TO: Final = 0.9  # an eviction pass leaves at most this share of the budget
-STALE_TEMP_S: Final = 600.0  # a temporary file this old was left by a killed writer
 PRIVATE_DIR: Final = 0o700
 PRIVATE_FILE: Final = 0o600
 NO_SPACE: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # a full file system or quota: eviction makes room
-_HEX: Final = frozenset("0123456789abcdef")
 
 
 @dataclass(slots=True)
@@ -75,15 +69,6 @@ class _Read:
     payload: bytes | None = None
     damaged: bool = False
     error: OSError | None = None
-
-
-@dataclass(slots=True)
-class _Value:
-    """A value file found by a scan: its size and last use (modification time) then."""
-
-    path: str
-    size: int
-    mtime_ns: int
 
 
 class FileSystemStore:
@@ -114,7 +99,7 @@ class FileSystemStore:
             _make_private_dirs(self.root)
         except OSError as exc:
             log.warning("kvtier fs store: cannot create %s (%s); every put will fail", self.root, exc)
-        self._budget = _Budget(self.root, max_bytes)
+        self._budget = StoreBudget(self.root, max_bytes)
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-fs-store")
 
     def path_of(self, key: str) -> Path:
@@ -238,136 +223,6 @@ class FileSystemStore:
                 tmp.unlink()
             return exc
         return None
-
-
-class _Budget:
-    """Keeps a store's directory under ``max_bytes``, and within a full file system, by evicting the
-    least recently used values.
-
-    Each process keeps an estimate of the directory's bytes: its last scan (at its first write,
-    then at each pass), less what that pass removed, plus what it wrote since. When the estimate
-    passes ``max_bytes`` it scans the directory again, so every process's files count, and removes
-    the values used longest ago until at most ``EVICT_TO`` of the budget is left; a value used
-    again since the scan (its time changed) is kept. Between passes each writing process adds at
-    most about ``(1 - EVICT_TO) * max_bytes`` unseen by the others, so P processes writing at once
-    may overshoot by about P times that.
-
-    A file system smaller than ``max_bytes`` (or a quota) fills before the estimate passes it:
-    writes then fail for want of space, and ``make_room`` runs a pass sized by the bytes the scan
-    finds and the writes that failed instead. Passes of several processes may overlap: each only
-    removes files, and one already gone is fine.
-    """
-
-    def __init__(self, root: Path, max_bytes: int) -> None:
-        self.root = root
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._used: int | None = None  # None until the first write scans the directory
-
-    def add(self, written: int) -> None:
-        """Count ``written`` new bytes; evict when the directory is estimated past the budget."""
-        if not written:
-            return
-        with self._lock:
-            if self._used is None:
-                self._used = sum(v.size for v in self.scan())  # what was just written included
-            else:
-                self._used += written
-            if self._used > self.max_bytes:
-                self._used = self.evict(self.scan(), int(self.max_bytes * EVICT_TO))
-
-    def make_room(self, sizes: list[int]) -> list[int]:
-        """After writes of ``sizes`` bytes each found the file system full: the indices of those that
-        removing values can make room for (in order, while their sum fits in the values' bytes plus
-        the space still free), and remove the least recently used values until at most ``EVICT_TO``
-        of the value bytes there are left and at least that sum of them is gone. A write that could
-        not fit even in an emptied store removes nothing for itself."""
-        with self._lock:
-            values = self.scan()
-            present = sum(v.size for v in values)
-            room = present + _free_bytes(self.root)
-            fitting: list[int] = []
-            needed = 0
-            for i, size in enumerate(sizes):
-                if needed + size <= room:
-                    fitting.append(i)
-                    needed += size
-            if fitting:
-                self._used = self.evict(values, max(0, min(int(present * EVICT_TO), present - needed)))
-            return fitting
-
-    def scan(self) -> list[_Value]:
-        """Every value file under the root; temporary files older than ``STALE_TEMP_S`` are removed."""
-        values = []
-        stale_before = time.time_ns() - int(STALE_TEMP_S * 1e9)
-        for leaf in self._leaf_dirs():
-            for entry in _entries(leaf):
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue  # removed meanwhile
-                name = entry.name
-                if name.endswith(VALUE_SUFFIX) and not name.startswith("."):
-                    values.append(_Value(entry.path, st.st_size, st.st_mtime_ns))
-                elif name.endswith(TEMP_SUFFIX) and st.st_mtime_ns < stale_before:
-                    with contextlib.suppress(OSError):
-                        os.unlink(entry.path)
-        return values
-
-    def evict(self, values: list[_Value], target: int) -> int:
-        """Remove the least recently used of ``values`` (a scan) until at most ``target`` bytes of them
-        remain; the bytes left."""
-        left = sum(v.size for v in values)
-        values.sort(key=lambda v: v.mtime_ns)
-        failed: list[OSError] = []
-        removed = 0
-        for value in values:
-            if left <= target:
-                break
-            try:
-                if os.stat(value.path).st_mtime_ns != value.mtime_ns:
-                    continue  # read or rewritten since the scan: recently used after all
-                os.unlink(value.path)
-                removed += 1
-            except FileNotFoundError:
-                pass  # evicted by another process
-            except OSError as exc:
-                failed.append(exc)
-                continue
-            left -= value.size
-        if failed:
-            log.warning("kvtier fs store: %d evictions under %s failed: %s", len(failed), self.root, failed[0])
-        log.debug("kvtier fs store: evicted %d values under %s; %d bytes left", removed, self.root, left)
-        return left
-
-    def _leaf_dirs(self) -> Iterator[str]:
-        """The fan-out directories ``<root>/<xx>/<yy>`` (other entries under the root are not the store's)."""
-        for top in _entries(self.root):
-            if _is_fan_out(top):
-                yield from (leaf.path for leaf in _entries(top.path) if _is_fan_out(leaf))
-
-
-def _entries(path: str | Path) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except OSError:
-        return []
-
-
-def _is_fan_out(entry: os.DirEntry) -> bool:
-    name = entry.name
-    return len(name) == 2 and name[0] in _HEX and name[1] in _HEX and entry.is_dir(follow_symlinks=False)
-
-
-def _free_bytes(root: Path) -> float:
-    """Bytes a writer may still add to the file system under ``root``; infinite when it cannot be
-    told (a quota may allow less: ``make_room`` then removes values that do not suffice)."""
-    try:
-        st = os.statvfs(root)
-    except (OSError, AttributeError):  # no such directory any more; no statvfs on this platform
-        return math.inf
-    return st.f_bavail * st.f_frsize
 
 
 def _touch(path: Path) -> bool:
