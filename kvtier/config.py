@@ -31,6 +31,10 @@ class PrimaryTier:
             raise ValueError(f"PrimaryTier.free_reserve must be in 0..0.5, got {r}")
 
 
+MAX_WRITE_THROUGH_HITS = 1 << 20
+"""The largest ``HostTier.write_through_min_hits``: far past any reuse count that means something."""
+
+
 @dataclass(frozen=True, slots=True)
 class HostTier:
     """Host memory below the primary tier; pinned (page-locked) when the device is CUDA.
@@ -38,13 +42,17 @@ class HostTier:
     ``write_through``: copy published primary pages to host memory in the background
     (``KVCacheManager.maintain``), once no running request uses them, so that evicting them
     later frees their slots without a copy. None (the default) turns it on for CUDA devices.
-    Only pages of priority >= ``write_through_min_priority`` are copied. Copies only take free
-    host slots or other copies' slots, never push a page out.
+    Only pages of priority >= ``write_through_min_priority`` are copied, and with
+    ``write_through_min_hits`` > 0 only pages that caches have reused at least that many times
+    (matches adopted since the page was published; counted while it lives, not across restarts):
+    a block computed once and never asked again is then never copied. Copies only take free host
+    slots or other copies' slots, never push a page out.
     """
 
     bytes: int
     write_through: bool | None = None
     write_through_min_priority: int = 0
+    write_through_min_hits: int = 0
 
     name = "host"
 
@@ -55,6 +63,11 @@ class HostTier:
         p = self.write_through_min_priority
         if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 100:
             raise ValueError(f"HostTier.write_through_min_priority must be an int in 0..100, got {p!r}")
+        h = self.write_through_min_hits
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_WRITE_THROUGH_HITS:
+            raise ValueError(
+                f"HostTier.write_through_min_hits must be an int in 0..{MAX_WRITE_THROUGH_HITS}, got {h!r}"
+            )
 
 
 MAX_DISK_BYTES = 1 << 60

@@ -46,7 +46,9 @@ class Page:
     ``k`` (1..tokens_per_block) for a recurrent state snapshot taken after the first ``k`` tokens
     of ``node``'s block. ``checksum`` is meaningful while the page is on disk. ``damaged`` marks a
     page whose bytes failed their checksum when read back: it is never published again, and a
-    cache holding it starts over from its longest intact prefix on its next resume.
+    cache holding it starts over from its longest intact prefix on its next resume. ``hits``
+    counts the caches that adopted a match holding the page, while the pool counts them
+    (``HostTier.write_through_min_hits``), else it stays 0.
     """
 
     group: GroupId
@@ -59,6 +61,7 @@ class Page:
     snapshot_offset: int = 0
     checksum: int = 0
     damaged: bool = False
+    hits: int = 0
 
     @property
     def state(self) -> PageState:

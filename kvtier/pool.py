@@ -99,7 +99,9 @@ class PagePool:
             next((t for t in self.tiers if t.keeps_copies and not t.is_disk), None),
             config.tiers[PRIMARY].free_reserve,
             0 if host_config is None else host_config.write_through_min_priority,
+            0 if host_config is None else host_config.write_through_min_hits,
         )
+        self.residency.count_hits = self.background.host is not None and self.background.min_hits > 0
         host_memory = next((t for t in self.tiers if t.index != PRIMARY and not t.is_disk), None)
         if host_memory is None and torch.device(config.device).type == "cpu":
             host_memory = self.tiers[PRIMARY]  # a CPU manager's primary tier is host memory

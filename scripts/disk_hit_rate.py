@@ -8,7 +8,11 @@ asked again (a question, an answer). Every request is created, resumed, computed
 tokens, in all and by tier, per seed and on average. The disk is what decides the ranking: its
 least recently used order, and what it keeps for a restart.
 
-    PYTHONPATH=. python scripts/disk_hit_rate.py [--write-behind] [--seeds 4]
+With ``--write-through-min-hits N`` the host tier is written through (``HostTier.write_through``,
+``write_through_min_hits=N``; ``maintain()`` copies), and the bytes written through are printed
+too: what a selective policy saves the link.
+
+    PYTHONPATH=. python scripts/disk_hit_rate.py [--write-behind] [--write-through-min-hits N] [--seeds 4]
 """
 
 from __future__ import annotations
@@ -25,21 +29,24 @@ import kvtier
 TPB = 16
 
 
-def run(seed: int, write_behind: bool, requests: int = 1500, warm_up: int = 300) -> tuple[float, dict[str, float]]:
-    """(reused share of the documents' tokens, the same by tier) for one seed."""
+def run(
+    seed: int, write_behind: bool, min_hits: int | None = None, requests: int = 1500, warm_up: int = 300
+) -> tuple[float, dict[str, float]]:
+    """(reused share of the documents' tokens, the same by tier and, with write-through (``min_hits``
+    not None), "written through": the MiB that write-through copied to host memory) for one seed."""
     spec = kvtier.ModelSpec.uniform(1, 1, 64, torch.float16, model_id="disk-hit-rate")
     page = 2 * TPB * 64 * 2
     with tempfile.TemporaryDirectory() as path:
         tiers = [
             kvtier.PrimaryTier(page * 192),
-            kvtier.HostTier(page * 384),
+            kvtier.HostTier(page * 384, write_through=min_hits is not None, write_through_min_hits=min_hits or 0),
             kvtier.DiskTier(page * 1024, path, write_behind=write_behind),
         ]
         manager = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers, device="cpu"))
         rng = random.Random(seed)
         docs = [[rng.getrandbits(31) for _ in range(TPB * rng.randint(8, 64))] for _ in range(120)]
         weights = [1 / (i + 1) ** 0.9 for i in range(len(docs))]
-        asked = reused = 0
+        asked = reused = written = 0
         by_tier: collections.Counter[str] = collections.Counter()
         for step in range(requests):
             doc = rng.choices(docs, weights)[0]
@@ -53,17 +60,21 @@ def run(seed: int, write_behind: bool, requests: int = 1500, warm_up: int = 300)
                 raise RuntimeError("a request did not fit in the primary tier")
             cache.commit(tokens[cache.num_reused_tokens :])
             cache.close()
-            manager.maintain()
+            written += manager.maintain()  # pages copied by write-through (no free reserve here)
+        shares = {tier: count / asked for tier, count in by_tier.items()}
+        if min_hits is not None:
+            shares["written through"] = written * page / 2**20
         manager.close()
-    return reused / asked, {tier: count / asked for tier, count in by_tier.items()}
+    return reused / asked, shares
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write-behind", action="store_true", help="the disk tier writes behind")
+    parser.add_argument("--write-through-min-hits", type=int, default=None, help="write host memory through")
     parser.add_argument("--seeds", type=int, default=4)
     args = parser.parse_args()
-    results = [run(seed, args.write_behind) for seed in range(args.seeds)]
+    results = [run(seed, args.write_behind, args.write_through_min_hits) for seed in range(args.seeds)]
     for seed, (share, tiers) in enumerate(results):
         print(f"seed {seed}: reused {share:.4f}  " + "  ".join(f"{t} {v:.3f}" for t, v in sorted(tiers.items())))
     print(f"mean reused share: {sum(share for share, _ in results) / len(results):.4f}")

@@ -29,6 +29,7 @@ FEWER = settings(SETTINGS, max_examples=15)  # the plain machines cover the rest
 class BackgroundMachine(CacheMachine):
     reserve = 0.2
     blocking_writes = True
+    min_hits = 0  # HostTier.write_through_min_hits
 
     @initialize()
     def setup(self) -> None:
@@ -38,7 +39,7 @@ class BackgroundMachine(CacheMachine):
         tiers = [
             dataclasses.replace(t, free_reserve=self.reserve)
             if isinstance(t, kvtier.PrimaryTier)
-            else dataclasses.replace(t, write_through=True)
+            else dataclasses.replace(t, write_through=True, write_through_min_hits=self.min_hits)
             if isinstance(t, kvtier.HostTier)
             else dataclasses.replace(t, write_behind=True, blocking_writes=self.blocking_writes)
             for t in tiers
@@ -73,7 +74,12 @@ class BackgroundMachine(CacheMachine):
 
 
 def machine(
-    kind: str, pages: dict[str, int], reserve: float, device: str = "cpu", blocking_writes: bool = True
+    kind: str,
+    pages: dict[str, int],
+    reserve: float,
+    device: str = "cpu",
+    blocking_writes: bool = True,
+    min_hits: int = 0,
 ) -> type[BackgroundMachine]:
     name = f"{kind}_{'_'.join(pages)}_background"
     attributes = {
@@ -82,6 +88,7 @@ def machine(
         "reserve": reserve,
         "device": device,
         "blocking_writes": blocking_writes,
+        "min_hits": min_hits,
     }
     return type(name, (BackgroundMachine,), attributes)
 
@@ -89,6 +96,14 @@ def machine(
 @pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])
 def test_host_with_write_through(kind):
     m = machine(kind, {"primary": 10, "host": 12}, reserve=0.2)
+    m.TestCase.settings = FEWER
+    m.TestCase().runTest()
+
+
+@pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])
+def test_host_with_selective_write_through(kind):
+    """Only pages reused at least once are copied: the others are demoted by copying, beside copies."""
+    m = machine(kind, {"primary": 10, "host": 12}, reserve=0.2, min_hits=1)
     m.TestCase.settings = FEWER
     m.TestCase().runTest()
 

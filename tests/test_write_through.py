@@ -15,14 +15,19 @@ from tests.kvdata import PageOracle, small_spec
 TPB = 4
 
 
-def manager(primary_pages: int, host_pages: int, *, write_through=True, reserve=0.0, min_priority=0):
+def manager(primary_pages: int, host_pages: int, *, write_through=True, reserve=0.0, min_priority=0, min_hits=0):
     spec = small_spec("llama")
     probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
     page = probe.page_bytes(0)
     probe.close()
     tiers = [
         kvtier.PrimaryTier(primary_pages * page, free_reserve=reserve),
-        kvtier.HostTier(host_pages * page, write_through=write_through, write_through_min_priority=min_priority),
+        kvtier.HostTier(
+            host_pages * page,
+            write_through=write_through,
+            write_through_min_priority=min_priority,
+            write_through_min_hits=min_hits,
+        ),
     ]
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
     return mgr, PageOracle(mgr), page
@@ -119,6 +124,39 @@ def test_min_priority_selects_pages():
     mgr.close()
 
 
+def test_min_hits_copies_only_blocks_reused_that_often():
+    """Write-through selective by reuse (as SGLang's ``write_through_selective``): a block computed
+    once and never asked again is not copied; one reused twice is, and is then demoted without a
+    copy and served back from host memory byte for byte."""
+    mgr, oracle, page = manager(primary_pages=8, host_pages=16, min_hits=2)
+    shared = [700 + i for i in range(3 * TPB)]
+    serve(mgr, oracle, shared + [1])  # computes and publishes the 3 shared blocks
+    assert mgr.maintain() == 0  # published, never reused: not copied
+    assert serve(mgr, oracle, shared + [2]) == 3 * TPB
+    assert mgr.maintain() == 0  # reused once
+    assert serve(mgr, oracle, shared + [3]) == 3 * TPB
+    assert mgr.maintain() == 3  # reused twice: the 3 shared blocks, nothing else
+    assert copied(mgr, "primary->host") == 3 * page
+    fill_primary(mgr, oracle, 7, 8000)  # pushes the shared blocks down: they take their copies' slots
+    assert copied(mgr, "primary->host") == 3 * page
+    assert mgr.maintain() == 0  # the filler's blocks were never reused
+    assert serve(mgr, oracle, shared + [4]) == 3 * TPB
+    assert mgr.stats().hit_tokens["host"] >= 3 * TPB
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_reuse_is_counted_only_for_a_write_through_policy_that_reads_it():
+    for min_hits, write_through, counted in ((0, True, False), (1, False, False), (1, True, True)):
+        mgr, oracle, _ = manager(primary_pages=8, host_pages=16, write_through=write_through, min_hits=min_hits)
+        prompt = [800 + i for i in range(2 * TPB + 1)]
+        serve(mgr, oracle, prompt)
+        serve(mgr, oracle, prompt)
+        pages = [p for p in mgr._pool.tiers[0].owners[0] if p is not None]
+        assert pages and all(p.hits == (1 if counted else 0) for p in pages)
+        mgr.close()
+
+
 def test_free_reserve_keeps_slots_free():
     mgr, oracle, _ = manager(primary_pages=8, host_pages=16, write_through=False, reserve=0.25)
     fill_primary(mgr, oracle, 7, 9000)
@@ -153,6 +191,9 @@ def test_bad_settings_are_typed_errors():
         kvtier.HostTier(1 << 20, write_through="yes")
     with pytest.raises(ValueError, match="write_through_min_priority"):
         kvtier.HostTier(1 << 20, write_through_min_priority=101)
+    for hits in (-1, True, 1.5, "2", 1 << 21):
+        with pytest.raises(ValueError, match="write_through_min_hits"):
+            kvtier.HostTier(1 << 20, write_through_min_hits=hits)
 
 
 def test_maintain_after_close_raises():

@@ -1,6 +1,7 @@
 """Work done between requests (``PagePool.maintain``): write-through copies and the free reserve.
 
-*Write-through*: published primary pages that became evictable (``Tier.watch``, oldest first)
+*Write-through*: published primary pages that became evictable (``Tier.watch``, oldest first),
+of priority and reuse count high enough (``HostTier.write_through_min_priority``, ``_min_hits``),
 are copied to free host slots, or to slots of copies whose originals left the primary tier,
 never pushing a page out (pages waiting for room stay watched). Once its copy has run, the copy
 is owned by the host tier (the plan's ``kept_copies``, spare: the first to go when room is wanted
@@ -38,12 +39,14 @@ class BackgroundWork:
         host: Tier | None,
         reserve_share: float,
         min_priority: int,
+        min_hits: int = 0,
         batch_bytes: int = BATCH_BYTES,
     ) -> None:
         self.primary = tiers[PRIMARY]
         self.planner = planner
         self.host = host
         self.min_priority = min_priority
+        self.min_hits = min_hits  # reuses a page needs before it is copied (``Page.hits``, counted by residency)
         self.batch_bytes = batch_bytes
         # Rounded up, but never past half of a group's slots (0.5 of one slot keeps none free, not all).
         slots = [s.num_slots for s in self.primary.storage.slots]
@@ -90,9 +93,10 @@ class BackgroundWork:
                 or page.node is None
                 or page.damaged
                 or page.priority < self.min_priority
+                or page.hits < self.min_hits
                 or page in host.copies
             ):
-                continue  # nothing to copy, now or later
+                continue  # nothing to copy (a page reused again later is watched again when let go)
             # never in place of another copy of a primary page: those are as good, and older ones
             # are nearer to eviction (a copy's slot is taken only from pages gone from the GPU)
             slot = None if group in full else host.slot_for_copy(group, unless_original_in=PRIMARY)

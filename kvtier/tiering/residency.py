@@ -33,6 +33,7 @@ class Residency:
         self.tree = tree
         self.counters = counters
         self._copy_tiers = [t for t in tiers if t.keeps_copies]
+        self.count_hits = False  # count each reuse in ``Page.hits`` (a write-through policy reads them)
 
     # -- caches' holds and locks -------------------------------------------------------------------
 
@@ -46,12 +47,21 @@ class Residency:
         return page
 
     def hold(self, page: Page) -> None:
-        """One more cache holds ``page`` (it is not locked by that; on the last tier it can no longer
-        be dropped, and its index entry goes stale)."""
+        """One more cache holds ``page``, reusing it from a match it adopted (it is not locked by
+        that; on the last tier it can no longer be dropped, and its index entry goes stale); a hit
+        of the page while ``count_hits``."""
         page.refs += 1
+        if self.count_hits:
+            page.hits += 1
 
     def hold_all(self, pages: list[Page | None]) -> None:
         """``hold`` for every page of a list (None entries skipped), in one pass."""
+        if self.count_hits:
+            for page in pages:
+                if page is not None:
+                    page.refs += 1
+                    page.hits += 1
+            return
         for page in pages:
             if page is not None:
                 page.refs += 1
