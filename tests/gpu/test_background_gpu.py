@@ -153,3 +153,14 @@ def test_background_operations_on_gpu(kind):
         max_examples=8, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
     )
     m.TestCase().runTest()
+
+
+@pytest.mark.parametrize("kind", ["llama", "swa"])
+def test_selective_write_through_on_gpu(kind):
+    """Write-through of pages reused at least once (``HostTier.write_through_min_hits``) on the
+    background stream: the others are demoted by copying, beside the copies."""
+    m = machine(kind, {"primary": 10, "host": 12}, reserve=0.2, device="cuda", min_hits=1)
+    m.TestCase.settings = settings(
+        max_examples=8, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    m.TestCase().runTest()
