@@ -10,9 +10,11 @@ least recently used order, and what it keeps for a restart.
 
 With ``--write-through-min-hits N`` the host tier is written through (``HostTier.write_through``,
 ``write_through_min_hits=N``; ``maintain()`` copies), and the bytes written through are printed
-too: what a selective policy saves the link.
+too, beside the MiB that demotions from the primary tier copied on the caller's thread: a
+selective policy trades the one for the other. ``--host-pages`` sizes host memory (384).
 
-    PYTHONPATH=. python scripts/disk_hit_rate.py [--write-behind] [--write-through-min-hits N] [--seeds 4]
+    PYTHONPATH=. python scripts/disk_hit_rate.py [--write-behind] [--write-through-min-hits N]
+        [--host-pages P] [--seeds 4]
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ TPB = 16
 
 
 def run(
-    seed: int, write_behind: bool, min_hits: int | None = None, requests: int = 1500, warm_up: int = 300
+    seed: int,
+    write_behind: bool,
+    min_hits: int | None = None,
+    host_pages: int = 384,
+    requests: int = 1500,
+    warm_up: int = 300,
 ) -> tuple[float, dict[str, float]]:
     """(reused share of the documents' tokens, the same by tier and, with write-through (``min_hits``
     not None), "written through": the MiB that write-through copied to host memory) for one seed."""
@@ -39,7 +46,9 @@ def run(
     with tempfile.TemporaryDirectory() as path:
         tiers = [
             kvtier.PrimaryTier(page * 192),
-            kvtier.HostTier(page * 384, write_through=min_hits is not None, write_through_min_hits=min_hits or 0),
+            kvtier.HostTier(
+                page * host_pages, write_through=min_hits is not None, write_through_min_hits=min_hits or 0
+            ),
             kvtier.DiskTier(page * 1024, path, write_behind=write_behind),
         ]
         manager = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers, device="cpu"))
@@ -64,6 +73,8 @@ def run(
         shares = {tier: count / asked for tier, count in by_tier.items()}
         if min_hits is not None:
             shares["written through"] = written * page / 2**20
+            down = sum(n for key, n in manager.stats().bytes_copied.items() if key.startswith("primary->host"))
+            shares["demoted with a copy"] = down / 2**20 - shares["written through"]
         manager.close()
     return reused / asked, shares
 
@@ -72,9 +83,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write-behind", action="store_true", help="the disk tier writes behind")
     parser.add_argument("--write-through-min-hits", type=int, default=None, help="write host memory through")
+    parser.add_argument("--host-pages", type=int, default=384)
     parser.add_argument("--seeds", type=int, default=4)
     args = parser.parse_args()
-    results = [run(seed, args.write_behind, args.write_through_min_hits) for seed in range(args.seeds)]
+    results = [run(seed, args.write_behind, args.write_through_min_hits, args.host_pages) for seed in range(args.seeds)]
     for seed, (share, tiers) in enumerate(results):
         print(f"seed {seed}: reused {share:.4f}  " + "  ".join(f"{t} {v:.3f}" for t, v in sorted(tiers.items())))
     print(f"mean reused share: {sum(share for share, _ in results) / len(results):.4f}")
