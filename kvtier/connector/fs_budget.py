@@ -75,10 +75,11 @@ class StoreBudget:
 
     def make_room(self, sizes: list[int]) -> list[int]:
         """After writes of ``sizes`` bytes each found the file system full: the indices of those that
-        removing values can make room for (in order, while their sum fits in the values' bytes plus
-        the space still free), and remove the least recently used values until at most ``EVICT_TO``
-        of the value bytes there are left and at least that sum of them is gone. A write that could
-        not fit even in an emptied store removes nothing for itself."""
+        removing values can make room for (taken in order, each one that still fits, with those taken
+        before it, in the values' bytes plus the space still free), and remove the least recently
+        used values until at most ``EVICT_TO`` of the value bytes there are left and at least the
+        taken writes' bytes are gone. A write that could not fit even in an emptied store removes
+        nothing for itself."""
         with self._lock:
             values = self.scan()
             present = sum(v.size for v in values)
