@@ -61,6 +61,7 @@ class KVCache:
         "_pool",
         "_priority",
         "_res",
+        "_reuse_counted",
         "_state",
         "_table",
         "_tokens",
@@ -85,6 +86,7 @@ class KVCache:
         self._table = BlockTable(pool.rules, pool.residency)
         self._chain = PublishedChain(pool, pool.root(scope))
         self._pending: list[Page] = []  # pages to copy into private ones on first resume
+        self._reuse_counted = False  # the reused pages' hits were counted (at the first resume)
         self.num_reused_tokens = 0
         self.reused_by_tier = dict.fromkeys(TIER_NAMES, 0)
         match = pool.match(tokens, scope)
@@ -193,9 +195,13 @@ class KVCache:
         fresh = []
         if recurrent is not None and table.state_page is None and all(p.group != recurrent for p in self._pending):
             fresh.append(recurrent)
-        promoted = self._pool.lock_in_primary(table.live_pages(), self._pending, fresh, self._priority, stream)
+        live, sources = table.live_pages(), self._pending
+        promoted = self._pool.lock_in_primary(live, sources, fresh, self._priority, stream)
         if promoted is None:
             return False
+        if not self._reuse_counted:  # the first resume: the reused prefix, as given up to now, is used
+            self._reuse_counted = True
+            self._res.add_hits(live + sources)
         new_pages, damaged = promoted
         for source, page in zip(self._pending, new_pages[: len(self._pending)], strict=True):
             if source.group == recurrent:

@@ -43,13 +43,13 @@ class HostTier:
     (``KVCacheManager.maintain``), once no running request uses them, so that evicting them
     later frees their slots without a copy. None (the default) turns it on for CUDA devices.
     Only pages of priority >= ``write_through_min_priority`` are copied, and with
-    ``write_through_min_hits`` > 0 only pages that caches have reused at least that many times
-    (matches adopted since the page was published; counted while it lives, not across restarts):
-    a block computed once and never asked again is then never copied. A page left uncopied is still
-    demoted when evicted, with its copy made then, on the caller's stream: a selective policy saves
-    the link the copies of pages that leave the tree from the primary tier, at the price of copies
-    on the critical path for the others. Copies only take free host slots or other copies' slots,
-    never push a page out.
+    ``write_through_min_hits`` > 0 only pages that at least that many caches have reused (each
+    cache counts once, at its first resume, for the prefix it kept; counted while the page lives,
+    not across restarts): a block computed once and never asked again is then never copied. A page
+    left uncopied is still demoted when evicted, with its copy made then on the caller's stream: a
+    selective policy saves the link the copies of pages dropped from the primary tier without ever
+    being demoted, at the price of a copy on the critical path for each page demoted uncopied.
+    Copies only take free host slots or other copies' slots, never push a page out.
     """
 
     bytes: int

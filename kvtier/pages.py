@@ -47,8 +47,8 @@ class Page:
     of ``node``'s block. ``checksum`` is meaningful while the page is on disk. ``damaged`` marks a
     page whose bytes failed their checksum when read back: it is never published again, and a
     cache holding it starts over from its longest intact prefix on its next resume. ``hits``
-    counts the caches that adopted a match holding the page, while the pool counts them
-    (``HostTier.write_through_min_hits``), else it stays 0.
+    counts the caches that reused the page (each once, at its first resume), while the pool counts
+    them (``HostTier.write_through_min_hits``), else it stays 0.
     """
 
     group: GroupId

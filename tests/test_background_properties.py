@@ -51,7 +51,16 @@ class BackgroundMachine(CacheMachine):
 
     @rule()
     def maintain(self):
+        """Between steps; every copy that write-through makes is of a page reused ``min_hits`` times."""
+        pool = self.mgr._pool
+        host = pool.background.host
+        before = set(host.copies) if host is not None else set()
         self.mgr.maintain()
+        if host is not None:
+            new = [original for original in host.copies if original not in before]
+            assert all(original.hits >= self.min_hits for original in new)
+        if not self.min_hits:
+            assert not any(p.hits for owners in pool.tiers[0].owners for p in owners if p is not None)
 
     @rule()
     def finish_write_behind(self):

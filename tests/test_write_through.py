@@ -157,6 +157,28 @@ def test_reuse_is_counted_only_for_a_write_through_policy_that_reads_it():
         mgr.close()
 
 
+def test_a_cache_counts_one_reuse_of_the_prefix_it_kept_at_its_first_resume():
+    """A reuse given up and adopted again (``shorten_reuse``) counts once, for what is kept; a cache
+    never resumed, or resumed again, counts nothing more."""
+    mgr, oracle, _ = manager(primary_pages=8, host_pages=16, min_hits=1)
+    prompt = [900 + i for i in range(3 * TPB + 1)]
+    serve(mgr, oracle, prompt)
+    blocks = sorted((p for p in mgr._pool.tiers[0].owners[0] if p is not None), key=lambda p: p.node.block)
+    assert len(blocks) == 3
+    mgr.create_cache(prompt).close()  # never resumed: nothing reused
+    assert [p.hits for p in blocks] == [0, 0, 0]
+    cache = mgr.create_cache(prompt)
+    assert cache.shorten_reuse(2 * TPB) == TPB  # keeps the first two blocks
+    assert cache.resume()
+    cache.suspend()
+    assert cache.resume()  # the same cache again
+    cache.close()
+    assert [p.hits for p in blocks] == [1, 1, 0]
+    assert mgr.maintain() == 2
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_free_reserve_keeps_slots_free():
     mgr, oracle, _ = manager(primary_pages=8, host_pages=16, write_through=False, reserve=0.25)
     fill_primary(mgr, oracle, 7, 9000)

@@ -47,24 +47,21 @@ class Residency:
         return page
 
     def hold(self, page: Page) -> None:
-        """One more cache holds ``page``, reusing it from a match it adopted (it is not locked by
-        that; on the last tier it can no longer be dropped, and its index entry goes stale); a hit
-        of the page while ``count_hits``."""
+        """One more cache holds ``page`` (it is not locked by that; on the last tier it can no longer
+        be dropped, and its index entry goes stale)."""
         page.refs += 1
-        if self.count_hits:
-            page.hits += 1
 
     def hold_all(self, pages: list[Page | None]) -> None:
         """``hold`` for every page of a list (None entries skipped), in one pass."""
-        if self.count_hits:
-            for page in pages:
-                if page is not None:
-                    page.refs += 1
-                    page.hits += 1
-            return
         for page in pages:
             if page is not None:
                 page.refs += 1
+
+    def add_hits(self, pages: list[Page]) -> None:
+        """A cache reuses these pages (at its first resume): one more hit each, while ``count_hits``."""
+        if self.count_hits:
+            for page in pages:
+                page.hits += 1
 
     def release(self, page: Page, locked: bool) -> None:
         """A cache lets go of ``page``; it is freed when nobody, not even the tree, holds it."""
