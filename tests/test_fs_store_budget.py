@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.connector import FileSystemConnector, FileSystemStore, fs_store
+from kvtier.connector import FileSystemConnector, FileSystemStore, fs_budget, fs_store
 from kvtier.connector.block_codec import HEADER_BYTES
-from kvtier.connector.fs_budget import STALE_TEMP_S
+from kvtier.connector.fs_budget import STALE_TEMP_S, StoreBudget
 from kvtier.connector.fs_store import DEFAULT_MAX_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,6 +208,46 @@ def test_a_full_file_system_drops_stale_temporary_files(tmp_path, monkeypatch):
     assert not stale.exists()
     assert store.get_many(["a"], [PAYLOAD]) == [page_for("a").tobytes()]
     store.close()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
+def test_a_value_larger_than_the_file_system_or_quota_evicts_nothing(tmp_path, monkeypatch, code):
+    """Fault injection (no mount needed): a file system or quota of 12 values. A value larger than
+    it fails without evicting anything; in a call with smaller values, those are stored and room is
+    made for them only. Before, the eviction pass emptied the store for the large value."""
+    disk = SmallDisk(tmp_path, 12 * VALUE_BYTES, code)
+    monkeypatch.setattr(fs_store, "open", disk.open, raising=False)
+
+    # statvfs as the injected disk counts (bytes, not blocks); a quota is never in it: the file
+    # system under it has room to spare
+    def space(root):
+        return (disk.size - files_bytes(disk.root) if code == errno.ENOSPC else 1 << 40), 1
+
+    monkeypatch.setattr(fs_budget, "_space", space)
+    store = FileSystemStore(tmp_path)
+    kept = [f"old/{i}" for i in range(10)]
+    for key in kept:
+        assert store.put_many([(key, page_for(key))]) == [True]
+        time.sleep(TICK_S)
+    huge = page_for("huge", 13 * VALUE_BYTES)
+    assert store.put_many([("huge", huge)]) == [False]
+    assert store.get_many(kept, [PAYLOAD] * len(kept)) == [page_for(k).tobytes() for k in kept]
+    new = [f"new/{i}" for i in range(4)]
+    assert store.put_many([("huge", huge)] + [(k, page_for(k)) for k in new]) == [False] + [True] * len(new)
+    assert store.get_many(new, [PAYLOAD] * len(new)) == [page_for(k).tobytes() for k in new]
+    left = store.get_many(kept, [PAYLOAD] * len(kept))
+    assert 0 < sum(v is not None for v in left) < len(kept)
+    assert left[-1] is not None  # the most recently used stay
+    store.close()
+
+
+def test_make_room_takes_the_smallest_writes_that_fit(tmp_path, monkeypatch):
+    budget = StoreBudget(tmp_path, 1 << 30)
+    assert budget.make_room([1 << 60]) == []  # larger than any file system: nothing to make room for
+    monkeypatch.setattr(fs_budget, "_space", lambda root: (12_000, 1000))  # free bytes, block size
+    assert budget.make_room([]) == []
+    assert budget.make_room([9_000, 12_000, 500, 1_001]) == [0, 2, 3]  # 1 + 2 + 9 blocks of 1,000
+    assert budget.make_room([500, 500], quota_spent=True) == []  # an empty store under a spent quota
 
 
 @pytest.fixture

@@ -73,26 +73,32 @@ class StoreBudget:
             if self._used > self.max_bytes:
                 self._used = self.evict(self.scan(), int(self.max_bytes * EVICT_TO))
 
-    def make_room(self, sizes: list[int]) -> list[int]:
-        """After writes of ``sizes`` bytes each found the file system full: the indices of those that
-        removing values can make room for (taken in order, each one that still fits, with those taken
-        before it, in the values' bytes plus the space still free), and remove the least recently
-        used values until at most ``EVICT_TO`` of the value bytes there are left and at least the
-        taken writes' bytes are gone. A write that could not fit even in an emptied store removes
-        nothing for itself."""
+    def make_room(self, sizes: list[int], quota_spent: bool = False) -> list[int]:
+        """After writes of ``sizes`` bytes each found no space: the indices, ascending, of those that
+        removing values can make room for, and remove the least recently used values until at most
+        ``EVICT_TO`` of the value bytes there are left and at least those writes' bytes are gone.
+
+        The room is the blocks the values take plus the space the file system still has free, none
+        when a quota is spent (``quota_spent``: a quota is not in ``statvfs``); writes are taken
+        smallest first, in whole blocks, while they fit. A write that could not fit even in
+        an emptied store removes nothing for itself."""
         with self._lock:
             values = self.scan()
             present = sum(v.size for v in values)
-            room = present + _free_bytes(self.root)
-            fitting: list[int] = []
-            needed = 0
-            for i, size in enumerate(sizes):
-                if needed + size <= room:
-                    fitting.append(i)
-                    needed += size
-            if fitting:
+            free, block = _space(self.root)
+            room = sum(-(-v.size // block) * block for v in values) + (0 if quota_spent else free)
+            taken: list[int] = []
+            needed = held = 0  # the taken writes' bytes, and the blocks they take
+            for i in sorted(range(len(sizes)), key=sizes.__getitem__):
+                blocks = -(-sizes[i] // block) * block
+                if held + blocks > room:
+                    break
+                taken.append(i)
+                needed += sizes[i]
+                held += blocks
+            if taken:
                 self._used = self.evict(values, max(0, min(int(present * EVICT_TO), present - needed)))
-            return fitting
+            return sorted(taken)
 
     def scan(self) -> list[_Value]:
         """Every value file under the root; temporary files older than ``STALE_TEMP_S`` are removed."""
@@ -158,11 +164,11 @@ def _is_fan_out(entry: os.DirEntry) -> bool:
     return len(name) == 2 and name[0] in _HEX and name[1] in _HEX and entry.is_dir(follow_symlinks=False)
 
 
-def _free_bytes(root: Path) -> float:
-    """Bytes a writer may still add to the file system under ``root``; infinite when it cannot be
-    told (a quota may allow less: ``make_room`` then removes values that do not suffice)."""
+def _space(root: Path) -> tuple[float, int]:
+    """(bytes an unprivileged writer may still add to the file system under ``root``, its block
+    size); (infinite, 1) when it cannot be told."""
     try:
         st = os.statvfs(root)
     except (OSError, AttributeError):  # no such directory any more; no statvfs on this platform
-        return math.inf
-    return st.f_bavail * st.f_frsize
+        return math.inf, 1
+    return st.f_bavail * st.f_frsize, max(1, st.f_frsize)

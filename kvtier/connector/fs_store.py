@@ -139,16 +139,18 @@ class FileSystemStore:
     def _write_all(self, keys: list[str], blobs: list[bytes]) -> list[OSError | None]:
         """Write every blob under its key; per key the error, if any.
 
-        The writes that found the file system full are tried once more, after an eviction pass made
-        room for them; an error left is the one of that second try.
+        The writes that found the file system (or quota) full are tried once more when an eviction
+        pass could make room for them (``StoreBudget.make_room``); an error left is the one of that
+        second try, or the first.
         """
         pool = self._open_pool()
         errors = list(pool.map(self._put_one, keys, blobs))
         full = [i for i, err in enumerate(errors) if err is not None and err.errno in NO_SPACE]
         if full:
-            full = [full[j] for j in self._budget.make_room([len(blobs[i]) for i in full])]
-            retried = pool.map(self._put_one, [keys[i] for i in full], [blobs[i] for i in full])
-            for i, err in zip(full, retried, strict=True):
+            quota_spent = errno.EDQUOT in {err.errno for err in errors if err is not None}
+            retry = [full[j] for j in self._budget.make_room([len(blobs[i]) for i in full], quota_spent)]
+            retried = pool.map(self._put_one, [keys[i] for i in retry], [blobs[i] for i in retry])
+            for i, err in zip(retry, retried, strict=True):
                 errors[i] = err
         return errors
 
