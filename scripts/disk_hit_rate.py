@@ -9,9 +9,9 @@ tokens, in all and by tier, per seed and on average. The disk is what decides th
 least recently used order, and what it keeps for a restart.
 
 With ``--write-through-min-hits N`` the host tier is written through (``HostTier.write_through``,
-``write_through_min_hits=N``; ``maintain()`` copies), and the bytes written through are printed
-too, beside the MiB that demotions from the primary tier copied on the caller's thread: a
-selective policy trades the one for the other. ``--host-pages`` sizes host memory (384).
+``write_through_min_hits=N``; ``maintain()`` copies), and the MiB written through after the
+warm-up are printed too, beside the MiB that demotions from the primary tier copied on the
+caller's thread: a selective policy trades the one for the other. ``--host-pages`` sizes host memory (384).
 
     PYTHONPATH=. python scripts/disk_hit_rate.py [--write-behind] [--write-through-min-hits N]
         [--host-pages P] [--seeds 4]
@@ -38,9 +38,10 @@ def run(
     host_pages: int = 384,
     requests: int = 1500,
     warm_up: int = 300,
-) -> tuple[float, dict[str, float]]:
-    """(reused share of the documents' tokens, the same by tier and, with write-through (``min_hits``
-    not None), "written through": the MiB that write-through copied to host memory) for one seed."""
+) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(reused share of the documents' tokens, the same by tier, and with write-through (``min_hits``
+    not None) the MiB moved from the primary tier to host memory after the warm-up: "written
+    through" in the background, "demoted with a copy" on the caller's thread) for one seed."""
     spec = kvtier.ModelSpec.uniform(1, 1, 64, torch.float16, model_id="disk-hit-rate")
     page = 2 * TPB * 64 * 2
     with tempfile.TemporaryDirectory() as path:
@@ -52,12 +53,15 @@ def run(
             kvtier.DiskTier(page * 1024, path, write_behind=write_behind),
         ]
         manager = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers, device="cpu"))
+        page = manager.page_bytes(0)
         rng = random.Random(seed)
         docs = [[rng.getrandbits(31) for _ in range(TPB * rng.randint(8, 64))] for _ in range(120)]
         weights = [1 / (i + 1) ** 0.9 for i in range(len(docs))]
-        asked = reused = written = 0
+        asked = reused = written = down_before = 0
         by_tier: collections.Counter[str] = collections.Counter()
         for step in range(requests):
+            if step == warm_up:
+                down_before = _bytes_down(manager)
             doc = rng.choices(docs, weights)[0]
             tokens = doc + [rng.getrandbits(31) for _ in range(TPB * rng.randint(1, 4))]
             cache = manager.create_cache(tokens)
@@ -69,14 +73,19 @@ def run(
                 raise RuntimeError("a request did not fit in the primary tier")
             cache.commit(tokens[cache.num_reused_tokens :])
             cache.close()
-            written += manager.maintain()  # pages copied by write-through (no free reserve here)
-        shares = {tier: count / asked for tier, count in by_tier.items()}
+            copied = manager.maintain()  # pages copied by write-through (no free reserve here)
+            written += copied if step >= warm_up else 0
+        moved: dict[str, float] = {}
         if min_hits is not None:
-            shares["written through"] = written * page / 2**20
-            down = sum(n for key, n in manager.stats().bytes_copied.items() if key.startswith("primary->host"))
-            shares["demoted with a copy"] = down / 2**20 - shares["written through"]
+            moved["written through"] = written * page / 2**20
+            moved["demoted with a copy"] = (_bytes_down(manager) - down_before - written * page) / 2**20
         manager.close()
-    return reused / asked, shares
+    return reused / asked, {tier: count / asked for tier, count in by_tier.items()}, moved
+
+
+def _bytes_down(manager: kvtier.KVCacheManager) -> int:
+    """Bytes copied from the primary tier to host memory so far, in the background or not."""
+    return sum(n for key, n in manager.stats().bytes_copied.items() if key.startswith("primary->host"))
 
 
 def main() -> None:
@@ -87,9 +96,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=4)
     args = parser.parse_args()
     results = [run(seed, args.write_behind, args.write_through_min_hits, args.host_pages) for seed in range(args.seeds)]
-    for seed, (share, tiers) in enumerate(results):
-        print(f"seed {seed}: reused {share:.4f}  " + "  ".join(f"{t} {v:.3f}" for t, v in sorted(tiers.items())))
-    print(f"mean reused share: {sum(share for share, _ in results) / len(results):.4f}")
+    for seed, (share, tiers, moved) in enumerate(results):
+        line = f"seed {seed}: reused {share:.4f}  " + "  ".join(f"{t} {v:.3f}" for t, v in sorted(tiers.items()))
+        if moved:
+            line += "  | MiB " + "  ".join(f"{what} {mib:.2f}" for what, mib in moved.items())
+        print(line)
+    print(f"mean reused share: {sum(share for share, _, _ in results) / len(results):.4f}")
 
 
 if __name__ == "__main__":
