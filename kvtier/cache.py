@@ -201,7 +201,8 @@ class KVCache:
             return False
         if not self._reuse_counted:  # the first resume: the reused prefix, as given up to now, is used
             self._reuse_counted = True
-            self._res.add_hits(live + sources)
+            self._res.add_hits(live)
+            self._res.add_hits(sources)
         new_pages, damaged = promoted
         for source, page in zip(self._pending, new_pages[: len(self._pending)], strict=True):
             if source.group == recurrent:
