@@ -102,6 +102,8 @@ class PagePool:
             0 if host_config is None else host_config.write_through_min_hits,
         )
         self.residency.count_hits = self.background.host is not None and self.background.min_hits > 0
+        if self.background.host is None and host_config is not None:
+            _warn_unused_write_through_policy(host_config)
         host_memory = next((t for t in self.tiers if t.index != PRIMARY and not t.is_disk), None)
         if host_memory is None and torch.device(config.device).type == "cpu":
             host_memory = self.tiers[PRIMARY]  # a CPU manager's primary tier is host memory
@@ -482,3 +484,18 @@ def _is_allocation_failure(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return "can't allocate memory" in text or "out of memory" in text
+
+
+def _warn_unused_write_through_policy(host: HostTier) -> None:
+    """A WARNING when a write-through policy is set on a host tier that is not written through."""
+    given = [
+        f"{name}={getattr(host, name)}"
+        for name in ("write_through_min_priority", "write_through_min_hits")
+        if getattr(host, name)
+    ]
+    if given:
+        log.warning(
+            "kvtier: HostTier(%s) has no effect: write-through is off (HostTier.write_through=True turns it "
+            "on; None, the default, turns it on for CUDA devices only)",
+            ", ".join(given),
+        )

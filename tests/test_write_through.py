@@ -7,6 +7,8 @@ memory leaves its bytes there as a copy, so pushing it out again moves nothing e
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 import kvtier
@@ -177,6 +179,20 @@ def test_a_cache_counts_one_reuse_of_the_prefix_it_kept_at_its_first_resume():
     assert mgr.maintain() == 2
     mgr.check_invariants()
     mgr.close()
+
+
+def test_a_write_through_policy_without_write_through_is_named_in_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        mgr, _, _ = manager(primary_pages=4, host_pages=4, write_through=False, min_priority=50, min_hits=2)
+    assert "write_through_min_priority=50, write_through_min_hits=2) has no effect" in caplog.text
+    mgr.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        mgr, _, _ = manager(primary_pages=4, host_pages=4, write_through=True, min_hits=2)
+        mgr.close()
+        mgr, _, _ = manager(primary_pages=4, host_pages=4, write_through=False)
+        mgr.close()
+    assert "no effect" not in caplog.text
 
 
 def test_free_reserve_keeps_slots_free():
