@@ -201,8 +201,8 @@ class KVCache:
             return False
         if not self._reuse_counted:  # the first resume: the reused prefix, as given up to now, is used
             self._reuse_counted = True
-            self._res.add_hits(live)
-            self._res.add_hits(sources)
+            if self._res.count_hits:
+                self._res.add_hits(live + sources)
         new_pages, damaged = promoted
         for source, page in zip(self._pending, new_pages[: len(self._pending)], strict=True):
             if source.group == recurrent:

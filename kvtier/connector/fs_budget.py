@@ -86,11 +86,11 @@ class StoreBudget:
             values = self.scan()
             present = sum(v.size for v in values)
             free, block = _space(self.root)
-            room = sum(-(-v.size // block) * block for v in values) + (0 if quota_spent else free)
+            room = sum(_in_blocks(v.size, block) for v in values) + (0 if quota_spent else free)
             taken: list[int] = []
             needed = held = 0  # the taken writes' bytes, and the blocks they take
             for i in sorted(range(len(sizes)), key=sizes.__getitem__):
-                blocks = -(-sizes[i] // block) * block
+                blocks = _in_blocks(sizes[i], block)
                 if held + blocks > room:
                     break
                 taken.append(i)
@@ -162,6 +162,11 @@ def _entries(path: str | Path) -> list[os.DirEntry]:
 def _is_fan_out(entry: os.DirEntry) -> bool:
     name = entry.name
     return len(name) == 2 and name[0] in _HEX and name[1] in _HEX and entry.is_dir(follow_symlinks=False)
+
+
+def _in_blocks(size: int, block: int) -> int:
+    """The bytes of the whole blocks that ``size`` bytes take."""
+    return -(-size // block) * block
 
 
 def _space(root: Path) -> tuple[float, int]:

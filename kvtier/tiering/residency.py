@@ -58,10 +58,10 @@ class Residency:
                 page.refs += 1
 
     def add_hits(self, pages: list[Page]) -> None:
-        """A cache reuses these pages (at its first resume): one more hit each, while ``count_hits``."""
-        if self.count_hits:
-            for page in pages:
-                page.hits += 1
+        """A cache reuses these pages (at its first resume): one more hit each (called only while
+        ``count_hits``)."""
+        for page in pages:
+            page.hits += 1
 
     def release(self, page: Page, locked: bool) -> None:
         """A cache lets go of ``page``; it is freed when nobody, not even the tree, holds it."""

@@ -407,7 +407,7 @@ class Tier:
         out: list[Page] = []
         # Deepest victims first: each walk refreshes a chain from the bottom up, so that a chain's
         # blocks end as the most recently used root last, whatever the victims' order.
-        for victim in sorted(victims, key=lambda p: p.node.block if p.node is not None else 0, reverse=True):
+        for victim in sorted(victims, key=_deepest_first):
             chain = []
             node = victim.node.parent if victim.node is not None else None
             while node is not None and node.parent is not None and id(node) not in seen:
@@ -485,4 +485,5 @@ class Tier:
 
 
 def _deepest_first(page: Page) -> int:
+    """Sort key: pages of deeper blocks first (a page off the tree counts as a root block's)."""
     return -page.node.block if page.node is not None else 0
