@@ -27,6 +27,7 @@ from kvtier.block_table import BlockTable
 from kvtier.config import TIER_NAMES, ReuseScope
 from kvtier.errors import CacheStateError, InvariantError
 from kvtier.exclusive import exclusive
+from kvtier.hit_count import HitCount, fill_from_later
 from kvtier.invariants import Holdings
 from kvtier.pages import Page
 from kvtier.pool import PagePool
@@ -51,10 +52,12 @@ class KVCache:
 
     __slots__ = (
         "__weakref__",
+        "_block_tiers",
         "_capacity",
         "_chain",
         "_guard",
         "_history",
+        "_hits",
         "_input_len",
         "_num_blocks",
         "_pending",
@@ -71,8 +74,13 @@ class KVCache:
         "scope",
     )
 
-    def __init__(self, pool: PagePool, tokens: array, scope: ReuseScope, priority: int) -> None:
-        """A SUSPENDED cache for ``tokens`` holding their longest reusable prefix (on any tier)."""
+    def __init__(
+        self, pool: PagePool, tokens: array, scope: ReuseScope, priority: int, count_recomputed: bool = True
+    ) -> None:
+        """A SUSPENDED cache for ``tokens`` holding their longest reusable prefix (on any tier).
+
+        ``count_recomputed``: tokens the match cuts because loading them is slower than recomputing
+        count in ``recomputed_tokens`` (False for a second cache of a request already counted)."""
         self._pool = pool
         self._guard = pool.guard  # calls that change the pool claim it (kvtier.exclusive)
         self._res = pool.residency
@@ -89,7 +97,8 @@ class KVCache:
         self._reuse_counted = False  # the reused pages' hits were counted (at the first resume)
         self.num_reused_tokens = 0
         self.reused_by_tier = dict.fromkeys(TIER_NAMES, 0)
-        match = pool.match(tokens, scope)
+        self._block_tiers: list[int] | None = None  # per reused block, the tier it is counted for (None: one tier)
+        match = pool.match(tokens, scope, count_recomputed=count_recomputed)
         if match is not None:
             try:
                 self._adopt(match, tokens)
@@ -97,6 +106,8 @@ class KVCache:
                 self._state = CacheState.CLOSED
                 self._release_holds(locked=False)
                 raise
+        # the reuse ``KVCacheManager.create_cache`` counts as hits; what is given up later moves out
+        self._hits = HitCount(pool.counters, pool.tier_names, self._tpb, self.num_reused_tokens, self._block_tiers)
         pool.holders.add(self)
 
     def __del__(self) -> None:
@@ -156,22 +167,30 @@ class KVCache:
         self._count_reuse_by_tier(p)
 
     def _count_reuse_by_tier(self, reused: int) -> None:
-        """Attribute each reused block's tokens to the coldest tier any of its pages came from."""
+        """Attribute each reused block's tokens to the coldest tier any of its pages came from; a block
+        with no page (stale in a sliding window, between recurrent snapshots) is reused through the
+        pages after it: it counts for the coldest tier of those. Keeps the blocks' tiers in
+        ``_block_tiers`` (None with a single tier)."""
         names = self._pool.tier_names
         tpb = self._tpb
         nb = self._num_blocks
+        self._block_tiers = None
         if len(names) == 1:
             self.reused_by_tier[names[0]] += reused
             return
         if nb == 0:
             return
-        per_group = [[0 if page is None else page.tier for page in blocks] for blocks in self._table.blocks]
+        absent = 0 if self._pool.attention_only else -1  # (full attention: every block has a page)
+        per_group = [[absent if page is None else page.tier for page in blocks] for blocks in self._table.blocks]
         if len(per_group) == 1:  # (comprehensions and C-level maps: this runs per block of a long prompt)
             coldest = per_group[0]
         else:
-            coldest = list(map(max, zip_longest(*per_group, fillvalue=0)))
-        coldest += [0] * (nb - len(coldest))
+            coldest = list(map(max, zip_longest(*per_group, fillvalue=absent)))
+        coldest += [absent] * (nb - len(coldest))
         coldest[-1] = max([coldest[-1], *[source.tier for source in self._pending]])
+        if absent and min(coldest) < 0:
+            fill_from_later(coldest)
+        self._block_tiers = coldest
         for tier, blocks in Counter(coldest).items():
             self.reused_by_tier[names[tier]] += blocks * tpb
         self.reused_by_tier[names[coldest[-1]]] -= nb * tpb - reused  # the last block may hold fewer tokens
@@ -234,6 +253,7 @@ class KVCache:
         match = self._match_again(tokens, weigh_load_cost=True)
         if match is not None:
             self._adopt(match, tokens)
+        self._hits.keep(self.num_reused_tokens, self._block_tiers)
         log.warning(
             "kvtier: a page of a suspended cache failed its checksum; it restarts from %d of %d tokens",
             len(self._tokens),
@@ -275,7 +295,6 @@ class KVCache:
                 f"{caller} needs a SUSPENDED cache holding only its reused prefix; this one is "
                 f"{self._state.value} with {len(self._tokens)} committed of {self.num_reused_tokens} reused tokens"
             )
-        before = dict(self.reused_by_tier)
         reused = self.num_reused_tokens
         while (kept := keep()) < self.num_reused_tokens:
             tokens = self._tokens[:kept]
@@ -285,12 +304,36 @@ class KVCache:
                 self._adopt(match, tokens)
         given_up = reused - self.num_reused_tokens
         if given_up:
-            counters = self._pool.counters
-            for tier, n in before.items():
-                counters.hit_tokens[tier] -= n - self.reused_by_tier[tier]
-            counters.recomputed_tokens += given_up
+            self._hits.keep(self.num_reused_tokens, self._block_tiers)
             self._pool.debug_check()
         return given_up
+
+    @exclusive
+    def recompute_from(self, tokens: int) -> int:
+        """The caller recomputes this cache's reused tokens from ``tokens`` on, though the cache keeps
+        their pages (a batch row cut to the batch's common width): they move from the manager's
+        ``hit_tokens`` to ``recomputed_tokens``. Counts only: the cache, its lengths and
+        ``reused_by_tier`` stay as they are. A later call can only move more. Returns the tokens
+        moved."""
+        self._check_open()
+        return self._hits.keep(_check_length("tokens", tokens), self._block_tiers)
+
+    @exclusive
+    def cache_for_prefix(self, num_tokens: int) -> KVCache:
+        """Another SUSPENDED cache of the same request, over this cache's first ``num_tokens``
+        committed tokens: it holds the reuse a new cache over them would have (up to ``num_tokens -
+        1`` tokens; a sliding window or a recurrent state may end it sooner). The manager counts no
+        lookup or hit for it: they were counted for this cache (``recompute_from`` settles what
+        this one's reuse was used for)."""
+        self._check_open()
+        n = _check_length("num_tokens", num_tokens)
+        if n > len(self._tokens):
+            raise ValueError(f"num_tokens ({n}) is more than the cache's {len(self._tokens)} committed tokens")
+        self._pool.release_dropped()
+        cache = KVCache(self._pool, self._tokens[:n], self.scope, self._priority, count_recomputed=False)
+        cache._hits.end = 0
+        self._pool.debug_check()
+        return cache
 
     @property
     def reused_in_memory(self) -> int:
@@ -315,7 +358,7 @@ class KVCache:
         cache of the old ones must not take: it reuses nothing, as with reuse off)."""
         if self._chain.root is None:
             return None
-        return self._pool.match(tokens, self.scope, whole=True, weigh_load_cost=weigh_load_cost)
+        return self._pool.match(tokens, self.scope, whole=True, weigh_load_cost=weigh_load_cost, count_recomputed=False)
 
     def _stop_publishing(self) -> None:
         """Its scope was forgotten (``KVCacheManager.forget_scope``): the blocks it commits from now on

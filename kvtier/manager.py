@@ -90,7 +90,7 @@ class KVCacheManager:
         """
         self._check_open()
         tokens = as_token_array(input_tokens)
-        check_priority(priority)
+        priority = check_priority(priority)
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
         self._pool.release_dropped()

@@ -54,7 +54,8 @@ def left_pads(mask: torch.Tensor) -> list[int] | None:
 
 def choose_width(mgr: KVCacheManager, rows: list[Row], num_columns: int, stream=None) -> int:
     """The number of leading columns every row takes from kvtier; each row's ``read`` cache is then
-    ACTIVE and holds exactly ``row.reused`` tokens (or is None when the row reuses nothing)."""
+    ACTIVE and holds exactly ``row.reused`` tokens (or is None when the row reuses nothing). What
+    a row's ``write`` matched past ``row.reused`` is counted as recomputed (``KVCache.recompute_from``)."""
     only_full = all(g.kind is GroupKind.ATTENTION for g in mgr.layer_groups)
     limit = [row.write.num_reused_tokens for row in rows]
     while True:
@@ -67,7 +68,7 @@ def choose_width(mgr: KVCacheManager, rows: list[Row], num_columns: int, stream=
                 continue
             read = row.write
             if reused != read.num_reused_tokens and not only_full:
-                read = mgr.create_cache(row.prompt[: reused + 1], row.scope)
+                read = row.write.cache_for_prefix(reused + 1)  # the row's request: counted once, by ``write``
                 if read.num_reused_tokens < reused:
                     failed = (i, read.num_reused_tokens)
                     read.close()
@@ -83,6 +84,8 @@ def choose_width(mgr: KVCacheManager, rows: list[Row], num_columns: int, stream=
                 break
             row.read = read
         if failed is None:
+            for row in rows:
+                row.write.recompute_from(row.reused)
             return width
         release_reads(rows)
         limit[failed[0]] = min(limit[failed[0]], failed[1])

@@ -263,6 +263,9 @@ class PrefixCache:
                     "a call asking generate for the prompt's hidden states or attentions computes its whole "
                     "prompt (they are returned for every position): such calls reuse nothing"
                 )
+            if whole:  # every row's match is recomputed
+                for row in rows:
+                    row.write.recompute_from(0)
             width = 0 if whole else choose_width(mgr, rows, input_ids.shape[1], stream)
             load_prefix(cache, self._layers, mgr, rows, width, self._packing, self._stacks)
             release_reads(rows)

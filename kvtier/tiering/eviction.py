@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from itertools import islice, repeat
 
+import numpy as np
+
 from kvtier.pages import Page
 
 MIN_PRIORITY = 0
@@ -26,12 +28,12 @@ TAKE_WINDOW = 64  # a victim search reads at least this many entries at a time
 
 
 def check_priority(priority: object) -> int:
-    """``priority`` as an int in 0..100, else ``TypeError``/``ValueError``."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
+    """``priority`` as a Python int in 0..100 (a numpy integer too), else ``TypeError``/``ValueError``."""
+    if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
         raise TypeError(f"priority must be an int in {MIN_PRIORITY}..{MAX_PRIORITY}, got {priority!r}")
     if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise ValueError(f"priority must be in {MIN_PRIORITY}..{MAX_PRIORITY}, got {priority}")
-    return priority
+    return int(priority)
 
 
 class EvictionIndex:

@@ -202,3 +202,30 @@ def test_repeating_rows_for_beams_repeats_what_sliding_window_layers_recorded():
     keys, values = cache.layers[0].written()
     assert keys.shape[0] == values.shape[0] == 6 and keys.shape[-2] == 6
     assert torch.equal(keys[0], keys[2]) and torch.equal(values[3], values[5]) and not torch.equal(keys[0], keys[3])
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_the_managers_hits_are_what_the_rows_reused(arch):
+    """A row cut to the batch's common width recomputes the rest of its match: the manager counts
+    as hits the tokens the rows took (``last_reused_tokens``), the rest as recomputed, and each
+    prompt token looked up once (mistral's sliding window reads a row's shorter prefix through a
+    second cache of the same row)."""
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(5)
+    base = tokens(g, 40)
+    with PrefixCache(model, tiers_config(model, blocks=64)) as pc:
+        pc.generate(torch.tensor([base]), max_new_tokens=2, do_sample=False)
+        batches = [
+            ([base[:39] + [5], tokens(g, 20) + base[:20]], 39),
+            ([base[:39] + [6], base[:20] + tokens(g, 20)], 59),
+        ]
+        for rows, matched in batches:
+            before = pc.manager.stats()
+            ids, mask = left_padded(rows)
+            pc.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+            after = pc.manager.stats()
+            hits = sum(after.hit_tokens.values()) - sum(before.hit_tokens.values())
+            recomputed = after.recomputed_tokens - before.recomputed_tokens
+            assert hits == sum(pc.last_reused_tokens)
+            assert after.lookup_tokens - before.lookup_tokens == sum(len(row) for row in rows)
+            assert hits + recomputed == matched  # the rows' matches, whatever the width took of them
