@@ -16,6 +16,10 @@ logs a WARNING and the default is kept.
 A read-only directory's files are opened read-only (``writable`` is False: nothing is written);
 an unusable directory has no slots at all. The files are closed by ``close``, or when the storage
 is collected (a manager dropped without ``close``).
+
+``found`` keeps each page file's size as it was found, before it was sized: the restore
+(``kvtier.tiering.disk_restore``) believes no index row whose slot those bytes do not hold (a
+file deleted or truncated between runs; sizing it again would read back holes, never the pages).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -88,9 +93,13 @@ class DiskStorage:
         self._fds: list[int | None] = []
         self._finalizer = weakref.finalize(self, _release, self._pool, self._fds)
         self._finalizer.atexit = False  # at exit a manager never closed may still persist through them
+        found: list[FoundFile] = []
         for g, (pb, n) in enumerate(zip(self.page_bytes, self.slots, strict=True)):
             opener = _open_page_file if directory.writable else _open_page_file_read_only
-            self._fds.append(opener(directory, g, pb * n.num_slots) if directory.readable else None)
+            fd, was = opener(directory, g, pb * n.num_slots) if directory.readable else (None, FoundFile(g))
+            self._fds.append(fd)
+            found.append(was)
+        self.found: tuple[FoundFile, ...] = tuple(found)
         self.writable = directory.writable and all(fd is not None for fd in self._fds)
         self._write_failures = RateLimitedWarning(log, "disk tier page write failed")
         self._read_failures = RateLimitedWarning(log, "disk tier page read failed")
@@ -134,6 +143,16 @@ class DiskStorage:
         _log_failures(results, self._read_failures)
         return [r is True for r in results]
 
+    def file_bytes(self, group: int) -> int:
+        """The size of a group's page file now (0 when it is not open or cannot be looked at)."""
+        fd = self._fds[group] if group < len(self._fds) else None
+        if fd is None:
+            return 0
+        try:
+            return os.fstat(fd).st_size
+        except OSError:
+            return 0
+
     def close(self) -> None:
         """Close the files and stop the I/O threads. Idempotent."""
         self._write_failures.flush()
@@ -176,25 +195,58 @@ def _run(pool: ThreadPoolExecutor, fn, *iterables) -> list:
         raise
 
 
-def _open_page_file(directory: DiskDirectory, group: int, size: int) -> int | None:
-    """The page file of a group, private and sized (sparse) to ``size``; None, logged, if it cannot be had."""
+@dataclass(frozen=True, slots=True)
+class FoundFile:
+    """A group's page file as the tier found it when it opened: ``size`` its bytes then (before it
+    was sized), 0 when ``missing``; None when it was not looked at (it could not be opened, or the
+    directory cannot be read): nothing is known of its pages."""
+
+    group: int
+    name: str = ""
+    size: int | None = None
+    missing: bool = False
+
+    def holds(self, slot: int, page_bytes: int) -> bool:
+        """Whether the file held every byte of ``slot`` (True when nothing is known of it)."""
+        return self.size is None or (slot + 1) * page_bytes <= self.size
+
+
+def _open_page_file(directory: DiskDirectory, group: int, size: int) -> tuple[int | None, FoundFile]:
+    """The page file of a group, private and sized (sparse) to ``size``, and what was found of it; no
+    descriptor, logged, if it cannot be had."""
     path = directory.file(f"group{group}.pages")
+    missing = False
     try:
-        fd = open_private(path, os.O_RDWR | os.O_CREAT)
+        try:
+            fd = open_private(path, os.O_RDWR)
+        except FileNotFoundError:
+            missing = True
+            fd = open_private(path, os.O_RDWR | os.O_CREAT)
     except OSError as exc:
         log.error("kvtier disk tier: cannot open %s (%s); the disk tier will store nothing", path, exc)
-        return None
+        return None, FoundFile(group, path.name)
+    found = FoundFile(group, path.name, None, missing)
     try:
-        if os.fstat(fd).st_size != size:
+        found_size = 0 if missing else os.fstat(fd).st_size
+        found = FoundFile(group, path.name, found_size, missing)
+        if found_size != size:
             os.ftruncate(fd, size)
     except OSError as exc:  # a full or size-limited file system: writes past the end will fail
         log.warning("kvtier disk tier: cannot size %s to %d bytes (%s)", path, size, exc)
-    return fd
+    return fd, found
 
 
-def _open_page_file_read_only(directory: DiskDirectory, group: int, size: int) -> int | None:
-    """The page file of a read-only directory, for reading its pages; None when there is none."""
+def _open_page_file_read_only(directory: DiskDirectory, group: int, size: int) -> tuple[int | None, FoundFile]:
+    """The page file of a read-only directory, for reading its pages, and what was found of it; no
+    descriptor when there is none."""
+    path = directory.file(f"group{group}.pages")
     try:
-        return os.open(directory.file(f"group{group}.pages"), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, FoundFile(group, path.name, 0, missing=True)
     except OSError:
-        return None
+        return None, FoundFile(group, path.name)
+    try:
+        return fd, FoundFile(group, path.name, os.fstat(fd).st_size)
+    except OSError:
+        return fd, FoundFile(group, path.name)

@@ -9,6 +9,14 @@ A row that fails is deleted, and an ERROR line says how many were lost; rows of 
 quota that shrank since are dropped with a WARNING that says so (they are not damage). Pages no
 match could reach (below a block left without a full-attention page) are dropped too. Page bytes
 are verified against their checksum when they are first read.
+
+The page files are checked against the index too (``DiskStorage.found``: their sizes before they
+were sized again). A page file that holds none of the pages the index names in it (deleted,
+emptied, cut before the first of them) means the directory's files cannot be read: an ERROR
+line, every row is removed and the directory starts empty (``disk_resets``), as for an index that
+cannot be read. A page file cut short elsewhere loses only the rows whose slots lie past its end,
+and the blocks below them (no match could reach those): an ERROR line says how many; if no page
+is left at all, the directory is reported as started empty too.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from kvtier.reuse.tree import RadixTree
 from kvtier.spec import GroupKind
 from kvtier.stats import Counters
 from kvtier.storage.disk_index import DiskIndex, NodeRow, PageRow
+from kvtier.storage.page_files import DiskStorage
 from kvtier.tiering.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -33,11 +42,14 @@ KEY_BYTES = 16  # the tree's block keys
 def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], counters: Counters) -> int:
     """Publish the disk tier's indexed pages in ``tree`` as droppable pages; returns how many.
 
-    ``counters.disk_resets`` counts a directory whose index could not be read (it starts empty).
+    ``counters.disk_resets`` counts a directory whose index could not be read, or whose page files
+    no longer hold its pages (a file deleted or emptied, or no page left): it starts empty.
     """
     index = _index_of(tier)
     counters.disk_resets += index.resets
     tree.scope_tag = index.scope_tag
+    storage = tier.storage
+    lost_files = _lost_page_files(storage, index, len(rules))
     nodes: dict[bytes, Node] = {}
     rejected_nodes = 0
     for row in index.nodes:
@@ -49,10 +61,17 @@ def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], count
             nodes[row.block_key] = node
             tier.written[row.block_key] = node
     taken: list[set[int]] = [set() for _ in rules]
-    restored = rejected_pages = past_quota = 0
+    restored = rejected_pages = past_quota = dropped = 0
+    past_end = [0] * len(rules)  # per group: rows whose slot its page file no longer holds
     for row in index.pages:
-        if 0 <= row.group < len(rules) and row.slot >= tier.storage.slots[row.group].num_slots:
+        if 0 <= row.group < len(rules) and row.slot >= storage.slots[row.group].num_slots:
             past_quota += 1  # written under a larger disk_bytes: not damage
+            index.delete(row.block_key, row.group, row.snapshot_offset)
+        elif 0 <= row.group < len(rules) and not _held(storage, row):
+            past_end[row.group] += 1  # its bytes are gone: never read, never counted as damage
+            index.delete(row.block_key, row.group, row.snapshot_offset)
+        elif lost_files:  # the directory starts empty
+            dropped += 1
             index.delete(row.block_key, row.group, row.snapshot_offset)
         elif _restore_page(row, tier, tree, rules, nodes, taken) is None:
             rejected_pages += 1
@@ -68,6 +87,10 @@ def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], count
                 tier.reindex(page)
     _prune(tree, tier)
     index.flush()
+    if sum(past_end):
+        reset = _report_lost_page_files(storage, index, lost_files, past_end, dropped + restored, unreachable)
+        counters.disk_resets += reset
+        unreachable = 0 if reset else unreachable  # said in that ERROR line
     lost = index.rejected + rejected_nodes + rejected_pages
     if lost:
         log.error(
@@ -104,6 +127,56 @@ def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], count
         )
     index.nodes, index.pages = [], []  # read once; the tree holds them now
     return restored
+
+
+def _held(storage: DiskStorage, row: PageRow) -> bool:
+    """Whether the row's page file held its slot's bytes when the tier opened (a bad slot is left to
+    the row's other checks)."""
+    return row.slot < 0 or storage.found[row.group].holds(row.slot, storage.page_bytes[row.group])
+
+
+def _lost_page_files(storage: DiskStorage, index: DiskIndex, groups: int) -> list[int]:
+    """The groups whose page file holds none of the pages the index names in it (deleted, emptied,
+    or cut before the first of them): the directory's files cannot be read."""
+    named, held = set(), set()
+    for row in index.pages:
+        if 0 <= row.group < groups and 0 <= row.slot < storage.slots[row.group].num_slots:
+            named.add(row.group)
+            if _held(storage, row):
+                held.add(row.group)
+    return sorted(named - held)
+
+
+def _report_lost_page_files(
+    storage: DiskStorage, index: DiskIndex, lost_files: list[int], past_end: list[int], others: int, unreachable: int
+) -> int:
+    """One ERROR line for the pages whose page file lost them (``past_end``, per group); of the
+    ``others``, ``unreachable`` were dropped after (below a lost block). Returns 1 when the directory
+    starts empty (a page file holds none of its pages: every other page goes too; or none is left),
+    else 0."""
+    what = ", ".join(
+        f"{found.name} deleted" if found.missing else f"{found.name} cut to {found.size} bytes"
+        for found in storage.found
+        if past_end[found.group]
+    )
+    if lost_files or others == unreachable:
+        log.error(
+            "kvtier disk tier: the page files of %s do not hold the pages its index names (%s): its %d pages "
+            "lost, the directory starts empty",
+            index.directory.path,
+            what,
+            sum(past_end) + others,
+        )
+        return 1
+    log.error(
+        "kvtier disk tier: the page files of %s do not hold every page its index names (%s): %d pages whose "
+        "bytes are gone were dropped; %d pages restored",
+        index.directory.path,
+        what,
+        sum(past_end),
+        others - unreachable,
+    )
+    return 0
 
 
 def _restore_node(row: NodeRow, tree: RadixTree, nodes: dict[bytes, Node]) -> Node | None:
