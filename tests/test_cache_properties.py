@@ -239,6 +239,9 @@ class CacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "mgr"):
             return
         self.mgr.check_invariants()
+        stats = self.mgr.stats()  # every token looked up is a hit, recomputed or a miss, once
+        assert min(stats.hit_tokens.values()) >= 0
+        assert sum(stats.hit_tokens.values()) + stats.recomputed_tokens <= stats.lookup_tokens
         for request in self.live:
             if request.cache.state is kvtier.CacheState.ACTIVE:
                 self.oracle.check(request.cache, request.tokens)

@@ -105,6 +105,8 @@ def test_every_cache_method_after_the_manager_closed_raises_cache_state_error():
             "page_indices": lambda cache=cache: cache.page_indices(0),
             "shorten_to_memory": cache.shorten_to_memory,
             "shorten_reuse": lambda cache=cache: cache.shorten_reuse(0),
+            "recompute_from": lambda cache=cache: cache.recompute_from(0),
+            "cache_for_prefix": lambda cache=cache: cache.cache_for_prefix(0),
         }
         assert sorted([*calls, "close"]) == public_methods(cache), "a public method is not covered here"
         for call in calls.values():
