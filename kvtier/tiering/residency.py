@@ -234,8 +234,9 @@ class Residency:
     @staticmethod
     def _chain_ends(tier: Tier, group: int, count: int) -> list[Page]:
         """Up to ``count`` droppable pages of the disk tier in eviction order, deepest first, none
-        that a block below needs unless that block's pages go too, so that a restart after any
-        drop still reaches every page left on disk, and a match every block below in memory
+        that a block below needs unless that block's pages go too (its pages of other groups go
+        with its full-attention page: ``Tier.orphans``), so that a restart after any drop still
+        reaches every page left on disk, and a match every block below in memory
         (``Tier.holds_chain_below``). A page that holds a chain below is kept and the search runs
         again: a spare copy (a promotion left it above blocks it did not promote) with the pages
         of the search above it, the chain below keeping its places (``Tier.keep_above_chain``);
@@ -249,6 +250,7 @@ class Residency:
             if len(victims) < count:
                 return victims  # too few: nothing is dropped
             leaving = {id(page) for page in victims}
+            leaving.update(map(id, tier.orphans(victims)))  # they go along (``drop_some``)
             chained = [page for page in victims if tier.holds_chain_below(page, leaving)]
             if not chained:
                 return sorted(victims, key=lambda page: -page.node.block)  # blocks below go first

@@ -269,13 +269,14 @@ class Tier:
         return page not in self.originals and self._above_memory(page)
 
     def _above_memory(self, page: Page) -> bool:
-        """Whether a block right below ``page``'s (a page of a chain group here) has a page of a chain
-        group in a memory tier (a colder tier than this one is never a memory tier)."""
+        """Whether a block right below ``page``'s (a page of a chain group here) that a match could
+        reach (``_reachable_below``) has a page of a chain group in a memory tier (a colder tier than
+        this one is never a memory tier)."""
         node = page.node
         if node is None or page.group not in self.chain_groups or page.snapshot_offset:
             return False
         here = self.index
-        for child in node.children.values():
+        for child in self._reachable_below(node):
             for group in self.chain_groups:
                 below = child.pages[group]
                 if below is not None and below.tier < here:
@@ -324,13 +325,13 @@ class Tier:
 
     def _dependents(self, page: Page) -> Iterator[Page]:
         """The pages here (originals or copies) that a restart reaches only through ``page``, a
-        chain group's page here: those of the blocks right below its block, and, when ``page`` is a
-        copy, its block's pages of the other groups (when an original goes, they go with it:
-        ``orphans``)."""
+        chain group's page here: those of the blocks right below its block that a match could reach
+        (``_reachable_below``), and, when ``page`` is a copy, its block's pages of the other groups
+        (when an original goes, they go with it: ``orphans``)."""
         node = page.node
         if node is None or page.group not in self.chain_groups or page.snapshot_offset:
             return
-        blocks = list(node.children.values())
+        blocks = self._reachable_below(node)
         if page in self.originals:
             blocks.append(node)
         for block in blocks:
@@ -338,6 +339,12 @@ class Tier:
                 here = self.here(other)
                 if here is not None and here is not page:
                     yield here
+
+    def _reachable_below(self, node: Node) -> list[Node]:
+        """The blocks right below ``node`` that have a page of each chain group (in any tier): a
+        match or a restart can reach only those, so only those need ``node``'s pages here."""
+        groups = self.chain_groups
+        return [child for child in node.children.values() if all([child.pages[g] is not None for g in groups])]
 
     def orphans(self, dropped: list[Page]) -> list[Page]:
         """On the disk tier, for chain-group originals about to be dropped from here: their blocks'
