@@ -77,6 +77,7 @@ class KVCacheManager:
         self._guard = self._pool.guard  # claimed by calls that change the pool (kvtier.exclusive)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._closed = False
+        self._closing = False  # ``close`` has begun (it may release the tiers before it ends)
         _OPEN_MANAGERS.add(self)
 
     # -- caches ----------------------------------------------------------------------------------
@@ -231,10 +232,12 @@ class KVCacheManager:
         groups = []
         for geometry in self._geometries:
             g = geometry.group_id
-            buffer = storage.buffers[g]
-            region = Region(
-                buffer.data_ptr(), geometry.page_bytes, geometry.page_bytes, storage.slots[g].num_slots, buffer
-            )
+            try:
+                buffer, num_slots = storage.buffers[g], storage.slots[g].num_slots
+            except IndexError:  # ``close`` on another thread released them since the check
+                self._check_open(closing=True)
+                raise
+            region = Region(buffer.data_ptr(), geometry.page_bytes, geometry.page_bytes, num_slots, buffer)
             group = geometry.group
             groups.append(GroupLayout(g, group.layer_ids, group.window, [region], group.kind, group.sink_tokens))
         return KvCacheLayout(self.tokens_per_block, groups, self.spec.fingerprint())
@@ -266,14 +269,17 @@ class KVCacheManager:
         """
         if self._closed:
             return
+        self._closing = True
         self._dropped.detach()
         _close_pool(self._pool, persist)
         self._closed = True
         self._views.clear()
         _OPEN_MANAGERS.discard(self)
 
-    def _check_open(self) -> None:
-        if self._closed:
+    def _check_open(self, closing: bool = False) -> None:
+        """``CacheStateError`` once closed (``closing``: or while ``close`` runs, for a read that
+        another thread's ``close`` got ahead of)."""
+        if self._closed or (closing and self._closing):
             raise CacheStateError("the KVCacheManager is closed")
 
     def __enter__(self) -> KVCacheManager:

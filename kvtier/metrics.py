@@ -2,12 +2,15 @@
 
 ``CacheCollector(manager)`` reads ``manager.stats()`` at every scrape, so the figures are always
 current and the manager's hot paths pay nothing; a closed manager exports nothing. Register it on a registry, or call
-``serve(manager, port)`` to expose it over HTTP.
+``serve(manager, port)`` to expose it over HTTP (a ``MetricsServer``: the port it bound, ``close``).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -76,15 +79,41 @@ def registry_for(manager: KVCacheManager) -> CollectorRegistry:
     return registry
 
 
-def serve(manager: KVCacheManager, port: int, addr: str = "127.0.0.1") -> CollectorRegistry:
+@dataclass(frozen=True, slots=True)
+class MetricsServer:
+    """A running ``serve``: its ``registry``, the ``port`` it bound (the one chosen for port 0), and
+    ``url``; ``close()`` stops it (idempotent; also on leaving a ``with`` block)."""
+
+    registry: CollectorRegistry
+    port: int
+    url: str
+    _server: WSGIServer
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve(manager: KVCacheManager, port: int, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve the manager's metrics at ``http://addr:port/metrics`` from a background thread.
 
-    ``port``: 0..65535 (0: any free port); ``TypeError``/``ValueError`` otherwise, before anything
-    is served."""
+    ``port``: 0..65535 (0: any free port, see ``MetricsServer.port``); ``TypeError``/``ValueError``
+    otherwise, before anything is served."""
     if isinstance(port, bool) or not isinstance(port, int):
         raise TypeError(f"port must be an int, got {port!r}")
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be a TCP port (0-65535), got {port}")
     registry = registry_for(manager)
-    start_http_server(port, addr=addr, registry=registry)
-    return registry
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    bound = server.server_port
+    host = f"[{addr}]" if ":" in addr else addr
+    return MetricsServer(registry, bound, f"http://{host}:{bound}/metrics", server, thread)

@@ -19,6 +19,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -535,6 +536,39 @@ def test_outputs_of_a_step_whose_on_finish_raised_reach_the_next_step(llama):
     # All three finish in one step, in the order they came; on_finish raised at the first one.
     assert {out.request_id: out.token_ids for out in outs} == {ids[1]: llama.reference_generate(beside[1], 3)}
     eng.close()
+
+
+def test_outputs_of_requests_queued_before_a_generate_without_on_finish_reach_the_next_step(llama):
+    """A request queued with ``add_request`` that finishes inside a later ``generate`` (no
+    ``on_finish``) is returned by the next ``step``. Before, its output was dropped: ``generate``
+    returned only its own and the engine had nothing left to give."""
+    eng = engine(llama, primary_blocks=60)
+    beside = prompts_for(llama, [40], seed=27)[0]
+    queued = eng.add_request(beside, SamplingParams(max_tokens=3))
+    mine = prompts_for(llama, [30], seed=28)
+    outs = eng.generate(mine, SamplingParams(max_tokens=3))
+    assert [out.token_ids for out in outs] == [llama.reference_generate(mine[0], 3)]
+    assert eng.has_unfinished_requests()
+    later = eng.step()
+    assert [(out.request_id, out.token_ids) for out in later] == [(queued, llama.reference_generate(beside, 3))]
+    assert not eng.has_unfinished_requests() and eng.step() == []
+    eng.close()
+
+
+def test_numpy_numbers_in_the_engines_settings_are_taken_as_python_numbers():
+    """Before, ``SamplingParams(max_tokens=np.int64(3))`` and ``temperature=np.float32(0.5)`` were
+    refused while a numpy float64 temperature was accepted."""
+    params = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5), seed=np.uint64(7))
+    assert (params.max_tokens, params.temperature, params.seed) == (3, 0.5, 7)
+    assert (type(params.max_tokens), type(params.temperature), type(params.seed)) == (int, float, int)
+    config = SchedulerConfig(max_num_tokens=np.int32(64), max_batch_size=np.int64(4), max_prefetches=np.uint8(2))
+    assert (config.max_num_tokens, config.max_batch_size, config.max_prefetches) == (64, 4, 2)
+    assert type(config.max_num_tokens) is int
+    for bad in (np.int64(0), np.float64(3.0), np.bool_(True)):
+        with pytest.raises(ValueError, match="max_tokens"):
+            SamplingParams(max_tokens=bad)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=np.float32("nan"))
 
 
 # -- arguments and calls refused at the door ------------------------------------------------------

@@ -533,3 +533,22 @@ def test_the_submodules_load_on_first_use_after_import_kvtier():
         "PrefixCache", "LLMEngine", "build_model", "FileSystemConnector", "kvtier.metrics",
         "module", "'kvtier'", "has", "no", "attribute", "'no_such_module'",
     ]  # fmt: skip
+
+
+def test_layout_read_while_another_thread_closes_the_manager_is_a_cache_state_error(monkeypatch):
+    """``layout`` is read without claiming the manager; a ``close`` that released the tiers after
+    its check ends it with ``CacheStateError``. Before, ``IndexError`` from the emptied buffers."""
+    mgr = manager()
+    seen = []
+    release = kvtier.manager._close_pool
+
+    def close_pool_then_read(pool, persist):
+        release(pool, persist)
+        with pytest.raises(kvtier.CacheStateError, match="closed"):
+            mgr.layout()  # as another thread would between the release and the end of close
+        seen.append(True)
+
+    monkeypatch.setattr(kvtier.manager, "_close_pool", close_pool_then_read)
+    assert mgr.layout().groups
+    mgr.close()
+    assert seen == [True]

@@ -52,9 +52,25 @@ def test_metrics_over_http(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve(mgr, port)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    with serve(mgr, port) as server:
+        assert server.port == port and server.url == f"http://127.0.0.1:{port}/metrics"
+        body = urllib.request.urlopen(server.url, timeout=5).read().decode()
     assert "kvtier_tier_pages_total" in body and "kvtier_evictions_total" in body
+
+
+def test_a_server_on_port_0_tells_its_port_and_stops(tmp_path):
+    """Before, ``serve(mgr, 0)`` returned the registry alone: the port it bound was unknown and the
+    server could not be stopped."""
+    mgr = busy_manager(tmp_path)
+    server = serve(mgr, 0)
+    assert server.port > 0
+    body = urllib.request.urlopen(server.url, timeout=5).read().decode()
+    assert "kvtier_lookup_tokens_total" in body
+    server.close()
+    server.close()  # idempotent
+    with pytest.raises(OSError):
+        urllib.request.urlopen(server.url, timeout=5)
+    mgr.close()
 
 
 def test_a_closed_manager_exports_nothing(tmp_path):

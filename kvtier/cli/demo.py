@@ -80,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
             if args.metrics_port and reuse:
                 from kvtier.metrics import serve
 
-                serve(engine.cache_manager, args.metrics_port)
-                console.print(f"metrics: http://127.0.0.1:{args.metrics_port}/metrics")
+                console.print(f"metrics: {serve(engine.cache_manager, args.metrics_port).url}")
             task = progress.add_task(f"{label:<8}", total=total)
             records[label] = run_workload(engine, workload, label, lambda task=task: progress.advance(task))
             stats[label] = engine.cache_manager.stats()

@@ -139,7 +139,8 @@ class LLMEngine:
         (``abort_request`` from ``on_finish``) with ``finish_reason="abort"``. Returns once the
         requests have finished and every save they started through the connector is complete.
         ``on_finish`` sees each output as it finishes, also those of requests queued earlier
-        with ``add_request`` (which run alongside). ``CacheStateError`` once the model's weights
+        with ``add_request`` (which run alongside); without it, theirs are returned by the next
+        ``step``. ``CacheStateError`` once the model's weights
         changed in place since the engine was built, while another thread drives the engine, or
         from inside a step (a connector hook). ``TypeError`` naming the argument for ``prompts``
         that is no sequence, ``params`` that is neither a ``SamplingParams`` nor a sequence of
@@ -159,12 +160,15 @@ class LLMEngine:
             ]
             requests = {request_id: self._requests[request_id] for request_id in ids}
             done: dict[int, RequestOutput] = {}
+            others: list[RequestOutput] = []
             try:
                 while len(done) < len(ids):
                     outputs = self.step()
                     for k, output in enumerate(outputs):
                         if output.request_id in requests:
                             done[output.request_id] = output
+                        elif on_finish is None:  # queued with ``add_request``: the next ``step`` returns it
+                            others.append(output)
                         if on_finish is not None:
                             try:
                                 on_finish(output)
@@ -182,6 +186,8 @@ class LLMEngine:
                 for request_id in ids:  # nothing of this call stays queued
                     self.abort_request(request_id)
                 raise
+            finally:
+                self._undelivered += others
             return [done[i] for i in ids]
 
     def step(self) -> list[RequestOutput]:

@@ -7,9 +7,12 @@ Both records check every field when they are built: a wrong type or a value out 
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 Policy = Literal["guaranteed_no_evict", "max_utilization"]
 PrefetchPolicy = Literal["off", "best_effort", "timeout", "wait_complete"]
@@ -33,13 +36,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        """Numpy numbers are taken as the Python numbers they hold."""
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        object.__setattr__(self, "temperature", t if isinstance(t, int) else float(t))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "stop_token_ids", _stop_tokens(self.stop_token_ids))
 
 
@@ -89,6 +97,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if not isinstance(self.chunked_prefill, bool):
             raise ValueError(f"chunked_prefill must be a bool, got {self.chunked_prefill!r}")
         if self.prefetch_policy not in ("off", "best_effort", "timeout", "wait_complete"):
@@ -101,6 +110,7 @@ class SchedulerConfig:
             raise ValueError(f"prefetch_timeout_s must be a finite number of seconds >= 0, got {timeout!r}")
         if not _is_int(self.max_prefetches) or self.max_prefetches < 0:
             raise ValueError(f"max_prefetches must be an int >= 0, got {self.max_prefetches!r}")
+        object.__setattr__(self, "max_prefetches", int(self.max_prefetches))
         if not isinstance(self.recompute_when_faster, bool):
             raise ValueError(f"recompute_when_faster must be a bool, got {self.recompute_when_faster!r}")
 
@@ -121,4 +131,5 @@ def _stop_tokens(value: object) -> tuple[int, ...]:
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An int or a numpy integer, not a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)

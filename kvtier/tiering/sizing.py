@@ -29,7 +29,8 @@ def slots_per_group(
         if n < 1:
             need = -(-demand // min(weights))
             raise ValueError(
-                f"the {tier} tier's quota of {quota} bytes is too small for one page of layer group "
-                f"{geometry.group_id} ({geometry.page_bytes} bytes); give it at least {need} bytes"
+                f"the {tier} tier's quota of {quota} bytes is too small: split across the {len(geometries)} "
+                f"layer groups by what they use per block, it leaves layer group {geometry.group_id} "
+                f"({geometry.page_bytes}-byte pages) no page; give it at least {need} bytes"
             )
     return slots

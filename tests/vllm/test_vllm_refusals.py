@@ -57,7 +57,7 @@ def test_a_tier_too_small_for_one_page_names_the_setting(tmp_path, extra):
         extra["disk_path"] = str(tmp_path / "disk")
     config = vllm_config(tmp_path, extra)
     kv_config = kv_cache_config(config, [(layer_names(3), attention_spec())], 16)
-    with pytest.raises(ValueError, match=r"host_bytes=.* and disk_bytes=.*too small for one page"):
+    with pytest.raises(ValueError, match=r"host_bytes=.* and disk_bytes=.*too small: .* no page"):
         KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_config)
     assert host_pool.lookup(str(config.kv_transfer_config.engine_id)) is None
 
