@@ -12,6 +12,13 @@ are refreshed in the disk's LRU order, at the priority of the blocks below if hi
 is made for a descendant and with every descendant written, so a chain's upper blocks outlive its
 lower ones there; the disk drops a chain from its deepest block up (``Residency.drop_some``).
 
+A page that no match can reach is not written (a match needs a full-attention page in its block
+and in every block above): a victim only the tree holds whose block, or a block above, has no
+full-attention page is dropped instead. The close-time persist goes further, as nothing left in
+memory outlives it: it writes a block's pages of other groups (disk slots are counted per group)
+only once the block's full-attention pages, and its parent's chain, are on disk (``persist``).
+A restart would drop such pages again, with a WARNING.
+
 The bytes are written by a ``DiskWriter`` handed over at construction (the mover, which knows
 where the bytes of a page are and when they have landed).
 """
@@ -22,7 +29,7 @@ import logging
 from collections import defaultdict
 from typing import Protocol
 
-from kvtier.pages import Page
+from kvtier.pages import Node, Page
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.residency import Residency
 from kvtier.tiering.tier import Tier
@@ -59,8 +66,9 @@ class DiskWritePlanner:
     def demote(self, victims: list[Page], plan: MovePlan) -> None:
         """Write victims (one tier, one group) to disk, then copies of their ancestors not there yet.
 
-        A victim whose copy is on disk already takes the copy's slot without a write; when not
-        ``blocking``, one that only the tree holds is dropped instead of written.
+        A victim whose copy is on disk already takes the copy's slot without a write. One that only
+        the tree holds is dropped instead of written when no match can reach it (its block, or one
+        above, has no full-attention page), or when not ``blocking``.
         """
         self._write_down(victims, plan, blocking=self.blocking)
 
@@ -77,6 +85,14 @@ class DiskWritePlanner:
         if not disk.disk_index.flush():  # the rows of freed slots must be gone before slots are rewritten
             self._not_written(victims)
             return
+        whole: dict[int, bool] = {}
+        unreached = [page for page in victims if not page.refs and not self._chain_whole(page.node, whole)]
+        if unreached:  # no match reaches their blocks (a full-attention page missing there or above): dropped
+            self._not_written(unreached)
+            gone = {id(page) for page in unreached}
+            victims = [page for page in victims if id(page) not in gone]
+            if not victims:
+                return
         allocator = disk.storage.slots[victims[0].group]
         pending: list[Page] = []
         slots: list[int] = []
@@ -176,24 +192,89 @@ class DiskWritePlanner:
         """Write published pages held in memory tiers to free disk slots, parents first.
 
         Used when the manager closes, so that a manager started later on the same path finds
-        the hot prefixes too, with unbroken chains. Returns the number of pages written.
+        the hot prefixes too, with unbroken chains. Only blocks a restart could reach are written:
+        a block's pages go only if its full-attention pages (``Tier.chain_groups``) are on disk or
+        find a slot now, each of them, and so did its parent's. Those pages are written first;
+        then the other groups' pages (sliding-window pages, recurrent snapshots) of the blocks
+        whose chain landed (a failed write leaves its block, and the blocks below, out): a page
+        that no match could reach after a restart would only take a slot there (the restore would
+        drop it with a WARNING). Returns the number of pages written.
         """
         disk = self.disk
         if not disk.writable:
             return 0
+        chain = disk.chain_groups
         free = [s.num_free for s in disk.storage.slots]
         batches: dict[tuple[int, int], list[Page]] = defaultdict(list)
+        unreached: set[int] = set()  # ids of blocks whose chain will not be whole on disk
         for node in sorted(self.residency.tree.nodes(), key=lambda n: n.block):
+            if id(node.parent) in unreached or not self._take_chain(node, free, batches):
+                unreached.add(id(node))
+                continue
             for page in [*node.pages, *node.snapshots.values()]:
-                if page is None or page.tier == disk.index or page.locks:
+                if page is None or page.group in chain or page.tier == disk.index or page.locks:
                     continue
                 if page not in disk.copies:
                     if not free[page.group]:
                         continue
                     free[page.group] -= 1
                 batches[(page.tier, page.group)].append(page)
-        for pages in batches.values():
-            step = max(1, PERSIST_CHUNK_BYTES // disk.storage.page_bytes[pages[0].group])
+        written = 0
+        for (_, group), pages in sorted(batches.items(), key=lambda item: item[0][1] not in chain):  # chains first
+            if group not in chain:  # the blocks whose chain landed (a write may have failed)
+                landed: dict[int, bool] = {}
+                pages = [page for page in pages if self._chain_whole(page.node, landed, on_disk=True)]
+            step = max(1, PERSIST_CHUNK_BYTES // disk.storage.page_bytes[group])
             for start in range(0, len(pages), step):  # each part's rows commit as the next one starts
                 self._write_down(pages[start : start + step], plan, blocking=True)  # closing: every page
-        return sum(len(p) for p in batches.values())
+            written += len(pages)
+        return written
+
+    def _take_chain(self, node: Node, free: list[int], batches: dict[tuple[int, int], list[Page]]) -> bool:
+        """For ``persist``: add ``node``'s full-attention pages not on disk to ``batches``, a free slot
+        counted off ``free`` for each without a disk copy, if every one of them can go; returns
+        whether they are all on disk then (False, with nothing taken, otherwise)."""
+        disk = self.disk
+        wanted: list[Page] = []
+        need = [0] * len(free)
+        for group in disk.chain_groups:
+            page = node.pages[group]
+            if page is None:
+                return False  # no restart reaches the block
+            if page.tier == disk.index:
+                continue
+            if page.locks:
+                return False  # a pinned page is not written: the block stays off disk
+            wanted.append(page)
+            need[group] += page not in disk.copies
+        if any(n > room for n, room in zip(need, free, strict=True)):
+            return False
+        for group, n in enumerate(need):
+            free[group] -= n
+        for page in wanted:
+            batches[(page.tier, page.group)].append(page)
+        return True
+
+    def _chain_whole(self, node: Node | None, whole: dict[int, bool], on_disk: bool = False) -> bool:
+        """Whether ``node`` and every block above it have a page of each full-attention group
+        (``Tier.chain_groups``), which a match needs (in any tier; ``on_disk``: there, an original
+        or a copy). Memoized in ``whole`` by the nodes' ids. A page off the tree (None) has none."""
+        disk = self.disk
+        groups = disk.chain_groups
+        if not groups:  # (no full-attention group: every block is reached)
+            return node is not None
+        path: list[Node] = []
+        while node is not None and node.parent is not None and id(node) not in whole:
+            path.append(node)
+            node = node.parent
+        ok = node is not None and (node.parent is None or whole[id(node)])
+        for block in reversed(path):  # parents first
+            if ok:
+                pages = block.pages
+                for group in groups:
+                    page = pages[group]
+                    if page is None or (on_disk and disk.here(page) is None):
+                        ok = False
+                        break
+            whole[id(block)] = ok
+        return ok
