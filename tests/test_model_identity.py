@@ -175,3 +175,27 @@ def test_weights_changed_in_place_under_an_engine_are_refused_and_a_new_engine_s
         outs = fresh.generate(ps, SamplingParams(max_tokens=4))
     for prompt, out in zip(ps, outs, strict=True):
         assert out.token_ids == model.reference_generate(prompt, 4)
+
+
+def test_weights_changed_while_a_request_is_in_flight_stop_the_engine_before_it_publishes(tmp_path):
+    """An optimizer step between two ``step()`` calls of a request in flight: the next ``step``
+    raises before it computes with the new weights, so nothing of them is published or saved
+    under the old weights' identity; an engine of the old weights on the same disk directory is
+    served only their pages. Before, ``step`` ran the request to its end and ``close`` saved its
+    pages: the old weights' next engine reused them and generated other tokens."""
+    model = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+    old = {name: t.clone() for name, t in model.state_dict().items()}
+    prompt = prompts(model.vocab_size)[0]
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20), kvtier.DiskTier(8 << 20, tmp_path)])
+    engine = LLMEngine(model, config, SchedulerConfig(max_num_tokens=256))
+    engine.add_request(prompt, SamplingParams(max_tokens=12))
+    assert engine.step() == []  # the prompt and its first token, with the old weights
+    fine_tune(model)
+    with pytest.raises(kvtier.CacheStateError, match="weights changed"):
+        engine.step()
+    engine.close()
+    model.load_state_dict(old)
+    follow = [*prompt, *model.reference_generate(prompt, 12), 5, 6, 7]
+    with LLMEngine(model, config, SchedulerConfig(max_num_tokens=256)) as again:
+        out = again.generate([follow], SamplingParams(max_tokens=6))[0]
+    assert out.token_ids == model.reference_generate(follow, 6)

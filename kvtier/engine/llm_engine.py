@@ -192,8 +192,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward over the batch, sample; returns the requests that finished.
-        ``CacheStateError``, nothing changed, from inside a step (a connector hook)."""
+        ``CacheStateError``, nothing changed, from inside a step (a connector hook), or once the
+        model's weights changed in place since the engine was built (requests in flight included:
+        nothing computed with other weights is published under these ones)."""
         self._check_open()
+        self._check_weights()
         with self._driven():
             return self._step()
 

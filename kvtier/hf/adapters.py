@@ -3,9 +3,11 @@
 An adapter changes the keys and values its layers compute, while the model's own weights stay
 as they were: pages computed with adapter ``a`` active must never be served with ``b`` active,
 or with adapters disabled. ``AdapterScope`` gives each call the ``PrefixCache``'s scope with the
-active adapters added to its ``lora_id``: each adapter by name and by a fingerprint of its
-weights and settings (a name given to other weights later is another scope; the same adapter
-loaded in another process is the same scope, so a disk tier serves it after a restart).
+adapters its layers apply added to its ``lora_id`` (the active ones, or the merged ones while a
+merge holds: PEFT's forward then runs the base layer alone): each adapter by name and by a
+fingerprint of its weights and settings (a name given to other weights later is another scope;
+the same adapter loaded in another process is the same scope, so a disk tier serves it after a
+restart).
 
 PEFT's tuner layers are found by what they expose (``active_adapters``, ``disable_adapters``,
 ``adapter_layer_names``), so peft is never imported. The layers are listed at construction and
@@ -61,18 +63,18 @@ class AdapterScope:
         if isinstance(names, str) or len(names) != count:
             raise ValueError(f"adapter_names must name one adapter per batch row ({count}), got {names!r}")
         self._refresh()
-        return [self._base if name == "__base__" else self._scope([name]) for name in names]
+        return [self._base if name == "__base__" else self._scope([(name, False)]) for name in names]
 
     def current(self) -> ReuseScope:
         """``base`` when no adapter is active, else ``base`` with the active adapters in its ``lora_id``."""
         self._refresh()
         if not self._layers:
             return self._base
-        states = tuple(_active(layer) for layer in self._layers)
-        active = sorted(set().union(*states))
-        if not active:
+        states = tuple(_applied(layer) for layer in self._layers)
+        applied = sorted(set().union(*states))
+        if not applied:
             return self._base
-        scope = self._scope(active)
+        scope = self._scope(applied)
         if len(set(states)) > 1:  # layers disagree on what is active: the whole pattern is part of the key
             pattern = hashlib.blake2b(repr(states).encode(), digest_size=8).hexdigest()
             scope = ReuseScope(lora_id=f"{scope.lora_id}+{pattern}", salt=scope.salt)
@@ -89,8 +91,11 @@ class AdapterScope:
             self._paths, self._layers = _tuner_layers(model)
             self._bases = _base_weights(self._layers)
 
-    def _scope(self, active: list[str]) -> ReuseScope:
-        key = "peft:" + "+".join(f"{name}@{self._fingerprint(name)}" for name in active)
+    def _scope(self, applied: list[tuple[str, bool]]) -> ReuseScope:
+        """``base`` with the adapters ``applied`` (name, merged into the base weights) in its ``lora_id``."""
+        key = "peft:" + "+".join(
+            f"{name}{'(merged)' if merged else ''}@{self._fingerprint(name)}" for name, merged in applied
+        )
         lora_id = key if self._base.lora_id is None else f"{self._base.lora_id}|{key}"
         return ReuseScope(lora_id=lora_id, salt=self._base.salt)
 
@@ -157,11 +162,18 @@ def _in_place(model: torch.nn.Module, path: tuple[str, ...], layer: torch.nn.Mod
     return module is layer
 
 
-def _active(layer: torch.nn.Module) -> tuple[str, ...]:
-    """The adapters a tuner layer applies now: active, present in it, and not disabled."""
+def _applied(layer: torch.nn.Module) -> tuple[tuple[str, bool], ...]:
+    """The adapters a tuner layer applies now, each with whether it is merged into the base weights,
+    as PEFT's forward decides: none while adapters are disabled (a merge is undone first); the
+    merged ones alone while any is merged (the base layer holds them; the active ones are not
+    added); else the active ones present in the layer. A merged adapter is a scope of its own: the
+    merged weights compute other roundings than the adapter beside them."""
     if layer.disable_adapters:
         return ()
+    merged = getattr(layer, "merged_adapters", None)
+    if merged:
+        return tuple(sorted((name, True) for name in merged))
     active = layer.active_adapters
     names = [active] if isinstance(active, str) else list(active)
     present = [n for n in names if any(n in getattr(layer, a, {}) for a in layer.adapter_layer_names)]
-    return tuple(sorted(present))
+    return tuple(sorted((name, False) for name in present))

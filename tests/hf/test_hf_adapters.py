@@ -49,6 +49,28 @@ def test_each_adapter_and_the_base_model_reuse_only_their_own_pages(tmp_path):
         assert both(model, pc, [*prompt, 7]) == 40
 
 
+def test_a_merged_adapter_is_a_scope_of_its_own_whichever_is_active():
+    """PEFT's forward runs a merged layer's base weights alone: merging "second" while "first" is
+    active applies "second". Before, such calls saved their pages under "first", and a call with
+    "first" after ``unmerge_adapter()`` was served them (scores off by 0.53)."""
+    model = peft.get_peft_model(tiny_model("llama"), lora(1), adapter_name="first")
+    model.add_adapter("second", lora(2))
+    model.eval()
+    prompt = tokens(torch.Generator().manual_seed(3), 40)
+    with PrefixCache(model, tiers_config(model.base_model.model, blocks=200)) as pc:
+        model.set_adapter("first")
+        model.base_model.merge_adapter(["second"])
+        assert both(model, pc, [*prompt, 4]) == 0
+        assert both(model, pc, [*prompt, 5]) == 40  # the merged adapter's own pages
+        model.base_model.unmerge_adapter()
+        assert both(model, pc, [*prompt, 6]) == 0  # "first" applied: not the merged "second"'s pages
+        model.set_adapter("second")
+        assert both(model, pc, [*prompt, 7]) == 0  # "second" beside the base weights: other roundings
+        model.base_model.merge_adapter(["second"])
+        assert both(model, pc, [*prompt, 8]) == 40
+        model.base_model.unmerge_adapter()
+
+
 def test_an_adapter_added_after_construction_and_one_trained_in_between_get_scopes_of_their_own():
     base = tiny_model("llama")
     prompt = tokens(torch.Generator().manual_seed(4), 40)
