@@ -83,7 +83,7 @@ def test_too_small_a_quota_names_the_bytes_needed(tier):
         slots_per_group(exact - 1, geos, interval, tier)
     message = str(info.value)
     assert f"the {tier} tier's quota of {exact - 1} bytes is too small" in message
-    assert f"layer group 1 ({recurrent} bytes)" in message  # the recurrent group gets none first
+    assert f"layer group 1 ({recurrent}-byte pages) no page" in message  # the recurrent group gets none first
     need = int(re.search(r"give it at least (\d+) bytes", message).group(1))
     assert exact <= need <= exact + 1
     assert min(slots_per_group(need, geos, interval, tier)) == 1
@@ -92,7 +92,7 @@ def test_too_small_a_quota_names_the_bytes_needed(tier):
 def test_a_group_whose_page_does_not_fit():
     geos = geometries(SWA_MIX)
     full = geos[0].page_bytes
-    with pytest.raises(ValueError, match=r"layer group 0 \(\d+ bytes\); give it at least"):
+    with pytest.raises(ValueError, match=r"layer group 0 \(\d+-byte pages\) no page; give it at least"):
         slots_per_group(full - 1, geos, 4, "primary")
 
 
