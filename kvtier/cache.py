@@ -74,13 +74,12 @@ class KVCache:
         "scope",
     )
 
-    def __init__(
-        self, pool: PagePool, tokens: array, scope: ReuseScope, priority: int, count_recomputed: bool = True
-    ) -> None:
+    def __init__(self, pool: PagePool, tokens: array, scope: ReuseScope, priority: int, counted: bool = True) -> None:
         """A SUSPENDED cache for ``tokens`` holding their longest reusable prefix (on any tier).
 
-        ``count_recomputed``: tokens the match cuts because loading them is slower than recomputing
-        count in ``recomputed_tokens`` (False for a second cache of a request already counted)."""
+        ``counted``: its reuse counts as the request's hits (``KVCacheManager.create_cache`` adds
+        them), and tokens the match cuts because loading them is slower than recomputing count in
+        ``recomputed_tokens``; False for a second cache of a request already counted."""
         self._pool = pool
         self._guard = pool.guard  # calls that change the pool claim it (kvtier.exclusive)
         self._res = pool.residency
@@ -98,7 +97,7 @@ class KVCache:
         self.num_reused_tokens = 0
         self.reused_by_tier = dict.fromkeys(TIER_NAMES, 0)
         self._block_tiers: list[int] | None = None  # per reused block, the tier it is counted for (None: one tier)
-        match = pool.match(tokens, scope, count_recomputed=count_recomputed)
+        match = pool.match(tokens, scope, count_recomputed=counted)
         if match is not None:
             try:
                 self._adopt(match, tokens)
@@ -107,7 +106,8 @@ class KVCache:
                 self._release_holds(locked=False)
                 raise
         # the reuse ``KVCacheManager.create_cache`` counts as hits; what is given up later moves out
-        self._hits = HitCount(pool.counters, pool.tier_names, self._tpb, self.num_reused_tokens, self._block_tiers)
+        counted_end = self.num_reused_tokens if counted else 0
+        self._hits = HitCount(pool.counters, pool.tier_names, self._tpb, counted_end, self._block_tiers)
         pool.holders.add(self)
 
     def __del__(self) -> None:
@@ -180,7 +180,7 @@ class KVCache:
             return
         if nb == 0:
             return
-        absent = 0 if self._pool.attention_only else -1  # (full attention: every block has a page)
+        absent = 0 if self._pool.full_attention else -1  # (a full-attention group: every block has a page)
         per_group = [[absent if page is None else page.tier for page in blocks] for blocks in self._table.blocks]
         if len(per_group) == 1:  # (comprehensions and C-level maps: this runs per block of a long prompt)
             coldest = per_group[0]
@@ -235,6 +235,7 @@ class KVCache:
             self._start_over()
             return self.resume(stream)
         table.refresh_slots()
+        self._hits.used = True
         self._state = _ACTIVE
         self._pool.debug_check()
         return True
@@ -253,7 +254,8 @@ class KVCache:
         match = self._match_again(tokens, weigh_load_cost=True)
         if match is not None:
             self._adopt(match, tokens)
-        self._hits.keep(self.num_reused_tokens, self._block_tiers)
+        if not self._hits.used:  # the reuse lost before the request took it: recomputed, not a hit
+            self._hits.cut(self.num_reused_tokens)
         log.warning(
             "kvtier: a page of a suspended cache failed its checksum; it restarts from %d of %d tokens",
             len(self._tokens),
@@ -269,8 +271,8 @@ class KVCache:
         since creation), else ``CacheStateError``. The cache keeps the reuse a new cache over its
         first ``reused_in_memory`` tokens would have (a sliding window or a recurrent state may end
         it sooner), so a ``resume`` after it reads nothing from disk. Returns the reused tokens
-        given up (0: none was on disk); they leave ``reused_by_tier`` and the manager's
-        ``hit_tokens`` for ``recomputed_tokens``.
+        given up (0: none was on disk); they leave ``reused_by_tier``, and those still counted in
+        the manager's ``hit_tokens`` move to ``recomputed_tokens``.
         """
         return self._give_up_reuse("shorten_to_memory", lambda: self.reused_in_memory)
 
@@ -330,8 +332,7 @@ class KVCache:
         if n > len(self._tokens):
             raise ValueError(f"num_tokens ({n}) is more than the cache's {len(self._tokens)} committed tokens")
         self._pool.release_dropped()
-        cache = KVCache(self._pool, self._tokens[:n], self.scope, self._priority, count_recomputed=False)
-        cache._hits.end = 0
+        cache = KVCache(self._pool, self._tokens[:n], self.scope, self._priority, counted=False)
         self._pool.debug_check()
         return cache
 
@@ -372,6 +373,7 @@ class KVCache:
         self._tokens = array("Q")
         self._num_blocks = self._capacity = self._history = self.num_reused_tokens = 0
         self.reused_by_tier = dict.fromkeys(self.reused_by_tier, 0)
+        self._block_tiers = None
 
     def _release_holds(self, locked: bool) -> None:
         """Release the table's pages (``locked``: their locks too), the pending sources and the chain.

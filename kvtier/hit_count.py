@@ -17,7 +17,7 @@ class HitCount:
     """The first ``end`` reused tokens of one request, counted as hits for the tiers ``block_tiers``
     gives per block (tier indices; None: every block on the one tier ``names[0]``)."""
 
-    __slots__ = ("_block_tiers", "_counters", "_names", "_tpb", "end")
+    __slots__ = ("_block_tiers", "_counters", "_names", "_tpb", "end", "used")
 
     def __init__(
         self, counters: Counters, names: list[str], tokens_per_block: int, end: int, block_tiers: list[int] | None
@@ -27,6 +27,7 @@ class HitCount:
         self._tpb = tokens_per_block
         self.end = end
         self._block_tiers = block_tiers
+        self.used = False  # the request took the reuse (its first resume is over): a loss now is no lost hit
 
     def keep(self, kept: int, block_tiers: list[int] | None) -> int:
         """Only the first ``kept`` tokens are used, their blocks now found on ``block_tiers``: the hits
@@ -43,6 +44,11 @@ class HitCount:
         self._counters.recomputed_tokens += end - kept
         self.end, self._block_tiers = kept, block_tiers
         return end - kept
+
+    def cut(self, kept: int) -> int:
+        """Only the first ``kept`` tokens are used, as counted: the tokens past ``kept`` move to
+        ``recomputed_tokens``, each from the tier it was counted for. Returns the tokens moved."""
+        return self.keep(kept, self._block_tiers)
 
     def _by_tier(self, block_tiers: list[int] | None, end: int) -> dict[str, int]:
         """The first ``end`` tokens per tier name, each block counted for its tier in ``block_tiers``."""

@@ -220,7 +220,11 @@ class KVCacheManager:
         views = self._views.get(layer_id) if type(layer_id) is int else None  # (not True: layer 1's views)
         if views is None:
             group = self.spec.group_of(layer_id)  # ValueError for what is not a layer id
-            buffer = self._pool.tiers[PRIMARY].storage.buffers[group.group_id]
+            try:
+                buffer = self._pool.tiers[PRIMARY].storage.buffers[group.group_id]
+            except IndexError:  # ``close`` on another thread released them since the check
+                self._check_open(closing=True)
+                raise
             with torch.inference_mode(False):  # kept: later calls write through them, inside inference mode or not
                 views = self._views[layer_id] = part_views(self._geometries[group.group_id], buffer, layer_id)
         return views

@@ -115,5 +115,6 @@ def serve(manager: KVCacheManager, port: int, addr: str = "127.0.0.1") -> Metric
     registry = registry_for(manager)
     server, thread = start_http_server(port, addr=addr, registry=registry)
     bound = server.server_port
-    host = f"[{addr}]" if ":" in addr else addr
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(addr, addr)  # every address: this host's
+    host = f"[{host}]" if ":" in host else host
     return MetricsServer(registry, bound, f"http://{host}:{bound}/metrics", server, thread)

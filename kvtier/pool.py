@@ -67,6 +67,7 @@ class PagePool:
         self.window_rules = [r for r in self.rules if r.kind is GroupKind.SLIDING_WINDOW]
         self.recurrent_group = next((r.group_id for r in self.rules if r.kind is GroupKind.RECURRENT), None)
         self.attention_only = self.recurrent_group is None and not self.window_rules  # a commit's fast path
+        self.full_attention = any(r.kind is GroupKind.ATTENTION for r in self.rules)  # every block has a page
         self.snapshot_tokens = config.snapshot_interval_blocks * tpb
         try:
             with torch.inference_mode(False):  # the tiers' buffers are written in place by any later call

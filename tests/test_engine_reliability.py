@@ -430,6 +430,29 @@ def test_generate_returns_when_on_finish_steps_the_engine_itself(llama, nested):
     eng.close()
 
 
+def test_an_outer_generates_outputs_finishing_inside_a_nested_generate_reach_it_once(llama):
+    """A ``generate`` started from ``on_finish`` runs the outer call's requests too; those that
+    finish inside it belong to the outer call. Before, the nested call also kept them for the next
+    ``step``: the outer ``on_finish`` saw them twice and the engine returned them again after."""
+    eng = engine(llama, primary_blocks=60, max_num_tokens=256)
+    prompts = prompts_for(llama, [10, 20, 15], seed=29)
+    seen: list[int] = []
+
+    def next_turn(out):
+        seen.append(out.request_id)
+        if out.request_id == 0:
+            follow_up = out.prompt_token_ids + out.token_ids + [1, 2]
+            check_against_oracle(llama, [follow_up], eng.generate([follow_up], SamplingParams(max_tokens=8)), 8)
+
+    lengths = (2, 6, 20)
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=n) for n in lengths], on_finish=next_turn)
+    expected = [llama.reference_generate(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    assert [out.token_ids for out in outs] == expected
+    assert sorted(seen) == [0, 1, 2]
+    assert not eng.has_unfinished_requests() and eng.step() == []
+    eng.close()
+
+
 def test_the_smallest_temperature_samples_the_greedy_token(llama):
     """Before: a temperature below ~1e-45 divided in float32 gave NaN probabilities, and
     ``torch.multinomial`` raised an untyped ``RuntimeError`` from inside the step."""

@@ -28,8 +28,9 @@ def serve(mgr: kvtier.KVCacheManager, tokens: list[int], chunk: int | None = Non
     cache.close()
 
 
-def fillers(mgr: kvtier.KVCacheManager, count: int, length: int, chunk: int | None = None) -> None:
-    for i in range(count):
+def fillers(mgr: kvtier.KVCacheManager, count: int, length: int, chunk: int | None = None, first: int = 0) -> None:
+    """Serve ``count`` prompts of ``length`` fresh tokens (``first``: the first one's number)."""
+    for i in range(first, first + count):
         serve(mgr, [50_000 + 1_000 * i + j for j in range(length)], chunk)
 
 
@@ -154,3 +155,47 @@ def test_a_numpy_priority_is_taken_as_the_int_it_holds():
         cache.close()
         with pytest.raises(ValueError):
             mgr.create_cache([1, 2, 3], priority=np.int64(101))
+
+
+def damage_slots(tmp_path, first_slot: int, page: int = 128) -> None:
+    """Flip a byte of every page from ``first_slot`` on in the disk tier's page file."""
+    (page_file,) = tmp_path.glob("*/group0.pages")
+    data = bytearray(page_file.read_bytes())
+    for offset in range(first_slot * page, len(data), page):
+        data[offset + 5] ^= 0xFF
+    page_file.write_bytes(bytes(data))
+
+
+def test_reuse_cut_short_by_a_checksum_failure_keeps_the_tier_its_intact_part_came_from(tmp_path):
+    spec = kvtier.ModelSpec([kvtier.AttentionLayer(1, 4)], torch.float32, model_id="checksum")
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(128 * 16), kvtier.DiskTier(128 * 64, tmp_path)])
+    prompt = list(range(100, 132))
+    with kvtier.KVCacheManager(spec, config) as mgr:
+        serve(mgr, prompt)  # persisted at close, parents first: block b in slot b
+    damage_slots(tmp_path, 4)  # the last four blocks
+    with kvtier.KVCacheManager(spec, config) as mgr:
+        cache = mgr.create_cache([*prompt, 1])
+        assert cache.resume() and cache.num_committed_tokens == 16
+        assert totals(mgr) == ({"primary": 0, "host": 0, "disk": 16}, 33, 16)  # the intact part came from disk
+        cache.close()
+
+
+def test_reuse_a_request_took_stays_a_hit_when_its_pages_fail_later(tmp_path):
+    spec = kvtier.ModelSpec([kvtier.AttentionLayer(1, 4)], torch.float32, model_id="later")
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(128 * 12), kvtier.DiskTier(128 * 64, tmp_path)])
+    prompt = list(range(100, 132))
+    with kvtier.KVCacheManager(spec, config) as mgr:
+        serve(mgr, prompt)
+        fillers(mgr, 3, 40)  # the prompt's pages go down to disk
+        cache = mgr.create_cache([*prompt, 1])
+        assert cache.num_reused_tokens == 32 and cache.resume()  # the request takes its reuse
+        taken = totals(mgr)
+        assert taken[0]["disk"] == 32
+        cache.suspend()
+        fillers(mgr, 3, 40, first=3)  # its pages go down to disk again (fresh prompts: no hits)
+        damage_slots(tmp_path, 0)
+        pushed = totals(mgr)
+        assert pushed[0] == taken[0] and pushed[2] == taken[2]
+        assert cache.resume() and cache.num_committed_tokens < 32  # it starts over: recomputes
+        assert totals(mgr) == pushed  # what it took stays a hit
+        cache.close()

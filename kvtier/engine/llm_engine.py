@@ -101,7 +101,10 @@ class LLMEngine:
             raise
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
-        self._undelivered: list[RequestOutput] = []  # finished in a step whose caller raised first
+        # finished with no caller to take them yet (a step whose caller raised first; a request of
+        # ``add_request`` that finished inside a ``generate``): the next ``step`` returns them
+        self._undelivered: list[RequestOutput] = []
+        self._generating: set[int] = set()  # requests of the ``generate`` calls in progress (nested ones too)
         self._closed = False
         self.driver_thread = threading.get_ident()  # the thread that last drove this engine
         self._driving = threading.RLock()  # held by the thread inside generate() or step()
@@ -161,14 +164,15 @@ class LLMEngine:
             requests = {request_id: self._requests[request_id] for request_id in ids}
             done: dict[int, RequestOutput] = {}
             others: list[RequestOutput] = []
+            self._generating.update(ids)
             try:
                 while len(done) < len(ids):
                     outputs = self.step()
                     for k, output in enumerate(outputs):
                         if output.request_id in requests:
                             done[output.request_id] = output
-                        elif on_finish is None:  # queued with ``add_request``: the next ``step`` returns it
-                            others.append(output)
+                        elif on_finish is None and output.request_id not in self._generating:
+                            others.append(output)  # queued with ``add_request``: the next ``step`` returns it
                         if on_finish is not None:
                             try:
                                 on_finish(output)
@@ -187,6 +191,7 @@ class LLMEngine:
                     self.abort_request(request_id)
                 raise
             finally:
+                self._generating.difference_update(ids)
                 self._undelivered += others
             return [done[i] for i in ids]
 

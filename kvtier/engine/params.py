@@ -106,8 +106,9 @@ class SchedulerConfig:
                 f"got {self.prefetch_policy!r}"
             )
         timeout = self.prefetch_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < math.inf:
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 <= timeout < math.inf:
             raise ValueError(f"prefetch_timeout_s must be a finite number of seconds >= 0, got {timeout!r}")
+        object.__setattr__(self, "prefetch_timeout_s", timeout if isinstance(timeout, int) else float(timeout))
         if not _is_int(self.max_prefetches) or self.max_prefetches < 0:
             raise ValueError(f"max_prefetches must be an int >= 0, got {self.max_prefetches!r}")
         object.__setattr__(self, "max_prefetches", int(self.max_prefetches))

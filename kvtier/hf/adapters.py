@@ -36,7 +36,7 @@ from kvtier.weights import tensors_fingerprint
 
 
 class AdapterScope:
-    """The reuse scope of a call on ``model``: ``base`` plus the adapters active now."""
+    """The reuse scope of a call on ``model``: ``base`` plus the adapters its layers apply now."""
 
     def __init__(self, model: torch.nn.Module, base: ReuseScope) -> None:
         self._model = model
@@ -66,7 +66,8 @@ class AdapterScope:
         return [self._base if name == "__base__" else self._scope([(name, False)]) for name in names]
 
     def current(self) -> ReuseScope:
-        """``base`` when no adapter is active, else ``base`` with the active adapters in its ``lora_id``."""
+        """``base`` when no adapter is applied, else ``base`` with the applied ones in its ``lora_id``
+        (``_applied``: the active adapters, or the merged ones while a merge holds)."""
         self._refresh()
         if not self._layers:
             return self._base

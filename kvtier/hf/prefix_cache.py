@@ -47,6 +47,7 @@ import threading
 import torch
 from transformers.generation import GenerationMode
 
+from kvtier.cache import CacheState
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, ReuseScope
 from kvtier.errors import CacheStateError
 from kvtier.hf.adapters import AdapterScope
@@ -296,6 +297,7 @@ class PrefixCache:
                 self._last.tokens = reused  # (a call made from inside this one, by a callback, set its own)
             except BaseException:
                 self._last.tokens = [0] * len(reused)  # a call that raised gave nothing: it reused nothing
+                _reused_nothing(rows)
                 raise
             finally:
                 for hook in hooks:
@@ -305,6 +307,7 @@ class PrefixCache:
                 mgr.set_prefill_rate(rate)
             if cache.get_seq_length() < input_ids.shape[1]:  # generate set the cache aside: its own computed all
                 self._last.tokens = [0] * len(reused)
+                _reused_nothing(rows)
                 if not self._told_of_dropped_cache:
                     self._told_of_dropped_cache = True
                     log.warning(
@@ -539,3 +542,10 @@ def _open_manager(spec: ModelSpec, config: CacheConfig) -> KVCacheManager:
         return KVCacheManager(spec, dataclasses.replace(config, tiers=tiers))
 
     return open_first_free(os.fspath(disk.path), at)
+
+
+def _reused_nothing(rows: list[Row]) -> None:
+    """The call computed every row whole: the rows' matches count as recomputed, not as hits."""
+    for row in rows:
+        if row.write.state is not CacheState.CLOSED:
+            row.write.recompute_from(0)

@@ -14,10 +14,11 @@ lower ones there; the disk drops a chain from its deepest block up (``Residency.
 
 A page that no match can reach is not written (a match needs a full-attention page in its block
 and in every block above): a victim only the tree holds whose block, or a block above, has no
-full-attention page is dropped instead. The close-time persist goes further, as nothing left in
-memory outlives it: it writes a block's pages of other groups (disk slots are counted per group)
-only once the block's full-attention pages, and its parent's chain, are on disk (``persist``).
-A restart would drop such pages again, with a WARNING.
+full-attention page is dropped instead, before the disk makes room (``to_write``). The
+close-time persist goes further, as nothing left in memory outlives it: it writes a block's
+pages of other groups (disk slots are counted per group) only once the block's full-attention
+pages, and its parent's chain, are on disk (``persist``). A restart would drop such pages
+again, with a WARNING.
 
 The bytes are written by a ``DiskWriter`` handed over at construction (the mover, which knows
 where the bytes of a page are and when they have landed).
@@ -63,21 +64,32 @@ class DiskWritePlanner:
         self.writer = writer
         self.blocking = blocking
 
-    def demote(self, victims: list[Page], plan: MovePlan) -> None:
-        """Write victims (one tier, one group) to disk, then copies of their ancestors not there yet.
+    def to_write(self, victims: list[Page]) -> list[Page]:
+        """Of victims bound for the disk (one tier, one group, none with a copy there), those
+        ``demote`` will write; the others, held by the tree alone, are dropped now, before the disk
+        makes room for any: when not ``blocking`` (the caller does not wait for the disk), and
+        those no match can reach (their block, or one above, has no full-attention page)."""
+        if not self.blocking:
+            dropped = [page for page in victims if not page.refs]
+        else:
+            whole: dict[int, bool] = {}
+            dropped = [page for page in victims if not page.refs and not self._chain_whole(page.node, whole)]
+        if not dropped:
+            return victims
+        self._not_written(dropped)
+        gone = {id(page) for page in dropped}
+        return [page for page in victims if id(page) not in gone]
 
-        A victim whose copy is on disk already takes the copy's slot without a write. One that only
-        the tree holds is dropped instead of written when no match can reach it (its block, or one
-        above, has no full-attention page), or when not ``blocking``.
-        """
+    def demote(self, victims: list[Page], plan: MovePlan) -> None:
+        """Write victims (one tier, one group, as ``to_write`` left them) to disk, then copies of
+        their ancestors not there yet. A victim whose copy is on disk already takes the copy's slot
+        without a write."""
         self._write_down(victims, plan, blocking=self.blocking)
 
     def keep_ancestors(self, victims: list[Page]) -> None:
-        """Before the disk makes room for ``victims`` (one group): the ancestors there of those that
-        ``demote`` would write outlive them (``Tier.keep_ancestors``)."""
-        arriving = victims if self.blocking else [page for page in victims if page.refs]
-        if arriving:
-            self.disk.keep_ancestors(arriving)
+        """Before the disk makes room for ``victims`` (one group, as ``to_write`` left them): their
+        ancestors there outlive them (``Tier.keep_ancestors``)."""
+        self.disk.keep_ancestors(victims)
 
     def _write_down(self, victims: list[Page], plan: MovePlan, blocking: bool) -> None:
         """``demote``, writing (``blocking``) or dropping the victims without a disk copy."""
@@ -85,14 +97,6 @@ class DiskWritePlanner:
         if not disk.disk_index.flush():  # the rows of freed slots must be gone before slots are rewritten
             self._not_written(victims)
             return
-        whole: dict[int, bool] = {}
-        unreached = [page for page in victims if not page.refs and not self._chain_whole(page.node, whole)]
-        if unreached:  # no match reaches their blocks (a full-attention page missing there or above): dropped
-            self._not_written(unreached)
-            gone = {id(page) for page in unreached}
-            victims = [page for page in victims if id(page) not in gone]
-            if not victims:
-                return
         allocator = disk.storage.slots[victims[0].group]
         pending: list[Page] = []
         slots: list[int] = []

@@ -95,6 +95,9 @@ class MovePlanner:
                     count -= len(leaving)  # they hold primary slots of the room asked for now
                     break
                 if dst.is_disk and self.disk_writes is not None:
+                    victims = self.disk_writes.to_write(victims)  # no room is made for those it drops
+                    if not victims:
+                        break
                     self.disk_writes.keep_ancestors(victims)
                 if self.make_room(dst_index, group, len(victims), plan):
                     self._demote(victims, dst_index, plan)

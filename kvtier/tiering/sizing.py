@@ -28,9 +28,13 @@ def slots_per_group(
     for n, geometry in zip(slots, geometries, strict=True):
         if n < 1:
             need = -(-demand // min(weights))
+            split = (
+                f"split across the {len(geometries)} layer groups by what they use per block, it leaves"
+                if len(geometries) > 1
+                else "it leaves"
+            )
             raise ValueError(
-                f"the {tier} tier's quota of {quota} bytes is too small: split across the {len(geometries)} "
-                f"layer groups by what they use per block, it leaves layer group {geometry.group_id} "
-                f"({geometry.page_bytes}-byte pages) no page; give it at least {need} bytes"
+                f"the {tier} tier's quota of {quota} bytes is too small: {split} layer group "
+                f"{geometry.group_id} ({geometry.page_bytes}-byte pages) no page; give it at least {need} bytes"
             )
     return slots

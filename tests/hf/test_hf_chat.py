@@ -453,6 +453,7 @@ def test_a_call_that_raises_inside_generate_reports_no_reuse():
 
     with PrefixCache(model, tiers_config(model, 60)) as pc:
         pc.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False)
+        before = pc.manager.stats()
         with pytest.raises(RuntimeError, match="breaks"):
             pc.generate(
                 torch.tensor([[*prompt, 5]]),
@@ -461,5 +462,8 @@ def test_a_call_that_raises_inside_generate_reports_no_reuse():
                 stopping_criteria=transformers.StoppingCriteriaList([Broken()]),
             )
         assert pc.last_reused_tokens == [0]
+        after = pc.manager.stats()  # the manager agrees: the match counts as recomputed, not as hits
+        assert after.hit_tokens == before.hit_tokens
+        assert after.recomputed_tokens - before.recomputed_tokens == 40
         pc.generate(torch.tensor([[*prompt, 5]]), max_new_tokens=2, do_sample=False)
         assert pc.last_reused_tokens == [40]
