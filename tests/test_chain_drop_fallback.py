@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import kvtier
+from tests.row_oracle import RowOracle, prefill, reuse
 
 TPB = 4
 
@@ -35,66 +36,6 @@ def make_manager(path, kind: str, primary: int, host: int, disk: int) -> kvtier.
     if disk:
         tiers.append(kvtier.DiskTier(page * disk, str(path)))
     return kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers, device="cpu"))
-
-
-class Rows:
-    """Fresh random non-zero bytes written into every row a cache computes (through ``kv_views`` at
-    ``page_indices``), kept per (prompt prefix, layer, role, position), checked where reused."""
-
-    def __init__(self, mgr: kvtier.KVCacheManager, seed: int = 0) -> None:
-        self.mgr = mgr
-        self.rng = np.random.default_rng(seed)
-        self.written: dict[tuple[tuple[int, ...], int, str], np.ndarray] = {}
-
-    def _rows(self, cache: kvtier.KVCache, start: int, end: int):
-        for layer in range(len(self.mgr.spec.layers)):
-            slots = cache.page_indices(self.mgr.spec.group_of(layer).group_id)
-            for role, view in self.mgr.kv_views(layer).items():
-                for pos in range(start, end):
-                    slot = int(slots[pos // TPB])
-                    if slot >= 0:
-                        yield layer, role, pos, view[slot, pos % TPB].view(torch.uint8).reshape(-1)
-
-    def write(self, cache: kvtier.KVCache, tokens: list[int], start: int, end: int) -> None:
-        for layer, role, pos, row in self._rows(cache, start, end):
-            data = self.rng.integers(1, 256, row.numel(), dtype=np.uint8)
-            row.copy_(torch.from_numpy(data))
-            self.written[(tuple(tokens[: pos + 1]), layer, role)] = data
-
-    def check(self, cache: kvtier.KVCache, tokens: list[int]) -> int:
-        """Compare every reused row with the bytes written for its prefix; returns the rows checked."""
-        checked = 0
-        for layer, role, pos, row in self._rows(cache, 0, cache.num_reused_tokens):
-            want = self.written[(tuple(tokens[: pos + 1]), layer, role)]
-            assert np.array_equal(row.numpy(), want), (pos, layer, role)
-            checked += 1
-        return checked
-
-
-def prefill(mgr: kvtier.KVCacheManager, rows: Rows, tokens: list[int], keep: bool = False) -> kvtier.KVCache | None:
-    cache = mgr.create_cache(tokens)
-    assert cache.resume()
-    rows.check(cache, tokens)
-    start = cache.num_committed_tokens
-    assert cache.resize(len(tokens))
-    rows.write(cache, tokens, start, len(tokens))
-    cache.commit(tokens[start:])
-    if keep:
-        cache.suspend()
-        return cache
-    cache.close()
-    return None
-
-
-def reuse(mgr: kvtier.KVCacheManager, rows: Rows, tokens: list[int]) -> int:
-    """Tokens reused by a new cache for ``tokens`` (its reused rows checked byte for byte)."""
-    cache = mgr.create_cache(tokens)
-    assert cache.resume()
-    reused = cache.num_reused_tokens
-    if reused:
-        assert rows.check(cache, tokens) > 0
-    cache.close()
-    return reused
 
 
 def unreachable(mgr: kvtier.KVCacheManager, tier: int | None = None) -> int:
@@ -128,7 +69,7 @@ def fill_and_probe(path, kind: str) -> tuple[list[int], int]:
     """The audit's run: 16 prompts through primary 12 / host 4 / disk 48 pages; (reuse of prompts
     15..10 asked again, unreachable pages after the fills)."""
     mgr = make_manager(path, kind, primary=12, host=4, disk=48)
-    rows = Rows(mgr)
+    rows = RowOracle(mgr)
     for i in range(16):
         prefill(mgr, rows, prompt(i))
     stranded = unreachable(mgr)
@@ -157,7 +98,7 @@ def test_a_block_on_disk_is_not_kept_for_a_block_below_it_that_no_match_can_reac
     sliding-window page left on disk needs no block above it. Before, it kept its parent's pages
     on disk as if a chain went through it."""
     mgr = make_manager(tmp_path, "swa", primary=8, host=0, disk=32)
-    rows = Rows(mgr)
+    rows = RowOracle(mgr)
     prefill(mgr, rows, prompt(5))  # 7 full blocks, pushed to disk by the next prompt (6 blocks)
     prefill(mgr, rows, prompt(4))
     disk = mgr._pool.tiers[-1]
@@ -179,7 +120,7 @@ def test_a_batch_of_drops_from_one_chain_on_disk_takes_the_sliding_window_pages_
     counted the sliding-window page of the block below it as a page that still needed it, so no
     batch of two or more found room."""
     mgr = make_manager(tmp_path, "swa", primary=8, host=0, disk=8)
-    rows = Rows(mgr)
+    rows = RowOracle(mgr)
     prefill(mgr, rows, prompt(5))  # 7 full blocks, pushed to disk by the next prompt (6 blocks)
     prefill(mgr, rows, prompt(4))
     disk = mgr._pool.tiers[-1]

@@ -73,9 +73,15 @@ def test_stale_sliding_window_blocks_count_for_the_tier_of_the_window_after_them
         cache.close()
 
 
+def primary_and_disk(tmp_path, primary_pages: int) -> tuple[kvtier.ModelSpec, kvtier.CacheConfig]:
+    """One attention layer (128-byte pages), a primary tier of ``primary_pages`` and a disk tier."""
+    spec = kvtier.ModelSpec([kvtier.AttentionLayer(1, 4)], torch.float32, model_id="on-disk")
+    tiers = [kvtier.PrimaryTier(128 * primary_pages), kvtier.DiskTier(128 * 64, tmp_path)]
+    return spec, kvtier.CacheConfig(TPB, tiers)
+
+
 def test_reuse_lost_to_a_checksum_failure_moves_to_recomputed(tmp_path):
-    spec = kvtier.ModelSpec([kvtier.AttentionLayer(1, 4)], torch.float32, model_id="checksum")
-    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(128 * 16), kvtier.DiskTier(128 * 64, tmp_path)])
+    spec, config = primary_and_disk(tmp_path, 16)
     prompt = list(range(100, 132))
     with kvtier.KVCacheManager(spec, config) as mgr:
         serve(mgr, prompt)  # persisted at close
@@ -167,8 +173,7 @@ def damage_slots(tmp_path, first_slot: int, page: int = 128) -> None:
 
 
 def test_reuse_cut_short_by_a_checksum_failure_keeps_the_tier_its_intact_part_came_from(tmp_path):
-    spec = kvtier.ModelSpec([kvtier.AttentionLayer(1, 4)], torch.float32, model_id="checksum")
-    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(128 * 16), kvtier.DiskTier(128 * 64, tmp_path)])
+    spec, config = primary_and_disk(tmp_path, 16)
     prompt = list(range(100, 132))
     with kvtier.KVCacheManager(spec, config) as mgr:
         serve(mgr, prompt)  # persisted at close, parents first: block b in slot b
@@ -181,8 +186,7 @@ def test_reuse_cut_short_by_a_checksum_failure_keeps_the_tier_its_intact_part_ca
 
 
 def test_reuse_a_request_took_stays_a_hit_when_its_pages_fail_later(tmp_path):
-    spec = kvtier.ModelSpec([kvtier.AttentionLayer(1, 4)], torch.float32, model_id="later")
-    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(128 * 12), kvtier.DiskTier(128 * 64, tmp_path)])
+    spec, config = primary_and_disk(tmp_path, 12)
     prompt = list(range(100, 132))
     with kvtier.KVCacheManager(spec, config) as mgr:
         serve(mgr, prompt)

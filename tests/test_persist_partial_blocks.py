@@ -20,6 +20,7 @@ import torch
 
 import kvtier
 from kvtier.reuse.tokens import as_token_array, encode_tokens
+from tests.row_oracle import RowOracle, prefill, reuse
 
 TPB = 4
 SWA = 1  # the sliding-window group (group 0 is full attention)
@@ -36,63 +37,6 @@ def make_manager(path, primary: int, disk: int) -> kvtier.KVCacheManager:
     probe.close()
     tiers = [kvtier.PrimaryTier(page * primary), kvtier.DiskTier(page * disk, str(path))]
     return kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers, device="cpu"))
-
-
-class Rows:
-    """Fresh random non-zero bytes written into every row a cache computes (through ``kv_views`` at
-    ``page_indices``), kept per (prompt prefix, layer, role); checked where reused, by this manager
-    or by one started later on the same disk (``mgr`` set to it)."""
-
-    def __init__(self, mgr: kvtier.KVCacheManager) -> None:
-        self.mgr = mgr
-        self.rng = np.random.default_rng(0)
-        self.written: dict[tuple[tuple[int, ...], int, str], np.ndarray] = {}
-
-    def _rows(self, cache: kvtier.KVCache, start: int, end: int):
-        for layer in range(len(self.mgr.spec.layers)):
-            slots = cache.page_indices(self.mgr.spec.group_of(layer).group_id)
-            for role, view in self.mgr.kv_views(layer).items():
-                for pos in range(start, end):
-                    slot = int(slots[pos // TPB])
-                    if slot >= 0:
-                        yield layer, role, pos, view[slot, pos % TPB].view(torch.uint8).reshape(-1)
-
-    def write(self, cache: kvtier.KVCache, tokens: list[int], start: int, end: int) -> None:
-        for layer, role, pos, row in self._rows(cache, start, end):
-            data = self.rng.integers(1, 256, row.numel(), dtype=np.uint8)
-            row.copy_(torch.from_numpy(data))
-            self.written[(tuple(tokens[: pos + 1]), layer, role)] = data
-
-    def check(self, cache: kvtier.KVCache, tokens: list[int]) -> int:
-        """Compare every reused row with the bytes written for its prefix; returns the rows checked."""
-        checked = 0
-        for layer, role, pos, row in self._rows(cache, 0, cache.num_reused_tokens):
-            want = self.written[(tuple(tokens[: pos + 1]), layer, role)]
-            assert np.array_equal(row.numpy(), want), (pos, layer, role)
-            checked += 1
-        return checked
-
-
-def prefill(mgr: kvtier.KVCacheManager, rows: Rows, tokens: list[int]) -> None:
-    cache = mgr.create_cache(tokens)
-    assert cache.resume()
-    rows.check(cache, tokens)
-    start = cache.num_committed_tokens
-    assert cache.resize(len(tokens))
-    rows.write(cache, tokens, start, len(tokens))
-    cache.commit(tokens[start:])
-    cache.close()
-
-
-def reuse(mgr: kvtier.KVCacheManager, rows: Rows, tokens: list[int]) -> int:
-    """Tokens reused by a new cache for ``tokens``, its reused rows checked byte for byte."""
-    cache = mgr.create_cache(tokens)
-    assert cache.resume()
-    reused = cache.num_reused_tokens
-    if reused:
-        assert rows.check(cache, tokens) > 0
-    cache.close()
-    return reused
 
 
 def prompt(i: int) -> list[int]:
@@ -130,7 +74,7 @@ def on_disk(mgr: kvtier.KVCacheManager) -> list[int]:
     return [sum(page is not None for page in owners) for owners in disk.owners]
 
 
-def reopen(path, caplog, rows: Rows, primary: int, disk: int) -> kvtier.KVCacheManager:
+def reopen(path, caplog, rows: RowOracle, primary: int, disk: int) -> kvtier.KVCacheManager:
     """A manager started on the disk again; its restore logged no page it had to drop as unreachable."""
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvtier"):
@@ -148,7 +92,7 @@ def test_close_writes_no_sliding_window_page_whose_block_finds_no_disk_room(tmp_
     blocks in memory. Before, the close wrote the sliding-window pages of B's blocks 3-5 without
     their full-attention pages, and the restart dropped those 3 pages with a WARNING."""
     mgr = make_manager(tmp_path, primary=8, disk=10)
-    rows = Rows(mgr)
+    rows = RowOracle(mgr)
     a, b = prompt(5), prompt(4)  # 7 and 6 full blocks, and a partial one
     prefill(mgr, rows, a)
     prefill(mgr, rows, b)  # pushes A's blocks to disk
@@ -174,7 +118,7 @@ def test_demotion_drops_the_pages_of_a_block_no_match_reaches(tmp_path, caplog):
     below it are reached by nothing. Pushed out of the primary tier, they are dropped; before, they
     were written to disk, and the restart dropped them with a WARNING."""
     mgr = make_manager(tmp_path, primary=8, disk=32)
-    rows = Rows(mgr)
+    rows = RowOracle(mgr)
     a, b = prompt(5), prompt(4)
     prefill(mgr, rows, a)
     lost = chain(mgr, a)[3]
