@@ -101,7 +101,7 @@ def run(
             start = cache.num_reused_tokens
             ends = [len(tokens)]
             if stops is not None:
-                ends = sorted({*range(stops, len(tokens), stops), len(doc), len(tokens)})
+                ends = [*range(stops, len(tokens), stops), len(tokens)]
             for end in ends:
                 if end > start:
                     cache.commit(tokens[start:end])
@@ -130,6 +130,8 @@ def main() -> None:
     parser.add_argument("--host-pages", type=int, default=384)
     parser.add_argument("--seeds", type=int, default=4)
     args = parser.parse_args()
+    if args.write_through_min_hits is not None and args.model != "llama":
+        parser.error("--write-through-min-hits reports MiB of one group's pages: use it with --model llama")
     results = [
         run(seed, args.write_behind, args.write_through_min_hits, args.host_pages, model=args.model)
         for seed in range(args.seeds)
