@@ -96,6 +96,12 @@ def plan_model(kv_cache_config: KVCacheConfig, model_id: str) -> ModelPlan:
 
 def _window_of(vllm_group: int, names: list[str], spec: object) -> int | None:
     kind = type(spec)
+    if getattr(spec, "non_causal", False):
+        raise NotImplementedError(
+            f"kvtier.vllm: KV cache group {vllm_group} ({kind.__name__}, layers {names[:3]}) attends "
+            "non-causally (a Prefix-LM prompt): a position's keys and values depend on the whole prompt, "
+            "so no prefix of it can be reused (vLLM turns its own prefix caching off for such models)"
+        )
     if kind in _FULL:
         return None  # with the hybrid allocator off vLLM keeps every block of a windowed layer too
     if kind is SlidingWindowSpec:

@@ -509,6 +509,9 @@ class KVTierScheduler:
         lease = self._leases.pop(rid, None)
         if lease is None:
             return False
+        if lease.preemptions != request.num_preemptions:  # preempted since (``reset_prefix_cache``): vLLM
+            self._release_preempted(lease)  # freed its blocks then; its saves are fenced with the next step
+            return False
         delay = bool(self._worker_saves(lease)) and not lease.loads  # during a load vLLM waits for the load itself
         lease.release()
         if delay:
@@ -516,9 +519,14 @@ class KVTierScheduler:
         return delay
 
     def _let_go_preempted(self, rid: str) -> None:
-        """A preempted request's lease goes: its saves on the worker are flushed with the next step,
-        and it closes once no job of it runs (the request, resumed, is asked again: a new lease)."""
-        lease = self._leases.pop(rid)
+        """A preempted request's lease goes (``_release_preempted``); the request, resumed, is asked
+        again: a new lease."""
+        self._release_preempted(self._leases.pop(rid))
+
+    def _release_preempted(self, lease: Lease) -> None:
+        """The lease of a request vLLM preempted (its blocks freed): its saves on the worker are
+        flushed with the next step, before any forward may write those blocks, and it closes once
+        no job of it runs."""
         self._flush.update(self._worker_saves(lease))
         lease.release()
 

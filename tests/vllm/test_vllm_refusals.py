@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -35,6 +36,19 @@ def test_a_recurrent_state_group_is_refused_by_name(tmp_path):
         with pytest.raises(NotImplementedError, match=r"KV cache group 1 \(MambaSpec"):
             KVTierConnector(config, role, kv_config)
     assert host_pool.lookup(str(config.kv_transfer_config.engine_id)) is None  # nothing was set up
+
+
+def test_a_non_causal_prefix_lm_model_is_refused(tmp_path):
+    """Layers that attend non-causally over the prompt (a Prefix LM): a position's keys and values
+    depend on the whole prompt, so no prefix can be shared. Before, such a model was accepted and a
+    request sharing 80 prompt tokens with another was loaded the other's blocks."""
+    config = vllm_config(tmp_path, {})
+    spec = dataclasses.replace(attention_spec(), non_causal=True)
+    kv_config = kv_cache_config(config, [(layer_names(3), spec)], 16)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(NotImplementedError, match="non-causally"):
+            KVTierConnector(config, role, kv_config)
+    assert host_pool.lookup(str(config.kv_transfer_config.engine_id)) is None
 
 
 def test_more_than_one_process_is_refused(tmp_path):
