@@ -108,8 +108,9 @@ def _window_of(vllm_group: int, names: list[str], spec: object) -> int | None:
         return spec.sliding_window  # type: ignore[attr-defined]
     raise NotImplementedError(
         f"kvtier.vllm: KV cache group {vllm_group} ({kind.__name__}, layers {names[:3]}) cannot be kept by "
-        "kvtier: it keeps full-attention and sliding-window groups only (recurrent state, chunked-local and "
-        "other special attention are not supported)"
+        "kvtier: it keeps groups of one FullAttentionSpec, MLAAttentionSpec or SlidingWindowSpec only "
+        "(recurrent state, chunked-local and other special attention, and layers of several shapes in one "
+        "group, are not supported)"
     )
 
 
