@@ -9,6 +9,7 @@ the two always add up to what the request was offered, and the hits to what it u
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from kvtier.stats import Counters
 
@@ -20,7 +21,7 @@ class HitCount:
     __slots__ = ("_block_tiers", "_counters", "_names", "_tpb", "end", "used")
 
     def __init__(
-        self, counters: Counters, names: list[str], tokens_per_block: int, end: int, block_tiers: list[int] | None
+        self, counters: Counters, names: Sequence[str], tokens_per_block: int, end: int, block_tiers: list[int] | None
     ) -> None:
         self._counters = counters
         self._names = names
