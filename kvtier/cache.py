@@ -66,6 +66,7 @@ class KVCache:
         "_res",
         "_reuse_counted",
         "_state",
+        "_stream",
         "_table",
         "_tokens",
         "_tpb",
@@ -94,6 +95,7 @@ class KVCache:
         self._chain = PublishedChain(pool, pool.root(scope))
         self._pending: list[Page] = []  # pages to copy into private ones on first resume
         self._reuse_counted = False  # the reused pages' hits were counted (at the first resume)
+        self._stream = None  # the stream of the last resume, where the caller writes the pages (CUDA)
         self.num_reused_tokens = 0
         self.reused_by_tier = dict.fromkeys(TIER_NAMES, 0)
         self._block_tiers: list[int] | None = None  # per reused block, the tier it is counted for (None: one tier)
@@ -202,7 +204,10 @@ class KVCache:
         """Lock every live page into the primary tier, migrating from lower tiers in one batch.
 
         Returns False, leaving the cache SUSPENDED, when the primary tier cannot hold them. On
-        CUDA the copies are ordered before later work on ``stream`` (default: current stream).
+        CUDA the copies are ordered before later work on ``stream`` (default: current stream),
+        the stream the caller then writes the pages on: until the next resume, this cache's
+        evictions (``resize``) and state snapshots (``commit``) run there, and every later copy
+        that reads or overwrites pages starts after the work queued there (``kvtier.tiering.mover``).
         A page that fails its checksum on the way makes the cache start over from the longest
         intact prefix of its committed tokens (``num_committed_tokens`` goes down; recompute).
         """
@@ -215,9 +220,11 @@ class KVCache:
         if recurrent is not None and table.state_page is None and all(p.group != recurrent for p in self._pending):
             fresh.append(recurrent)
         live, sources = table.live_pages(), self._pending
+        stream = self._pool.caller_stream(stream)
         promoted = self._pool.lock_in_primary(live, sources, fresh, self._priority, stream)
         if promoted is None:
             return False
+        self._stream = stream
         if not self._reuse_counted:  # the first resume: the reused prefix, as given up to now, is used
             self._reuse_counted = True
             if self._res.count_hits:
@@ -450,7 +457,7 @@ class KVCache:
                 return False
             if n:
                 need[rule.group_id] = n
-        if need and not pool.reserve(need):
+        if need and not pool.reserve(need, self._stream):
             return False
         if history > self._history:
             self._raise_history(history)
@@ -507,7 +514,7 @@ class KVCache:
                 chain.publish(self._tokens, self._table, c // self._tpb, self._input_len)
             state_page = self._table.state_page
             if count and state_page is not None and (c % pool.snapshot_tokens == 0 or c == self._input_len):
-                chain.snapshot(c, state_page, self._priority)
+                chain.snapshot(c, state_page, self._priority, self._stream)
         if c > self._history:
             if pool.window_rules:
                 self._raise_history(c)

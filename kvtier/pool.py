@@ -230,12 +230,17 @@ class PagePool:
         """Slots of a layer group in the primary tier: more pages than this can never be locked at once."""
         return self.tiers[PRIMARY].storage.slots[group].num_slots
 
-    def reserve(self, need: dict[int, int]) -> bool:
-        """Make room in the primary tier for ``need[g]`` new pages of each group (evictions run now)."""
+    def caller_stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
+        """The stream a caller works on: ``stream``, else the current one (None without CUDA)."""
+        return self.mover.caller_stream(stream)
+
+    def reserve(self, need: dict[int, int], stream: torch.cuda.Stream | None = None) -> bool:
+        """Make room in the primary tier for ``need[g]`` new pages of each group (evictions run now,
+        ordered before later work on ``stream``, which will write the new pages)."""
         self.release_dropped()
         with self._moving() as plan:
             ok = all(self.planner.make_room(PRIMARY, g, n, plan) for g, n in need.items())
-            self.apply(plan)
+            self.apply(plan, stream)
         return ok
 
     def new_page(self, group: GroupId, priority: int, locked: bool) -> Page:
@@ -301,17 +306,18 @@ class PagePool:
             if page in tier.evictable[page.group]:
                 tier.reindex(page)
 
-    def copy_page(self, source: Page, priority: int) -> Page | None:
+    def copy_page(self, source: Page, priority: int, stream: torch.cuda.Stream | None = None) -> Page | None:
         """A new primary page holding a copy of ``source`` (a primary page), held unlocked by the
-        caller; None when no room can be made for it."""
+        caller; None when no room can be made for it. The copy runs on ``stream``, where the
+        caller writes ``source``."""
         group = source.group
         with self._moving() as plan:
             if not self.planner.make_room(PRIMARY, group, 1, plan):
-                self.apply(plan)
+                self.apply(plan, stream)
                 return None
             page = self.new_page(group, priority, locked=False)
             plan.add(PRIMARY, PRIMARY, group, source.slot, page.slot)
-            self.apply(plan)
+            self.apply(plan, stream)
         return page
 
     def prefetch(self, match: ReuseMatch, stream=None) -> int:

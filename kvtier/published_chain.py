@@ -77,8 +77,9 @@ class PublishedChain:
         if found:
             pool.touch(found[::-1])  # deepest first: a block's parent ends the more recently used
 
-    def snapshot(self, position: int, state_page: Page, priority: int) -> None:
-        """Keep a copy of the live recurrent state after ``position`` tokens, for reuse.
+    def snapshot(self, position: int, state_page: Page, priority: int, stream=None) -> None:
+        """Keep a copy of the live recurrent state after ``position`` tokens, for reuse; the copy
+        runs on ``stream``, where the cache writes the state.
 
         Skipped when the block already has one there, or when no room can be made (a snapshot is
         only for reuse: it never fails the commit).
@@ -89,7 +90,7 @@ class PublishedChain:
         node = self.nodes[block] if block < len(self.nodes) else None
         if node is not None and offset in node.snapshots:
             return
-        page = self._pool.copy_page(state_page, priority)
+        page = self._pool.copy_page(state_page, priority, stream)
         if page is None:
             return
         if node is not None:

@@ -202,8 +202,8 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             pairs = np.array([[i, item.slot] for i, item in enumerate(items)], dtype=np.int64)
             copier.copy(staging, buffer, pairs, region.size, stream)
             self._counters.add(loaded_pages=len(items), loaded_bytes=len(items) * region.size)
-            if buffer.device.type == "cuda":
-                torch.cuda.current_stream(buffer.device).synchronize()  # the staging buffer is written next
+            if buffer.device.type == "cuda":  # the staging buffer is written next: its copy must have read it
+                (stream if stream is not None else torch.cuda.current_stream(buffer.device)).synchronize()
 
     def _staging_bytes(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """``nbytes`` of the kept staging buffer (registered with CUDA as one range for a GPU cache, so

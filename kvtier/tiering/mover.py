@@ -6,6 +6,14 @@ if those ran on another stream; an event recorded after them lets CPU work on ho
 (disk I/O, staging) wait until the device is done with it. Background plans (write-through, the
 free reserve) run on a low-priority stream of their own, in the same chain of events.
 
+The caller's streams: the current stream and every stream handed to a plan (a cache's resume
+stream, a prefetch's; the last ``CALLER_STREAMS`` of them). Invariants, on CUDA:
+- a plan's copies start after the work queued so far on each caller stream: they read pages the
+  caller may still be writing there, and write slots its kernels may still be reading;
+- after ``run``, later work on the plan's stream starts after every copy issued so far, even
+  when the plan copies nothing (its pages may be ones an earlier plan on another stream is
+  still bringing in, or its slots ones such a plan still reads).
+
 When a plan demotes primary pages to host memory and promotes others into their slots (a full
 GPU), both directions of the link run at once: the demotion in parts on a stream of its own,
 each part's promotions, on another, starting as soon as it has vacated their slots; in a swap,
@@ -42,6 +50,7 @@ from kvtier.tiering.tier import Tier
 
 log = logging.getLogger(__name__)
 
+CALLER_STREAMS = 32  # caller streams remembered (torch hands out 32 pooled streams per priority)
 TIMED_COPIES = 64  # copies into the primary tier kept for timing until ``measure`` asks (no prefill rate: never)
 DISK_CHUNK_BYTES = 64 << 20  # disk reads go to the GPU in parts of this size, each copied as the next is read
 
@@ -63,21 +72,29 @@ class Mover:
         self._background_event: torch.cuda.Event | None = None
         self._background_pending = False
         self._two_way: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self._callers: dict[torch.cuda.Stream, None] = {}  # streams handed to plans, the latest last
         self._staging: HostBuffer | None = None
 
     def run(self, plan: MovePlan, stream: torch.cuda.Stream | None = None, background: bool = False) -> int:
         """Copy the data of ``plan``, demotions deepest edge first, then copies into warmer tiers.
 
-        ``background``: on the mover's low-priority stream, after the work queued on the current
-        stream; the next plan run on any other stream waits for it, even a plan without copies
+        ``stream``: where later work on the plan's pages goes (default: the current stream); it
+        counts among the caller's streams from now on (see the module's invariants).
+        ``background``: on the mover's low-priority stream, after the work queued on the caller's
+        streams; the next plan run on any other stream waits for it, even a plan without copies
         (its slots may be ones the background copies still read). Returns how many pages failed
         their checksum on the way (listed in ``plan.damaged``). An exception raised on the way
         (an interrupt, a failing copy) leaves no copy running; the caller abandons the plan.
         """
         damaged = 0
+        if stream is not None and not background:
+            self._remember(stream)
         if self._background_pending and not background and not self.background_busy():
             self._background_pending = False  # it has finished: nothing to wait for
-        if plan.edges or self._background_pending:
+        if not plan.edges and not self._background_pending:
+            if not background:
+                self._join(stream)
+        else:
             stream = self._stream(stream, background)
             if plan.edges:
                 try:
@@ -91,6 +108,35 @@ class Mover:
                 self._background_event = self._last_event
             damaged = len(plan.damaged)
         return damaged
+
+    def caller_stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
+        """The stream a caller's later work on the pages goes to: ``stream``, else the current one
+        (None without CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        return stream if stream is not None else torch.cuda.current_stream(self.device)
+
+    def _remember(self, stream: torch.cuda.Stream) -> None:
+        """Count ``stream`` among the caller's streams (the oldest one is forgotten past the limit)."""
+        callers = self._callers
+        if stream in callers:
+            del callers[stream]
+        elif len(callers) >= CALLER_STREAMS:
+            del callers[next(iter(callers))]
+        callers[stream] = None
+
+    def _join(self, stream: torch.cuda.Stream | None) -> None:
+        """Order later work on ``stream`` (default: the current one) after every copy issued so far,
+        for a plan that copies nothing."""
+        event = self._last_event
+        if event is None or self.device.type != "cuda":
+            return
+        if event.query():
+            self._last_event = None  # finished: nothing to wait for, now or later
+            return
+        stream = self.caller_stream(stream)
+        if stream != self._last_stream:
+            stream.wait_event(event)
 
     def _drain(self) -> None:
         """After copies were cut short: wait for those already queued on the device, so that none
@@ -215,13 +261,16 @@ class Mover:
         """The stream a plan's copies go on, ordered after the previous plan's copies."""
         if self.device.type != "cuda":
             return None
+        current = torch.cuda.current_stream(self.device)
         if background:
             if self._background is None:
                 self._background = torch.cuda.Stream(device=self.device, priority=0)  # the lowest priority
-            self._background.wait_stream(torch.cuda.current_stream(self.device))
             stream = self._background
         elif stream is None:
-            stream = torch.cuda.current_stream(self.device)
+            stream = current
+        for caller in (current, *self._callers):
+            if caller != stream:
+                stream.wait_stream(caller)
         if self._last_event is not None and self._last_stream != stream:
             stream.wait_event(self._last_event)
         return stream
