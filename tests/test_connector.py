@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -307,6 +308,46 @@ def test_an_asynchronous_load_never_reported_fails_its_request_only(llama, tmp_p
         assert eng.cache_manager.stats().tiers["primary"].pages_used < held
         assert not eng.connector.loading
         eng.cache_manager.check_invariants()
+
+
+class LoadsAfterAWhile(FileSystemConnector):
+    """Offers asynchronous loads, each reported 0.2 s after it was first asked about; saves a
+    little slow (a remote store)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.asked: dict[int, float] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, tokens > 0
+
+    def _save(self, todo) -> None:
+        time.sleep(0.05)
+        super()._save(todo)
+
+    def get_finished(self, finished_gen_ids, started_loading_ids):
+        saved, _ = super().get_finished(finished_gen_ids, started_loading_ids)
+        now = time.monotonic()
+        return saved, [r for r in started_loading_ids if now - self.asked.setdefault(r, now) > 0.2]
+
+
+def test_a_save_reported_while_a_step_waits_for_a_load_is_not_lost(llama, tmp_path):
+    """A request's save ends while the next step waits for an asynchronous load: the connector
+    reports it there, once. Before, the wait threw that report away: the finished request's
+    cache stayed locked and ``generate`` (and ``close``) waited for the save for ever."""
+    shared, other = prompts_for(llama, [70, 40], seed=1)
+    seed_store(llama, tmp_path, [shared])
+    eng = engine(llama, 200, LoadsAfterAWhile(tmp_path), max_batch_size=1)
+    outputs: list = []
+    call = threading.Thread(target=lambda: outputs.extend(eng.generate([other, shared], SamplingParams(max_tokens=1))))
+    call.start()
+    call.join(20)
+    assert not call.is_alive(), "generate never returned"
+    assert [o.token_ids for o in outputs] == [llama.reference_generate(p, 1) for p in (other, shared)]
+    assert outputs[1].reused_tokens_by_tier.get("connector", 0) > 0
+    assert not eng.connector.saving
+    eng.close()
 
 
 def test_a_request_aborted_by_on_finish_ends_generate_with_its_abort(llama):

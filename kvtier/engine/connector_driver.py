@@ -131,7 +131,8 @@ class ConnectorDriver:
             waiting = {request.request_id for request, offer in delivered if offer.asynchronous}
             deadline = time.monotonic() + ASYNC_LOAD_WAIT_S
             while waiting and time.monotonic() < deadline:
-                _, loaded = self.connector.get_finished([], sorted(waiting))
+                saved, loaded = self.connector.get_finished(sorted(self.saving), sorted(waiting))
+                self._close_finished(saved, loaded)  # a save reported here is reported only once
                 waiting -= set(loaded)
                 if waiting:
                     time.sleep(0.001)
@@ -216,6 +217,11 @@ class ConnectorDriver:
         except Exception as exc:  # asked again next step
             self._connector_failed("reporting its saves", exc)
             return
+        self._close_finished(saved, loaded)
+
+    def _close_finished(self, saved: Collection[int], loaded: Collection[int]) -> None:
+        """Close the caches of the requests whose saves or given-up loads ``get_finished`` reported
+        (any such call may report any of them, once)."""
         for request_id in [*saved, *loaded]:
             cache = self.saving.pop(request_id, None) or self.loading.pop(request_id, None)
             if cache is not None:
