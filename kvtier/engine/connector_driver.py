@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Collection
 
 import torch
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 ASYNC_LOAD_WAIT_S = 30.0  # how long a step waits for an asynchronous load before failing its request
 
+_running: dict[int, weakref.ref] = {}  # id of a connector -> the driver that runs it for an engine not closed
+
 
 class ConnectorDriver:
     """Runs one connector (an object implementing both halves) over one engine's cache manager."""
@@ -52,7 +55,21 @@ class ConnectorDriver:
         self.saving: dict[int, KVCache] = {}
         self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
         self._failures: dict[str, RateLimitedWarning] = {}  # per kind of connector failure
+        held = _running.get(id(connector))
+        other = held() if held is not None else None
+        if other is not None and other.connector is connector:
+            raise ValueError(
+                "this connector already serves another engine that is not closed; give each engine a connector "
+                "of its own (one connector keeps one engine's layout, pages and requests)"
+            )
         connector.register_kv_cache_layout(mgr.layout())
+        _running[id(connector)] = weakref.ref(self)
+
+    def detach(self) -> None:
+        """The engine no longer runs the connector (closed, or never built): another engine may."""
+        held = _running.get(id(self.connector))
+        if held is not None and held() is self:
+            del _running[id(self.connector)]
 
     # -- the three phases (the first two and the hand-back are the scheduler's CacheHooks) -------------
 
@@ -251,6 +268,7 @@ class ConnectorDriver:
         if not self.wait_for_saves(None, timeout_s):
             return False
         self.connector.close()
+        self.detach()
         return True
 
     # -- helpers ----------------------------------------------------------------------------------

@@ -97,6 +97,8 @@ class LLMEngine:
                 tokens = min(self.scheduler.config.max_num_tokens, CALIBRATION_TOKENS)
                 self.cache_manager.set_prefill_rate(self.prefill.calibrate(model, tokens))
         except BaseException:  # e.g. the connector refused the layout: release the disk directory too
+            if getattr(self, "connector", None) is not None:
+                self.connector.detach()
             self.cache_manager.close()
             raise
         self._ids = itertools.count()
