@@ -367,6 +367,27 @@ def test_a_save_reported_while_a_step_waits_for_a_load_is_not_lost(llama, tmp_pa
     eng.close()
 
 
+def test_loads_never_reported_do_not_hold_back_the_requests_that_need_their_pages(llama, tmp_path, monkeypatch):
+    """Two loads given up on hold most of a small primary tier, and the connector never reports
+    them: the next requests that need those pages wait ``ASYNC_LOAD_WAIT_S`` more, then run or
+    fail alone. Before, they waited for the connector for ever (``generate`` never returned)."""
+    monkeypatch.setattr(connector_driver, "ASYNC_LOAD_WAIT_S", 0.2)
+    shared, short, longer = prompts_for(llama, [70, 50, 60], seed=2)
+    seed_store(llama, tmp_path, [shared])
+    eng = engine(llama, 12, LoadsLate(tmp_path), max_batch_size=4)
+    first = eng.generate([shared, short, longer, shared], SamplingParams(max_tokens=3))
+    assert [o.finish_reason for o in first].count("error") >= 1 and eng.connector.loading
+    outputs: list = []
+    call = threading.Thread(target=lambda: outputs.extend(eng.generate([short, longer], SamplingParams(max_tokens=3))))
+    call.start()
+    call.join(20)
+    assert not call.is_alive(), "generate waited for the connector"
+    for prompt, out in zip((short, longer), outputs, strict=True):
+        assert out.token_ids == llama.reference_generate(prompt, 3) or (out.finish_reason == "error" and out.error)
+    eng.connector.connector.release = True
+    eng.close()
+
+
 def test_a_request_aborted_by_on_finish_ends_generate_with_its_abort(llama):
     """``on_finish`` of the first request to finish aborts the two others: ``generate`` returns."""
     prompts = prompts_for(llama, [30, 45, 50], seed=8)

@@ -54,6 +54,7 @@ class ConnectorDriver:
         self.mgr = mgr
         self.saving: dict[int, KVCache] = {}
         self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
+        self._loads_awaited_until = 0.0  # until then, the pages of ``loading`` are waited for (then worked around)
         self._failures: dict[str, RateLimitedWarning] = {}  # per kind of connector failure
         held = _running.get(id(connector))
         other = held() if held is not None else None
@@ -114,8 +115,10 @@ class ConnectorDriver:
         request.loaded_until = 0
 
     def pages_pending_release(self) -> bool:
-        """Whether saves, or loads given up on, hold pages that they will release."""
-        return bool(self.saving or self.loading)
+        """Whether saves, or loads given up on, hold pages that they will release. A load given up
+        on counts for ``ASYNC_LOAD_WAIT_S`` more: a connector that never reports it must not
+        hold back the requests that need its pages for ever (they are recomputed, or fail alone)."""
+        return bool(self.saving) or (bool(self.loading) and time.monotonic() < self._loads_awaited_until)
 
     def keeps_cache(self, request: Request) -> bool:
         """Whether the connector may still write the pages of ``request``'s cache (a load given up
@@ -162,6 +165,7 @@ class ConnectorDriver:
             late = [request for request, _ in delivered if request.request_id in waiting]
             for request in late:
                 self.loading[request.request_id] = request.held_cache()
+            self._loads_awaited_until = time.monotonic() + ASYNC_LOAD_WAIT_S
             delivered = [(request, offer) for request, offer in delivered if request.request_id not in waiting]
         unloaded = {
             request_id: f"the connector did not finish loading its offer within {ASYNC_LOAD_WAIT_S:g} s"
