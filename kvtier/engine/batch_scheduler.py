@@ -249,7 +249,7 @@ class Scheduler:
         if request.cache is None:
             # A recomputed request matches its own published blocks, output included.
             request.cache = self.mgr.create_cache(request.tokens, scope=request.scope, priority=request.priority)
-            request.reuse_unread = not request.admitted
+            request.reuse_unread = request.reuse_unread or not request.admitted  # until a resume reads it
             request.admitted = True
             self.hooks.cache_created(request)
         cache = request.cache
@@ -275,11 +275,18 @@ class Scheduler:
         return ScheduledChunk(request, request.next_position, n)
 
     def _grow(self, request: Request, end: int, batch: list[ScheduledChunk]) -> bool:
-        """Capacity for ``end`` tokens; under max_utilization, preempt others until it fits."""
+        """Capacity for ``end`` tokens; under max_utilization, preempt others until it fits.
+
+        Without a tier below the primary one, the suspended caches of waiting requests pin their
+        pages there (nothing can move them): they are closed first, one at a time. Else a running
+        request needing those pages would preempt itself, be admitted again, and preempt itself
+        again, for ever."""
         cache = request.held_cache()
         while not cache.resize(max(end, cache.capacity)):
             if self.config.policy != "max_utilization":
                 raise InvariantError("guaranteed_no_evict reserved every page at admission")
+            if not self._swap_out and self._drop_a_waiting_cache():
+                continue
             scheduled = {id(c.request) for c in batch}
             victims = [r for r in self.running if id(r) not in scheduled]
             victim = min(reversed(victims), key=lambda r: r.priority)  # lowest priority, latest admitted
@@ -302,6 +309,15 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         log.debug("preempted request %d at %d tokens", request.request_id, request.num_computed)
+
+    def _drop_a_waiting_cache(self) -> bool:
+        """Close the cache of the waiting request of lowest priority (the latest queued of those)
+        that holds one; False if none does."""
+        holders = [r for r in self.waiting if r.cache is not None]
+        if not holders:
+            return False
+        self._drop_cache(min(reversed(holders), key=lambda r: r.priority))
+        return True
 
     def _recompute_waiting(self, but: Request) -> bool:
         """Close the caches of waiting requests other than ``but``; False if none had one."""
