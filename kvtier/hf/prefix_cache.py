@@ -149,6 +149,7 @@ class PrefixCache:
         self._told_of_noise = False  # a call in training mode with dropout or noise (logged once)
         self._told_of_prompt_outputs = False  # a call asking for the prompt's hidden states or attentions
         self._told_of_padding = False  # a padded call on a model that computes padded rows its own way
+        self._told_of_healing = False  # a call with token healing (logged once)
         self._prefill = None
         if recompute_when_faster:  # from the first call on, with the rate a manager on its disk tier measured last
             self._prefill = PrefillTiming(device, self.manager.remembered_prefill_rate)
@@ -172,7 +173,8 @@ class PrefixCache:
         A ``cache_implementation`` preset by the model's generation config (Gemma's "hybrid") is set
         aside: kvtier's dynamic cache serves the call, with the same tokens. A call that asks for the
         prompt's hidden states or attentions (``return_dict_in_generate`` with ``output_hidden_states``
-        or ``output_attentions``) reuses nothing: ``generate`` returns them for every prompt position.
+        or ``output_attentions``) reuses nothing: ``generate`` returns them for every prompt position;
+        nor does one with ``token_healing``: ``generate`` rewrites its prompt after kvtier matched it.
         A call from another thread meanwhile waits for this one to end.
         """
         with self._calls:
@@ -234,7 +236,15 @@ class PrefixCache:
                 type(self.model).__name__,
                 self._layers.padding,
             )
-        if pads is None or noisy is not None or rescaled or padded:
+        healing = bool(kwargs.get("token_healing", getattr(config, "token_healing", False)))
+        if healing and not self._told_of_healing:
+            self._told_of_healing = True
+            log.info(
+                "a call with token_healing=True has generate rewrite its prompt (the last tokens merged, the "
+                "first one made padding) after kvtier matched it: such calls run as plain generate, reusing "
+                "and saving nothing"
+            )
+        if pads is None or noisy is not None or rescaled or padded or healing:
             reused = [0] * (input_ids.shape[0] * _num_sequences(config, kwargs))
             self._last.tokens = reused
             out = self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
@@ -279,6 +289,8 @@ class PrefixCache:
             ends = self._snapshot_ends(input_ids.shape[1], rows, width) if recorder is not None else []
             split = ends[-1] if ends else width  # where generate's own forward starts
             timing = self._prefill
+            if kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None)):
+                timing = None  # generate's first forward computes one chunk of the prompt: no sample of the rate
             try:
                 if timing is not None:  # positions the prompt's forwards compute, a row's beams each
                     timing.begin(len(rows) * (split - width + beams * (input_ids.shape[1] - split)))

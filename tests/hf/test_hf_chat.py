@@ -206,6 +206,57 @@ def test_a_call_asking_for_the_prompts_hidden_states_or_attentions_computes_the_
             assert pc.last_reused_tokens == [40]
 
 
+def _letters_tokenizer():
+    """A tokenizer over the tiny vocabulary that starts each text with a BOS token, as Llama's does
+    (ids 3-28 are the letters a-z, every other id is written ``[id]``)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    names = {0: "<pad>", 1: "<s>", 2: "</s>"} | {i: chr(94 + i) if i < 29 else f"[{i}]" for i in range(3, 97)}
+    words = Tokenizer(models.WordLevel({name: i for i, name in names.items()}, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.Split(Regex(r"\[\d+\]|."), "isolated")
+    words.decoder = decoders.Fuse()
+    words.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+
+
+def test_a_call_with_token_healing_runs_as_plain_generate():
+    """``generate`` heals the prompt (re-tokenizes it, makes its BOS padding) after kvtier matched
+    it: such a call reuses nothing. Before, it decoded from the cached keys of the prompt as given
+    and gave other tokens (scores 0.39 off)."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(8)
+    system = [1, *tokens(g, 8)]
+    with PrefixCache(model, tiers_config(model, blocks=300), recompute_when_faster=False) as pc:
+        pc.generate(torch.tensor([system]), max_new_tokens=1, do_sample=False)
+        ids = torch.tensor([system + tokens(g, 30)])
+        ask = {"max_new_tokens": 3, "do_sample": False, "token_healing": True, "tokenizer": _letters_tokenizer()}
+        ask |= {"return_dict_in_generate": True, "output_scores": True}
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), **ask)
+        got = pc.generate(ids, attention_mask=torch.ones_like(ids), **ask)
+        assert pc.last_reused_tokens == [0]
+        assert torch.equal(got.sequences, expected.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(got.scores, expected.scores, strict=True))
+        pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+        assert pc.last_reused_tokens == [8]  # the plain call after it reuses as before
+
+
+def test_a_chunked_prefill_is_no_sample_of_the_prefill_rate(monkeypatch):
+    """``generate(prefill_chunk_size=...)``'s first forward computes one chunk of the prompt: timing it
+    as the whole prompt made the rate about prompt / chunk times too high (recomputing what loads
+    faster). Such calls are not timed; a call without chunks is."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(1)
+    with PrefixCache(model, tiers_config(model, blocks=400)) as pc:
+        told: list[float] = []
+        monkeypatch.setattr(pc.manager, "set_prefill_rate", told.append)
+        for _ in range(2):
+            pc.generate(torch.tensor([tokens(g, 1000)]), max_new_tokens=1, do_sample=False, prefill_chunk_size=16)
+        assert told == []
+        pc.generate(torch.tensor([tokens(g, 1000)]), max_new_tokens=1, do_sample=False)
+        assert len(told) == 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 @pytest.mark.parametrize("built_inside", [True, False])
 def test_calls_inside_and_outside_inference_mode(arch, built_inside):
