@@ -339,9 +339,9 @@ class LoadsAfterAWhile(FileSystemConnector):
         tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return tokens, tokens > 0
 
-    def _save(self, todo) -> None:
+    def _save(self, todo, written) -> None:
         time.sleep(0.05)
-        super()._save(todo)
+        super()._save(todo, written)
 
     def get_finished(self, finished_gen_ids, started_loading_ids):
         saved, _ = super().get_finished(finished_gen_ids, started_loading_ids)

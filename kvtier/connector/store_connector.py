@@ -250,9 +250,21 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         todo = [page for page, present in zip(pages, have, strict=True) if not present]
         if not todo:
             return False
+        written = self._written_event(layout)
         with self._lock:
-            self._saves[request.request_id] = self._save_pool.submit(self._save, todo)
+            self._saves[request.request_id] = self._save_pool.submit(self._save, todo, written)
         return True
+
+    @staticmethod
+    def _written_event(layout: KvCacheLayout) -> torch.cuda.Event | None:
+        """On CUDA, an event after the work queued so far on the current stream, where the engine's
+        forwards wrote the pages (the save copies them out on another thread's stream)."""
+        buffer = layout.groups[0].regions[0].buffer
+        if buffer is None or buffer.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(buffer.device))
+        return event
 
     def _blocks_to_save(self, request: ConnectorRequest, chain: list[bytes]) -> list[bool]:
         """Per full block whether the save policy wants it; every finished request counts as a sighting."""
@@ -262,8 +274,11 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             return [False] * len(chain)
         return [True] * len(chain) if seen is None else [n >= policy.min_seen for n in seen]
 
-    def _save(self, todo: list[tuple[str, int, int]]) -> None:
-        """Copy the pages out of the cache (the engine keeps them locked meanwhile) and write them."""
+    def _save(self, todo: list[tuple[str, int, int]], written: torch.cuda.Event | None) -> None:
+        """Copy the pages out of the cache (the engine keeps them locked meanwhile), once the
+        forwards that wrote them are done (``written``), and write them."""
+        if written is not None:
+            written.synchronize()
         items = []
         for key, group, slot in todo:
             page = self._group(group).regions[0].as_tensor()[slot]

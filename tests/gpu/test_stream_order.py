@@ -7,6 +7,8 @@ with ``JUNK`` before they are handed out.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import kvtier
@@ -193,6 +195,35 @@ def test_a_store_load_on_another_stream_keeps_its_staging_bytes_until_read(tmp_p
         connector.start_load_kv(side)
     torch.cuda.synchronize()
     assert [bool((view[slot] == value).all()) for slot, value in zip(slots, (0x11, 0x22), strict=True)] == [True, True]
+    cache.close()
+    connector.close()
+    mgr.close()
+
+
+def test_a_store_save_waits_for_the_forward_that_wrote_its_pages(tmp_path):
+    """The engine computes on a stream of its own: a finished request's save, copied out on the
+    connector's thread, waits for the work queued there when the request finished."""
+    from kvtier.connector import FileSystemConnector
+    from kvtier.connector.base import ConnectorRequest
+
+    mgr = _manager(primary=8)
+    connector = FileSystemConnector(str(tmp_path))
+    connector.register_kv_cache_layout(mgr.layout())
+    saved: list = []
+    connector.store.put_many = lambda items: saved.extend(items) or [True] * len(items)
+    tokens = _prompt(4, 2)
+    cache = mgr.create_cache(tokens)
+    side = torch.cuda.Stream()
+    assert cache.resume(side) and cache.resize(len(tokens))
+    slots = cache.page_indices(0).tolist()
+    with torch.cuda.stream(side):  # the engine's forward, still queued when the request finishes
+        _hold(side)
+        _write(mgr, cache, 4, 2, side)
+        request = ConnectorRequest(0, tokens, tokens, kvtier.ReuseScope(), len(tokens), [slots])
+        assert connector.request_finished(request, [slots])
+    while not connector.get_finished([0], [])[0]:
+        time.sleep(0.001)
+    assert [bool((torch.from_numpy(page) == _value(4, b)).all()) for b, (_, page) in enumerate(saved)] == [True, True]
     cache.close()
     connector.close()
     mgr.close()
