@@ -141,7 +141,7 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
         )
     argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     _run_probe(model, probe, argument, kinds)
-    with torch.no_grad(), _evaluating(model):
+    with torch.no_grad(), evaluating(model):
         padding = padding_difference(model, argument, _first_attention(kinds))
     layers: list[ModelLayer] = []
     spec_layers: list[AttentionLayer | RecurrentLayer] = []
@@ -211,7 +211,7 @@ def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds
     ``_check_causal``."""
     device = next(model.parameters()).device
     full = [layer for kind, layer in zip(kinds, cache.layers, strict=True) if kind in (LayerKind.FULL, LayerKind.BOTH)]
-    with torch.no_grad(), _evaluating(model):
+    with torch.no_grad(), evaluating(model):
         try:
             model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{argument: cache})
         except Exception as e:  # the model's own error, whatever its type (MiniMax refuses a DynamicCache)
@@ -274,7 +274,7 @@ def _check_causal(model: torch.nn.Module, argument: str, kinds: list[LayerKind],
 
 
 @contextmanager
-def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
     """The model in eval mode meanwhile (dropout off: a probe compares what it computes), each
     module's own training flag restored afterwards."""
     modes = [(module, module.training) for module in model.modules()]

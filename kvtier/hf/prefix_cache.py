@@ -61,6 +61,7 @@ from kvtier.hf.prefix_load import group_stacks, load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
 from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bounds
 from kvtier.hf.training_noise import random_module
+from kvtier.hf.window_check import applies_window, uniform_window
 from kvtier.manager import KVCacheManager
 from kvtier.spec import ModelSpec
 from kvtier.storage.disk_replicas import open_first_free
@@ -142,7 +143,10 @@ class PrefixCache:
         self._last = threading.local()  # each thread's last call: ``last_reused_tokens``
         self._unsaved = RateLimitedWarning(log, "kvtier.hf: new blocks not saved")  # a primary tier too small
         self._placeholders = placeholder_ids(model.config)  # multimodal placeholder tokens (``token_bound``)
-        self._rope_limit = dynamic_rope_limit(model)  # calls this long run as plain generate (``token_bound``)
+        # calls this long run as plain generate: a rotary embedding that rescales (``token_bound``), a
+        # window the cache keeps and the attention does not apply (``window_check``, once a call is longer)
+        self._length_limit = dynamic_rope_limit(model)
+        self._window_to_check = uniform_window(self._layers)
         self._told_of_preset = False  # a generation config's cache_implementation, set aside (logged once)
         self._told_of_no_cache = False  # a generation config's use_cache=False, set aside (logged once)
         self._told_of_dropped_cache = False  # a call whose generate set kvtier's cache aside (logged once)
@@ -225,7 +229,10 @@ class PrefixCache:
                 "reuses and saves nothing while it is (call model.eval() to reuse)",
                 noisy,
             )
-        limit = self._rope_limit  # a call this long has every key rotated by frequencies of its own
+        window = self._window_to_check
+        if window is not None and pads is not None and input_ids.shape[1] - min(pads) > window:
+            self._check_window(window)
+        limit = self._length_limit  # a call this long reuses nothing (rotary frequencies or a window of its own)
         rescaled = limit is not None and pads is not None and input_ids.shape[1] - min(pads) >= limit
         padded = pads is not None and max(pads) > 0 and self._layers.padding is not None
         if padded and not self._told_of_padding:
@@ -252,6 +259,21 @@ class PrefixCache:
             return out
         with torch.no_grad():
             return self._generate(input_ids, attention_mask, mask, pads, kwargs, config)
+
+    def _check_window(self, window: int) -> None:
+        """Before the first call longer than the cache layers' window: if the model's attention does
+        not apply it, calls that long run as plain ``generate`` from now on (``kvtier.hf.window_check``)."""
+        self._window_to_check = None
+        if applies_window(self.model, self._layers, window):
+            return
+        self._length_limit = window + 1 if self._length_limit is None else min(self._length_limit, window + 1)
+        log.info(
+            "%s keeps a sliding window of %d tokens in its cache (config.sliding_window) but attends to the whole "
+            "prompt: calls longer than the window run as plain generate, reusing and saving nothing (set "
+            "config.sliding_window = None before building the PrefixCache if the model has no window)",
+            type(self.model).__name__,
+            window,
+        )
 
     def _generate(self, input_ids, attention_mask, mask, pads: list[int], kwargs: dict, config):
         mgr = self.manager

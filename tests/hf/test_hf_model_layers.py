@@ -209,3 +209,43 @@ def test_generate_checks_its_inputs_and_a_closed_cache():
     pc.close()
     with pytest.raises(kvtier.CacheStateError):
         pc.generate(torch.tensor([[5, 6, 7]]))
+
+
+def _generate_both(model, pc: PrefixCache, prompt: list[int]) -> int:
+    """One greedy call through both paths, which must agree token for token; the tokens it reused."""
+    ids = torch.tensor([prompt])
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    got = pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, expected)
+    return pc.last_reused_tokens[0]
+
+
+def test_a_window_the_attention_does_not_apply_makes_longer_calls_plain_generate():
+    """A Llama configuration carrying a stray ``sliding_window`` gets sliding-window cache layers,
+    but Llama attends to the whole prompt: a call longer than the window runs as plain generate;
+    shorter calls reuse as before. Before, a reused prefix was served with its last window - 1
+    tokens only, and the tokens differed from generate's."""
+    from tests.hf.tiny import TINY_TEXT
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, sliding_window=WINDOW, **TINY_TEXT)
+    model = transformers.LlamaForCausalLM(config).to(torch.float64).eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    g = torch.Generator().manual_seed(1)
+    with PrefixCache(model, tiers_config(model, blocks=60), recompute_when_faster=False) as pc:
+        assert {layer.kind for layer in pc._layers.attention} == {LayerKind.SLIDING}
+        short = tokens(g, WINDOW - 4)
+        _generate_both(model, pc, short)
+        assert _generate_both(model, pc, short[:16] + tokens(g, 4)) == 16  # within the window: reused
+        long = tokens(g, 40)
+        _generate_both(model, pc, long)
+        assert _generate_both(model, pc, long[:32] + tokens(g, 10)) == 0
+
+
+def test_a_window_the_attention_applies_keeps_longer_calls_reused():
+    model = tiny_model("mistral")
+    g = torch.Generator().manual_seed(2)
+    with PrefixCache(model, tiers_config(model, blocks=60), recompute_when_faster=False) as pc:
+        long = tokens(g, 40)
+        _generate_both(model, pc, long)
+        assert _generate_both(model, pc, long[:32] + tokens(g, 10)) == 32
