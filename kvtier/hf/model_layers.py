@@ -239,16 +239,29 @@ def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds
 
 
 def _check_written(model: torch.nn.Module, cache: DynamicCache, kinds: list[LayerKind]) -> None:
-    """``NotImplementedError`` unless the forward wrote keys into every attention layer of the cache it
-    was given (PEFT's prefix tuning feeds its own instead: there is nothing kvtier could page)."""
-    for i, (kind, layer) in enumerate(zip(kinds, cache.layers, strict=True)):
-        attention = kind in _ATTENTION or kind is LayerKind.BOTH
-        if attention and (not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0):
-            raise NotImplementedError(
-                f"{type(model).__name__} did not write layer {i} ({kind.value}) of the cache its forward was "
-                "given; kvtier pages what a forward writes there (a model that feeds keys of its own, as PEFT's "
-                "prefix tuning does, cannot resume from them)"
-            )
+    """``NotImplementedError`` unless the forward wrote keys into the attention layers of the cache
+    it was given (PEFT's prefix tuning feeds its own instead: there is nothing kvtier could page).
+    Attention layers after the last one written become ``EMPTY`` in ``kinds``: transformers sizes
+    a cache by ``num_hidden_layers``, which for Whisper's decoder (``WhisperForCausalLM``) counts the
+    encoder's layers, and the decoder never touches the extra ones."""
+    attention = [i for i, kind in enumerate(kinds) if kind in _ATTENTION or kind is LayerKind.BOTH]
+    written = [i for i in attention if _holds_keys(cache.layers[i])]
+    unwritten = [i for i in attention if i not in written]
+    if written and all(i > written[-1] and kinds[i] in _ATTENTION for i in unwritten):
+        for i in unwritten:
+            kinds[i] = LayerKind.EMPTY
+        return
+    if unwritten:
+        i = unwritten[0]
+        raise NotImplementedError(
+            f"{type(model).__name__} did not write layer {i} ({kinds[i].value}) of the cache its forward was "
+            "given; kvtier pages what a forward writes there (a model that feeds keys of its own, as PEFT's "
+            "prefix tuning does, cannot resume from them)"
+        )
+
+
+def _holds_keys(layer) -> bool:
+    return bool(layer.is_initialized) and layer.keys is not None and layer.keys.numel() > 0
 
 
 def _check_causal(model: torch.nn.Module, argument: str, kinds: list[LayerKind], device: torch.device) -> None:

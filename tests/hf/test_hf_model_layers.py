@@ -249,3 +249,30 @@ def test_a_window_the_attention_applies_keeps_longer_calls_reused():
         long = tokens(g, 40)
         _generate_both(model, pc, long)
         assert _generate_both(model, pc, long[:32] + tokens(g, 10)) == 32
+
+
+def test_a_decoder_with_fewer_layers_than_its_cache_is_served():
+    """Whisper's decoder alone (``WhisperForCausalLM``, as distil-whisper ships for assisted decoding)
+    has fewer layers than the cache transformers sizes for it (by the encoder's count): the layers
+    it never writes cache nothing. Before, it was refused as if it fed keys of its own."""
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=4,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        pad_token_id=0,
+        max_target_positions=128,
+    )
+    model = transformers.WhisperForCausalLM(config).to(torch.float64).eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    g = torch.Generator().manual_seed(3)
+    with PrefixCache(model, tiers_config(model, blocks=60), recompute_when_faster=False) as pc:
+        assert len(pc.spec.layers) == 2
+        first = tokens(g, 40)
+        _generate_both(model, pc, first)
+        assert _generate_both(model, pc, first[:32] + tokens(g, 10)) == 32
