@@ -60,9 +60,11 @@ def llama():
     return build_model("tiny-llama", "cpu", torch.float64, seed=0)
 
 
-def engine(model, blocks, connector, **scheduler) -> LLMEngine:
-    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(page_bytes(model) * blocks)])
-    return LLMEngine(model, config, SchedulerConfig(**scheduler), connector=connector)
+def engine(model, blocks, connector, host_blocks=0, **scheduler) -> LLMEngine:
+    tiers = [kvtier.PrimaryTier(page_bytes(model) * blocks)]
+    if host_blocks:
+        tiers.append(kvtier.HostTier(page_bytes(model) * host_blocks))
+    return LLMEngine(model, kvtier.CacheConfig(TPB, tiers), SchedulerConfig(**scheduler), connector=connector)
 
 
 def seed_store(model, path, prompts, max_tokens=2) -> None:
@@ -386,6 +388,159 @@ def test_loads_never_reported_do_not_hold_back_the_requests_that_need_their_page
         assert out.token_ids == llama.reference_generate(prompt, 3) or (out.finish_reason == "error" and out.error)
     eng.connector.connector.release = True
     eng.close()
+
+
+class RaisesOnceInDeliver(FileSystemConnector):
+    """``update_state_after_alloc`` raises once, when armed (a third-party connector's bug)."""
+
+    armed = False
+
+    def update_state_after_alloc(self, request, block_ids_by_layer_group):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("deliver failed once")
+        super().update_state_after_alloc(request, block_ids_by_layer_group)
+
+
+def test_a_hook_raising_for_one_offer_fails_every_offer_of_its_step(llama, tmp_path):
+    """Two offers in one batch, the deliver hook raising for the first: both requests fail, and
+    nothing is published over pages no load wrote. Before, the second ran from its offer's end
+    over stale pages and published them under its tokens (a later prompt reused them: other
+    tokens), or the next step raised ``InvariantError``."""
+    a, b = prompts_for(llama, [70, 100], seed=21)
+    seed_store(llama, tmp_path, [a, b[:65]])
+    conn = RaisesOnceInDeliver(tmp_path)
+    with engine(llama, 34, conn) as eng:
+        eng.generate(prompts_for(llama, [250, 250], seed=7), SamplingParams(max_tokens=1))  # other KV in the pages
+        conn.armed = True
+        outs = eng.generate([a, b], SamplingParams(max_tokens=3))
+        for prompt, out in zip((a, b), outs, strict=True):
+            assert out.token_ids == llama.reference_generate(prompt, 3) or out.finish_reason == "error"
+        eng.cache_manager.check_invariants()
+        later = b[64:96] + a[:10]
+        assert eng.generate([later], SamplingParams(max_tokens=4))[0].token_ids == llama.reference_generate(later, 4)
+
+
+class LoadsInTheBackground(FileSystemConnector):
+    """Asynchronous loads written by a thread of its own once ``go`` is set; ``get_finished`` raises
+    once when ``raise_once`` is set (a transient connection error)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.raise_once = False
+        self.go = threading.Event()
+        self.writers: dict[int, threading.Thread] = {}
+        self._scheduled: list[int] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, tokens > 0
+
+    def build_connector_meta(self, scheduler_output):
+        self._scheduled = [r.request_id for r in scheduler_output.scheduled]
+        return super().build_connector_meta(scheduler_output)
+
+    def start_load_kv(self, stream) -> None:
+        loads = list(self._meta.loads)
+
+        def write() -> None:
+            self.go.wait(30)
+            for load in loads:
+                page = torch.frombuffer(bytearray(load.payload), dtype=torch.uint8)
+                self._group(load.group).regions[0].as_tensor()[load.slot].copy_(page)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        self.writers.update(dict.fromkeys(self._scheduled, writer))
+
+    def get_finished(self, finished_gen_ids, started_loading_ids):
+        if self.raise_once:
+            self.raise_once = False
+            raise ConnectionError("transient error while polling")
+        saved, _ = super().get_finished(finished_gen_ids, [])
+        done = [r for r in started_loading_ids if r in self.writers and not self.writers[r].is_alive()]
+        return saved, done
+
+
+def test_a_load_failed_by_a_raising_hook_keeps_its_pages_until_reported(llama, tmp_path):
+    """``get_finished`` raises while a step waits for an asynchronous load: the request fails, and
+    its pages stay held until the connector reports the load. Before, they were freed at once; the
+    load's late write landed in another request's published pages (a later reuse: other tokens)."""
+    a, b = prompts_for(llama, [70, 70], seed=31)
+    seed_store(llama, tmp_path, [a])
+    conn = LoadsInTheBackground(tmp_path)
+    with engine(llama, 12, conn) as eng:
+        conn.raise_once = True
+        assert eng.generate([a], SamplingParams(max_tokens=1))[0].finish_reason == "error"
+        assert eng.generate([b], SamplingParams(max_tokens=1))[0].token_ids == llama.reference_generate(b, 1)
+        conn.go.set()
+        for writer in conn.writers.values():
+            writer.join()
+        again = eng.generate([b], SamplingParams(max_tokens=4))[0]
+        assert again.reused_tokens_by_tier["primary"] == 64
+        assert again.token_ids == llama.reference_generate(b, 4)
+        eng.step()  # the load is reported: its pages go back
+        assert not eng.connector.loading
+
+
+class ReportsInItsOwnWay(FileSystemConnector):
+    """Follows vLLM's habits: ``get_finished`` answers None for nothing finished, a save is reported
+    done at ``wait_for_save`` (before ``request_finished`` keeps the pages for it), and there is
+    no ``close``."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.finished_saves: list[int] = []
+
+    def request_finished(self, request, block_ids_by_layer_group) -> bool:
+        saving = super().request_finished(request, block_ids_by_layer_group)
+        if saving:
+            self._saves.pop(request.request_id).result()  # written here; reported by the next poll
+            self.finished_saves.append(request.request_id)
+        return saving
+
+    def get_finished(self, finished_gen_ids, started_loading_ids):
+        saved, self.finished_saves = self.finished_saves, []
+        return saved or None, list(started_loading_ids) or None
+
+    def __getattribute__(self, name):
+        if name == "close":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_a_connector_reporting_in_its_own_way_is_served(llama, tmp_path):
+    """None for "nothing finished" (before: a bare ``TypeError`` out of ``generate`` and every
+    ``close``), a save reported at once (before: ignored, and ``generate`` waited for it for ever),
+    no ``close`` method (before: ``AttributeError`` at close, and the connector stayed bound)."""
+    prompts = prompts_for(llama, [70, 40], seed=4)
+    conn = ReportsInItsOwnWay(tmp_path)
+    eng = engine(llama, 200, conn)
+    outputs: list = []
+    call = threading.Thread(target=lambda: outputs.extend(eng.generate(prompts, SamplingParams(max_tokens=3))))
+    call.start()
+    call.join(20)
+    assert not call.is_alive(), "generate waited for a save reported already"
+    assert [o.token_ids for o in outputs] == [llama.reference_generate(p, 3) for p in prompts]
+    eng.close()
+    with engine(llama, 200, conn) as again:  # closed: free for another engine
+        out = again.generate([prompts[0][:64] + [7]], SamplingParams(max_tokens=2))[0]
+        assert out.reused_tokens_by_tier["connector"] == 64
+
+
+def test_an_offer_delivered_is_never_handed_back(llama, tmp_path):
+    """A request whose offer was loaded, then preempted (swapped out) and resumed: ``cancel_load``
+    is for offers never delivered. Before, it was called for the loaded one too."""
+    a, b = prompts_for(llama, [40, 40], seed=51)
+    seed_store(llama, tmp_path, [a])
+    conn = RecordingConnector(tmp_path)
+    with engine(llama, 7, conn, host_blocks=40, policy="max_utilization", max_num_tokens=64) as eng:
+        outs = eng.generate([b, a], SamplingParams(max_tokens=40))
+        check_against_oracle(llama, [b, a], outs, 40)
+        assert eng.scheduler.num_preemptions > 0
+    loaded = outs[1].request_id
+    assert outs[1].reused_tokens_by_tier["connector"] == 32
+    assert conn.of("deliver", loaded) and not conn.of("cancel", loaded)
 
 
 def test_a_request_aborted_by_on_finish_ends_generate_with_its_abort(llama):

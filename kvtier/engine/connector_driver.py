@@ -42,6 +42,7 @@ from kvtier.storage.log_limit import RateLimitedWarning
 log = logging.getLogger(__name__)
 
 ASYNC_LOAD_WAIT_S = 30.0  # how long a step waits for an asynchronous load before failing its request
+EARLY_REPORTS_KEPT = 4096  # saves reported before ``request_finished`` remembered for it
 
 _running: dict[int, weakref.ref] = {}  # id of a connector -> the driver that runs it for an engine not closed
 
@@ -55,6 +56,7 @@ class ConnectorDriver:
         self.saving: dict[int, KVCache] = {}
         self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
         self._loads_awaited_until = 0.0  # until then, the pages of ``loading`` are waited for (then worked around)
+        self._saved_early: dict[int, None] = {}  # saves reported before their request finished, the latest last
         self._failures: dict[str, RateLimitedWarning] = {}  # per kind of connector failure
         held = _running.get(id(connector))
         other = held() if held is not None else None
@@ -99,8 +101,8 @@ class ConnectorDriver:
     def cache_resumed(self, request: Request) -> None:
         """Phase 2, reserve, after resume: back the offer with pages, history moved to its end in the same call."""
         offer = request.offer
-        if offer is None:
-            return
+        if offer is None or offer.delivered:
+            return  # (a delivered offer is loaded and committed: nothing to back or hand back)
         cache = request.held_cache()
         intact = cache.num_committed_tokens == offer.start
         if offer.reserved and intact and cache.history_length >= offer.end:
@@ -132,14 +134,16 @@ class ConnectorDriver:
         unusable), with why: nothing of their offers is committed, and they must not run (their
         chunks start past tokens that are not there). Other requests of the batch run as usual."""
         delivered: list[tuple[Request, Offer]] = []
+        for chunk in batch:  # all marked first: a hook raising for one fails every offer of the step
+            offer = chunk.request.offer
+            if offer is not None and offer.reserved and not offer.delivered:
+                offer.delivered = True
+                delivered.append((chunk.request, offer))
+        waiting = {request.request_id for request, offer in delivered if offer.asynchronous}
         try:
-            for chunk in batch:
-                offer = chunk.request.offer
-                if offer is not None and offer.reserved and not offer.delivered:
-                    offer.delivered = True
-                    delivered.append((chunk.request, offer))
-                    view = self._view(chunk.request)
-                    self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
+            for request, _ in delivered:
+                view = self._view(request)
+                self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
             output = SchedulerOutput(
                 [self._view(c.request) for c in batch], {c.request.request_id: c.num_tokens for c in batch}, []
             )
@@ -148,24 +152,21 @@ class ConnectorDriver:
             self.connector.start_load_kv(stream)
             for layer_id in range(len(self.mgr.spec.layers)):
                 self.connector.wait_for_layer_load(layer_id, stream)
-            waiting = {request.request_id for request, offer in delivered if offer.asynchronous}
             deadline = time.monotonic() + ASYNC_LOAD_WAIT_S
             while waiting and time.monotonic() < deadline:
-                saved, loaded = self.connector.get_finished(sorted(self.saving), sorted(waiting))
+                saved, loaded = self._finished(sorted(self.saving), sorted(waiting))
                 self._close_finished(saved, loaded)  # a save reported here is reported only once
                 waiting -= set(loaded)
                 if waiting:
                     time.sleep(0.001)
         except Exception as exc:  # a connector's own bug: the loads of this step cannot be trusted
             self._connector_failed("a load", exc)
+            self._keep_loading([request for request, _ in delivered if request.request_id in waiting])
             why = f"the connector failed to load its offer ({type(exc).__name__}: {exc})"
             return {request.request_id: why for request, _ in delivered}
         if waiting:  # they fail; their pages stay theirs until the connector says it stopped writing them
             self._connector_failed("to finish a load in time", TimeoutError(f"{ASYNC_LOAD_WAIT_S:g} s"))
-            late = [request for request, _ in delivered if request.request_id in waiting]
-            for request in late:
-                self.loading[request.request_id] = request.held_cache()
-            self._loads_awaited_until = time.monotonic() + ASYNC_LOAD_WAIT_S
+            self._keep_loading([request for request, _ in delivered if request.request_id in waiting])
             delivered = [(request, offer) for request, offer in delivered if request.request_id not in waiting]
         unloaded = {
             request_id: f"the connector did not finish loading its offer within {ASYNC_LOAD_WAIT_S:g} s"
@@ -179,6 +180,19 @@ class ConnectorDriver:
             request.reused_by_tier["connector"] = request.reused_by_tier.get("connector", 0) + offer.end - offer.start
             request.loaded_until = 0
         return unloaded
+
+    def _keep_loading(self, requests: list[Request]) -> None:
+        """Requests that fail while the connector may still write their pages (an asynchronous load
+        not reported): their caches stay open until it reports the load (``keeps_cache``)."""
+        for request in requests:
+            self.loading[request.request_id] = request.held_cache()
+        if requests:
+            self._loads_awaited_until = time.monotonic() + ASYNC_LOAD_WAIT_S
+
+    def _finished(self, saving: list[int], loading: list[int]) -> tuple[list[int], list[int]]:
+        """``get_finished``, a None in its answer read as nothing finished (vLLM's convention)."""
+        saved, loaded = self.connector.get_finished(saving, loading)
+        return list(saved or ()), list(loaded or ())
 
     def after_forward(self, batch: list[ScheduledChunk]) -> None:
         """The batch's KV is computed: the connector's save hooks, then the saves that ended. A hook
@@ -216,6 +230,9 @@ class ConnectorDriver:
         except Exception as exc:  # its save is lost (a later miss); the request finishes as it would
             self._connector_failed("a request's save", exc)
             return False
+        if saving and request.request_id in self._saved_early:
+            del self._saved_early[request.request_id]
+            return False  # its save was reported done already
         if saving:
             self.saving[request.request_id] = request.held_cache()
             return True
@@ -234,7 +251,7 @@ class ConnectorDriver:
         if not self.saving and not self.loading:
             return
         try:
-            saved, loaded = self.connector.get_finished(sorted(self.saving), sorted(self.loading))
+            saved, loaded = self._finished(sorted(self.saving), sorted(self.loading))
         except Exception as exc:  # asked again next step
             self._connector_failed("reporting its saves", exc)
             return
@@ -247,6 +264,10 @@ class ConnectorDriver:
             cache = self.saving.pop(request_id, None) or self.loading.pop(request_id, None)
             if cache is not None:
                 cache.close()
+            elif request_id in saved:  # reported before ``request_finished`` asked to keep its pages
+                self._saved_early[request_id] = None
+                while len(self._saved_early) > EARLY_REPORTS_KEPT:
+                    del self._saved_early[next(iter(self._saved_early))]
 
     def wait_for_saves(self, request_ids: Collection[int] | None = None, timeout_s: float | None = None) -> bool:
         """Wait until the saves of ``request_ids`` (None: all) are complete and their caches closed.
@@ -271,8 +292,12 @@ class ConnectorDriver:
         """
         if not self.wait_for_saves(None, timeout_s):
             return False
-        self.connector.close()
-        self.detach()
+        try:
+            close = getattr(self.connector, "close", None)  # (the protocol's classes do not require one)
+            if callable(close):
+                close()
+        finally:
+            self.detach()
         return True
 
     # -- helpers ----------------------------------------------------------------------------------
