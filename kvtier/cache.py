@@ -205,9 +205,10 @@ class KVCache:
 
         Returns False, leaving the cache SUSPENDED, when the primary tier cannot hold them. On
         CUDA the copies are ordered before later work on ``stream`` (default: current stream),
-        the stream the caller then writes the pages on: until the next resume, this cache's
-        evictions (``resize``) and state snapshots (``commit``) run there, and every later copy
-        that reads or overwrites pages starts after the work queued there (``kvtier.tiering.mover``).
+        the stream the caller then writes the pages on: while active, this cache's evictions
+        (``resize``) and state snapshots (``commit``) run there, and copies that read its
+        published pages start after the work queued there; once it suspends or closes, every copy
+        that moves its pages starts after the work queued there by then (``kvtier.tiering.mover``).
         A page that fails its checksum on the way makes the cache start over from the longest
         intact prefix of its committed tokens (``num_committed_tokens`` goes down; recompute).
         """
@@ -244,6 +245,7 @@ class KVCache:
         table.refresh_slots()
         self._hits.used = True
         self._state = _ACTIVE
+        self._pool.cache_active(stream)
         self._pool.debug_check()
         return True
 
@@ -404,6 +406,7 @@ class KVCache:
             self._check_open()
             return
         self._state = CacheState.SUSPENDED  # first: an interrupt below never unlocks twice
+        self._pool.cache_let_go(self._stream)
         self._res.unlock_all(self._table.live_pages()[::-1])
         self._pool.debug_check()
 
@@ -414,6 +417,8 @@ class KVCache:
             return
         locked = self._state is _ACTIVE
         self._state = CacheState.CLOSED  # first: a close retried after an interrupt releases nothing twice
+        if locked:
+            self._pool.cache_let_go(self._stream)
         self._num_blocks = 0
         self._pool.holders.discard(self)
         self._release_holds(locked)

@@ -203,12 +203,15 @@ class PagePool:
 
     # -- moving pages ------------------------------------------------------------------------------
 
-    def apply(self, plan: MovePlan, stream: torch.cuda.Stream | None = None, background: bool = False) -> int:
-        """Run the plan's copies (ordered before later work on ``stream``), then finish its bookkeeping.
+    def apply(
+        self, plan: MovePlan, stream: torch.cuda.Stream | None = None, background: bool = False, shared: bool = False
+    ) -> int:
+        """Run the plan's copies (ordered before later work on ``stream``; ``shared``: after the work
+        of active caches that may share its pages, ``Mover.run``), then finish its bookkeeping.
 
         Returns how many pages failed their checksum on the way (they are marked damaged).
         """
-        damaged = self.mover.run(plan, stream, background)
+        damaged = self.mover.run(plan, stream, background, shared)
         self.planner.finish(plan)
         return damaged
 
@@ -233,6 +236,14 @@ class PagePool:
     def caller_stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
         """The stream a caller works on: ``stream``, else the current one (None without CUDA)."""
         return self.mover.caller_stream(stream)
+
+    def cache_active(self, stream: torch.cuda.Stream | None) -> None:
+        """A cache was resumed on ``stream``, where it writes its pages (``Mover.attach``)."""
+        self.mover.attach(stream)
+
+    def cache_let_go(self, stream: torch.cuda.Stream | None) -> None:
+        """A cache active on ``stream`` suspended or closed (``Mover.detach``)."""
+        self.mover.detach(stream)
 
     def reserve(self, need: dict[int, int], stream: torch.cuda.Stream | None = None) -> bool:
         """Make room in the primary tier for ``need[g]`` new pages of each group (evictions run now,
@@ -280,7 +291,7 @@ class PagePool:
                         plan.add(source.tier, PRIMARY, source.group, source.slot, page.slot)
                         new.append(page)
                     new.extend(self.new_page(group, priority, locked=True) for group in fresh)
-                damaged = self.apply(plan, stream) > 0 or damaged or damaged_copy
+                damaged = self.apply(plan, stream, shared=True) > 0 or damaged or damaged_copy
         except BaseException:  # an interrupt or a failed copy: the caller's holds as they were
             res.release_all(new, locked=True)
             res.unlock_all(pages)

@@ -203,7 +203,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             copier.copy(staging, buffer, pairs, region.size, stream)
             self._counters.add(loaded_pages=len(items), loaded_bytes=len(items) * region.size)
             if buffer.device.type == "cuda":  # the staging buffer is written next: its copy must have read it
-                (stream if stream is not None else torch.cuda.current_stream(buffer.device)).synchronize()
+                copier.torch_stream(stream).synchronize()
 
     def _staging_bytes(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """``nbytes`` of the kept staging buffer (registered with CUDA as one range for a GPU cache, so

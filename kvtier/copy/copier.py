@@ -151,7 +151,7 @@ class PageCopier:
         if self._kernel is None:
             self._kernel = _KernelPath(self.device.index, self._sm_count)
         handle = self._stream_handle(stream)
-        self._kernel.copy(request, src, dst, handle, lambda: self._torch_stream(stream))
+        self._kernel.copy(request, src, dst, handle, lambda: self.torch_stream(stream))
 
     def _stream_handle(self, stream: StreamArg) -> int:
         if stream is None:
@@ -161,7 +161,8 @@ class PageCopier:
             return stream.cuda_stream
         return _raw_handle(stream)
 
-    def _torch_stream(self, stream: StreamArg) -> torch.cuda.Stream:
+    def torch_stream(self, stream: StreamArg) -> torch.cuda.Stream:
+        """The torch stream a ``copy`` given ``stream`` runs on (None: the current one; a raw handle wrapped)."""
         if stream is None:
             return torch.cuda.current_stream(self.device)
         if isinstance(stream, torch.cuda.Stream):

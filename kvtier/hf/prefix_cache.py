@@ -230,10 +230,10 @@ class PrefixCache:
                 noisy,
             )
         window = self._window_to_check
-        if window is not None and pads is not None and input_ids.shape[1] - min(pads) > window:
-            self._check_window(window)
+        unprobed = window is not None and pads is not None and input_ids.shape[1] - min(pads) > window
         limit = self._length_limit  # a call this long reuses nothing (rotary frequencies or a window of its own)
         rescaled = limit is not None and pads is not None and input_ids.shape[1] - min(pads) >= limit
+        rescaled = rescaled or (unprobed and self._check_window(window))
         padded = pads is not None and max(pads) > 0 and self._layers.padding is not None
         if padded and not self._told_of_padding:
             self._told_of_padding = True
@@ -260,12 +260,18 @@ class PrefixCache:
         with torch.no_grad():
             return self._generate(input_ids, attention_mask, mask, pads, kwargs, config)
 
-    def _check_window(self, window: int) -> None:
+    def _check_window(self, window: int) -> bool:
         """Before the first call longer than the cache layers' window: if the model's attention does
-        not apply it, calls that long run as plain ``generate`` from now on (``kvtier.hf.window_check``)."""
+        not apply it, calls that long run as plain ``generate`` from now on (``kvtier.hf.window_check``).
+        True when this call must run plainly (the window is not applied, or the probe failed)."""
+        try:
+            applied = applies_window(self.model, self._layers, window)
+        except Exception:  # (out of memory: two rows of the window's length) this call runs plainly; probed again
+            log.warning("the probe of the model's window failed: this call runs as plain generate", exc_info=True)
+            return True
         self._window_to_check = None
-        if applies_window(self.model, self._layers, window):
-            return
+        if applied:
+            return False
         self._length_limit = window + 1 if self._length_limit is None else min(self._length_limit, window + 1)
         log.info(
             "%s keeps a sliding window of %d tokens in its cache (config.sliding_window) but attends to the whole "
@@ -274,6 +280,7 @@ class PrefixCache:
             type(self.model).__name__,
             window,
         )
+        return True
 
     def _generate(self, input_ids, attention_mask, mask, pads: list[int], kwargs: dict, config):
         mgr = self.manager

@@ -6,13 +6,19 @@ if those ran on another stream; an event recorded after them lets CPU work on ho
 (disk I/O, staging) wait until the device is done with it. Background plans (write-through, the
 free reserve) run on a low-priority stream of their own, in the same chain of events.
 
-The caller's streams: the current stream and every stream handed to a plan (a cache's resume
-stream, a prefetch's; the last ``CALLER_STREAMS`` of them). Invariants, on CUDA:
-- a plan's copies start after the work queued so far on each caller stream: they read pages the
-  caller may still be writing there, and write slots its kernels may still be reading;
+The caller's streams (CUDA). A cache is written on the stream it was resumed on (``attach``,
+until it suspends or closes: ``detach``, which records the work queued there by then). Plans
+move only pages no active cache has locked, or copy pages the tree shares:
+- every plan's copies start after the work queued on a stream before a cache let go of its pages
+  there (they may still be writing those pages, or reading the slots they free);
+- plans that read pages active caches may share (a resume's private copies of published
+  blocks, write-through, disk writes) also wait for the work queued so far on those caches'
+  streams; others (a prefetch, the evictions of a ``resize``) do not, so a prefetch on a side
+  stream overlaps the running requests' compute;
 - after ``run``, later work on the plan's stream starts after every copy issued so far, even
-  when the plan copies nothing (its pages may be ones an earlier plan on another stream is
-  still bringing in, or its slots ones such a plan still reads).
+  when the plan copies nothing (its pages may be ones an earlier plan on another stream is still
+  bringing in, or its slots ones such a plan still reads); a resume with nothing to copy also
+  waits for the other active caches' streams, which may still be writing the blocks it adopts.
 
 When a plan demotes primary pages to host memory and promotes others into their slots (a full
 GPU), both directions of the link run at once: the demotion in parts on a stream of its own,
@@ -50,7 +56,6 @@ from kvtier.tiering.tier import Tier
 
 log = logging.getLogger(__name__)
 
-CALLER_STREAMS = 32  # caller streams remembered (torch hands out 32 pooled streams per priority)
 TIMED_COPIES = 64  # copies into the primary tier kept for timing until ``measure`` asks (no prefill rate: never)
 DISK_CHUNK_BYTES = 64 << 20  # disk reads go to the GPU in parts of this size, each copied as the next is read
 
@@ -72,30 +77,32 @@ class Mover:
         self._background_event: torch.cuda.Event | None = None
         self._background_pending = False
         self._two_way: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        self._callers: dict[torch.cuda.Stream, None] = {}  # streams handed to plans, the latest last
+        self._active: dict[torch.cuda.Stream, int] = {}  # the streams of active caches: how many on each
+        self._let_go: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # recorded as a cache let go there, until done
         self._staging: HostBuffer | None = None
 
-    def run(self, plan: MovePlan, stream: torch.cuda.Stream | None = None, background: bool = False) -> int:
+    def run(
+        self, plan: MovePlan, stream: torch.cuda.Stream | None = None, background: bool = False, shared: bool = False
+    ) -> int:
         """Copy the data of ``plan``, demotions deepest edge first, then copies into warmer tiers.
 
-        ``stream``: where later work on the plan's pages goes (default: the current stream); it
-        counts among the caller's streams from now on (see the module's invariants).
-        ``background``: on the mover's low-priority stream, after the work queued on the caller's
-        streams; the next plan run on any other stream waits for it, even a plan without copies
-        (its slots may be ones the background copies still read). Returns how many pages failed
-        their checksum on the way (listed in ``plan.damaged``). An exception raised on the way
-        (an interrupt, a failing copy) leaves no copy running; the caller abandons the plan.
+        ``stream``: where later work on the plan's pages goes (default: the current stream).
+        ``shared``: the plan reads pages active caches may share (a resume's), so it waits for
+        their streams (see the module's invariants). ``background``: on the mover's low-priority
+        stream, after the work queued on active caches' streams; the next plan run on any other
+        stream waits for it, even a plan without copies (its slots may be ones the background
+        copies still read). Returns how many pages failed their checksum on the way (listed in
+        ``plan.damaged``). An exception raised on the way (an interrupt, a failing copy) leaves no
+        copy running; the caller abandons the plan.
         """
         damaged = 0
-        if stream is not None and not background:
-            self._remember(stream)
         if self._background_pending and not background and not self.background_busy():
             self._background_pending = False  # it has finished: nothing to wait for
         if not plan.edges and not self._background_pending:
             if not background:
-                self._join(stream)
+                self._join(stream, shared)
         else:
-            stream = self._stream(stream, background)
+            stream = self._stream(stream, background, shared)
             if plan.edges:
                 try:
                     self._run_edges(plan, stream)
@@ -116,26 +123,51 @@ class Mover:
             return None
         return stream if stream is not None else torch.cuda.current_stream(self.device)
 
-    def _remember(self, stream: torch.cuda.Stream) -> None:
-        """Count ``stream`` among the caller's streams (the oldest one is forgotten past the limit)."""
-        callers = self._callers
-        if stream in callers:
-            del callers[stream]
-        elif len(callers) >= CALLER_STREAMS:
-            del callers[next(iter(callers))]
-        callers[stream] = None
+    def attach(self, stream: torch.cuda.Stream | None) -> None:
+        """A cache became active on ``stream`` (it writes its pages there)."""
+        if stream is not None:
+            self._active[stream] = self._active.get(stream, 0) + 1
 
-    def _join(self, stream: torch.cuda.Stream | None) -> None:
+    def detach(self, stream: torch.cuda.Stream | None) -> None:
+        """A cache active on ``stream`` let go of its pages (suspended or closed): later plans that
+        move them wait for the work queued there by now. The stream itself is not touched again
+        once no active cache is on it (the caller may destroy it)."""
+        if stream is None:
+            return
+        count = self._active.get(stream, 0) - 1
+        if count > 0:
+            self._active[stream] = count
+        else:
+            self._active.pop(stream, None)
+        self._let_go[stream] = _recorded(stream)  # (a later event on a stream covers an earlier one)
+
+    def _wait_for_callers(self, stream: torch.cuda.Stream, shared: bool) -> None:
+        """``stream`` waits for the work queued before caches let go of their pages (events not yet
+        done), and with ``shared``, for the work queued so far on other active caches' streams."""
+        if shared:
+            for other in self._active:
+                if other != stream:
+                    stream.wait_stream(other)
+        for where, event in list(self._let_go.items()):
+            if event.query():
+                del self._let_go[where]
+            elif where != stream:
+                stream.wait_event(event)
+
+    def _join(self, stream: torch.cuda.Stream | None, shared: bool) -> None:
         """Order later work on ``stream`` (default: the current one) after every copy issued so far,
-        for a plan that copies nothing."""
+        and what ``_wait_for_callers`` names, for a plan that copies nothing."""
+        waits = self._last_event is not None or self._let_go or (shared and self._active)
+        if self.device.type != "cuda" or not waits:
+            return
+        stream = self.caller_stream(stream)
+        self._wait_for_callers(stream, shared)
         event = self._last_event
-        if event is None or self.device.type != "cuda":
+        if event is None:
             return
         if event.query():
             self._last_event = None  # finished: nothing to wait for, now or later
-            return
-        stream = self.caller_stream(stream)
-        if stream != self._last_stream:
+        elif stream != self._last_stream:
             stream.wait_event(event)
 
     def _drain(self) -> None:
@@ -246,7 +278,7 @@ class Mover:
         else:
             staging = self._staging_bytes(len(pages) * page_bytes)
             pairs = np.array([[p.slot, i] for i, p in enumerate(pages)], dtype=np.int64)
-            stream = self._stream(None)
+            stream = self._stream(None, shared=True)
             path = self.copier.copy(buffer, staging, pairs, page_bytes, stream)
             self.counters.add_copy(src.name, "host", path, len(pages) * page_bytes)
             stream.synchronize()
@@ -257,20 +289,20 @@ class Mover:
         self.counters.add_copy(src.name if buffer.device.type == "cpu" else "host", disk.name, "file", written)
         return checksums
 
-    def _stream(self, stream: torch.cuda.Stream | None, background: bool = False) -> torch.cuda.Stream | None:
-        """The stream a plan's copies go on, ordered after the previous plan's copies."""
+    def _stream(
+        self, stream: torch.cuda.Stream | None, background: bool = False, shared: bool = False
+    ) -> torch.cuda.Stream | None:
+        """The stream a plan's copies go on, ordered after the previous plan's copies and what
+        ``_wait_for_callers`` names (a background plan reads shared pages: write-through)."""
         if self.device.type != "cuda":
             return None
-        current = torch.cuda.current_stream(self.device)
         if background:
             if self._background is None:
                 self._background = torch.cuda.Stream(device=self.device, priority=0)  # the lowest priority
             stream = self._background
         elif stream is None:
-            stream = current
-        for caller in (current, *self._callers):
-            if caller != stream:
-                stream.wait_stream(caller)
+            stream = torch.cuda.current_stream(self.device)
+        self._wait_for_callers(stream, shared or background)
         if self._last_event is not None and self._last_stream != stream:
             stream.wait_event(self._last_event)
         return stream

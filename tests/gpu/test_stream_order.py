@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import kvtier
@@ -17,6 +18,19 @@ from kvtier.layout import page_geometries
 TPB = 16
 JUNK = 0xEE
 HOLD_CYCLES = 400_000_000  # about a quarter of a second of one stream's time
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_loaded() -> None:
+    """CUDA loads a kernel at its first launch, synchronizing the device: a first ``fill_`` after a
+    held stream would wait for it, and no race could show. Each kernel the tests use runs once first."""
+    if torch.cuda.is_available():
+        page = torch.empty(64, dtype=torch.uint8, device="cuda")
+        page.fill_(1)
+        page.clone().copy_(page)
+        assert bool((page == 1).all())
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
 
 
 def _manager(primary: int, host: int = 0, write_through: bool = False) -> kvtier.KVCacheManager:
@@ -116,6 +130,30 @@ def test_a_resume_with_nothing_to_copy_waits_for_another_caches_resume_stream():
     mgr.close()
 
 
+def test_a_resume_with_nothing_to_copy_waits_for_the_stream_that_wrote_the_blocks_it_adopts():
+    """Cache A, resumed on a held stream, writes and publishes its blocks there; cache B adopts them
+    on the current stream, with nothing to copy: B's kernels read A's bytes, whether A is still
+    active or closed."""
+    for close_first in (True, False):
+        mgr = _manager(primary=8, host=16)
+        side = torch.cuda.Stream()
+        tokens = _prompt(6, 4)
+        first = mgr.create_cache(tokens)
+        assert first.resume(side) and first.resize(len(tokens))
+        _hold(side)
+        _write(mgr, first, 6, 4, side)
+        first.commit(tokens)
+        if close_first:
+            first.close()
+        second = mgr.create_cache(tokens + [3])
+        assert second.num_reused_tokens == 64
+        assert second.resume()
+        assert _wrong(6, _read(mgr, second, 4)) == []
+        second.close()
+        first.close()
+        mgr.close()
+
+
 def test_write_through_waits_for_pages_written_on_the_resume_stream():
     mgr = _manager(primary=8, host=16, write_through=True)
     _junk_primary(mgr, 80, 8)
@@ -177,7 +215,8 @@ def test_a_prefetch_on_another_stream_waits_for_work_queued_on_the_current_one()
     mgr.close()
 
 
-def test_a_store_load_on_another_stream_keeps_its_staging_bytes_until_read(tmp_path):
+@pytest.mark.parametrize("handle", [False, True])
+def test_a_store_load_on_another_stream_keeps_its_staging_bytes_until_read(tmp_path, handle):
     from kvtier.connector import FileSystemConnector
     from kvtier.connector.store_connector import ConnectorMeta, _Load
 
@@ -192,7 +231,7 @@ def test_a_store_load_on_another_stream_keeps_its_staging_bytes_until_read(tmp_p
     _hold(side)
     for slot, value in zip(slots, (0x11, 0x22), strict=True):  # two steps' loads through one staging buffer
         connector.bind_connector_meta(ConnectorMeta([_Load(0, slot, bytes([value]) * view.shape[1])]))
-        connector.start_load_kv(side)
+        connector.start_load_kv(side.cuda_stream if handle else side)
     torch.cuda.synchronize()
     assert [bool((view[slot] == value).all()) for slot, value in zip(slots, (0x11, 0x22), strict=True)] == [True, True]
     cache.close()

@@ -242,6 +242,34 @@ def test_a_window_the_attention_does_not_apply_makes_longer_calls_plain_generate
         assert _generate_both(model, pc, long[:32] + tokens(g, 10)) == 0
 
 
+def test_a_window_probe_that_fails_is_made_again(monkeypatch):
+    """The probe of the window raises once (out of memory: it runs two rows of the window's length):
+    that call runs as plain generate, and the next long one probes again. Before, the failed probe
+    was never made again, and later long calls reused as if the window applied: other tokens."""
+    from kvtier.hf import prefix_cache
+    from tests.hf.tiny import TINY_TEXT
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, sliding_window=WINDOW, **TINY_TEXT)
+    model = transformers.LlamaForCausalLM(config).to(torch.float64).eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    probe = prefix_cache.applies_window
+    failures = iter([MemoryError("the probe's two rows")])
+
+    def failing_once(*args):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return probe(*args)
+
+    monkeypatch.setattr(prefix_cache, "applies_window", failing_once)
+    g = torch.Generator().manual_seed(1)
+    with PrefixCache(model, tiers_config(model, blocks=60), recompute_when_faster=False) as pc:
+        long = tokens(g, 40)
+        assert _generate_both(model, pc, long) == 0
+        assert _generate_both(model, pc, long[:32] + tokens(g, 10)) == 0
+
+
 def test_a_window_the_attention_applies_keeps_longer_calls_reused():
     model = tiny_model("mistral")
     g = torch.Generator().manual_seed(2)
