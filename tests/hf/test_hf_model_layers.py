@@ -11,7 +11,8 @@ from transformers import GenerationConfig
 import kvtier
 from kvtier.hf import PrefixCache
 from kvtier.hf.model_layers import LayerKind, read_model
-from tests.hf.tiny import HAS_GEMMA4, VOCAB, WINDOW, tiers_config, tiny_model, tokens
+from tests.hf.test_hf_recompute import turn
+from tests.hf.tiny import HAS_GEMMA4, TINY_TEXT, VOCAB, WINDOW, tiers_config, tiny_model, tokens
 
 
 def test_layers_and_groups_of_each_architecture():
@@ -211,13 +212,13 @@ def test_generate_checks_its_inputs_and_a_closed_cache():
         pc.generate(torch.tensor([[5, 6, 7]]))
 
 
-def _generate_both(model, pc: PrefixCache, prompt: list[int]) -> int:
-    """One greedy call through both paths, which must agree token for token; the tokens it reused."""
-    ids = torch.tensor([prompt])
-    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
-    got = pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
-    assert torch.equal(got, expected)
-    return pc.last_reused_tokens[0]
+def _llama_with_a_stray_window() -> torch.nn.Module:
+    """A tiny Llama whose configuration carries a ``sliding_window`` its attention does not apply."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, sliding_window=WINDOW, **TINY_TEXT)
+    model = transformers.LlamaForCausalLM(config).to(torch.float64).eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    return model
 
 
 def test_a_window_the_attention_does_not_apply_makes_longer_calls_plain_generate():
@@ -225,21 +226,16 @@ def test_a_window_the_attention_does_not_apply_makes_longer_calls_plain_generate
     but Llama attends to the whole prompt: a call longer than the window runs as plain generate;
     shorter calls reuse as before. Before, a reused prefix was served with its last window - 1
     tokens only, and the tokens differed from generate's."""
-    from tests.hf.tiny import TINY_TEXT
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=2, sliding_window=WINDOW, **TINY_TEXT)
-    model = transformers.LlamaForCausalLM(config).to(torch.float64).eval()
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    model = _llama_with_a_stray_window()
     g = torch.Generator().manual_seed(1)
     with PrefixCache(model, tiers_config(model, blocks=60), recompute_when_faster=False) as pc:
         assert {layer.kind for layer in pc._layers.attention} == {LayerKind.SLIDING}
         short = tokens(g, WINDOW - 4)
-        _generate_both(model, pc, short)
-        assert _generate_both(model, pc, short[:16] + tokens(g, 4)) == 16  # within the window: reused
+        turn(model, pc, short)
+        assert turn(model, pc, short[:16] + tokens(g, 4)) == 16  # within the window: reused
         long = tokens(g, 40)
-        _generate_both(model, pc, long)
-        assert _generate_both(model, pc, long[:32] + tokens(g, 10)) == 0
+        turn(model, pc, long)
+        assert turn(model, pc, long[:32] + tokens(g, 10)) == 0
 
 
 def test_a_window_probe_that_fails_is_made_again(monkeypatch):
@@ -247,12 +243,8 @@ def test_a_window_probe_that_fails_is_made_again(monkeypatch):
     that call runs as plain generate, and the next long one probes again. Before, the failed probe
     was never made again, and later long calls reused as if the window applied: other tokens."""
     from kvtier.hf import prefix_cache
-    from tests.hf.tiny import TINY_TEXT
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=2, sliding_window=WINDOW, **TINY_TEXT)
-    model = transformers.LlamaForCausalLM(config).to(torch.float64).eval()
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    model = _llama_with_a_stray_window()
     probe = prefix_cache.applies_window
     failures = iter([MemoryError("the probe's two rows")])
 
@@ -266,8 +258,8 @@ def test_a_window_probe_that_fails_is_made_again(monkeypatch):
     g = torch.Generator().manual_seed(1)
     with PrefixCache(model, tiers_config(model, blocks=60), recompute_when_faster=False) as pc:
         long = tokens(g, 40)
-        assert _generate_both(model, pc, long) == 0
-        assert _generate_both(model, pc, long[:32] + tokens(g, 10)) == 0
+        assert turn(model, pc, long) == 0
+        assert turn(model, pc, long[:32] + tokens(g, 10)) == 0
 
 
 def test_a_window_the_attention_applies_keeps_longer_calls_reused():
@@ -275,8 +267,8 @@ def test_a_window_the_attention_applies_keeps_longer_calls_reused():
     g = torch.Generator().manual_seed(2)
     with PrefixCache(model, tiers_config(model, blocks=60), recompute_when_faster=False) as pc:
         long = tokens(g, 40)
-        _generate_both(model, pc, long)
-        assert _generate_both(model, pc, long[:32] + tokens(g, 10)) == 32
+        turn(model, pc, long)
+        assert turn(model, pc, long[:32] + tokens(g, 10)) == 32
 
 
 def test_a_decoder_with_fewer_layers_than_its_cache_is_served():
@@ -302,5 +294,5 @@ def test_a_decoder_with_fewer_layers_than_its_cache_is_served():
     with PrefixCache(model, tiers_config(model, blocks=60), recompute_when_faster=False) as pc:
         assert len(pc.spec.layers) == 2
         first = tokens(g, 40)
-        _generate_both(model, pc, first)
-        assert _generate_both(model, pc, first[:32] + tokens(g, 10)) == 32
+        turn(model, pc, first)
+        assert turn(model, pc, first[:32] + tokens(g, 10)) == 32
