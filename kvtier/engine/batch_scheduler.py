@@ -278,18 +278,20 @@ class Scheduler:
         """Capacity for ``end`` tokens; under max_utilization, preempt others until it fits.
 
         Without a tier below the primary one, the suspended caches of waiting requests pin their
-        pages there (nothing can move them): they are closed first, one at a time. Else a running
-        request needing those pages would preempt itself, be admitted again, and preempt itself
-        again, for ever."""
+        pages there (nothing can move them): one of a priority no higher than the victim's (any,
+        when the victim would be the request itself) is closed instead of a preemption. Else a
+        running request needing those pages would preempt itself, be admitted again, and preempt
+        itself again, for ever."""
         cache = request.held_cache()
         while not cache.resize(max(end, cache.capacity)):
             if self.config.policy != "max_utilization":
                 raise InvariantError("guaranteed_no_evict reserved every page at admission")
-            if not self._swap_out and self._drop_a_waiting_cache():
-                continue
             scheduled = {id(c.request) for c in batch}
             victims = [r for r in self.running if id(r) not in scheduled]
             victim = min(reversed(victims), key=lambda r: r.priority)  # lowest priority, latest admitted
+            at_most = None if victim is request else victim.priority
+            if not self._swap_out and self._drop_a_waiting_cache(at_most):
+                continue
             self._preempt(victim)
             if victim is request:
                 return False
@@ -310,10 +312,10 @@ class Scheduler:
         self.num_preemptions += 1
         log.debug("preempted request %d at %d tokens", request.request_id, request.num_computed)
 
-    def _drop_a_waiting_cache(self) -> bool:
+    def _drop_a_waiting_cache(self, at_most: int | None) -> bool:
         """Close the cache of the waiting request of lowest priority (the latest queued of those)
-        that holds one; False if none does."""
-        holders = [r for r in self.waiting if r.cache is not None]
+        that holds one, of a priority of ``at_most`` or below (None: any); False if none does."""
+        holders = [r for r in self.waiting if r.cache is not None and (at_most is None or r.priority <= at_most)]
         if not holders:
             return False
         self._drop_cache(min(reversed(holders), key=lambda r: r.priority))
