@@ -51,6 +51,10 @@ class RecordingConnector(FileSystemConnector):
         self.calls.append(("cancel", request.request_id, start, end))
         super().cancel_load(request, start, end)
 
+    def request_finished(self, request, block_ids_by_layer_group) -> bool:
+        self.calls.append(("finished", request.request_id))
+        return super().request_finished(request, block_ids_by_layer_group)
+
     def of(self, kind: str, request_id: int | None = None) -> list[tuple]:
         return [c for c in self.calls if c[0] == kind and (request_id is None or c[1] == request_id)]
 
@@ -541,6 +545,25 @@ def test_an_offer_delivered_is_never_handed_back(llama, tmp_path):
     loaded = outs[1].request_id
     assert outs[1].reused_tokens_by_tier["connector"] == 32
     assert conn.of("deliver", loaded) and not conn.of("cancel", loaded)
+
+
+def test_a_running_request_aborted_is_reported_finished_to_the_connector(llama, tmp_path):
+    """As vLLM tells its connector of every finished request: one aborted while running (its offer
+    delivered) is reported, and the blocks it computed are saved. Before, the connector heard
+    nothing of it (per-request state kept for ever)."""
+    shared, other = prompts_for(llama, [70, 50], seed=81)
+    seed_store(llama, tmp_path, [shared])
+    conn = RecordingConnector(tmp_path)
+    prompt = shared[:64] + other
+    with engine(llama, 200, conn) as eng:
+        request_id = eng.add_request(prompt, SamplingParams(max_tokens=10))
+        eng.step()  # delivered, loaded, the rest computed, a first token sampled
+        eng.abort_request(request_id)
+        assert conn.of("deliver", request_id) and conn.of("finished", request_id)
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as fresh:
+        out = fresh.generate([prompt + [5]], SamplingParams(max_tokens=2))[0]
+        assert out.reused_tokens_by_tier["connector"] == 112  # its 7 full blocks were saved
+        assert out.token_ids == llama.reference_generate(prompt + [5], 2)
 
 
 def test_a_request_aborted_by_on_finish_ends_generate_with_its_abort(llama):

@@ -62,8 +62,8 @@ class ConnectorDriver:
         other = held() if held is not None else None
         if other is not None and other.connector is connector:
             raise ValueError(
-                "this connector already serves another engine that is not closed; give each engine a connector "
-                "of its own (one connector keeps one engine's layout, pages and requests)"
+                "this connector already serves another engine (open, or closed while its saves still ran); give "
+                "each engine a connector of its own (one connector keeps one engine's layout, pages and requests)"
             )
         connector.register_kv_cache_layout(mgr.layout())
         _running[id(connector)] = weakref.ref(self)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from kvtier.cache import CacheState
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
 from kvtier.connector.base import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtier.engine import exit_close
@@ -297,7 +298,8 @@ class LLMEngine:
         return not self._closed and (self.scheduler.has_work() or bool(self._undelivered))
 
     def abort_request(self, request_id: int) -> None:
-        """Drop a request that has not finished; an undelivered connector offer is handed back.
+        """Drop a request that has not finished; an undelivered connector offer is handed back, and a
+        running request is reported finished to the connector (which may save what it computed).
         Called from inside a step (a connector hook), the request is dropped as the step ends."""
         if self._stepping:
             self._aborted_in_step.append(request_id)
@@ -305,11 +307,15 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return
+        saving = False
         if request.status is RequestStatus.FINISHED:  # failed, not reported yet: aborted instead
             self.scheduler.forget_failed(request)
         elif self.connector is not None:
             self.connector.cache_dropped(request)
-        self.scheduler.finish(request, "abort")
+            cache = request.cache
+            if request.status is RequestStatus.RUNNING and cache is not None and cache.state is CacheState.ACTIVE:
+                saving = self.connector.request_finished(request)  # told as of any finished request, as vLLM does
+        self.scheduler.finish(request, "abort", close_cache=not saving)
         request.finish_time = time.perf_counter()
         self.runner.forget(request)
         self._requests.pop(request_id, None)
