@@ -55,7 +55,7 @@ class ConnectorDriver:
         self.mgr = mgr
         self.saving: dict[int, KVCache] = {}
         self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
-        self._loads_awaited_until = 0.0  # until then, the pages of ``loading`` are waited for (then worked around)
+        self._awaited_until: dict[int, float] = {}  # per request of ``loading``: until then its pages are waited for
         self._saved_early: dict[int, None] = {}  # saves reported before their request finished, the latest last
         self._failures: dict[str, RateLimitedWarning] = {}  # per kind of connector failure
         held = _running.get(id(connector))
@@ -120,7 +120,10 @@ class ConnectorDriver:
         """Whether saves, or loads given up on, hold pages that they will release. A load given up
         on counts for ``ASYNC_LOAD_WAIT_S`` more: a connector that never reports it must not
         hold back the requests that need its pages for ever (they are recomputed, or fail alone)."""
-        return bool(self.saving) or (bool(self.loading) and time.monotonic() < self._loads_awaited_until)
+        if self.saving:
+            return True
+        now = time.monotonic()
+        return any(self._awaited_until.get(request_id, 0.0) > now for request_id in self.loading)
 
     def keeps_cache(self, request: Request) -> bool:
         """Whether the connector may still write the pages of ``request``'s cache (a load given up
@@ -184,10 +187,10 @@ class ConnectorDriver:
     def _keep_loading(self, requests: list[Request]) -> None:
         """Requests that fail while the connector may still write their pages (an asynchronous load
         not reported): their caches stay open until it reports the load (``keeps_cache``)."""
+        until = time.monotonic() + ASYNC_LOAD_WAIT_S
         for request in requests:
             self.loading[request.request_id] = request.held_cache()
-        if requests:
-            self._loads_awaited_until = time.monotonic() + ASYNC_LOAD_WAIT_S
+            self._awaited_until[request.request_id] = until
 
     def _finished(self, saving: list[int], loading: list[int]) -> tuple[list[int], list[int]]:
         """``get_finished``, a None in its answer read as nothing finished (vLLM's convention)."""
@@ -261,6 +264,7 @@ class ConnectorDriver:
         """Close the caches of the requests whose saves or given-up loads ``get_finished`` reported
         (any such call may report any of them, once)."""
         for request_id in [*saved, *loaded]:
+            self._awaited_until.pop(request_id, None)
             cache = self.saving.pop(request_id, None) or self.loading.pop(request_id, None)
             if cache is not None:
                 cache.close()
