@@ -155,20 +155,15 @@ class Mover:
                 stream.wait_event(event)
 
     def _join(self, stream: torch.cuda.Stream | None, shared: bool) -> None:
-        """Order later work on ``stream`` (default: the current one) after every copy issued so far,
-        and what ``_wait_for_callers`` names, for a plan that copies nothing."""
-        waits = self._last_event is not None or self._let_go or (shared and self._active)
-        if self.device.type != "cuda" or not waits:
+        """Order later work on ``stream`` (default: the current one) as ``_stream`` orders a plan's
+        copies, for a plan that copies nothing; nothing to do once every copy issued has finished
+        and nothing else is waited for (the common case stays one event query)."""
+        if self.device.type != "cuda":
             return
-        stream = self.caller_stream(stream)
-        self._wait_for_callers(stream, shared)
-        event = self._last_event
-        if event is None:
-            return
-        if event.query():
+        if self._last_event is not None and self._last_event.query():
             self._last_event = None  # finished: nothing to wait for, now or later
-        elif stream != self._last_stream:
-            stream.wait_event(event)
+        if self._last_event is not None or self._let_go or (shared and self._active):
+            self._stream(stream, shared=shared)
 
     def _drain(self) -> None:
         """After copies were cut short: wait for those already queued on the device, so that none
@@ -300,8 +295,8 @@ class Mover:
             if self._background is None:
                 self._background = torch.cuda.Stream(device=self.device, priority=0)  # the lowest priority
             stream = self._background
-        elif stream is None:
-            stream = torch.cuda.current_stream(self.device)
+        else:
+            stream = self.caller_stream(stream)
         self._wait_for_callers(stream, shared or background)
         if self._last_event is not None and self._last_stream != stream:
             stream.wait_event(self._last_event)
