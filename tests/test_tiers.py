@@ -545,6 +545,14 @@ def test_unusable_disk_directory_degrades_to_misses(tmp_path):
     serves_without_its_disk(manager("/proc/kvtier-no-such-dir", primary=6, host=0, disk=20))
 
 
+def test_a_disk_path_whose_parent_cannot_be_listed_degrades_to_misses(tmp_path, caplog):
+    """A name past the file system's limit (as a parent this user may not enter) fails the listing of
+    the other directories beside it too. Before, that raised a bare ``OSError`` from the manager's
+    construction, just after the ERROR that said the tier would be served without it."""
+    serves_without_its_disk(manager(str(tmp_path / ("x" * 300) / "kv"), primary=6, host=0, disk=20))
+    assert "cannot create" in caplog.text
+
+
 def serves_without_its_disk(mgr: kvtier.KVCacheManager) -> None:
     """Conversations go through a manager whose disk tier stores nothing: exact pages, no disk page."""
     oracle = PageOracle(mgr)

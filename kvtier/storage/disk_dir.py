@@ -215,12 +215,16 @@ class OtherDirectory:
 
 def other_directories(path: Path) -> list[OtherDirectory]:
     """The ``kvtier-*`` directories beside ``path`` (a disk tier's own), oldest use first; those that
-    cannot be read are left out."""
+    cannot be read are left out, and none is listed when ``path``'s parent cannot be listed."""
     out = []
-    for other in sorted(path.parent.glob("kvtier-*")):
-        if other == path or not other.is_dir():
-            continue
+    try:
+        candidates = sorted(path.parent.glob("kvtier-*"))
+    except OSError:  # a parent this user may not enter, a name too long: nothing to weigh
+        return []
+    for other in candidates:
         try:
+            if other == path or not other.is_dir():
+                continue
             stats = [f.stat() for f in other.iterdir() if f.is_file()]
         except OSError:
             continue
