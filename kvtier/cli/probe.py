@@ -95,5 +95,7 @@ def _batch_abi(index: int) -> str:
         return f"unavailable ({exc}); install kvtier[gpu]"
     except RuntimeError as exc:
         return f"unavailable: {exc}"
+    if abi is None:
+        return "none (a driver older than CUDA 12.8): one cuMemcpyAsync per run"
     major, minor = divmod(abi.cuda_version, 1000)
     return f"cuMemcpyBatchAsync, CUDA {major}.{minor // 10} ABI (driver {abi.driver_version})"

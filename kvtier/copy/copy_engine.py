@@ -19,6 +19,10 @@ page, ``cuMemcpyAsync`` a few. A call of at most ``SEPARATE_COPY_RUNS`` runs bet
 GPU can reach (device, pinned or registered) is therefore submitted as one ``cuMemcpyAsync`` per
 run, which every stream takes, the legacy one included; pageable host memory always goes to the
 batched call (``cuMemcpyAsync`` from pageable memory may wait for the stream's earlier work).
+
+A driver older than CUDA 12.8 has no batched call: there every call is submitted as one
+``cuMemcpyAsync`` per run (``abi`` is ``None``). The copies stay on the copy engines, so a large
+page never takes the SMs a prefill runs on; the host cost grows by a driver call per run.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ class BatchAbi:
 class BatchCopier:
     """Submits batches of copies on one device's streams; create one per device.
 
-    Invariants: the batch entry point and the helpers are resolved once, in ``__init__``; every
+    Invariants: the entry points are resolved once, in ``__init__`` (the batched one only on a
+    driver of CUDA 12.8 or newer: ``abi`` is ``None`` without it); every
     call runs with the device's primary context current and leaves the calling thread's context
     as it found it; the descriptor arrays are reused from call to call (grown, never shrunk), so
     a call allocates nothing for a batch no larger than an earlier one. Not reentrant across
@@ -84,15 +89,15 @@ class BatchCopier:
         driver = self.api.driver
         self.device_index = device_index
         driver_version = self.api.driver_version
-        if driver_version < _CUDA_12_8:
-            raise DriverError(
-                f"cuMemcpyBatchAsync needs a CUDA 12.8 or newer driver, this one is {driver_version}; "
-                "use the kernel path (KVTIER_COPY_ENGINE_MIN_BYTES=-1)"
-            )
-        cuda_version = _CUDA_13_0 if driver_version >= _CUDA_13_0 else _CUDA_12_8
-        self.abi = BatchAbi(driver_version=driver_version, cuda_version=cuda_version)
-        batch_type = _BATCH_V12_8 if self.abi.has_fail_index else _BATCH_V13
-        self._batch = batch_type(self.api.resolve("cuMemcpyBatchAsync", cuda_version))
+        self.abi: BatchAbi | None = None
+        self._batch: Any = None
+        self._batch_has_fail_index = False
+        if driver_version >= _CUDA_12_8:
+            cuda_version = _CUDA_13_0 if driver_version >= _CUDA_13_0 else _CUDA_12_8
+            self.abi = BatchAbi(driver_version=driver_version, cuda_version=cuda_version)
+            batch_type = _BATCH_V12_8 if self.abi.has_fail_index else _BATCH_V13
+            self._batch = batch_type(self.api.resolve("cuMemcpyBatchAsync", cuda_version))
+            self._batch_has_fail_index = self.abi.has_fail_index
         self._memcpy_async = _MEMCPY_ASYNC(self.api.resolve("cuMemcpyAsync", 4000))
         # (src in host memory, dst in host memory) -> the attribute set, and its address for the call
         self._attrs = {(src, dst): self._attributes(driver, src, dst) for src in (False, True) for dst in (False, True)}
@@ -123,10 +128,11 @@ class BatchCopier:
         ``dst_base + dst_slot * page_bytes`` (addresses in UVA). The copies of one call must not
         overlap, and none may span two host registrations (``kvtier.copy.runs`` cuts them so).
         ``stream`` is a raw handle; the copies run after the work queued on it. ``pageable``: a
-        side is pageable host memory (the batched call is then used for any number of runs).
+        side is pageable host memory (the batched call is then used for any number of runs, when
+        the driver has it).
         """
         count = runs.shape[0]
-        if count <= SEPARATE_COPY_RUNS and not pageable:
+        if self.abi is None or (count <= SEPARATE_COPY_RUNS and not pageable):
             self._copy_separately(runs.tolist(), page_bytes, src_base, dst_base, stream)
             return
         with self._lock:
@@ -182,7 +188,7 @@ class BatchCopier:
         data = self._descriptors.ctypes.data
         row = self._descriptors.strides[0]
         args = (data, data + row, data + 2 * row, count, attrs, self._first_index_ptr, 1)
-        if self.abi.has_fail_index:
+        if self._batch_has_fail_index:
             result = self._batch(*args, self._fail_index_ptr, stream)
             if result:
                 failed = int(self._fail_index[0])

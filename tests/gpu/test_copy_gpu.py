@@ -361,3 +361,29 @@ def test_kernel_follows_host_buffers_released_and_allocated_again(copiers, devic
         torch.cuda.synchronize()
         assert torch.equal(dev[4 * page :].cpu(), source[: n * page])
         host.release()
+
+
+@pytest.mark.parametrize("n", [1, 12, 300])
+def test_a_driver_older_than_cuda_12_8_copies_every_call_as_separate_copies(pools, device, monkeypatch, n: int):
+    """Without ``cuMemcpyBatchAsync`` the copy-engine path still copies, one ``cuMemcpyAsync`` per run."""
+    from kvtier.copy import copy_engine
+
+    class OldDriver(copy_engine.DriverApi):
+        def __init__(self, device_index: int) -> None:
+            super().__init__(device_index)
+            self.driver_version = 12040
+
+    monkeypatch.setattr(copy_engine, "DriverApi", OldDriver)
+    batched = []
+    monkeypatch.setattr(copy_engine.BatchCopier, "_submit", lambda self, *args: batched.append(args))
+    copier = PageCopier(device, policy=CopyPolicy(copy_engine_min_bytes=0))
+    for stream in (torch.cuda.Stream(device), 0):
+        assert check_round_trip(copier, pools, n, 64 * 1024, stream, seed=n) == ["copy_engine"] * 2
+    assert copier._batch is not None and copier._batch.abi is None
+    assert batched == []
+    src = torch.randint(1, 256, (5 * 4096,), dtype=torch.uint8)  # pageable host memory
+    dev = torch.zeros_like(src, device=device)
+    assert copier.copy(src, dev, [(i, 4 - i) for i in range(5)], 4096) == "copy_engine"
+    torch.cuda.synchronize()
+    for i in range(5):
+        assert torch.equal(dev[(4 - i) * 4096 : (5 - i) * 4096].cpu(), src[i * 4096 : (i + 1) * 4096])
