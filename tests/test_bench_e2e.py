@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import tempfile
 
 import pytest
 
@@ -30,18 +31,28 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory) -> tuple[dict[str, dict], str]:
-    tmp = tmp_path_factory.mktemp("e2e")
-    path = tmp / "e2e.json"
+def bench(tmp_path_factory) -> tuple[dict[str, dict], str, list[str]]:
+    """One run without ``--disk-path``: its disk tiers in temporary directories under ``temp``."""
+    path = tmp_path_factory.mktemp("e2e") / "e2e.json"
+    temp = tmp_path_factory.mktemp("temp")
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main([*TINY, "--disk-path", str(tmp), "--json", str(path)]) == 0
+    saved, tempfile.tempdir = tempfile.tempdir, str(temp)
+    try:
+        with contextlib.redirect_stdout(out):
+            assert main([*TINY, "--json", str(path)]) == 0
+    finally:
+        tempfile.tempdir = saved
     rows = {r["case"]: r for r in json.loads(path.read_text())["rows"]}
-    return rows, out.getvalue()
+    return rows, out.getvalue(), sorted(p.name for p in temp.glob("kvtier*"))  # (torch keeps its own there)
+
+
+def test_the_temporary_disk_directories_are_removed(bench):
+    """Before, the disk case's directory (twice the prefix's KV bytes) stayed after every run."""
+    assert bench[2] == []
 
 
 def test_every_case_has_a_row_in_the_json_and_the_table(bench):
-    rows, out = bench
+    rows, out, _ = bench
     assert list(rows) == CASES
     for case in CASES:
         assert f" {case} " in out
@@ -51,7 +62,7 @@ def test_every_case_has_a_row_in_the_json_and_the_table(bench):
 
 
 def test_the_disk_target_is_the_engine_recomputing_a_prompt_as_long(bench):
-    rows, out = bench
+    rows, out, _ = bench
     disk, engine = rows["disk"], rows["recompute-engine"]
     assert disk["target"]["what"] == "TTFT/engine" and "TTFT/engine" in out
     assert disk["ttft_over_engine_recompute"] == pytest.approx(disk["ttft_ms"] / engine["ttft_ms"])
@@ -60,7 +71,7 @@ def test_the_disk_target_is_the_engine_recomputing_a_prompt_as_long(bench):
 
 
 def test_tokens_agree_with_the_dense_path(bench):
-    rows, _ = bench
+    rows, _, _ = bench
     for case in CASES[1:]:
         if case == "recompute-engine":
             continue
@@ -72,7 +83,7 @@ def test_tokens_agree_with_the_dense_path(bench):
 
 
 def test_host_full_evicts_a_full_primary_tier_and_write_through_moves_no_victim_byte(bench):
-    rows, _ = bench
+    rows, _, _ = bench
     with_copies, without = rows["host-full-wt"], rows["host-full-nowt"]
     assert with_copies["primary_full"] and without["primary_full"]
     assert with_copies["reused_by_tier"]["host"] == without["reused_by_tier"]["host"] == 64
@@ -82,7 +93,7 @@ def test_host_full_evicts_a_full_primary_tier_and_write_through_moves_no_victim_
 
 
 def test_queued_cases_start_from_host_and_from_disk_only(bench):
-    rows, _ = bench
+    rows, _, _ = bench
     assert rows["host-queued"]["prefix_placement_before"] == {"host": 64}
     assert rows["disk-queued"]["prefix_placement_before"] == {"disk": 64}
     disk = rows["disk-queued"]

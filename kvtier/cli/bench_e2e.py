@@ -63,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--primary-gib", type=gibibytes, default=None, help=_sized("primary_gib"))
     parser.add_argument("--host-gib", type=gibibytes, default=None, help=_sized("host_gib"))
     parser.add_argument("--disk-gib", type=gibibytes, default=None, help=_sized("disk_gib"))
-    parser.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp dir)")
+    parser.add_argument(
+        "--disk-path", default=None, help="disk tier directory, kept (default: a temporary one, removed after)"
+    )
     parser.add_argument(
         "--chunk", type=at_least(1), default=8192, help="prefill chunk (max_num_tokens) when populating"
     )
@@ -228,14 +230,20 @@ class Bench:
         return self.row(ref, "recompute-engine", ttfts)
 
     def _disk(self, ref: Reference) -> dict:
-        """The prefix on disk (no host tier), the OS page cache dropped before each request; the
+        """The prefix on disk (no host tier), in ``--disk-path`` or in a temporary directory removed after."""
+        if self.args.disk_path:
+            return self._disk_in(ref, self.args.disk_path)
+        with tempfile.TemporaryDirectory(prefix="kvtier-e2e-") as path:
+            return self._disk_in(ref, path)
+
+    def _disk_in(self, ref: Reference, path: str) -> dict:
+        """The prefix on disk under ``path``, the OS page cache dropped before each request; the
         tokens are then checked by a second engine on the same directory that loads every block."""
         import kvtier
         from kvtier.engine import SamplingParams
 
         args = self.args
         one = SamplingParams(max_tokens=1)
-        path = args.disk_path or tempfile.mkdtemp(prefix="kvtier-e2e-")
         run_dir = os.path.join(path, "run")
         tiers = self.memory_tiers(args.primary_gib, None)
         tiers.append(kvtier.DiskTier(int(args.disk_gib * GIB), run_dir))

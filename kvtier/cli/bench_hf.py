@@ -77,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--primary-gib", type=gibibytes, default=None, help="default: 24 (0.5 with --tiny)")
     parser.add_argument("--host-gib", type=gibibytes, default=None, help="default: 12 (0.25 with --tiny)")
     parser.add_argument("--disk-gib", type=gibibytes, default=None, help="default: 12 (0.25 with --tiny)")
-    parser.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp dir)")
+    parser.add_argument(
+        "--disk-path", default=None, help="disk tier directory, kept (default: a temporary one, removed after)"
+    )
     parser.add_argument("--tiny", action="store_true", help="a two-layer model (a smoke run, e.g. on a CPU)")
 
 
@@ -93,9 +95,11 @@ def run(args: argparse.Namespace) -> int:
     bench = _Bench(args)
     ceiling = link_ceiling_gbps(bench.device)
     rows = []
-    for length in args.histories:
-        rows.extend(bench.history(length, ceiling))
-    bench.close()
+    try:
+        for length in args.histories:
+            rows.extend(bench.history(length, ceiling))
+    finally:
+        bench.close()
     result = {"link_ceiling_gbps": ceiling, "rows": rows, "args": vars(args), "torch": torch.__version__}
     result["model"] = TINY if args.tiny else LLAMA_8B
     if args.json:
@@ -141,7 +145,8 @@ class _Bench:
         self.gen = torch.Generator().manual_seed(1234)
         model_id = kvtier.weights_fingerprint(self.model)
         gib = 1 << 30
-        path = args.disk_path or tempfile.mkdtemp(prefix="kvtier-bench-hf-")
+        self._temporary = None if args.disk_path else tempfile.TemporaryDirectory(prefix="kvtier-bench-hf-")
+        path = args.disk_path or self._temporary.name
         primary = kvtier.PrimaryTier(int(args.primary_gib * gib))
         host_tiers = [primary, kvtier.HostTier(int(args.host_gib * gib))]
         disk_tiers = [primary, kvtier.DiskTier(int(args.disk_gib * gib), os.path.join(path, "disk"))]
@@ -163,9 +168,12 @@ class _Bench:
         self.bytes_per_token = sum(mgr.page_bytes(g.group_id) for g in mgr.layer_groups) // tpb
 
     def close(self) -> None:
+        """Close the three prefix caches, then remove the disk tiers' directory unless it was given."""
         self.host_pc.close()
         self.disk_pc.close()
         self.disk_load_pc.close()
+        if self._temporary is not None:
+            self._temporary.cleanup()
 
     def sync(self) -> None:
         if self.device.type == "cuda":

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import io
 import json
+import tempfile
 
 from kvtier.cli import main
 from kvtier.cli.bench_hf import TIER_GIB, TINY_TIER_GIB, _fill_defaults
@@ -14,13 +15,18 @@ CASES = ["recompute", "resident", "gpu", "host", "disk", "disk-load", "restart"]
 HISTORY = 64
 
 
-def test_a_tiny_run_on_the_cpu_times_every_case_and_reuses_the_history(tmp_path):
+def test_a_tiny_run_on_the_cpu_times_every_case_and_reuses_the_history(tmp_path, monkeypatch):
+    """Without ``--disk-path`` the disk tiers live in a temporary directory, removed after the run."""
     path = tmp_path / "hf.json"
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     out = io.StringIO()
     argv = ["bench", "hf", "--tiny", "--device", "cpu", "--dtype", "float32", "--histories", str(HISTORY)]
     argv += ["--suffix", "8", "--repeats", "1", "--tokens-per-block", "16"]
     with contextlib.redirect_stdout(out):
-        assert main([*argv, "--disk-path", str(tmp_path), "--json", str(path)]) == 0
+        assert main([*argv, "--json", str(path)]) == 0
+    assert list(temp.glob("kvtier*")) == []
     result = json.loads(path.read_text())
     rows = {row["case"]: row for row in result["rows"]}
     assert list(rows) == CASES
