@@ -256,3 +256,16 @@ def _check_quota(tier: TierConfig) -> None:
         raise TypeError(f"{type(tier).__name__}.bytes must be an int, got {b!r}")
     if b <= 0:
         raise ValueError(f"{type(tier).__name__}.bytes must be > 0, got {b}")
+
+
+def check_device_usable(device: torch.device) -> None:
+    """A clear error, before any allocation, for a CUDA device this process cannot use."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device={str(device)!r} but CUDA is not available here (torch {torch.__version__}, "
+            f"built with CUDA {torch.version.cuda or 'none'}, sees no GPU): use device='cpu' or a CUDA machine"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r} but this process sees {torch.cuda.device_count()} GPU(s)")

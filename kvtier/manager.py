@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvtier.cache import KVCache
-from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, PrimaryTier, ReuseScope
+from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, PrimaryTier, ReuseScope, check_device_usable
 from kvtier.errors import CacheStateError
 from kvtier.exclusive import exclusive
 from kvtier.layout import GroupLayout, KvCacheLayout, Region, page_geometries, part_views
@@ -52,7 +52,7 @@ class KVCacheManager:
             raise TypeError(f"spec must be a kvtier.ModelSpec, got {type(spec).__name__}")
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a kvtier.CacheConfig, got {type(config).__name__}")
-        _check_device(config.device)  # type: ignore[arg-type]
+        check_device_usable(config.device)  # type: ignore[arg-type]
         _check_quotas_fit(config)
         self.spec = spec
         self.config = config
@@ -292,19 +292,6 @@ class KVCacheManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_device(device: torch.device) -> None:
-    """A clear error, before any allocation, for a CUDA device this process cannot use."""
-    if device.type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"device={str(device)!r} but CUDA is not available here (torch {torch.__version__}, "
-            f"built with CUDA {torch.version.cuda or 'none'}, sees no GPU): use device='cpu' or a CUDA machine"
-        )
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"device={str(device)!r} but this process sees {torch.cuda.device_count()} GPU(s)")
 
 
 def _check_quotas_fit(config: CacheConfig) -> None:

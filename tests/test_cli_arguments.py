@@ -31,6 +31,9 @@ from kvtier.cli import main
         (["demo", "--json", "tests"], "argument --json: tests: a directory; name a file to write"),
         (["bench", "manager", "--json", "tests/"], "argument --json: tests/: a directory; name a file to write"),
         (["demo", "--plot", "tests/"], "argument --plot: tests/: a directory; name a file to write"),
+        # Before: a directory that takes no file (as root, os.access said yes) ran the whole job first.
+        (["demo", "--json", "/proc/kvtier-demo.json"], "argument --json: /proc/kvtier-demo.json: cannot be written"),
+        (["demo", "--plot", "/proc/ttft.png"], "argument --plot: /proc/ttft.png: cannot be written"),
         (["demo", "--plot", "ttft.txt"], "argument --plot: ttft.txt: name a file ending in one of ['eps', 'pdf',"),
         (["bench", "e2e", "--prefixes", "-64"], "argument --prefixes: must be >= 1, got -64 (a comma-separated"),
         (["bench", "e2e", "--prefixes", "64,abc"], "argument --prefixes: must be an integer, got 'abc' (a comma-"),
@@ -68,6 +71,8 @@ def test_a_cuda_device_without_cuda_is_a_usage_error(capsys):
     ("argv", "message"),
     [
         (["demo", "--model", "/nonexistent"], "kvtier demo: error: unknown model '/nonexistent'"),
+        # Before: --hf ran its own random Llama whatever --model named.
+        (["demo", "--hf", "--model", "tiny-llama"], "kvtier demo: error: --model 'tiny-llama' is the engine's"),
         (
             ["demo", "--model", "tiny-llama", "--conversations", "1", "--turns", "1", "--primary-mib", "1"],
             "kvtier demo: error: prompts[0] (",
@@ -91,3 +96,14 @@ def test_a_metrics_port_in_use_is_a_usage_error_before_the_run(capsys):
             main(["demo", "--metrics-port", str(port)])
     assert stop.value.code == 2
     assert f"argument --metrics-port: port {port} cannot be listened on here" in capsys.readouterr().err
+
+
+def test_an_output_file_checked_before_the_run_is_left_as_it_was(tmp_path):
+    """The check opens the file for writing: a new one is removed again, an existing one is untouched."""
+    from kvtier.cli.arguments import output_file
+
+    new = tmp_path / "new.json"
+    assert output_file(str(new)) == str(new) and not new.exists()
+    old = tmp_path / "old.json"
+    old.write_text("kept")
+    assert output_file(str(old)) == str(old) and old.read_text() == "kept"

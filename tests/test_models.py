@@ -194,3 +194,10 @@ def test_named_configs_are_valid() -> None:
         dataclasses.replace(named_config("tiny-swa"), sliding_window=None)
     with pytest.raises(ValueError, match="even"):
         dataclasses.replace(named_config("tiny-llama"), head_dim=15)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
+def test_a_cuda_model_without_cuda_is_a_clear_error():
+    """Before, torch's bare ``AssertionError: Torch not compiled with CUDA enabled``."""
+    with pytest.raises(RuntimeError, match="CUDA is not available here"):
+        build_model("tiny-llama", "cuda")

@@ -128,15 +128,22 @@ def lengths(text: str) -> list[int]:
 
 
 def output_file(text: str) -> str:
-    """A file to write at the end of a run, in a directory that exists and can be written now, and
-    not a directory itself: a typo is refused before a long run, not after it."""
+    """A file to write at the end of a run, in a directory that exists, and not a directory itself;
+    it is opened for writing now (and removed again if it was new): a typo or a place that takes no
+    file is refused before a long run, not after it."""
     if text.endswith(os.sep) or os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text}: a directory; name a file to write")
     directory = os.path.dirname(text) or "."
     if not os.path.isdir(directory):
         raise argparse.ArgumentTypeError(f"{text}: no directory {directory!r} to write it in")
-    if not os.access(directory, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text}: the directory {directory!r} cannot be written")
+    existed = os.path.exists(text)
+    try:
+        with open(text, "a"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written ({exc.strerror or exc})") from None
+    if not existed:
+        os.remove(text)
     return text
 
 

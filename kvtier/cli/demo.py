@@ -20,14 +20,15 @@ from kvtier.cli.arguments import at_least, between, device, free_port, mebibytes
 from kvtier.cli.run_summary import common_prefix_share, percentile
 
 MAX_PART_TOKENS = 1 << 20  # a system prompt, user turn or answer: longer than any model's context
+DEFAULT_MODEL = "small-llama"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         type=non_empty,
-        default="small-llama",
-        help="a kvtier.models name or a Llama/Mistral checkpoint directory",
+        default=DEFAULT_MODEL,
+        help="a kvtier.models name or a Llama/Mistral checkpoint directory (the engine's demo; not with --hf)",
     )
     parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16", "float16"])
@@ -49,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.hf:
         from kvtier.cli.hf_demo import run_hf
+
+        if args.model != DEFAULT_MODEL:
+            raise ValueError(
+                f"--model {args.model!r} is the engine's; --hf runs a random transformers Llama of its own"
+            )
 
         return run_hf(args)
     import torch

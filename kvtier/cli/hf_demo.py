@@ -91,6 +91,10 @@ def run_hf(args: argparse.Namespace) -> int:
         config = kvtier.CacheConfig(16, tiers, device=args.device)
         task = progress.add_task("turns", total=workload.turns * workload.conversations)
         with PrefixCache(model, config) as pc:
+            if args.metrics_port:
+                from kvtier.metrics import serve
+
+                console.print(f"metrics: {serve(pc.manager, args.metrics_port).url}")
             history = [list(system) for _ in range(workload.conversations)]
             for turn in range(workload.turns):
                 for c in range(workload.conversations):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.config import check_device_usable
 from kvtier.models.architecture import NAMED_CONFIGS, LayerKind, ModelConfig, named_config
 from kvtier.models.batch import PagedSequence
 from kvtier.models.llama import DecoderModel
@@ -48,9 +49,10 @@ def build_model(
 
     A known name gives random weights drawn from ``seed`` (a name wins over a directory of the same
     name); an existing directory is loaded (``seed`` is then unused). ``ValueError`` for anything
-    else, listing the known names.
+    else, listing the known names; ``RuntimeError`` for a CUDA device this process cannot use.
     """
     device = torch.device(device)
+    check_device_usable(device)
     is_name = isinstance(name_or_path, str) and name_or_path in NAMED_CONFIGS
     if not is_name and Path(name_or_path).is_dir():
         return load_model(name_or_path, device, dtype)
