@@ -273,6 +273,32 @@ def test_a_directory_opened_while_its_file_system_is_full_is_served_read_only_an
     after.close()
 
 
+@pytest.mark.parametrize("limit", [4096, 40_000])
+def test_a_new_directory_on_a_full_file_system_loses_nothing_it_never_had(tmp_path, limit):
+    """A first manager whose files cannot grow past ``limit`` bytes, then one with room. Before, the
+    first reported "every page it named lost" with ``disk_resets`` 1 for a directory that never
+    held a page, and at 40,000 bytes left tables without their meta rows, which the next manager
+    moved aside as damaged, reporting a loss again."""
+    code = f"""
+    import logging, resource, signal
+    from tests.test_tiers import manager
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+    mgr = manager({str(tmp_path)!r}, primary=6, host=0, disk=40)
+    print(mgr.stats().disk_resets)
+    mgr.close()
+    """
+    out = run_child(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "0"
+    assert "cannot be used" not in out.stderr and "lost" not in out.stderr.replace("nothing in it is lost", "")
+    after = manager(tmp_path, primary=6, host=0, disk=40)
+    assert after.stats().disk_resets == 0
+    assert not list(tmp_path.rglob("*.damaged"))
+    after.close()
+
+
 # -- items 9 and 10: damaged, lost or unusable directories -----------------------------------------
 
 

@@ -203,7 +203,8 @@ class DiskIndex:
                 else:
                     found = self._load_closed(_connect(Path(tmp) / INDEX_FILE))
         except _UNREADABLE + (_Unusable,) as exc:
-            self._report(f"it cannot be read ({exc})", "every page it named")
+            if self.directory.had_pages:  # else a new directory: no page was ever written, none is lost
+                self._report(f"it cannot be read ({exc})", "every page it named")
             self.nodes, self.pages, self.rejected = [], [], 0
             return
         if not found and self.directory.had_pages:
@@ -224,6 +225,8 @@ class DiskIndex:
         if not {b"meta", b"nodes", b"pages"} <= tables:
             raise _Unusable(f"it has the tables {sorted(t.decode(errors='replace') for t in tables)}")
         found = dict(db.execute("SELECT name, value FROM meta").fetchall())
+        if not found and not self.directory.had_pages:  # a creation cut short before this version made it whole
+            return False
         if found != self._meta:
             if found.get(b"schema") != self._meta[b"schema"]:
                 schema = found.get(b"schema", b"?").decode(errors="replace")
@@ -404,9 +407,17 @@ def _has_log(path: Path) -> bool:
 
 
 def _create(db: sqlite3.Connection, meta: dict[bytes, bytes]) -> None:
-    db.executescript(_SCHEMA)
-    db.execute(_MEASURED_TABLE)
-    db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [(k.decode(), v.decode()) for k, v in meta.items()])
+    """The tables and the meta rows, in one transaction: a file system that fails part way leaves
+    the file as it was (tables without meta would read as another index's)."""
+    db.executescript(f"BEGIN; {_SCHEMA}; {_MEASURED_TABLE};")
+    try:
+        rows = [(k.decode(), v.decode()) for k, v in meta.items()]
+        db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", rows)
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
 
 
 def _measures(rows: list[tuple]) -> dict[str, float]:
