@@ -84,6 +84,24 @@ def test_reads_and_lookups_keep_a_value(tmp_path):
     store.close()
 
 
+def test_values_stamped_while_the_clock_was_ahead_go_first_once_it_is_set_back(tmp_path):
+    """Before, such values sorted as the newest: the values written and read after the clock went
+    back were evicted first, for as long as the clock's offset lasted."""
+    store = FileSystemStore(tmp_path, max_bytes=10 * VALUE_BYTES)
+    ahead = [f"ahead/{i}" for i in range(6)]
+    assert all(store.put_many([(k, page_for(k)) for k in ahead]))
+    future = time.time() + 3600
+    for k in ahead:
+        os.utime(store.path_of(k), (future, future))
+    assert store.get_many(ahead[:1], [PAYLOAD]) == [page_for(ahead[0]).tobytes()]  # used now
+    new = [f"new/{i}" for i in range(6)]
+    for k in new:
+        assert store.put_many([(k, page_for(k))])
+    assert all(present(store, new + ahead[:1]))
+    assert sum(present(store, ahead[1:])) < 5
+    store.close()
+
+
 def test_a_value_larger_than_the_budget_is_not_stored(tmp_path, caplog):
     store = FileSystemStore(tmp_path, max_bytes=3 * VALUE_BYTES)
     small = [f"small/{i}" for i in range(3)]

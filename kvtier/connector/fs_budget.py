@@ -120,9 +120,11 @@ class StoreBudget:
 
     def evict(self, values: list[_Value], target: int) -> int:
         """Remove the least recently used of ``values`` (a scan) until at most ``target`` bytes of them
-        remain; the bytes left."""
+        remain; the bytes left. A value stamped in the future was written while the clock was ahead
+        and not used since it was set back (a use stamps it now): it counts as the least recent."""
         left = sum(v.size for v in values)
-        values.sort(key=lambda v: v.mtime_ns)
+        now = time.time_ns()
+        values.sort(key=lambda v: v.mtime_ns if v.mtime_ns <= now else 0)
         failed: list[OSError] = []
         removed = 0
         for value in values:
