@@ -57,7 +57,7 @@ class CacheCollector(Collector):
             ("demotions", "Pages moved to a colder tier"),
             ("promotions", "Pages moved to a warmer tier"),
             ("drops", "Pages discarded from the cache"),
-            ("checksum_failures", "Pages that failed their checksum when read back"),
+            ("checksum_failures", "Pages not read back intact: a checksum mismatch, a short read or a read error"),
             ("disk_resets", "Disk tier directories that could not be read and started empty"),
             ("recomputed_tokens", "Cached prompt tokens recomputed because loading them was estimated slower"),
         ):

@@ -20,6 +20,8 @@ class TierStats:
 class CacheStats:
     """A snapshot of the manager's counters (cumulative since it was created).
 
+    ``checksum_failures`` counts pages that did not come back intact from disk: a checksum that
+    does not match, a short read, or a read that failed (each is a miss, never a wrong byte).
     ``disk_resets`` counts disk tier directories whose index or files could not be read when the
     manager started: each was reported (an ERROR log line) and started empty.
     ``recomputed_tokens`` counts cached tokens left to be recomputed because loading them from
