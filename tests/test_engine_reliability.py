@@ -573,11 +573,13 @@ def test_a_prompt_that_fills_the_primary_tier_runs_again(llama, length, max_toke
     eng.close()
 
 
-def test_a_long_prompt_of_a_sliding_window_model_is_computed_in_chunks_its_window_fits():
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+def test_a_long_prompt_of_a_sliding_window_model_is_computed_in_chunks_its_window_fits(policy):
     """Only sliding-window layers (as a Mistral checkpoint loads): admission counts the window's
     pages, so a prompt longer than the primary tier is accepted. Before, its first chunk was as
     long as ``max_num_tokens``, needed a page for every block of it at once, and the request
-    failed: "it cannot run even alone"."""
+    failed: "it cannot run even alone". Under guaranteed_no_evict (the default) it failed so
+    until the request was computed in chunks there too, beside requests that hold every page."""
     from kvtier.models import LayerKind, ModelConfig
     from kvtier.models.random_init import random_model
 
@@ -592,10 +594,14 @@ def test_a_long_prompt_of_a_sliding_window_model_is_computed_in_chunks_its_windo
         sliding_window=3 * TPB,
     )
     model = random_model(config, torch.device("cpu"), torch.float64, 0)
-    eng = engine(model, primary_blocks=8, policy="max_utilization", max_num_tokens=16 * TPB)
+    eng = engine(model, primary_blocks=8, policy=policy, max_num_tokens=16 * TPB)
     prompt = prompts_for(model, [25 * TPB], seed=24)[0]  # three times the primary tier
     out = eng.generate([prompt], SamplingParams(max_tokens=4))[0]
     assert (out.finish_reason, out.token_ids) == ("length", model.reference_generate(prompt, 4))
+    again = prompts_for(model, [25 * TPB, 2 * TPB, 3 * TPB], seed=27)  # a new long one beside short ones
+    outs = eng.generate(again, SamplingParams(max_tokens=4))
+    for p, o in zip(again, outs, strict=True):
+        assert (o.finish_reason, o.token_ids) == ("length", model.reference_generate(p, 4))
     eng.cache_manager.check_invariants()
     eng.close()
 

@@ -85,11 +85,16 @@ class RequestLimits:
         low, high = 1, want
         while low < high:  # the pages a chunk needs grow with its end
             mid = (low + high + 1) // 2
-            if all(rule.pages_needed(start + mid, history) <= self.primary_pages[rule.group_id] for rule in self.rules):
+            if self.fits_at_once(start + mid, history):
                 low = mid
             else:
                 high = mid - 1
         return low
+
+    def fits_at_once(self, end: int, history: int) -> bool:
+        """Whether a cache of capacity ``end`` at this history has every group's live pages in the
+        primary tier at once (a sliding-window request too long for it is computed in chunks)."""
+        return all(rule.pages_needed(end, history) <= self.primary_pages[rule.group_id] for rule in self.rules)
 
     def min_pages(self, rule: GroupRule, num_prompt: int, max_tokens: int) -> int:
         """The fewest pages of a group that the request must hold at once, in O(1).

@@ -264,9 +264,15 @@ class Scheduler:
             cache.suspend()
             return _Blocked(f"its {len(request.tokens)} tokens exceed max_num_tokens and chunked_prefill is off")
         target = request.next_position + n
+        request.holds_to_completion = False
         if self.config.policy == "guaranteed_no_evict":
             # The last sampled token is never computed: prompt + max_tokens - 1 tokens at most.
-            target = max(target, len(request.prompt) + request.params.max_tokens - 1)
+            whole = max(target, len(request.prompt) + request.params.max_tokens - 1)
+            if self.limits.fits_at_once(whole, cache.history_length):
+                target = whole
+                request.holds_to_completion = True
+            # else a sliding-window request too long to hold at once: computed in chunks its window
+            # fits, and it waits (preempting only itself) when the pages it grows into are taken
         if not cache.resize(max(target, cache.capacity)):
             cache.suspend()
             return _Blocked(f"pages for {target} tokens are not available in the primary tier")
@@ -275,7 +281,9 @@ class Scheduler:
         return ScheduledChunk(request, request.next_position, n)
 
     def _grow(self, request: Request, end: int, batch: list[ScheduledChunk]) -> bool:
-        """Capacity for ``end`` tokens; under max_utilization, preempt others until it fits.
+        """Capacity for ``end`` tokens; under max_utilization, preempt others until it fits. Under
+        guaranteed_no_evict a request holds its pages from admission; one computed in chunks (a
+        sliding-window request too long to hold at once) preempts only itself, to wait for pages.
 
         Without a tier below the primary one, the suspended caches of waiting requests pin their
         pages there (nothing can move them): one of a priority no higher than the victim's (any,
@@ -284,11 +292,14 @@ class Scheduler:
         itself again, for ever."""
         cache = request.held_cache()
         while not cache.resize(max(end, cache.capacity)):
-            if self.config.policy != "max_utilization":
+            if self.config.policy == "max_utilization":
+                scheduled = {id(c.request) for c in batch}
+                victims = [r for r in self.running if id(r) not in scheduled]
+                victim = min(reversed(victims), key=lambda r: r.priority)  # lowest priority, latest admitted
+            elif request.holds_to_completion:
                 raise InvariantError("guaranteed_no_evict reserved every page at admission")
-            scheduled = {id(c.request) for c in batch}
-            victims = [r for r in self.running if id(r) not in scheduled]
-            victim = min(reversed(victims), key=lambda r: r.priority)  # lowest priority, latest admitted
+            else:
+                victim = request  # a request computed in chunks never takes another's pages
             at_most = None if victim is request else victim.priority
             if not self._swap_out and self._drop_a_waiting_cache(at_most):
                 continue

@@ -57,6 +57,7 @@ class Request:
     cache: KVCache | None = None
     admitted: bool = False  # had a cache once (a recompute keeps the first admission's reuse counts)
     reuse_unread: bool = False  # its first cache's reuse is read at its first resume (a damaged page lowers it)
+    holds_to_completion: bool = False  # guaranteed_no_evict reserved every page it will need at its admission
     first_token_time: float | None = None
     finish_time: float | None = None
     computed_prompt_tokens: int = 0
