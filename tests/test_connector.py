@@ -318,8 +318,9 @@ def test_an_asynchronous_load_never_reported_fails_its_request_only(llama, tmp_p
 
 def test_one_connector_given_to_two_engines_is_refused_for_the_second(llama, tmp_path):
     """A connector keeps one engine's layout, pages and requests: a second engine is refused
-    while the first is open. Before, it was taken: the first engine's saves copied the second's
-    pages and published them under its own tokens, and its loads wrote the second's buffer."""
+    while the first is open, and after (closing the engine closed its connector). Before, it was
+    taken: the first engine's saves copied the second's pages and published them under its own
+    tokens, and its loads wrote the second's buffer."""
     prompts = prompts_for(llama, [70, 40], seed=3)
     conn = FileSystemConnector(tmp_path)
     with engine(llama, 200, conn) as first:
@@ -327,6 +328,8 @@ def test_one_connector_given_to_two_engines_is_refused_for_the_second(llama, tmp
             engine(llama, 200, conn)
         outs = first.generate(prompts, SamplingParams(max_tokens=3))
         assert [o.token_ids for o in outs] == [llama.reference_generate(p, 3) for p in prompts]
+    with pytest.raises(ValueError, match="this connector was closed"):  # with the engine it served
+        engine(llama, 200, conn)  # before: taken, every ask and save then a silent miss
     with engine(llama, 200, FileSystemConnector(tmp_path)) as fresh:  # what the first saved is its own
         out = fresh.generate([prompts[0][:64] + [5, 6]], SamplingParams(max_tokens=3))[0]
         assert out.reused_tokens_by_tier.get("connector", 0) == 64

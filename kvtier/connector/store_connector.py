@@ -101,6 +101,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._copier: PageCopier | None = None
         self._staging: HostBuffer | None = None  # host bytes of the loads in flight, reused across steps
         self._servable = True
+        self._closed = False
         self._sightings = PrefixSightings(self.save_policy.max_tracked)
         self._counters = ConnectorCounters()
 
@@ -111,6 +112,9 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
     # -- worker: layout ---------------------------------------------------------------------------
 
     def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
+        """Take an engine's layout; ``ValueError`` once closed (its store and threads are gone)."""
+        if self._closed:
+            raise ValueError("this connector was closed (with the engine it served): give each engine a new one")
         fingerprint = layout.model_fingerprint
         if not fingerprint:
             raise ValueError("the layout carries no model fingerprint: register the layout an engine hands over")
@@ -303,6 +307,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         return done, list(started_loading_ids)  # loads complete within start_load_kv
 
     def close(self) -> None:
+        self._closed = True
         self._save_pool.shutdown(wait=True)
         self.store.close()
         if self._staging is not None:
