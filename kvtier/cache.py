@@ -451,7 +451,7 @@ class KVCache:
         if history < self._history:
             raise ValueError(f"history_length never decreases: it is {self._history}, asked {history}")
         if capacity < history:
-            raise ValueError(f"capacity {capacity} is below the history length {history} it would have")
+            raise ValueError(f"capacity {capacity} is below history {history}, the history length it would have")
         pool = self._pool
         old_nb, new_nb = self._num_blocks, -(-capacity // self._tpb)
         need: dict[int, int] = {}
