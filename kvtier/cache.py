@@ -87,7 +87,7 @@ class KVCache:
         self._tpb = pool.tokens_per_block
         self.scope = scope
         self._priority = priority
-        self._state = CacheState.SUSPENDED
+        self._state = CacheState.CLOSED  # until built: a cache cut short here is never queued as dropped
         self._input_len = len(tokens)
         self._tokens = array("Q")
         self._capacity = self._history = self._num_blocks = 0
@@ -99,6 +99,7 @@ class KVCache:
         self.num_reused_tokens = 0
         self.reused_by_tier = dict.fromkeys(TIER_NAMES, 0)
         self._block_tiers: list[int] | None = None  # per reused block, the tier it is counted for (None: one tier)
+        self._state = CacheState.SUSPENDED
         match = pool.match(tokens, scope, count_recomputed=counted)
         if match is not None:
             try:

@@ -20,6 +20,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Final, Protocol, TypeVar
 
+from kvtier import interrupts
 from kvtier.errors import CacheStateError
 
 CONCURRENT_USE: Final = (
@@ -41,17 +42,23 @@ def exclusive(method: F) -> F:
     """Run ``method`` with its object's manager claimed; ``CacheStateError`` if another thread holds it.
 
     The guard is reentrant: a claimed call may make others on the same thread (``close`` closes
-    caches). It never waits, so a misuse fails at once instead of deadlocking.
+    caches). It never waits, so a misuse fails at once instead of deadlocking. A Ctrl-C on the
+    main thread during the call is raised when it ends (``kvtier.interrupts``).
     """
 
     @functools.wraps(method)
     def claimed(self: Guarded, *args: Any, **kwargs: Any) -> Any:
-        guard = self._guard
-        if not guard.acquire(False):
-            raise CacheStateError(CONCURRENT_USE)
+        on_main_thread = interrupts.enter()  # a Ctrl-C from here on waits for the call's end
         try:
-            return method(self, *args, **kwargs)
+            guard = self._guard
+            if not guard.acquire(False):
+                raise CacheStateError(CONCURRENT_USE)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                guard.release()
         finally:
-            guard.release()
+            if on_main_thread:
+                interrupts.leave()
 
     return claimed  # type: ignore[return-value]

@@ -804,3 +804,28 @@ def test_generate_refuses_arguments_of_the_wrong_type_before_running_anything(ll
     check_against_oracle(llama, prompts, outs, 2)
     assert [sum(out.reused_tokens_by_tier.values()) for out in outs] == [0, 0]
     eng.close()
+
+
+def test_close_from_another_thread_during_a_step_names_that_thread(llama):
+    """Before, the refusal said the call came "from a connector hook", which it did not."""
+    eng = engine(llama, primary_blocks=60)
+    inside, release = threading.Event(), threading.Event()
+    run = eng.runner.run
+
+    def slow_run(batch):
+        inside.set()
+        release.wait(10)
+        return run(batch)
+
+    eng.runner.run = slow_run
+    prompt = prompts_for(llama, [12], seed=40)[0]
+    outs = []
+    worker = threading.Thread(target=lambda: outs.extend(eng.generate([prompt], SamplingParams(max_tokens=2))))
+    worker.start()
+    assert inside.wait(10)
+    with pytest.raises(kvtier.CacheStateError, match="another thread runs a step"):
+        eng.close()
+    release.set()
+    worker.join(10)
+    assert outs[0].token_ids == llama.reference_generate(prompt, 2)
+    eng.close()

@@ -8,14 +8,19 @@ be made again.
 
 from __future__ import annotations
 
+import gc
+import signal
+import threading
 from pathlib import Path
 
 import pytest
 
 import kvtier
+import kvtier.cache as cache_module
 import kvtier.storage.page_files as page_files
 from kvtier.copy.copier import PageCopier
 from kvtier.tiering.mover import Mover
+from kvtier.tiering.residency import Residency
 from kvtier.tiering.tier import Tier
 from tests.kvdata import PageOracle, small_spec
 from tests.test_tiers import TPB, page_demand, prefill
@@ -226,4 +231,68 @@ def test_a_create_cache_interrupted_while_it_adopts_its_prefix_holds_nothing(tmp
             mgr.create_cache([*PROMPTS[0], 1])
     mgr.check_invariants()  # a page held by no open cache would be reported
     serve_every_prompt(mgr)
+    mgr.close()
+
+
+def ctrl_c_inside(monkeypatch, cls, name: str, times: int = 1) -> list[str]:
+    """``cls.name`` receives ``times`` real SIGINTs (Ctrl-C) as it starts (Python handles them at
+    its next bytecode); the list returned gets ``name`` each time the method itself runs."""
+    original = getattr(cls, name)
+    ran: list[str] = []
+
+    def interrupted(*args, **kwargs):
+        for _ in range(times):
+            signal.raise_signal(signal.SIGINT)
+        ran.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, interrupted)
+    return ran
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_ctrl_c_inside_a_close_waits_for_its_end(monkeypatch):
+    """Before, the KeyboardInterrupt landed inside the release of the cache's pages: the pages not yet
+    released kept a hold and a lock of no cache, for good (a later request for the whole tier failed)."""
+    spec = small_spec("llama")
+    d = page_demand(spec)
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(int(d * 8) + 1)]))
+    oracle = PageOracle(mgr)
+    cache = prefill(mgr, oracle, conversation(1, 6 * TPB - 1), keep=True)
+    with monkeypatch.context() as patch:
+        ctrl_c_inside(patch, Residency, "release_all")
+        with pytest.raises(KeyboardInterrupt):
+            cache.close()
+    assert cache.state is kvtier.CacheState.CLOSED
+    mgr.check_invariants()
+    whole = mgr.create_cache(conversation(2, 1))
+    assert whole.resume() and whole.resize(8 * TPB)  # every primary page can be had
+    whole.close()
+    cache = prefill(mgr, oracle, conversation(3, 5), keep=True)
+    with monkeypatch.context() as patch:  # a second Ctrl-C is raised at once: a long call can be cut short
+        ran = ctrl_c_inside(patch, Residency, "release_all", times=2)
+        with pytest.raises(KeyboardInterrupt):
+            cache.close()
+    assert ran == []
+    mgr.close()
+
+
+def test_a_create_cache_cut_short_while_it_builds_the_cache_leaves_the_next_call_working(monkeypatch):
+    """Before, the half-built cache was taken for one dropped without ``close``, and the next call
+    raised ``AttributeError: 'KVCache' object has no attribute '_pending'`` as it closed it."""
+    spec = small_spec("llama")
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(int(page_demand(spec) * 8) + 1)]))
+
+    def cut_short(*args, **kwargs):
+        raise MemoryError("block table")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cache_module, "PublishedChain", cut_short)
+        with pytest.raises(MemoryError):
+            mgr.create_cache(conversation(4, 9))
+    gc.collect()
+    cache = mgr.create_cache(conversation(4, 9))
+    assert cache.resume()
+    cache.close()
+    mgr.check_invariants()
     mgr.close()

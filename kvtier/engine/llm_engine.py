@@ -335,6 +335,11 @@ class LLMEngine:
         if self._closed:
             return True
         if self._stepping:
+            if threading.get_ident() != self.driver_thread:
+                raise CacheStateError(
+                    "close() called while another thread runs a step of this engine (inside generate() or step()): "
+                    "close it from that thread, or once its call has returned"
+                )
             raise CacheStateError("close() called from inside a step of this engine (from a connector hook)")
         self._closed = True
         exit_close.untrack(self)
