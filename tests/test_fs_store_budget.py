@@ -250,6 +250,8 @@ def test_a_value_larger_than_the_file_system_or_quota_evicts_nothing(tmp_path, m
     huge = page_for("huge", 13 * VALUE_BYTES)
     assert store.put_many([("huge", huge)]) == [False]
     assert store.get_many(kept, [PAYLOAD] * len(kept)) == [page_for(k).tobytes() for k in kept]
+    time.sleep(TICK_S)  # the reads above run on several threads, in no set order: read the last again
+    assert store.get_many(kept[-1:], [PAYLOAD]) == [page_for(kept[-1]).tobytes()]
     new = [f"new/{i}" for i in range(4)]
     assert store.put_many([("huge", huge)] + [(k, page_for(k)) for k in new]) == [False] + [True] * len(new)
     assert store.get_many(new, [PAYLOAD] * len(new)) == [page_for(k).tobytes() for k in new]
