@@ -75,12 +75,22 @@ class KVCache:
         "scope",
     )
 
-    def __init__(self, pool: PagePool, tokens: array, scope: ReuseScope, priority: int, counted: bool = True) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        tokens: array,
+        scope: ReuseScope,
+        priority: int,
+        counted: bool = True,
+        forgotten: bool = False,
+    ) -> None:
         """A SUSPENDED cache for ``tokens`` holding their longest reusable prefix (on any tier).
 
         ``counted``: its reuse counts as the request's hits (``KVCacheManager.create_cache`` adds
         them), and tokens the match cuts because loading them is slower than recomputing count in
-        ``recomputed_tokens``; False for a second cache of a request already counted."""
+        ``recomputed_tokens``; False for a second cache of a request already counted.
+        ``forgotten``: a cache of a request whose scope was forgotten meanwhile: it matches nothing
+        and publishes nothing (the scope's tree holds the new weights' blocks)."""
         self._pool = pool
         self._guard = pool.guard  # calls that change the pool claim it (kvtier.exclusive)
         self._res = pool.residency
@@ -92,7 +102,7 @@ class KVCache:
         self._tokens = array("Q")
         self._capacity = self._history = self._num_blocks = 0
         self._table = BlockTable(pool.rules, pool.residency)
-        self._chain = PublishedChain(pool, pool.root(scope))
+        self._chain = PublishedChain(pool, None if forgotten else pool.root(scope))
         self._pending: list[Page] = []  # pages to copy into private ones on first resume
         self._reuse_counted = False  # the reused pages' hits were counted (at the first resume)
         self._stream = None  # the stream of the last resume, where the caller writes the pages (CUDA)
@@ -100,7 +110,7 @@ class KVCache:
         self.reused_by_tier = dict.fromkeys(TIER_NAMES, 0)
         self._block_tiers: list[int] | None = None  # per reused block, the tier it is counted for (None: one tier)
         self._state = CacheState.SUSPENDED
-        match = pool.match(tokens, scope, count_recomputed=counted)
+        match = None if forgotten else pool.match(tokens, scope, count_recomputed=counted)
         if match is not None:
             try:
                 self._adopt(match, tokens)
@@ -342,7 +352,8 @@ class KVCache:
         if n > len(self._tokens):
             raise ValueError(f"num_tokens ({n}) is more than the cache's {len(self._tokens)} committed tokens")
         self._pool.release_dropped()
-        cache = KVCache(self._pool, self._tokens[:n], self.scope, self._priority, counted=False)
+        forgotten = self._chain.root is None  # its scope was forgotten (or reuse is off: nothing to match)
+        cache = KVCache(self._pool, self._tokens[:n], self.scope, self._priority, counted=False, forgotten=forgotten)
         self._pool.debug_check()
         return cache
 

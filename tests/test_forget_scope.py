@@ -186,6 +186,35 @@ def test_a_cache_that_starts_over_after_its_scope_was_forgotten_adopts_nothing(t
     mgr.close()
 
 
+def test_a_cache_for_a_prefix_of_a_request_whose_scope_was_forgotten_matches_and_publishes_nothing(tmp_path):
+    """``cache_for_prefix`` of a cache open across ``forget_scope``. Before, the new cache matched
+    the scope's new tree (adopting blocks of the new weights) and published what it committed
+    there, so a later request of the new weights was served the old weights' bytes."""
+    rng = np.random.default_rng(9)
+    mgr = make(tmp_path / "disk")
+    tokens = rng.integers(3, 30_000, 4 * TPB).tolist()
+    old, new = PageOracle(mgr), PageOracle(mgr, weights=1)
+    running = mgr.create_cache([*tokens, 1], OLD)
+    assert running.resume() and running.resize(4 * TPB)
+    old.write(running, tokens, 0, 4 * TPB)
+    running.commit(tokens)
+    mgr.forget_scope(OLD)
+    publish(mgr, new, tokens[: 2 * TPB], OLD).close()  # the new weights publish the first two blocks
+    prefix = running.cache_for_prefix(3 * TPB)
+    assert prefix.num_reused_tokens == 0  # nothing of the new weights adopted
+    assert prefix.resume() and prefix.resize(3 * TPB)
+    old.write(prefix, tokens, 0, 3 * TPB)
+    prefix.commit(tokens[: 3 * TPB])
+    prefix.close()
+    running.close()
+    cache = mgr.create_cache([*tokens, 1], OLD)
+    assert cache.num_reused_tokens == 2 * TPB and cache.resume()  # only the new weights' blocks
+    new.check(cache, [*tokens[: 2 * TPB], 1])
+    cache.close()
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_scopes_used_once_leave_nothing_behind_once_their_blocks_are_gone():
     mgr = make(None, pages=6)  # primary + host, no disk: blocks pushed out of host memory are dropped
     oracle = PageOracle(mgr)
