@@ -54,7 +54,10 @@ def exclusive(method: F) -> F:
             if not guard.acquire(False):
                 raise CacheStateError(CONCURRENT_USE)
             try:
-                return method(self, *args, **kwargs)
+                result = method(self, *args, **kwargs)
+                if on_main_thread and interrupts.kept_for_this_call():
+                    _let_go_of(result)  # the caller never receives it: the Ctrl-C is raised instead
+                return result
             finally:
                 guard.release()
         finally:
@@ -62,3 +65,12 @@ def exclusive(method: F) -> F:
                 interrupts.leave()
 
     return claimed  # type: ignore[return-value]
+
+
+def _let_go_of(result: Any) -> None:
+    """What a call cut short by Ctrl-C made is let go of: a cache closed, a prefetch cancelled."""
+    for name in ("close", "cancel"):
+        let_go = getattr(result, name, None)
+        if callable(let_go):
+            let_go()
+            return

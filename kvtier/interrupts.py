@@ -8,6 +8,8 @@ created on the main thread): while the main thread is inside a claimed call, a S
 it is handed to the wrapped handler (Python's default raises ``KeyboardInterrupt``) when the
 outermost claimed call returns or raises. A second SIGINT during the same call is handed on at
 once, so a call that waits long (a ``close`` persisting many pages) can still be cut short.
+What a call so cut short made (a cache, a prefetch) is let go of before the interrupt is raised
+(``kvtier.exclusive``): its caller never receives it.
 
 Invariants: only the main thread's claimed calls are counted (other threads never receive a
 Python signal handler's exception); a handler the process installs later replaces the wrapper,
@@ -47,6 +49,11 @@ def enter() -> bool:
         return False
     _depth += 1
     return True
+
+
+def kept_for_this_call() -> bool:
+    """Whether a SIGINT was kept during the main thread's outermost claimed call, now ending."""
+    return _depth == 1 and _kept
 
 
 def leave() -> None:
