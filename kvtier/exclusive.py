@@ -36,6 +36,7 @@ class Guarded(Protocol):
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+_NOTHING: Final = object()  # a claimed call that returned nothing yet
 
 
 def exclusive(method: F) -> F:
@@ -49,20 +50,24 @@ def exclusive(method: F) -> F:
     @functools.wraps(method)
     def claimed(self: Guarded, *args: Any, **kwargs: Any) -> Any:
         on_main_thread = interrupts.enter()  # a Ctrl-C from here on waits for the call's end
+        result = _NOTHING
         try:
             guard = self._guard
             if not guard.acquire(False):
                 raise CacheStateError(CONCURRENT_USE)
             try:
                 result = method(self, *args, **kwargs)
-                if on_main_thread and interrupts.kept_for_this_call():
-                    _let_go_of(result)  # the caller never receives it: the Ctrl-C is raised instead
-                return result
             finally:
                 guard.release()
         finally:
             if on_main_thread:
-                interrupts.leave()
+                try:
+                    interrupts.leave()  # a Ctrl-C kept during the call is handed on now
+                except BaseException:
+                    if result is not _NOTHING:
+                        _let_go_of(result)  # the caller never receives it: the interrupt is raised instead
+                    raise
+        return result
 
     return claimed  # type: ignore[return-value]
 

@@ -16,7 +16,6 @@ import weakref
 import numpy as np
 import torch
 
-from kvtier import interrupts
 from kvtier.cache import KVCache
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, PrimaryTier, ReuseScope, check_device_usable
 from kvtier.errors import CacheStateError
@@ -76,7 +75,6 @@ class KVCacheManager:
             self._dropped = weakref.finalize(self, _orphan, self._pool)
         self._dropped.atexit = False  # at exit ``_close_at_exit`` closes the managers still open
         self._guard = self._pool.guard  # claimed by calls that change the pool (kvtier.exclusive)
-        interrupts.defer_ctrl_c()  # a Ctrl-C never lands inside a claimed call's bookkeeping
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._closed = False
         self._closing = False  # ``close`` has begun (it may release the tiers before it ends)

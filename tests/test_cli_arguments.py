@@ -107,3 +107,8 @@ def test_an_output_file_checked_before_the_run_is_left_as_it_was(tmp_path):
     old = tmp_path / "old.json"
     old.write_text("kept")
     assert output_file(str(old)) == str(old) and old.read_text() == "kept"
+    (tmp_path / "results").mkdir()
+    link = tmp_path / "out.json"  # a link to a file the run will make
+    link.symlink_to(tmp_path / "results" / "run1.json")
+    assert output_file(str(link)) == str(link)
+    assert link.is_symlink() and list((tmp_path / "results").iterdir()) == []

@@ -102,6 +102,27 @@ def test_values_stamped_while_the_clock_was_ahead_go_first_once_it_is_set_back(t
     store.close()
 
 
+def test_values_of_a_host_whose_clock_runs_a_little_ahead_are_as_recent_as_their_stamps(tmp_path):
+    """Two hosts share the directory; one's clock (or a file server's) is 2 s ahead: its values
+    are the newest, not the oldest (an early cut of the clock rule evicted them first)."""
+    store = FileSystemStore(tmp_path, max_bytes=10 * VALUE_BYTES)
+    unused = [f"unused/{i}" for i in range(5)]
+    assert all(store.put_many([(k, page_for(k)) for k in unused]))
+    an_hour_ago = time.time() - 3600
+    for k in unused:
+        os.utime(store.path_of(k), (an_hour_ago, an_hour_ago))
+    fresh = [f"fresh/{i}" for i in range(4)]  # from the host ahead
+    assert all(store.put_many([(k, page_for(k)) for k in fresh]))
+    ahead = time.time() + 2
+    for k in fresh:
+        os.utime(store.path_of(k), (ahead, ahead))
+    more = [f"more/{i}" for i in range(3)]  # 12 values: over the budget
+    assert all(store.put_many([(k, page_for(k)) for k in more]))
+    assert all(present(store, fresh + more))
+    assert not all(present(store, unused))
+    store.close()
+
+
 def test_a_value_larger_than_the_budget_is_not_stored(tmp_path, caplog):
     store = FileSystemStore(tmp_path, max_bytes=3 * VALUE_BYTES)
     small = [f"small/{i}" for i in range(3)]

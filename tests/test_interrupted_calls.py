@@ -318,3 +318,67 @@ def test_a_cache_whose_creation_a_ctrl_c_cut_short_is_closed_before_it_is_raised
     mgr.check_invariants()
     assert "dropped without close" not in caplog.text
     mgr.close()
+
+
+@pytest.fixture
+def sigint_handler():
+    """The test may install SIGINT handlers; the one before is put back after."""
+    saved = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, saved)
+
+
+def one_page_manager() -> kvtier.KVCacheManager:
+    spec = small_spec("llama")
+    return kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(int(page_demand(spec) * 8) + 1)]))
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_ctrl_c_handler_that_does_not_raise_gets_the_calls_result(monkeypatch, sigint_handler):
+    """A handler that only sets a flag (asyncio's first Ctrl-C cancels a task and returns): the
+    call's result is the caller's. Before, the cache was closed as if the interrupt were raised."""
+    stops = []
+    signal.signal(signal.SIGINT, lambda signum, frame: stops.append(signum))
+    mgr = one_page_manager()
+    with monkeypatch.context() as patch:
+        ctrl_c_inside(patch, type(mgr._pool), "match")
+        cache = mgr.create_cache(conversation(6, 9))
+    assert stops == [signal.SIGINT]  # handed on once, at the end of the call
+    assert cache.state is kvtier.CacheState.SUSPENDED and cache.resume()
+    cache.close()
+    mgr.close()
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_handler_installed_after_the_first_manager_is_deferred_too(monkeypatch, sigint_handler):
+    """Jupyter puts Python's default handler back before every cell. Before, only the handler in
+    place when the first manager was made was wrapped, so from the next cell on a Ctrl-C landed
+    inside the bookkeeping again; and a handler that chains to the one it replaced (a second
+    manager made after it) recursed until ``RecursionError``."""
+    mgr = one_page_manager()
+    oracle = PageOracle(mgr)
+    cache = prefill(mgr, oracle, conversation(7, 3 * TPB), keep=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the next cell
+    with monkeypatch.context() as patch:
+        ctrl_c_inside(patch, Residency, "release_all")
+        with pytest.raises(KeyboardInterrupt):
+            cache.close()
+    mgr.check_invariants()
+    cleanups = []
+    wrapped = signal.getsignal(signal.SIGINT)
+
+    def chained(signum, frame):
+        cleanups.append(signum)
+        wrapped(signum, frame)
+
+    signal.signal(signal.SIGINT, chained)
+    second = one_page_manager()
+    cache = prefill(second, PageOracle(second), conversation(8, 3 * TPB), keep=True)
+    with monkeypatch.context() as patch:
+        ctrl_c_inside(patch, Residency, "release_all")
+        with pytest.raises(KeyboardInterrupt):
+            cache.close()
+    assert cleanups == [signal.SIGINT]
+    second.check_invariants()
+    second.close()
+    mgr.close()

@@ -136,14 +136,15 @@ def output_file(text: str) -> str:
     directory = os.path.dirname(text) or "."
     if not os.path.isdir(directory):
         raise argparse.ArgumentTypeError(f"{text}: no directory {directory!r} to write it in")
-    existed = os.path.exists(text)
+    target = os.path.realpath(text)  # a link's file (a link whose file is not made yet stays a link)
+    existed = os.path.exists(target)
     try:
         with open(text, "a"):
             pass
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"{text}: cannot be written ({exc.strerror or exc})") from None
     if not existed:
-        os.remove(text)
+        os.remove(target)
     return text
 
 

@@ -25,6 +25,7 @@ VALUE_SUFFIX: Final = ".page"
 TEMP_SUFFIX: Final = ".tmp"
 EVICT_TO: Final = 0.9  # an eviction pass leaves at most this share of the budget
 STALE_TEMP_S: Final = 600.0  # a temporary file this old was left by a killed writer
+FUTURE_STAMP_S: Final = 300.0  # a value stamped further ahead was written before the clock went back
 _HEX: Final = frozenset("0123456789abcdef")
 
 
@@ -120,11 +121,13 @@ class StoreBudget:
 
     def evict(self, values: list[_Value], target: int) -> int:
         """Remove the least recently used of ``values`` (a scan) until at most ``target`` bytes of them
-        remain; the bytes left. A value stamped in the future was written while the clock was ahead
-        and not used since it was set back (a use stamps it now): it counts as the least recent."""
+        remain; the bytes left. A value stamped more than ``FUTURE_STAMP_S`` ahead was written while
+        the clock was ahead and not used since it was set back (a use stamps it now): it counts as
+        the least recent. One stamped a little ahead (another host's clock, a file server's) is
+        as recent as its stamp says."""
         left = sum(v.size for v in values)
-        now = time.time_ns()
-        values.sort(key=lambda v: v.mtime_ns if v.mtime_ns <= now else 0)
+        future = time.time_ns() + int(FUTURE_STAMP_S * 1e9)
+        values.sort(key=lambda v: v.mtime_ns if v.mtime_ns <= future else 0)
         failed: list[OSError] = []
         removed = 0
         for value in values:
