@@ -3,90 +3,120 @@
 A claimed call (``kvtier.exclusive``) moves counts, locks, slots and tree links in many small
 steps; a ``KeyboardInterrupt`` raised between two of them would leave pages held by no cache and
 slots owned by no page, for good. Python runs signal handlers on the main thread only, between
-two bytecodes. So when the main thread enters its outermost claimed call, the process's Python
-SIGINT handler is wrapped if it is not already (a handler installed since, as Jupyter installs
-one before every cell, is wrapped again): while the main thread is inside a claimed call, a
-SIGINT is kept; it is handed on to the handler when the outermost claimed call ends, and a
-second SIGINT during the same call is handed on at once (so a call that waits long, a ``close``
-persisting many pages, can still be cut short). The caller (``kvtier.exclusive``) lets go of
-what a call made when the handler it was handed on to raises.
+two bytecodes. So while the main thread is inside its outermost claimed call, the process's
+Python SIGINT handler is wrapped: a SIGINT that arrives then is kept, and handed on to the
+handler when the call ends (the handler is put back first, so outside claimed calls the process
+sees exactly its own handler, as ``asyncio.run`` and Jupyter expect). A wait marked
+``may_be_cut_short`` (the disk I/O a long call waits for, written to be interrupted) is the
+exception: a kept SIGINT is handed on as it starts, and one arriving during it at once. The
+caller (``kvtier.exclusive``) lets go of what a call made when the handler it was handed on to
+raises.
 
 Invariants: only the main thread's claimed calls are counted (other threads never receive a
-Python signal handler's exception); each wrapper calls the handler it wrapped, so handlers that
-chain to the one they replaced run once per SIGINT; SIG_IGN and SIG_DFL are never wrapped.
+Python signal handler's exception); the wrapper is installed only inside the main thread's
+outermost claimed call and removed as it ends, unless the handler was replaced meanwhile;
+SIG_IGN and SIG_DFL are never wrapped.
 """
 
 from __future__ import annotations
 
+import _signal
+import contextlib
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
 Handler = Callable[[int, FrameType | None], Any]
 
+_SIGINT = int(signal.SIGINT)
 _MAIN_THREAD = threading.main_thread().ident
 _depth = 0  # claimed calls the main thread is inside
-_kept = False  # a SIGINT arrived inside one and was not handed on yet
-_passing = False  # a SIGINT is being handed on down a chain of handlers: every wrapper lets it through
+_waiting = 0  # waits that may be cut short the main thread is inside
+_kept = False  # a SIGINT arrived inside a claimed call and was not handed on yet
+_installed: tuple[Handler, Handler] | None = None  # (the wrapper, the handler it wraps) while installed
+_last_wrapper: tuple[Handler, Handler] | None = None  # (a wrapper, the handler it wraps), made once per handler
 
 
 def enter() -> bool:
     """A claimed call starts; True when it is the main thread's (``leave`` after it, in a finally)."""
-    global _depth
+    global _depth, _installed
     if threading.get_ident() != _MAIN_THREAD:
         return False
     if _depth == 0:
-        _wrap_current_handler()
+        current = _signal.getsignal(_SIGINT)
+        if callable(current):
+            wrapper = _wrapper_of(current)
+            _signal.signal(_SIGINT, wrapper)
+            _installed = (wrapper, current)
     _depth += 1
     return True
 
 
 def leave() -> None:
-    """A claimed call of the main thread ends: a SIGINT kept during the outermost one is handed on
-    to the SIGINT handler now (which raises ``KeyboardInterrupt``, unless it was replaced by one
-    that does not)."""
-    global _depth, _kept
+    """A claimed call of the main thread ends. At the outermost one, the wrapped handler is put
+    back, and a SIGINT kept meanwhile is handed on to it (which raises ``KeyboardInterrupt``,
+    unless it is a handler that does not)."""
+    global _depth, _installed, _kept
     _depth -= 1
-    if _depth == 0 and _kept:
+    if _depth:
+        return
+    if _installed is not None:
+        wrapper, wrapped = _installed
+        _installed = None
+        if _signal.getsignal(_SIGINT) is wrapper:
+            _signal.signal(_SIGINT, wrapped)
+    if _kept:
         _kept = False
-        _hand_on(signal.SIGINT, None)
+        _hand_on(None)
 
 
-def _wrap_current_handler() -> None:
-    current = signal.getsignal(signal.SIGINT)
-    if callable(current) and not getattr(current, "defers_in_claimed_calls", False):
-        signal.signal(signal.SIGINT, _wrapper_of(current))
+@contextlib.contextmanager
+def may_be_cut_short() -> Iterator[None]:
+    """A wait inside a claimed call that is written to be interrupted (its caller undoes or marks
+    what it waited for): a Ctrl-C kept so far is raised as it starts, one arriving during it at once."""
+    global _waiting, _kept
+    if threading.get_ident() != _MAIN_THREAD:
+        yield
+        return
+    if _kept:
+        _kept = False
+        _hand_on(None)
+    _waiting += 1
+    try:
+        yield
+    finally:
+        _waiting -= 1
 
 
 def _wrapper_of(inner: Handler) -> Handler:
+    """The wrapper of ``inner`` (the last one made is made again only for another handler)."""
+    global _last_wrapper
+    if _last_wrapper is not None and _last_wrapper[1] is inner:
+        return _last_wrapper[0]
+    wrapper = _new_wrapper(inner)
+    _last_wrapper = (wrapper, inner)
+    return wrapper
+
+
+def _new_wrapper(inner: Handler) -> Handler:
     def on_sigint(signum: int, frame: FrameType | None) -> Any:
         global _kept
-        if _passing:  # handed on by a wrapper above this one
-            return inner(signum, frame)
-        if _depth and not _kept:  # inside a claimed call: kept until its end
+        if _depth and not _waiting:  # inside a claimed call's bookkeeping: kept until its end
             _kept = True
             return None
-        _kept = False
-        return _pass_down(inner, signum, frame)
+        return inner(signum, frame)
 
-    on_sigint.defers_in_claimed_calls = True  # type: ignore[attr-defined]
     return on_sigint
 
 
-def _hand_on(signum: int, frame: FrameType | None) -> None:
-    """Run the SIGINT handler installed now, as if the signal arrived now."""
-    current = signal.getsignal(signal.SIGINT)
-    if current is signal.SIG_IGN:
+def _hand_on(frame: FrameType | None) -> None:
+    """Run the process's SIGINT handler (the one the wrapper wraps, while it is installed) now."""
+    current = _signal.getsignal(_SIGINT)
+    if _installed is not None and current is _installed[0]:
+        current = _installed[1]
+    if current == signal.SIG_IGN:
         return
-    _pass_down(current if callable(current) else signal.default_int_handler, signum, frame)
-
-
-def _pass_down(handler: Handler, signum: int, frame: FrameType | None) -> None:
-    global _passing
-    outer, _passing = _passing, True
-    try:
-        handler(signum, frame)
-    finally:
-        _passing = outer
+    handler = current if callable(current) else signal.default_int_handler
+    handler(_SIGINT, frame)

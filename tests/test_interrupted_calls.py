@@ -253,11 +253,13 @@ def ctrl_c_inside(monkeypatch, cls, name: str, times: int = 1) -> list[str]:
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
 def test_a_ctrl_c_inside_a_close_waits_for_its_end(monkeypatch):
     """Before, the KeyboardInterrupt landed inside the release of the cache's pages: the pages not yet
-    released kept a hold and a lock of no cache, for good (a later request for the whole tier failed)."""
+    released kept a hold and a lock of no cache, for good (a later request for the whole tier failed).
+    An early cut of the deferral raised a second Ctrl-C at once, there again."""
     spec = small_spec("llama")
     d = page_demand(spec)
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(int(d * 8) + 1)]))
     oracle = PageOracle(mgr)
+    handler_before = signal.getsignal(signal.SIGINT)
     cache = prefill(mgr, oracle, conversation(1, 6 * TPB - 1), keep=True)
     with monkeypatch.context() as patch:
         ctrl_c_inside(patch, Residency, "release_all")
@@ -269,11 +271,13 @@ def test_a_ctrl_c_inside_a_close_waits_for_its_end(monkeypatch):
     assert whole.resume() and whole.resize(8 * TPB)  # every primary page can be had
     whole.close()
     cache = prefill(mgr, oracle, conversation(3, 5), keep=True)
-    with monkeypatch.context() as patch:  # a second Ctrl-C is raised at once: a long call can be cut short
+    with monkeypatch.context() as patch:  # Ctrl-C pressed twice: one interrupt, at the end too
         ran = ctrl_c_inside(patch, Residency, "release_all", times=2)
         with pytest.raises(KeyboardInterrupt):
             cache.close()
-    assert ran == []
+    assert ran  # the release ran, and then the interrupt was raised
+    mgr.check_invariants()
+    assert signal.getsignal(signal.SIGINT) is handler_before  # outside calls: the process's own handler
     mgr.close()
 
 
@@ -381,4 +385,43 @@ def test_a_handler_installed_after_the_first_manager_is_deferred_too(monkeypatch
     assert cleanups == [signal.SIGINT]
     second.check_invariants()
     second.close()
+    mgr.close()
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_ctrl_c_while_a_resume_waits_for_its_disk_reads_cuts_the_wait_short(tmp_path, monkeypatch):
+    """The disk I/O a call waits for may be cut short (the call marks what did not arrive): a real
+    Ctrl-C there is raised at once, not when the resume would have ended."""
+    mgr = three_tiers(tmp_path)
+    oracle = PageOracle(mgr)
+    for prompt in PROMPTS:
+        prefill(mgr, oracle, prompt)  # 6 x 3 pages through 8 + 8: the first prompt ends on disk
+    real = page_files._run
+
+    def run(pool, fn, *iterables):
+        if "out" in fn.__code__.co_varnames:  # the page read's worker: Ctrl-C while it reads
+            signal.raise_signal(signal.SIGINT)
+        return real(pool, fn, *iterables)
+
+    cache = mgr.create_cache([*PROMPTS[0], 1])
+    assert cache.reused_by_tier["disk"] > 0
+    with monkeypatch.context() as patch:
+        patch.setattr(page_files, "_run", run)
+        with pytest.raises(KeyboardInterrupt):
+            cache.resume()
+    assert cache.state is kvtier.CacheState.SUSPENDED  # the resume was cut short, not finished
+    mgr.check_invariants()
+    assert cache.resume()
+    oracle.check(cache, [*PROMPTS[0], 1])
+    cache.close()
+    mgr.close()
+
+
+def test_outside_calls_the_process_keeps_its_own_sigint_handler(sigint_handler):
+    """``asyncio.run`` installs its graceful Ctrl-C handler only over Python's default one. Before,
+    the wrapper stayed installed after the first call, so it never did."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    mgr = one_page_manager()
+    mgr.create_cache(conversation(9, 9)).close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     mgr.close()

@@ -36,6 +36,7 @@ from typing import Final
 import numpy as np
 import xxhash
 
+from kvtier import interrupts
 from kvtier.knobs import parse_int64
 from kvtier.storage.disk_dir import DiskDirectory, open_private
 from kvtier.storage.log_limit import RateLimitedWarning
@@ -187,7 +188,8 @@ def _run(pool: ThreadPoolExecutor, fn, *iterables) -> list:
     except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
         return [fn(*args) for args in zip(*iterables, strict=True)]
     try:
-        return [future.result() for future in futures]
+        with interrupts.may_be_cut_short():  # a Ctrl-C need not wait for the whole read or write
+            return [future.result() for future in futures]
     except BaseException:  # an interrupt: none is left writing into buffers the caller hands on
         for future in futures:
             future.cancel()
