@@ -46,6 +46,7 @@ def enter() -> bool:
         return False
     if _depth == 0:
         current = _signal.getsignal(_SIGINT)
+        current = getattr(current, "kvtier_wraps", current)  # one left by a Ctrl-C at the edge of a call
         if callable(current):
             wrapper = _wrapper_of(current)
             _signal.signal(_SIGINT, wrapper)
@@ -108,6 +109,7 @@ def _new_wrapper(inner: Handler) -> Handler:
             return None
         return inner(signum, frame)
 
+    on_sigint.kvtier_wraps = inner  # type: ignore[attr-defined]
     return on_sigint
 
 

@@ -425,3 +425,19 @@ def test_outside_calls_the_process_keeps_its_own_sigint_handler(sigint_handler):
     mgr.create_cache(conversation(9, 9)).close()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     mgr.close()
+
+
+def test_a_wrapper_left_installed_is_never_wrapped_again(sigint_handler):
+    """A Ctrl-C between the wrapper's installation and the call's count leaves the wrapper in
+    place; the next call wraps the handler under it, and puts that one back after."""
+    from kvtier import interrupts
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert interrupts.enter()
+    left = signal.getsignal(signal.SIGINT)
+    interrupts._depth = 0  # as if the interrupt had come before the count
+    interrupts._installed = None
+    mgr = one_page_manager()
+    mgr.create_cache(conversation(10, 9)).close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and left is not signal.default_int_handler
+    mgr.close()
