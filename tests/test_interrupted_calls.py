@@ -288,7 +288,7 @@ def test_a_create_cache_cut_short_while_it_builds_the_cache_leaves_the_next_call
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(int(page_demand(spec) * 8) + 1)]))
 
     def cut_short(*args, **kwargs):
-        raise MemoryError("block table")
+        raise MemoryError("published chain")
 
     with monkeypatch.context() as patch:
         patch.setattr(cache_module, "PublishedChain", cut_short)
@@ -332,7 +332,7 @@ def sigint_handler():
     signal.signal(signal.SIGINT, saved)
 
 
-def one_page_manager() -> kvtier.KVCacheManager:
+def eight_page_manager() -> kvtier.KVCacheManager:
     spec = small_spec("llama")
     return kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(int(page_demand(spec) * 8) + 1)]))
 
@@ -343,7 +343,7 @@ def test_a_ctrl_c_handler_that_does_not_raise_gets_the_calls_result(monkeypatch,
     call's result is the caller's. Before, the cache was closed as if the interrupt were raised."""
     stops = []
     signal.signal(signal.SIGINT, lambda signum, frame: stops.append(signum))
-    mgr = one_page_manager()
+    mgr = eight_page_manager()
     with monkeypatch.context() as patch:
         ctrl_c_inside(patch, type(mgr._pool), "match")
         cache = mgr.create_cache(conversation(6, 9))
@@ -359,7 +359,7 @@ def test_a_handler_installed_after_the_first_manager_is_deferred_too(monkeypatch
     place when the first manager was made was wrapped, so from the next cell on a Ctrl-C landed
     inside the bookkeeping again; and a handler that chains to the one it replaced (a second
     manager made after it) recursed until ``RecursionError``."""
-    mgr = one_page_manager()
+    mgr = eight_page_manager()
     oracle = PageOracle(mgr)
     cache = prefill(mgr, oracle, conversation(7, 3 * TPB), keep=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the next cell
@@ -376,7 +376,7 @@ def test_a_handler_installed_after_the_first_manager_is_deferred_too(monkeypatch
         wrapped(signum, frame)
 
     signal.signal(signal.SIGINT, chained)
-    second = one_page_manager()
+    second = eight_page_manager()
     cache = prefill(second, PageOracle(second), conversation(8, 3 * TPB), keep=True)
     with monkeypatch.context() as patch:
         ctrl_c_inside(patch, Residency, "release_all")
@@ -421,7 +421,7 @@ def test_outside_calls_the_process_keeps_its_own_sigint_handler(sigint_handler):
     """``asyncio.run`` installs its graceful Ctrl-C handler only over Python's default one. Before,
     the wrapper stayed installed after the first call, so it never did."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    mgr = one_page_manager()
+    mgr = eight_page_manager()
     mgr.create_cache(conversation(9, 9)).close()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     mgr.close()
@@ -437,7 +437,7 @@ def test_a_wrapper_left_installed_is_never_wrapped_again(sigint_handler):
     left = signal.getsignal(signal.SIGINT)
     interrupts._depth = 0  # as if the interrupt had come before the count
     interrupts._installed = None
-    mgr = one_page_manager()
+    mgr = eight_page_manager()
     mgr.create_cache(conversation(10, 9)).close()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and left is not signal.default_int_handler
     mgr.close()
