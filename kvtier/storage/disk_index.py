@@ -409,8 +409,8 @@ def _has_log(path: Path) -> bool:
 def _create(db: sqlite3.Connection, meta: dict[bytes, bytes]) -> None:
     """The tables and the meta rows, in one transaction: a file system that fails part way leaves
     the file as it was (tables without meta would read as another index's)."""
-    db.executescript(f"BEGIN; {_SCHEMA}; {_MEASURED_TABLE};")
     try:
+        db.executescript(f"BEGIN; {_SCHEMA}; {_MEASURED_TABLE};")
         rows = [(k.decode(), v.decode()) for k, v in meta.items()]
         db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", rows)
         db.execute("COMMIT")
