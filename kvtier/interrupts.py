@@ -35,8 +35,8 @@ _MAIN_THREAD = threading.main_thread().ident
 _depth = 0  # claimed calls the main thread is inside
 _waiting = 0  # waits that may be cut short the main thread is inside
 _kept = False  # a SIGINT arrived inside a claimed call and was not handed on yet
-_installed: tuple[Handler, Handler] | None = None  # (the wrapper, the handler it wraps) while installed
-_last_wrapper: tuple[Handler, Handler] | None = None  # (a wrapper, the handler it wraps), made once per handler
+_installed: Any = None  # the wrapper while it is installed (``kvtier_wraps``: the handler it wraps)
+_last_wrapper: Any = None  # the wrapper made last: made again only for another handler
 
 
 def enter() -> bool:
@@ -48,9 +48,8 @@ def enter() -> bool:
         current = _signal.getsignal(_SIGINT)
         current = getattr(current, "kvtier_wraps", current)  # one left by a Ctrl-C at the edge of a call
         if callable(current):
-            wrapper = _wrapper_of(current)
-            _signal.signal(_SIGINT, wrapper)
-            _installed = (wrapper, current)
+            _installed = _wrapper_of(current)
+            _signal.signal(_SIGINT, _installed)
     _depth += 1
     return True
 
@@ -63,14 +62,12 @@ def leave() -> None:
     _depth -= 1
     if _depth:
         return
-    if _installed is not None:
-        wrapper, wrapped = _installed
-        _installed = None
-        if _signal.getsignal(_SIGINT) is wrapper:
-            _signal.signal(_SIGINT, wrapped)
+    wrapper, _installed = _installed, None
+    if wrapper is not None and _signal.getsignal(_SIGINT) is wrapper:
+        _signal.signal(_SIGINT, wrapper.kvtier_wraps)
     if _kept:
         _kept = False
-        _hand_on(None)
+        _hand_on()
 
 
 @contextlib.contextmanager
@@ -83,7 +80,7 @@ def may_be_cut_short() -> Iterator[None]:
         return
     if _kept:
         _kept = False
-        _hand_on(None)
+        _hand_on()
     _waiting += 1
     try:
         yield
@@ -92,16 +89,11 @@ def may_be_cut_short() -> Iterator[None]:
 
 
 def _wrapper_of(inner: Handler) -> Handler:
-    """The wrapper of ``inner`` (the last one made is made again only for another handler)."""
+    """The wrapper of ``inner``: it keeps a SIGINT inside a claimed call, else calls ``inner``."""
     global _last_wrapper
-    if _last_wrapper is not None and _last_wrapper[1] is inner:
-        return _last_wrapper[0]
-    wrapper = _new_wrapper(inner)
-    _last_wrapper = (wrapper, inner)
-    return wrapper
+    if _last_wrapper is not None and _last_wrapper.kvtier_wraps is inner:
+        return _last_wrapper
 
-
-def _new_wrapper(inner: Handler) -> Handler:
     def on_sigint(signum: int, frame: FrameType | None) -> Any:
         global _kept
         if _depth and not _waiting:  # inside a claimed call's bookkeeping: kept until its end
@@ -110,15 +102,16 @@ def _new_wrapper(inner: Handler) -> Handler:
         return inner(signum, frame)
 
     on_sigint.kvtier_wraps = inner  # type: ignore[attr-defined]
+    _last_wrapper = on_sigint
     return on_sigint
 
 
-def _hand_on(frame: FrameType | None) -> None:
+def _hand_on() -> None:
     """Run the process's SIGINT handler (the one the wrapper wraps, while it is installed) now."""
     current = _signal.getsignal(_SIGINT)
-    if _installed is not None and current is _installed[0]:
-        current = _installed[1]
+    if current is not None and current is _installed:
+        current = _installed.kvtier_wraps
     if current == signal.SIG_IGN:
         return
     handler = current if callable(current) else signal.default_int_handler
-    handler(_SIGINT, frame)
+    handler(_SIGINT, None)
