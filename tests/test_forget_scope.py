@@ -118,6 +118,15 @@ def test_a_scope_forgotten_while_a_prefetch_reads_its_pages_from_disk(tmp_path, 
     mgr.close()
 
 
+def old_request(mgr: kvtier.KVCacheManager, oracle: PageOracle, tokens: list[int], n: int) -> kvtier.KVCache:
+    """An ACTIVE request of the old weights under ``OLD`` that computed and committed its first ``n`` tokens."""
+    running = mgr.create_cache([*tokens, 1], OLD)
+    assert running.resume() and running.resize(n)
+    oracle.write(running, tokens, 0, n)
+    running.commit(tokens[:n])
+    return running
+
+
 @pytest.mark.parametrize("state", ["active", "suspended"])
 def test_a_cache_open_while_its_scope_is_forgotten_publishes_nothing_more(tmp_path, state):
     """Before: a cache open across ``forget_scope`` went on publishing its later blocks (of the old
@@ -127,10 +136,7 @@ def test_a_cache_open_while_its_scope_is_forgotten_publishes_nothing_more(tmp_pa
     mgr = make(tmp_path / "disk")
     tokens = rng.integers(3, 30_000, 6 * TPB).tolist()
     old, new = PageOracle(mgr), PageOracle(mgr, weights=1)
-    running = mgr.create_cache([*tokens, 1], OLD)
-    assert running.resume() and running.resize(2 * TPB)
-    old.write(running, tokens, 0, 2 * TPB)
-    running.commit(tokens[: 2 * TPB])  # two blocks of the old weights published
+    running = old_request(mgr, old, tokens, 2 * TPB)  # two blocks of the old weights published
     if state == "suspended":
         running.suspend()
     mgr.forget_scope(OLD)
@@ -156,10 +162,7 @@ def test_a_cache_that_starts_over_after_its_scope_was_forgotten_adopts_nothing(t
     mgr = make(tmp_path / "disk", pages=8)
     tokens = rng.integers(3, 30_000, 6 * TPB).tolist()
     old, new = PageOracle(mgr), PageOracle(mgr, weights=1)
-    running = mgr.create_cache([*tokens, 1], OLD)
-    assert running.resume() and running.resize(2 * TPB)
-    old.write(running, tokens, 0, 2 * TPB)
-    running.commit(tokens[: 2 * TPB])
+    running = old_request(mgr, old, tokens, 2 * TPB)
     running.suspend()
     for _ in range(12):  # other requests push its pages down to disk
         publish(mgr, PageOracle(mgr), rng.integers(3, 30_000, 4 * TPB).tolist(), OTHER).close()
@@ -194,10 +197,7 @@ def test_a_cache_for_a_prefix_of_a_request_whose_scope_was_forgotten_matches_and
     mgr = make(tmp_path / "disk")
     tokens = rng.integers(3, 30_000, 4 * TPB).tolist()
     old, new = PageOracle(mgr), PageOracle(mgr, weights=1)
-    running = mgr.create_cache([*tokens, 1], OLD)
-    assert running.resume() and running.resize(4 * TPB)
-    old.write(running, tokens, 0, 4 * TPB)
-    running.commit(tokens)
+    running = old_request(mgr, old, tokens, 4 * TPB)
     mgr.forget_scope(OLD)
     publish(mgr, new, tokens[: 2 * TPB], OLD).close()  # the new weights publish the first two blocks
     prefix = running.cache_for_prefix(3 * TPB)
