@@ -316,6 +316,87 @@ def test_an_asynchronous_load_never_reported_fails_its_request_only(llama, tmp_p
         eng.cache_manager.check_invariants()
 
 
+def run_until(eng, done, steps=400) -> dict[int, object]:
+    """Step ``eng`` until ``done(outputs so far)``; the outputs by request id."""
+    outputs: dict[int, object] = {}
+    for _ in range(steps):
+        outputs.update((o.request_id, o) for o in eng.step())
+        if done(outputs):
+            return outputs
+    raise AssertionError(f"not done after {steps} steps: {sorted(outputs)} finished")
+
+
+def test_an_asynchronous_load_in_flight_lets_the_other_requests_run(llama, tmp_path, monkeypatch):
+    """While a connector's asynchronous load is in flight, its request sits the steps out and the
+    others run: one finishes before the connector reports the load, then the loaded request runs
+    from its offer's end. Before, the step waited for the load (up to ``ASYNC_LOAD_WAIT_S``):
+    every request stalled, and a load slower than that failed its request."""
+    monkeypatch.setattr(connector_driver, "ASYNC_LOAD_WAIT_S", 5.0)
+    shared = prompts_for(llama, [70], seed=5)[0]
+    seed_store(llama, tmp_path, [shared])
+    loaded_prompt, other = shared[:64] + [3, 4, 5], prompts_for(llama, [30], seed=6)[0]
+    conn = LoadsLate(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        loaded = eng.add_request(loaded_prompt, SamplingParams(max_tokens=4))
+        quick = eng.add_request(other, SamplingParams(max_tokens=6))
+        t0 = time.monotonic()
+        outputs = run_until(eng, lambda outs: quick in outs)
+        assert time.monotonic() - t0 < 2.0, "the steps waited for the load"
+        assert outputs[quick].token_ids == llama.reference_generate(other, 6)
+        assert loaded not in outputs and eng.connector.in_flight.keys() == {loaded}
+        conn.release = True
+        outputs = run_until(eng, lambda outs: loaded in outs)
+        assert outputs[loaded].token_ids == llama.reference_generate(loaded_prompt, 4)
+        assert outputs[loaded].reused_tokens_by_tier["connector"] == 64
+        eng.cache_manager.check_invariants()
+
+
+def test_a_request_aborted_while_its_load_is_in_flight_keeps_its_pages_until_reported(llama, tmp_path):
+    """Aborted while the connector still loads into its pages, a request keeps them (no one else
+    can be given them) until the connector reports the load; then they go back."""
+    shared = prompts_for(llama, [70], seed=8)[0]
+    seed_store(llama, tmp_path, [shared])
+    conn = LoadsLate(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        idle = eng.cache_manager.stats().tiers["primary"].pages_used
+        loaded = eng.add_request(shared[:64] + [9], SamplingParams(max_tokens=3))
+        assert eng.step() == [] and loaded in eng.connector.in_flight
+        eng.abort_request(loaded)
+        assert loaded in eng.connector.loading and not eng.has_unfinished_requests()
+        held = eng.cache_manager.stats().tiers["primary"].pages_used
+        other = prompts_for(llama, [40], seed=9)[0]
+        assert eng.generate([other], SamplingParams(max_tokens=3))[0].token_ids == llama.reference_generate(other, 3)
+        assert eng.cache_manager.stats().tiers["primary"].pages_used >= held > idle
+        conn.release = True
+        eng.step()  # the connector reports the load: its pages go back
+        assert not eng.connector.loading
+        eng.cache_manager.check_invariants()
+
+
+def test_a_request_whose_load_is_in_flight_is_never_preempted(llama, tmp_path, monkeypatch):
+    """Under ``max_utilization`` a running request that must grow preempts the most recently
+    admitted one, but never one whose load is in flight (suspending it would let its pages be
+    demoted while the connector writes them): it waits instead, and both end with their own tokens."""
+    monkeypatch.setattr(connector_driver, "ASYNC_LOAD_WAIT_S", 5.0)
+    shared = prompts_for(llama, [70], seed=10)[0]
+    seed_store(llama, tmp_path, [shared])
+    grower, loaded_prompt = prompts_for(llama, [40], seed=11)[0], shared[:64] + [1, 2]
+    conn = LoadsLate(tmp_path)
+    with engine(llama, 10, conn, host_blocks=40, policy="max_utilization") as eng:
+        first = eng.add_request(grower, SamplingParams(max_tokens=70))
+        eng.step()
+        loaded = eng.add_request(loaded_prompt, SamplingParams(max_tokens=2))
+        run_until(eng, lambda outs: eng.scheduler.num_preemptions > 0)  # the grower preempted itself
+        assert loaded in eng.connector.in_flight, "the request in flight was preempted"
+        assert [r.request_id for r in eng.scheduler.waiting] == [first]
+        conn.release = True
+        outputs = run_until(eng, lambda outs: {first, loaded} <= outs.keys())
+        assert outputs[first].token_ids == llama.reference_generate(grower, 70)
+        assert outputs[loaded].token_ids == llama.reference_generate(loaded_prompt, 2)
+        assert outputs[loaded].reused_tokens_by_tier["connector"] == 64
+        eng.cache_manager.check_invariants()
+
+
 def test_one_connector_given_to_two_engines_is_refused_for_the_second(llama, tmp_path):
     """A connector keeps one engine's layout, pages and requests: a second engine is refused
     while the first is open, and after (closing the engine closed its connector). Before, it was

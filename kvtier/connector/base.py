@@ -7,7 +7,11 @@ The engine drives a connector in three phases per allocation (see ``kvtier.engin
              or on the store's contents
     reserve  after the cache is resumed: capacity and history moved to the offer end in one call
     deliver  on the batch that actually runs: update_state_after_alloc exactly once, then the
-             worker loads (start_load_kv / wait_for_layer_load) before the forward
+             worker loads (start_load_kv / wait_for_layer_load) before the forward. An
+             asynchronous load (the ask said so) may go on after that: its request computes
+             nothing, while the others run, until ``get_finished`` reports the load (asked every
+             step with the requests whose loads are in flight); the engine gives up on it after
+             ``kvtier.engine.connector_driver.ASYNC_LOAD_WAIT_S``, keeping its pages until then
 
 An offer that is never delivered is handed back with ``cancel_load(request, start, end)`` over
 absolute token positions. The engine computes a prompt's last token itself: an offer reaches at

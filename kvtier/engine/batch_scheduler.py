@@ -105,7 +105,8 @@ class NoHooks:
 class Scheduler:
     """Waiting and running queues over one cache manager.
 
-    Invariants: a RUNNING request is in ``running`` and its cache is ACTIVE; a WAITING request is
+    Invariants: a RUNNING request is in ``running`` and its cache is ACTIVE (one whose connector
+    load is in flight, ``Request.awaits_load``, is neither scheduled nor preempted); a WAITING request is
     in ``waiting`` and has no cache (never admitted, or preempted for recompute) or a SUSPENDED
     one; a FINISHED request is in neither queue and its cache is closed (or held open by a
     connector's save until that ends).
@@ -140,8 +141,8 @@ class Scheduler:
         budget = self.config.max_num_tokens
         batch: list[ScheduledChunk] = []
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING or request.awaits_load:
+                continue  # preempted earlier in this loop, or the connector still loads its pages
             if len(batch) >= self.config.max_batch_size or budget == 0:
                 break
             n = self._chunk(request, budget)
@@ -294,7 +295,7 @@ class Scheduler:
         while not cache.resize(max(end, cache.capacity)):
             if self.config.policy == "max_utilization":
                 scheduled = {id(c.request) for c in batch}
-                victims = [r for r in self.running if id(r) not in scheduled]
+                victims = [r for r in self.running if id(r) not in scheduled and not r.awaits_load]
                 victim = min(reversed(victims), key=lambda r: r.priority)  # lowest priority, latest admitted
             elif request.holds_to_completion:
                 raise InvariantError("guaranteed_no_evict reserved every page at admission")

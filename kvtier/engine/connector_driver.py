@@ -13,12 +13,18 @@ end, never a delta), and how far the protocol got with it:
              in one resize; if that cannot be had (or the cache had to start over below
              ``start``), the offer is handed back with cancel_load
     deliver  when the request is in the batch that runs: update_state_after_alloc exactly once,
-             the worker loads, and the loaded tokens are committed to the cache
+             the worker loads, and the loaded tokens are committed to the cache; an
+             asynchronous load not reported finished by then is *in flight*: its request leaves
+             the step's batch, the others run, and each later step asks ``get_finished`` until
+             the load is reported (committed then: the request runs from the offer's end) or
+             ``ASYNC_LOAD_WAIT_S`` has passed (the request fails)
 
 An offer not delivered when its request is aborted, fails, or is preempted for recompute (its
 cache closed) is handed back too. A request whose save is still running when it finishes keeps
 its cache (pages locked in the primary tier) until ``get_finished`` reports the save done;
-``wait_for_saves`` waits for that (``generate`` returns only then).
+``wait_for_saves`` waits for that (``generate`` returns only then). A request whose load is in
+flight is never preempted, and one that fails or is aborted then keeps its cache the same way,
+until the connector reports the load: a late write lands in no one else's page.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import logging
 import time
 import weakref
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 
@@ -41,10 +48,19 @@ from kvtier.storage.log_limit import RateLimitedWarning
 
 log = logging.getLogger(__name__)
 
-ASYNC_LOAD_WAIT_S = 30.0  # how long a step waits for an asynchronous load before failing its request
+ASYNC_LOAD_WAIT_S = 30.0  # how long an asynchronous load may stay in flight before its request fails
 EARLY_REPORTS_KEPT = 4096  # saves reported before ``request_finished`` remembered for it
 
 _running: dict[int, weakref.ref] = {}  # id of a connector -> the driver that runs it for an engine not closed
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLoads:
+    """What ``before_forward`` did with a batch's offers: requests that fail (with why), and those
+    whose asynchronous loads are in flight (they sit the step out)."""
+
+    failed: dict[int, str]
+    in_flight: set[int]
 
 
 class ConnectorDriver:
@@ -54,6 +70,8 @@ class ConnectorDriver:
         self.connector = connector
         self.mgr = mgr
         self.saving: dict[int, KVCache] = {}
+        self.in_flight: dict[int, tuple[Request, Offer, float]] = {}  # loads running: (request, offer, deadline)
+        self._failed_loads: dict[int, str] = {}  # requests given up on outside a step's batch, with why
         self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
         self._awaited_until: dict[int, float] = {}  # per request of ``loading``: until then its pages are waited for
         self._saved_early: dict[int, None] = {}  # saves reported before their request finished, the latest last
@@ -130,19 +148,21 @@ class ConnectorDriver:
         on): the request finishes, its cache stays open until the connector reports the load."""
         return request.request_id in self.loading
 
-    def before_forward(self, batch: list[ScheduledChunk]) -> dict[int, str]:
+    def before_forward(self, batch: list[ScheduledChunk]) -> BatchLoads:
         """Phase 3 for the batch that runs: deliver, load, and commit what was loaded.
 
         Returns the requests whose offers were not loaded (a hook raised, or a value it gave was
         unusable), with why: nothing of their offers is committed, and they must not run (their
-        chunks start past tokens that are not there). Other requests of the batch run as usual."""
+        chunks start past tokens that are not there); and the requests whose asynchronous loads are
+        now in flight, which sit this step out (``Request.awaits_load``). Other requests of the
+        batch run as usual."""
         delivered: list[tuple[Request, Offer]] = []
         for chunk in batch:  # all marked first: a hook raising for one fails every offer of the step
             offer = chunk.request.offer
             if offer is not None and offer.reserved and not offer.delivered:
                 offer.delivered = True
                 delivered.append((chunk.request, offer))
-        waiting = {request.request_id for request, offer in delivered if offer.asynchronous}
+        waiting = [request for request, offer in delivered if offer.asynchronous]
         try:
             for request, _ in delivered:
                 view = self._view(request)
@@ -156,41 +176,61 @@ class ConnectorDriver:
             for layer_id in range(len(self.mgr.spec.layers)):
                 self.connector.wait_for_layer_load(layer_id, stream)
             deadline = time.monotonic() + ASYNC_LOAD_WAIT_S
-            while waiting and time.monotonic() < deadline:
-                saved, loaded = self._finished(sorted(self.saving), sorted(waiting))
-                self._close_finished(saved, loaded)  # a save reported here is reported only once
-                waiting -= set(loaded)
-                if waiting:
-                    time.sleep(0.001)
+            for request, offer in delivered:
+                if offer.asynchronous:
+                    offer.in_flight = True
+                    self.in_flight[request.request_id] = (request, offer, deadline)
+            if waiting:  # a load reported finished already runs in this step
+                self._take_reports(*self._finished(sorted(self.saving), self._loads_asked()))
         except Exception as exc:  # a connector's own bug: the loads of this step cannot be trusted
             self._connector_failed("a load", exc)
-            self._keep_loading([request for request, _ in delivered if request.request_id in waiting])
+            self._give_up(waiting)
             why = f"the connector failed to load its offer ({type(exc).__name__}: {exc})"
-            return {request.request_id: why for request, _ in delivered}
-        if waiting:  # they fail; their pages stay theirs until the connector says it stopped writing them
-            self._connector_failed("to finish a load in time", TimeoutError(f"{ASYNC_LOAD_WAIT_S:g} s"))
-            self._keep_loading([request for request, _ in delivered if request.request_id in waiting])
-            delivered = [(request, offer) for request, offer in delivered if request.request_id not in waiting]
-        unloaded = {
-            request_id: f"the connector did not finish loading its offer within {ASYNC_LOAD_WAIT_S:g} s"
-            for request_id in waiting
-        }
+            return BatchLoads({request.request_id: why for request, _ in delivered}, set())
         for request, offer in delivered:
-            cache = request.held_cache()
-            if cache.num_committed_tokens != offer.start:
-                raise InvariantError(f"request {request.request_id} committed past its offer before the load")
-            cache.commit(request.tokens[offer.start : offer.end])
-            request.reused_by_tier["connector"] = request.reused_by_tier.get("connector", 0) + offer.end - offer.start
-            request.loaded_until = 0
-        return unloaded
+            if not offer.asynchronous:
+                self._commit(request, offer)
+        return BatchLoads({}, {request.request_id for request in waiting if request.request_id in self.in_flight})
 
-    def _keep_loading(self, requests: list[Request]) -> None:
+    def _commit(self, request: Request, offer: Offer) -> None:
+        """The connector loaded ``offer``: its tokens are committed to the request's cache."""
+        cache = request.held_cache()
+        if cache.num_committed_tokens != offer.start:
+            raise InvariantError(f"request {request.request_id} committed past its offer before the load")
+        cache.commit(request.tokens[offer.start : offer.end])
+        request.reused_by_tier["connector"] = request.reused_by_tier.get("connector", 0) + offer.end - offer.start
+        request.loaded_until = 0
+        offer.in_flight = False
+
+    def failed_loads(self) -> dict[int, str]:
+        """The requests whose loads in flight were given up on since the last call (in flight longer
+        than ``ASYNC_LOAD_WAIT_S``, or a report that raised), with why: they fail, their caches kept
+        until the connector reports the load (``keeps_cache``)."""
+        now = time.monotonic()
+        late = [request for request, _, deadline in self.in_flight.values() if deadline <= now]
+        if late:
+            self._connector_failed("to finish a load in time", TimeoutError(f"{ASYNC_LOAD_WAIT_S:g} s"))
+            self._give_up(late)
+            why = f"the connector did not finish loading its offer within {ASYNC_LOAD_WAIT_S:g} s"
+            self._failed_loads.update(dict.fromkeys([request.request_id for request in late], why))
+        failed, self._failed_loads = self._failed_loads, {}
+        return failed
+
+    def loads_in_flight(self) -> bool:
+        return bool(self.in_flight)
+
+    def _give_up(self, requests: list[Request]) -> None:
         """Requests that fail while the connector may still write their pages (an asynchronous load
         not reported): their caches stay open until it reports the load (``keeps_cache``)."""
         until = time.monotonic() + ASYNC_LOAD_WAIT_S
         for request in requests:
+            self.in_flight.pop(request.request_id, None)
             self.loading[request.request_id] = request.held_cache()
             self._awaited_until[request.request_id] = until
+
+    def _loads_asked(self) -> list[int]:
+        """The requests whose loads ``get_finished`` is asked about: in flight or given up on."""
+        return sorted([*self.in_flight, *self.loading])
 
     def _finished(self, saving: list[int], loading: list[int]) -> tuple[list[int], list[int]]:
         """``get_finished``, a None in its answer read as nothing finished (vLLM's convention)."""
@@ -242,7 +282,10 @@ class ConnectorDriver:
         return False
 
     def cache_dropped(self, request: Request) -> None:
-        """The request's cache is closed before it finished: hand an undelivered offer back."""
+        """The request ends before it finished (its cache is closed, or kept while ``keeps_cache``):
+        an undelivered offer is handed back; a load in flight is given up on."""
+        if request.request_id in self.in_flight:
+            self._give_up([request])
         offer = request.offer
         if offer is not None and not offer.delivered:
             self._hand_back(self._view(request, with_blocks=False), offer.start, offer.end)
@@ -250,19 +293,29 @@ class ConnectorDriver:
         request.loaded_until = 0
 
     def poll(self) -> None:
-        """Close the caches of requests whose saves, or loads given up on, finished."""
-        if not self.saving and not self.loading:
+        """Take what ``get_finished`` reports: saves and loads given up on end (their caches close),
+        loads in flight land (committed: their requests run from the next step on). A report that
+        raises fails the loads in flight (as a load hook that raised does: they cannot be trusted)."""
+        if not self.saving and not self.loading and not self.in_flight:
             return
         try:
-            saved, loaded = self._finished(sorted(self.saving), sorted(self.loading))
-        except Exception as exc:  # asked again next step
-            self._connector_failed("reporting its saves", exc)
+            saved, loaded = self._finished(sorted(self.saving), self._loads_asked())
+        except Exception as exc:  # saves and given-up loads are asked about again next step
+            self._connector_failed("reporting its saves and loads", exc)
+            why = f"the connector failed to report its load ({type(exc).__name__}: {exc})"
+            self._failed_loads.update(dict.fromkeys(self.in_flight, why))
+            self._give_up([request for request, _, _ in self.in_flight.values()])
             return
-        self._close_finished(saved, loaded)
+        self._take_reports(saved, loaded)
 
-    def _close_finished(self, saved: Collection[int], loaded: Collection[int]) -> None:
-        """Close the caches of the requests whose saves or given-up loads ``get_finished`` reported
-        (any such call may report any of them, once)."""
+    def _take_reports(self, saved: Collection[int], loaded: Collection[int]) -> None:
+        """Act on what one ``get_finished`` call reported (any such call may report any save or load,
+        once): loads in flight are committed; the caches of requests whose saves, or loads given up
+        on, ended are closed."""
+        for request_id in loaded:
+            entry = self.in_flight.pop(request_id, None)
+            if entry is not None:
+                self._commit(entry[0], entry[1])
         for request_id in [*saved, *loaded]:
             self._awaited_until.pop(request_id, None)
             cache = self.saving.pop(request_id, None) or self.loading.pop(request_id, None)

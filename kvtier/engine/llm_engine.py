@@ -241,25 +241,31 @@ class LLMEngine:
                 self.abort_request(request_id)
 
     def _run_step(self) -> list[RequestOutput]:
+        finished: list[RequestOutput] = []
         if self.connector is not None:
             self.connector.poll()
+            for request_id, why in self.connector.failed_loads().items():  # loads in flight given up on
+                finished.append(self._finish_failed(self._requests[request_id], why))
         batch = self.scheduler.schedule()
         # Background copies (write-through, the free reserve) go now, before the forward: they
         # overlap its compute, and the next step's moves, which wait for them, find them done.
         self.cache_manager.maintain()
-        finished = [self._finish_failed(request, request.error) for request in self.scheduler.take_failed()]
+        finished += [self._finish_failed(request, request.error) for request in self.scheduler.take_failed()]
+        if batch and self.connector is not None:
+            loads = self.connector.before_forward(batch)
+            # The connector failed to load their offers: they fail, the rest of the batch runs.
+            for chunk in [c for c in batch if c.request.request_id in loads.failed]:
+                finished.append(self._finish_failed(chunk.request, loads.failed[chunk.request.request_id]))
+            # Their loads are in flight: they run once the connector reports them, the others now.
+            batch = [c for c in batch if c.request.request_id not in loads.failed.keys() | loads.in_flight]
         if not batch:
-            if not finished and self.connector is not None and self.connector.pages_pending_release():
-                time.sleep(0.001)  # waiting for a save to release its pages
+            if (
+                not finished
+                and self.connector is not None
+                and (self.connector.pages_pending_release() or self.connector.loads_in_flight())
+            ):
+                time.sleep(0.001)  # waiting for a save to release its pages, or for a load
             return finished
-        if self.connector is not None:
-            unloaded = self.connector.before_forward(batch)
-            if unloaded:  # the connector failed to load their offers: they fail, the rest of the batch runs
-                for chunk in [c for c in batch if c.request.request_id in unloaded]:
-                    finished.append(self._finish_failed(chunk.request, unloaded[chunk.request.request_id]))
-                batch = [c for c in batch if c.request.request_id not in unloaded]
-                if not batch:
-                    return finished
         meter = self.prefill
         mark = None if meter is None else meter.start(sum(c.num_tokens for c in batch if c.num_tokens > 1))
         try:
@@ -299,7 +305,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: int) -> None:
         """Drop a request that has not finished; an undelivered connector offer is handed back, and a
-        running request is reported finished to the connector (which may save what it computed).
+        running request is reported finished to the connector (which may save what it computed);
+        one whose connector load is in flight keeps its cache until the connector reports the load.
         Called from inside a step (a connector hook), the request is dropped as the step ends."""
         if self._stepping:
             self._aborted_in_step.append(request_id)
@@ -307,15 +314,17 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return
-        saving = False
+        keep = False  # its cache stays open: a save, or a load in flight, still uses its pages
         if request.status is RequestStatus.FINISHED:  # failed, not reported yet: aborted instead
             self.scheduler.forget_failed(request)
         elif self.connector is not None:
             self.connector.cache_dropped(request)
+            keep = self.connector.keeps_cache(request)  # closed once the connector reports the load
             cache = request.cache
-            if request.status is RequestStatus.RUNNING and cache is not None and cache.state is CacheState.ACTIVE:
-                saving = self.connector.request_finished(request)  # told as of any finished request, as vLLM does
-        self.scheduler.finish(request, "abort", close_cache=not saving)
+            running = request.status is RequestStatus.RUNNING and cache is not None and cache.state is CacheState.ACTIVE
+            if running and not keep:
+                keep = self.connector.request_finished(request)  # told as of any finished request, as vLLM does
+        self.scheduler.finish(request, "abort", close_cache=not keep)
         request.finish_time = time.perf_counter()
         self.runner.forget(request)
         self._requests.pop(request_id, None)

@@ -19,8 +19,9 @@ class Offer:
     """What the connector promised a request for its current allocation: tokens ``[start, end)``.
 
     ``reserved``: the cache has capacity and history up to ``end`` for it; ``delivered``: the
-    connector was told the pages (``update_state_after_alloc``) and the load ran
-    (kvtier.engine.connector_driver).
+    connector was told the pages (``update_state_after_alloc``) and the load started;
+    ``in_flight``: an asynchronous load the connector has not reported finished yet (its tokens
+    are not committed; kvtier.engine.connector_driver).
     """
 
     start: int
@@ -28,6 +29,7 @@ class Offer:
     asynchronous: bool
     reserved: bool = False
     delivered: bool = False
+    in_flight: bool = False
 
 
 class RequestStatus(enum.Enum):
@@ -85,6 +87,12 @@ class Request:
     def next_position(self) -> int:
         """Where this step's compute starts: after the cached tokens and any reserved connector load."""
         return max(self.num_computed, self.loaded_until)
+
+    @property
+    def awaits_load(self) -> bool:
+        """Whether the connector's asynchronous load into its pages is in flight: it computes nothing
+        and is never preempted until the load is reported (its cache stays ACTIVE)."""
+        return self.offer is not None and self.offer.in_flight
 
     def held_cache(self) -> KVCache:
         """The request's cache; ``InvariantError`` if it has none (a RUNNING request always has one)."""
