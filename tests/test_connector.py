@@ -278,20 +278,31 @@ def test_a_connector_hook_that_raises_fails_at_most_the_requests_it_was_loading(
             assert out.token_ids == llama.reference_generate(prompt, 6)
 
 
-class LoadsLate(FileSystemConnector):
-    """Offers asynchronous loads, and reports them finished only once ``release`` is set."""
+class HoldsReports(FileSystemConnector):
+    """The shipped filesystem connector, whose finished loads are reported only once ``ready(id)``."""
 
     def __init__(self, path) -> None:
         super().__init__(path)
-        self.release = False
+        self.landed: set[int] = set()
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        return tokens, tokens > 0
+    def ready(self, request_id: int) -> bool:
+        raise NotImplementedError
 
     def get_finished(self, finished_gen_ids, started_loading_ids):
-        saved, _ = super().get_finished(finished_gen_ids, started_loading_ids)
-        return saved, list(started_loading_ids) if self.release else []
+        saved, loaded = super().get_finished(finished_gen_ids, started_loading_ids)
+        self.landed.update(loaded)
+        reported = [r for r in started_loading_ids if r in self.landed and self.ready(r)]
+        self.landed.difference_update(reported)
+        return saved, reported
+
+
+class LoadsLate(HoldsReports):
+    """Reports loads finished only once ``release`` is set."""
+
+    release = False
+
+    def ready(self, request_id: int) -> bool:
+        return self.release
 
 
 def test_an_asynchronous_load_never_reported_fails_its_request_only(llama, tmp_path, monkeypatch):
@@ -417,26 +428,21 @@ def test_one_connector_given_to_two_engines_is_refused_for_the_second(llama, tmp
         assert out.token_ids == llama.reference_generate(prompts[0][:64] + [5, 6], 3)
 
 
-class LoadsAfterAWhile(FileSystemConnector):
-    """Offers asynchronous loads, each reported 0.2 s after it was first asked about; saves a
-    little slow (a remote store)."""
+class LoadsAfterAWhile(HoldsReports):
+    """Reports each load finished 0.2 s after it was first asked about; saves a little slow (a
+    remote store)."""
 
     def __init__(self, path) -> None:
         super().__init__(path)
         self.asked: dict[int, float] = {}
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        return tokens, tokens > 0
-
     def _save(self, todo, written) -> None:
         time.sleep(0.05)
         super()._save(todo, written)
 
-    def get_finished(self, finished_gen_ids, started_loading_ids):
-        saved, _ = super().get_finished(finished_gen_ids, started_loading_ids)
+    def ready(self, request_id: int) -> bool:
         now = time.monotonic()
-        return saved, [r for r in started_loading_ids if now - self.asked.setdefault(r, now) > 0.2]
+        return now - self.asked.setdefault(request_id, now) > 0.2
 
 
 def test_a_save_reported_while_a_step_waits_for_a_load_is_not_lost(llama, tmp_path):
@@ -509,66 +515,107 @@ def test_a_hook_raising_for_one_offer_fails_every_offer_of_its_step(llama, tmp_p
         assert eng.generate([later], SamplingParams(max_tokens=4))[0].token_ids == llama.reference_generate(later, 4)
 
 
-class LoadsInTheBackground(FileSystemConnector):
-    """Asynchronous loads written by a thread of its own once ``go`` is set; ``get_finished`` raises
-    once when ``raise_once`` is set (a transient connection error)."""
+class GatedFetches(FileSystemStore):
+    """A real filesystem store whose reads wait for ``go`` (a slow remote store)."""
 
     def __init__(self, path) -> None:
         super().__init__(path)
-        self.raise_once = False
         self.go = threading.Event()
-        self.writers: dict[int, threading.Thread] = {}
-        self._scheduled: list[int] = []
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        return tokens, tokens > 0
+    def get_many(self, keys, expected_sizes=None):
+        self.go.wait(timeout=30)
+        return super().get_many(keys, expected_sizes)
 
-    def build_connector_meta(self, scheduler_output):
-        self._scheduled = [r.request_id for r in scheduler_output.scheduled]
-        return super().build_connector_meta(scheduler_output)
 
-    def start_load_kv(self, stream) -> None:
-        loads = list(self._meta.loads)
+class RaisesOnceWhilePolled(StoreConnector):
+    """The shipped connector over ``GatedFetches``; ``get_finished`` raises once when ``raise_once``
+    is set (a transient connection error)."""
 
-        def write() -> None:
-            self.go.wait(30)
-            for load in loads:
-                page = torch.frombuffer(bytearray(load.payload), dtype=torch.uint8)
-                self._group(load.group).regions[0].as_tensor()[load.slot].copy_(page)
-
-        writer = threading.Thread(target=write)
-        writer.start()
-        self.writers.update(dict.fromkeys(self._scheduled, writer))
+    raise_once = False
 
     def get_finished(self, finished_gen_ids, started_loading_ids):
         if self.raise_once:
             self.raise_once = False
             raise ConnectionError("transient error while polling")
-        saved, _ = super().get_finished(finished_gen_ids, [])
-        done = [r for r in started_loading_ids if r in self.writers and not self.writers[r].is_alive()]
-        return saved, done
+        return super().get_finished(finished_gen_ids, started_loading_ids)
+
+
+class CountsAsks(StoreConnector):
+    """The shipped connector, counting its asks per request."""
+
+    def __init__(self, store) -> None:
+        super().__init__(store)
+        self.asks: dict[int, int] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.asks[request.request_id] = self.asks.get(request.request_id, 0) + 1
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+def test_a_slow_store_fetch_lets_the_running_requests_go_on(llama, tmp_path):
+    """A store slow to deliver a prefix (a remote store under load): the running requests go on,
+    and one finishes, while it fetches on the connector's thread; then the prefix lands and its
+    request runs from there. Before, the fetch ran in the ask, on the engine's thread: every
+    running request waited for it."""
+    shared, other = prompts_for(llama, [70, 30], seed=14)
+    seed_store(llama, tmp_path, [shared])
+    store = GatedFetches(tmp_path)
+    with engine(llama, 200, StoreConnector(store)) as eng:
+        running = eng.add_request(other, SamplingParams(max_tokens=8))
+        eng.step()
+        slow = eng.add_request(shared[:64] + [7, 8], SamplingParams(max_tokens=3))
+        t0 = time.monotonic()
+        outputs = run_until(eng, lambda outs: running in outs)
+        assert time.monotonic() - t0 < 5.0 and slow in eng.connector.in_flight
+        store.go.set()
+        outputs = run_until(eng, lambda outs: slow in outs)
+    assert outputs[slow].token_ids == llama.reference_generate(shared[:64] + [7, 8], 3)
+    assert outputs[slow].reused_tokens_by_tier["connector"] == 64
+
+
+def test_a_load_whose_pages_vanish_after_the_ask_is_recomputed(llama, tmp_path):
+    """The store's values go (another process evicted them) between the ask, which found them, and
+    the fetch: the load fails, nothing of it is committed, and the request is recomputed without
+    asking the store again; its tokens are the model's, and the others' too."""
+    prompt, other = prompts_for(llama, [100, 40], seed=12)
+    seed_store(llama, tmp_path, [prompt])
+    store = GatedFetches(tmp_path)
+    conn = CountsAsks(store)
+    with engine(llama, 200, conn) as eng:
+        failed = eng.add_request(prompt, SamplingParams(max_tokens=4))
+        beside = eng.add_request(other, SamplingParams(max_tokens=4))
+        eng.step()
+        assert failed in eng.connector.in_flight
+        for value in tmp_path.rglob("*.page"):
+            value.unlink()
+        store.go.set()
+        outputs = run_until(eng, lambda outs: {failed, beside} <= outs.keys())
+        assert outputs[failed].token_ids == llama.reference_generate(prompt, 4)
+        assert outputs[failed].reused_tokens_by_tier["connector"] == 0 and conn.asks[failed] == 1
+        assert outputs[beside].token_ids == llama.reference_generate(other, 4)
+        assert conn.stats().errors > 0 and conn.stats().loaded_pages == 0
+        eng.cache_manager.check_invariants()
 
 
 def test_a_load_failed_by_a_raising_hook_keeps_its_pages_until_reported(llama, tmp_path):
-    """``get_finished`` raises while a step waits for an asynchronous load: the request fails, and
-    its pages stay held until the connector reports the load. Before, they were freed at once; the
+    """``get_finished`` raises while an asynchronous load is in flight: the request fails, and its
+    pages stay held until the connector reports the load. Before, they were freed at once; the
     load's late write landed in another request's published pages (a later reuse: other tokens)."""
     a, b = prompts_for(llama, [70, 70], seed=31)
     seed_store(llama, tmp_path, [a])
-    conn = LoadsInTheBackground(tmp_path)
+    store = GatedFetches(tmp_path)
+    conn = RaisesOnceWhilePolled(store)
     with engine(llama, 12, conn) as eng:
         conn.raise_once = True
         assert eng.generate([a], SamplingParams(max_tokens=1))[0].finish_reason == "error"
         assert eng.generate([b], SamplingParams(max_tokens=1))[0].token_ids == llama.reference_generate(b, 1)
-        conn.go.set()
-        for writer in conn.writers.values():
-            writer.join()
-        again = eng.generate([b], SamplingParams(max_tokens=4))[0]
+        store.go.set()
+        for load, _ in conn._waiting:  # the failed request's fetch is over; its copy waits for a report
+            load.staged.fetch.result(timeout=30)
+        again = eng.generate([b], SamplingParams(max_tokens=4))[0]  # its first step lands the late load
         assert again.reused_tokens_by_tier["primary"] == 64
         assert again.token_ids == llama.reference_generate(b, 4)
-        eng.step()  # the load is reported: its pages go back
-        assert not eng.connector.loading
+        assert conn.stats().loaded_pages > 0 and not eng.connector.loading  # landed, reported: its pages went back
 
 
 class ReportsInItsOwnWay(FileSystemConnector):
@@ -588,8 +635,9 @@ class ReportsInItsOwnWay(FileSystemConnector):
         return saving
 
     def get_finished(self, finished_gen_ids, started_loading_ids):
+        _, loaded = super().get_finished(finished_gen_ids, started_loading_ids)
         saved, self.finished_saves = self.finished_saves, []
-        return saved or None, list(started_loading_ids) or None
+        return saved or None, loaded or None
 
     def __getattribute__(self, name):
         if name == "close":
@@ -641,7 +689,8 @@ def test_a_running_request_aborted_is_reported_finished_to_the_connector(llama, 
     prompt = shared[:64] + other
     with engine(llama, 200, conn) as eng:
         request_id = eng.add_request(prompt, SamplingParams(max_tokens=10))
-        eng.step()  # delivered, loaded, the rest computed, a first token sampled
+        while not conn.stats().loaded_pages:
+            eng.step()  # delivered; in the step its load lands, the rest computed, a first token sampled
         eng.abort_request(request_id)
         assert conn.of("deliver", request_id) and conn.of("finished", request_id)
     with engine(llama, 200, FileSystemConnector(tmp_path)) as fresh:

@@ -11,7 +11,9 @@ The engine drives a connector in three phases per allocation (see ``kvtier.engin
              asynchronous load (the ask said so) may go on after that: its request computes
              nothing, while the others run, until ``get_finished`` reports the load (asked every
              step with the requests whose loads are in flight); the engine gives up on it after
-             ``kvtier.engine.connector_driver.ASYNC_LOAD_WAIT_S``, keeping its pages until then
+             ``kvtier.engine.connector_driver.ASYNC_LOAD_WAIT_S``, keeping its pages until then.
+             A load reported finished but failed (``get_failed_loads``) is recomputed: the
+             request starts over from what the engine has, and its connector is not asked again
 
 An offer that is never delivered is handed back with ``cancel_load(request, start, end)`` over
 absolute token positions. The engine computes a prompt's last token itself: an offer reaches at
@@ -123,3 +125,9 @@ class KvCacheConnectorWorker(ABC):
     @abstractmethod
     def get_finished(self, finished_gen_ids: Sequence[int], started_loading_ids: Sequence[int]) -> tuple[list, list]:
         """(request ids whose saves finished, request ids whose asynchronous loads finished)."""
+
+    def get_failed_loads(self) -> set[int]:
+        """Request ids, among the loads ``get_finished`` reported finished, whose loads failed (a page
+        that never arrived intact), each given once; the engine asks right after every
+        ``get_finished`` and recomputes those offers. Default: none (every load lands)."""
+        return set()

@@ -1,13 +1,17 @@
 """A connector over a ``BlockStore``: both halves in one object, and the two shipped ones.
 
 - Ask: the chained keys of the prompt's full blocks after the local prefix are looked up
-  (``contains_many``), the longest run that every attention group's hit rule accepts is fetched
-  and verified (``get_many``) into a private read-ahead buffer, and exactly what arrived intact is
-  offered. Fetching before the offer means a load can never fail afterwards: a store that dies
-  between ask and load costs nothing but the offer.
-- Deliver: ``update_state_after_alloc`` maps the staged blocks to their pages; ``start_load_kv``
-  copies them in (one ``PageCopier`` call per layer group, on the engine's stream) through a
-  host staging buffer that the connector keeps across steps (grown when a step needs more).
+  (``contains_many``, the one store call on the engine's thread), and the longest run that every
+  attention group's hit rule accepts is offered as an asynchronous load. Its pages are fetched
+  and verified (``get_many``) at once on a thread of the connector's, into a private read-ahead
+  buffer, while the engine goes on.
+- Deliver: ``update_state_after_alloc`` maps the staged blocks to their pages. Once the fetch is
+  over (at ``start_load_kv``, else at a later ``get_finished``), the pages are copied in (one
+  ``PageCopier`` call per layer group, on the stream ``start_load_kv`` was given) through a host
+  staging buffer that the connector keeps across steps (grown when a step needs more), and the
+  load is reported finished. A fetch that fell short (a page gone or damaged since the ask, the
+  store down) copies nothing: the load is reported finished and failed (``get_failed_loads``),
+  and the engine recomputes the offer.
 - Save: ``request_finished`` lists the request's full blocks that the save policy wants
   (``SavePolicy``: default all) and the store lacks, and returns True; a background thread
   copies those pages out and writes them; ``get_finished`` reports the request once they are
@@ -26,7 +30,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,24 +55,31 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Staged:
-    """A request's offer from token ``start`` on: verified payloads of the blocks holding its
-    tokens, per (block, group). The first block may begin before ``start`` (a local prefix that
-    ends inside a block); only its tokens from ``start`` on are offered."""
+    """A request's offer from token ``start`` on: the (block, group) pages holding its tokens and
+    their fetch (verified payloads, positional; None for a page that did not arrive intact). The
+    first block may begin before ``start`` (a local prefix that ends inside a block); only its
+    tokens from ``start`` on are offered. ``handed_back``: the offer's tokens from there on will
+    not be loaded (``cancel_load``): pages holding none before it are not copied."""
 
     start: int
-    pages: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    pages: list[tuple[int, int]]
+    fetch: Future
+    handed_back: int
 
 
 @dataclass(slots=True)
 class _Load:
-    group: int
-    slot: int
-    payload: bytes
+    """A delivered offer: its request, staged pages and the slots they go to (positional;
+    ``BAD_PAGE_INDEX`` for a page not copied)."""
+
+    request_id: int
+    staged: _Staged
+    slots: list[int]
 
 
 @dataclass(slots=True)
 class ConnectorMeta:
-    """What the worker half does this step: pages to load."""
+    """What the worker half does this step: offers to load."""
 
     loads: list[_Load]
 
@@ -93,8 +104,13 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._staged: dict[int, _Staged] = {}
         self._pending_loads: list[_Load] = []
         self._meta = ConnectorMeta([])
+        self._waiting: list[tuple[_Load, object]] = []  # delivered loads whose fetch runs, with their streams
+        self._loaded: set[int] = set()  # requests whose loads finished, not reported yet
+        self._failed: set[int] = set()  # of those, the ones whose fetch fell short (nothing copied)
+        self._failed_reported: set[int] = set()  # failed loads reported finished, for ``get_failed_loads``
         self._saves: dict[int, Future] = {}
         self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-connector-save")
+        self._fetch_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-connector-fetch")
         self._lock = threading.Lock()
         self._layout: KvCacheLayout | None = None
         self._keyspace: BlockKeyspace | None = None
@@ -129,7 +145,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
     # -- scheduler: ask, deliver, cancel ---------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
-        self._staged.pop(request.request_id, None)
+        self._drop_staged(request.request_id)
         if not self._servable:
             return 0, False
         layout, keyspace = self._ready()
@@ -147,42 +163,41 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._counters.add(missed_pages=found.count(False))
         usable = len(request.prompt_token_ids) - 1  # the engine computes the last prompt token itself
         end = _best_end(present, groups, first, full, tpb, num_computed_tokens, usable)
-        while end > num_computed_tokens:
-            needed = _needed(groups, first, end)
-            keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
-            sizes = [self._page_bytes(g) for _, g in needed]
-            with self._counters.stall():
-                payloads = self.store.get_many(keys, sizes)
-            missing = [needed[i] for i, p in enumerate(payloads) if p is None]
-            self._counters.add(missed_pages=len(missing), errors=len(missing))
-            if not missing:
-                staged = _Staged(num_computed_tokens, dict(zip(needed, payloads, strict=True)))
-                self._staged[request.request_id] = staged
-                return end - num_computed_tokens, False
-            for block_group in missing:
-                present[block_group] = False
-            end = _best_end(present, groups, first, min(b for b, _ in missing), tpb, num_computed_tokens, usable)
-        return 0, False
+        if end <= num_computed_tokens:
+            return 0, False
+        needed = _needed(groups, first, end)
+        keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
+        sizes = [self._page_bytes(g) for _, g in needed]
+        fetch = self._fetch_pool.submit(self.store.get_many, keys, sizes)
+        self._staged[request.request_id] = _Staged(num_computed_tokens, needed, fetch, end)
+        return end - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids_by_layer_group: list[list[int]]) -> None:
         staged = self._staged.pop(request.request_id, None)
         if staged is None:
             return
-        for (block, group), payload in staged.pages.items():
+        tpb = self._ready()[0].tokens_per_block
+        slots = []
+        for block, group in staged.pages:
             slot = block_ids_by_layer_group[group][block]
-            if slot != BAD_PAGE_INDEX:  # a sliding-window block already stale at the offer's end
-                self._pending_loads.append(_Load(group, slot, payload))
+            # A page holding only tokens handed back, or a sliding-window block already stale at the
+            # offer's end, is not copied.
+            slots.append(slot if max(block * tpb, staged.start) < staged.handed_back else BAD_PAGE_INDEX)
+        self._pending_loads.append(_Load(request.request_id, staged, slots))
 
     def cancel_load(self, request: ConnectorRequest, start: int, end: int) -> None:
         staged = self._staged.get(request.request_id)
         if staged is None:
             return
-        tpb = self._ready()[0].tokens_per_block
-        for block, group in list(staged.pages):
-            if max(block * tpb, staged.start) >= start:  # none of its offered tokens is still wanted
-                del staged.pages[(block, group)]
-        if not staged.pages:
-            del self._staged[request.request_id]
+        staged.handed_back = min(staged.handed_back, start)
+        if staged.handed_back <= staged.start:  # the whole offer: nothing stays staged
+            self._drop_staged(request.request_id)
+
+    def _drop_staged(self, request_id: int) -> None:
+        """Forget a request's staged offer; its fetch is cancelled if it has not started."""
+        staged = self._staged.pop(request_id, None)
+        if staged is not None:
+            staged.fetch.cancel()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
         loads, self._pending_loads = self._pending_loads, []
@@ -191,19 +206,48 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
     # -- worker: loads ------------------------------------------------------------------------------
 
     def start_load_kv(self, stream: object) -> None:
+        """Copy in the step's loads whose fetch is over; the others are copied by a later
+        ``get_finished`` once theirs is (on this ``stream``)."""
         loads = self._meta.loads if isinstance(self._meta, ConnectorMeta) else []
-        by_group: dict[int, list[_Load]] = {}
-        for load in loads:
-            by_group.setdefault(load.group, []).append(load)
+        self._waiting += [(load, stream) for load in loads]
+        self._land_fetched()
+
+    def _land_fetched(self) -> None:
+        """Copy in the waiting loads whose fetch is over, or mark them failed (a page that did not
+        arrive intact: nothing of that offer is copied); both are finished, to be reported."""
+        waiting, self._waiting = self._waiting, []
+        for load, stream in waiting:
+            if not load.staged.fetch.done():
+                self._waiting.append((load, stream))
+                continue
+            try:
+                payloads = load.staged.fetch.result()
+            except Exception as exc:  # a store breaking its contract (it reports failures as misses)
+                log.warning("kvtier connector: fetching the offer of request %d failed: %s", load.request_id, exc)
+                payloads = [None] * len(load.slots)
+            copied = [(page, slot, p) for page, slot, p in zip(load.staged.pages, load.slots, payloads, strict=True)]
+            missing = sum(p is None for _, slot, p in copied if slot != BAD_PAGE_INDEX)
+            if missing:
+                self._counters.add(missed_pages=missing, errors=missing)
+                self._failed.add(load.request_id)
+            else:
+                self._copy_in([(group, slot, p) for (_, group), slot, p in copied if slot != BAD_PAGE_INDEX], stream)
+            self._loaded.add(load.request_id)
+
+    def _copy_in(self, pages: list[tuple[int, int, bytes]], stream: object) -> None:
+        """Copy (group, slot, payload) pages into the cache, one ``PageCopier`` call per group, on ``stream``."""
+        by_group: dict[int, list[tuple[int, bytes]]] = {}
+        for group, slot, payload in pages:
+            by_group.setdefault(group, []).append((slot, payload))
         copier = self._ready_copier()
         for group, items in by_group.items():
             region = self._group(group).regions[0]
             buffer = region.as_tensor().reshape(-1)
             staging = self._staging_bytes(len(items) * region.size, buffer.device)
             host = staging.numpy()
-            for i, item in enumerate(items):
-                host[i * region.size : (i + 1) * region.size] = np.frombuffer(item.payload, dtype=np.uint8)
-            pairs = np.array([[i, item.slot] for i, item in enumerate(items)], dtype=np.int64)
+            for i, (_, payload) in enumerate(items):
+                host[i * region.size : (i + 1) * region.size] = np.frombuffer(payload, dtype=np.uint8)
+            pairs = np.array([[i, slot] for i, (slot, _) in enumerate(items)], dtype=np.int64)
             copier.copy(staging, buffer, pairs, region.size, stream)
             self._counters.add(loaded_pages=len(items), loaded_bytes=len(items) * region.size)
             if buffer.device.type == "cuda":  # the staging buffer is written next: its copy must have read it
@@ -298,16 +342,27 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         """Saves run on their own thread after the request finished; nothing to wait for here."""
 
     def get_finished(self, finished_gen_ids: Sequence[int], started_loading_ids: Sequence[int]) -> tuple[list, list]:
+        """Saves written, and loads finished (copied in, or failed: ``get_failed_loads``), each reported once."""
         with self._lock:
             done = [rid for rid, future in self._saves.items() if future.done()]
             for rid in done:
                 error = self._saves.pop(rid).exception()
                 if error is not None:
                     log.warning("kvtier connector: saving request %d failed: %s", rid, error)
-        return done, list(started_loading_ids)  # loads complete within start_load_kv
+        self._land_fetched()
+        loaded = [rid for rid in started_loading_ids if rid in self._loaded]
+        self._loaded.difference_update(loaded)
+        self._failed_reported.update(self._failed.intersection(loaded))
+        self._failed.difference_update(loaded)
+        return done, loaded
+
+    def get_failed_loads(self) -> set[int]:
+        failed, self._failed_reported = self._failed_reported, set()
+        return failed
 
     def close(self) -> None:
         self._closed = True
+        self._fetch_pool.shutdown(wait=True, cancel_futures=True)
         self._save_pool.shutdown(wait=True)
         self.store.close()
         if self._staging is not None:

@@ -309,6 +309,16 @@ class Scheduler:
                 return False
         return True
 
+    def recompute(self, request: Request) -> None:
+        """Back to the head of the queue with its cache closed (a connector's load into it failed):
+        it starts over from what is published."""
+        if request.status is not RequestStatus.RUNNING:
+            raise InvariantError(f"request {request.request_id} recomputed while {request.status.value}")
+        self._drop_cache(request)
+        request.status = RequestStatus.WAITING
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+
     def _preempt(self, request: Request) -> None:
         """Back to the head of the queue, its cache suspended (swap) or closed (recompute)."""
         cache = request.held_cache()

@@ -57,10 +57,11 @@ _running: dict[int, weakref.ref] = {}  # id of a connector -> the driver that ru
 @dataclass(frozen=True, slots=True)
 class BatchLoads:
     """What ``before_forward`` did with a batch's offers: requests that fail (with why), and those
-    whose asynchronous loads are in flight (they sit the step out)."""
+    whose asynchronous loads did not land (in flight, or failed: ``missed_loads``), which sit the
+    step out."""
 
     failed: dict[int, str]
-    in_flight: set[int]
+    sit_out: set[int]
 
 
 class ConnectorDriver:
@@ -72,6 +73,7 @@ class ConnectorDriver:
         self.saving: dict[int, KVCache] = {}
         self.in_flight: dict[int, tuple[Request, Offer, float]] = {}  # loads running: (request, offer, deadline)
         self._failed_loads: dict[int, str] = {}  # requests given up on outside a step's batch, with why
+        self._missed: dict[int, Request] = {}  # requests whose loads the connector reported failed
         self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
         self._awaited_until: dict[int, float] = {}  # per request of ``loading``: until then its pages are waited for
         self._saved_early: dict[int, None] = {}  # saves reported before their request finished, the latest last
@@ -98,6 +100,8 @@ class ConnectorDriver:
         """Phase 1, ask, once per allocation: what can the connector add after the local prefix?"""
         if request.offer is not None:
             raise InvariantError(f"request {request.request_id} was asked twice for one allocation")
+        if not request.asks_connector:
+            return
         local = request.held_cache().num_committed_tokens
         view = self._view(request, with_blocks=False)
         try:
@@ -153,9 +157,9 @@ class ConnectorDriver:
 
         Returns the requests whose offers were not loaded (a hook raised, or a value it gave was
         unusable), with why: nothing of their offers is committed, and they must not run (their
-        chunks start past tokens that are not there); and the requests whose asynchronous loads are
-        now in flight, which sit this step out (``Request.awaits_load``). Other requests of the
-        batch run as usual."""
+        chunks start past tokens that are not there); and the requests whose asynchronous loads did
+        not land (now in flight, ``Request.awaits_load``, or failed), which sit this step out.
+        Other requests of the batch run as usual."""
         delivered: list[tuple[Request, Offer]] = []
         for chunk in batch:  # all marked first: a hook raising for one fails every offer of the step
             offer = chunk.request.offer
@@ -190,7 +194,8 @@ class ConnectorDriver:
         for request, offer in delivered:
             if not offer.asynchronous:
                 self._commit(request, offer)
-        return BatchLoads({}, {request.request_id for request in waiting if request.request_id in self.in_flight})
+        unlanded = self.in_flight.keys() | self._missed.keys()
+        return BatchLoads({}, {request.request_id for request in waiting} & unlanded)
 
     def _commit(self, request: Request, offer: Offer) -> None:
         """The connector loaded ``offer``: its tokens are committed to the request's cache."""
@@ -219,6 +224,15 @@ class ConnectorDriver:
     def loads_in_flight(self) -> bool:
         return bool(self.in_flight)
 
+    def missed_loads(self) -> list[Request]:
+        """The requests whose loads the connector reported failed since the last call: nothing of
+        their offers is committed; they are recomputed (their caches closed: they start over from
+        what is published), and their connector is not asked again."""
+        missed, self._missed = list(self._missed.values()), {}
+        for request in missed:
+            request.asks_connector = False
+        return missed
+
     def _give_up(self, requests: list[Request]) -> None:
         """Requests that fail while the connector may still write their pages (an asynchronous load
         not reported): their caches stay open until it reports the load (``keeps_cache``)."""
@@ -232,10 +246,11 @@ class ConnectorDriver:
         """The requests whose loads ``get_finished`` is asked about: in flight or given up on."""
         return sorted([*self.in_flight, *self.loading])
 
-    def _finished(self, saving: list[int], loading: list[int]) -> tuple[list[int], list[int]]:
-        """``get_finished``, a None in its answer read as nothing finished (vLLM's convention)."""
+    def _finished(self, saving: list[int], loading: list[int]) -> tuple[list[int], list[int], set[int]]:
+        """``get_finished`` (a None in its answer read as nothing finished: vLLM's convention), and
+        which of the loads it reported failed (``get_failed_loads``)."""
         saved, loaded = self.connector.get_finished(saving, loading)
-        return list(saved or ()), list(loaded or ())
+        return list(saved or ()), list(loaded or ()), set(self.connector.get_failed_loads() or ())
 
     def after_forward(self, batch: list[ScheduledChunk]) -> None:
         """The batch's KV is computed: the connector's save hooks, then the saves that ended. A hook
@@ -286,6 +301,8 @@ class ConnectorDriver:
         an undelivered offer is handed back; a load in flight is given up on."""
         if request.request_id in self.in_flight:
             self._give_up([request])
+        self._missed.pop(request.request_id, None)  # (it ends: nothing to recompute, nothing to fail)
+        self._failed_loads.pop(request.request_id, None)
         offer = request.offer
         if offer is not None and not offer.delivered:
             self._hand_back(self._view(request, with_blocks=False), offer.start, offer.end)
@@ -299,22 +316,24 @@ class ConnectorDriver:
         if not self.saving and not self.loading and not self.in_flight:
             return
         try:
-            saved, loaded = self._finished(sorted(self.saving), self._loads_asked())
+            reports = self._finished(sorted(self.saving), self._loads_asked())
         except Exception as exc:  # saves and given-up loads are asked about again next step
             self._connector_failed("reporting its saves and loads", exc)
             why = f"the connector failed to report its load ({type(exc).__name__}: {exc})"
             self._failed_loads.update(dict.fromkeys(self.in_flight, why))
             self._give_up([request for request, _, _ in self.in_flight.values()])
             return
-        self._take_reports(saved, loaded)
+        self._take_reports(*reports)
 
-    def _take_reports(self, saved: Collection[int], loaded: Collection[int]) -> None:
+    def _take_reports(self, saved: Collection[int], loaded: Collection[int], failed: Collection[int]) -> None:
         """Act on what one ``get_finished`` call reported (any such call may report any save or load,
-        once): loads in flight are committed; the caches of requests whose saves, or loads given up
-        on, ended are closed."""
+        once): loads in flight are committed, or kept for ``missed_loads`` when they failed; the
+        caches of requests whose saves, or loads given up on, ended are closed."""
         for request_id in loaded:
             entry = self.in_flight.pop(request_id, None)
-            if entry is not None:
+            if entry is not None and request_id in failed:
+                self._missed[request_id] = entry[0]
+            elif entry is not None:
                 self._commit(entry[0], entry[1])
         for request_id in [*saved, *loaded]:
             self._awaited_until.pop(request_id, None)

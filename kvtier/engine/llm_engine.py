@@ -246,6 +246,8 @@ class LLMEngine:
             self.connector.poll()
             for request_id, why in self.connector.failed_loads().items():  # loads in flight given up on
                 finished.append(self._finish_failed(self._requests[request_id], why))
+            for request in self.connector.missed_loads():  # loads that failed: recomputed instead
+                self.scheduler.recompute(request)
         batch = self.scheduler.schedule()
         # Background copies (write-through, the free reserve) go now, before the forward: they
         # overlap its compute, and the next step's moves, which wait for them, find them done.
@@ -256,8 +258,8 @@ class LLMEngine:
             # The connector failed to load their offers: they fail, the rest of the batch runs.
             for chunk in [c for c in batch if c.request.request_id in loads.failed]:
                 finished.append(self._finish_failed(chunk.request, loads.failed[chunk.request.request_id]))
-            # Their loads are in flight: they run once the connector reports them, the others now.
-            batch = [c for c in batch if c.request.request_id not in loads.failed.keys() | loads.in_flight]
+            # Loads in flight (they run once the connector reports them) or failed (recomputed next step).
+            batch = [c for c in batch if c.request.request_id not in loads.failed.keys() | loads.sit_out]
         if not batch:
             if (
                 not finished

@@ -70,6 +70,7 @@ class Request:
     loaded_until: int = 0  # end of a reserved connector offer: tokens below it are loaded, not computed
     prefetch: HostPrefetch | None = None  # its prefix being read from disk into host memory while it waits
     prefetch_tried: bool = False
+    asks_connector: bool = True  # False once a connector's load for it failed: it is not offered again
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

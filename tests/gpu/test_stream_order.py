@@ -218,7 +218,6 @@ def test_a_prefetch_on_another_stream_waits_for_work_queued_on_the_current_one()
 @pytest.mark.parametrize("handle", [False, True])
 def test_a_store_load_on_another_stream_keeps_its_staging_bytes_until_read(tmp_path, handle):
     from kvtier.connector import FileSystemConnector
-    from kvtier.connector.store_connector import ConnectorMeta, _Load
 
     mgr = _manager(primary=8)
     connector = FileSystemConnector(str(tmp_path))
@@ -230,8 +229,7 @@ def test_a_store_load_on_another_stream_keeps_its_staging_bytes_until_read(tmp_p
     side = torch.cuda.Stream()
     _hold(side)
     for slot, value in zip(slots, (0x11, 0x22), strict=True):  # two steps' loads through one staging buffer
-        connector.bind_connector_meta(ConnectorMeta([_Load(0, slot, bytes([value]) * view.shape[1])]))
-        connector.start_load_kv(side.cuda_stream if handle else side)
+        connector._copy_in([(0, slot, bytes([value]) * view.shape[1])], side.cuda_stream if handle else side)
     torch.cuda.synchronize()
     assert [bool((view[slot] == value).all()) for slot, value in zip(slots, (0x11, 0x22), strict=True)] == [True, True]
     cache.close()
