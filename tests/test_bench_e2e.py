@@ -61,6 +61,11 @@ def test_every_case_has_a_row_in_the_json_and_the_table(bench):
     assert "TTFT/recomp" in out
 
 
+def test_a_cpu_run_says_it_has_no_link_ceiling(bench):
+    """Before, a CPU run printed a link ceiling of 0.0 GB/s beside its nan link columns."""
+    assert "link ceiling: none on a CPU device" in bench[1] and "0.0 GB/s" not in bench[1]
+
+
 def test_the_disk_target_is_the_engine_recomputing_a_prompt_as_long(bench):
     rows, out, _ = bench
     disk, engine = rows["disk"], rows["recompute-engine"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvtier.cli.bench_machine import link_ceiling_line
+
 NAN = float("nan")
 
 
@@ -37,7 +39,7 @@ def _target(what: str, value: float, op: str, bound: float) -> dict:
 
 def print_table(rows: list[dict], ceiling: float) -> None:
     """One line per row: TTFT and its ratios to recompute, the reload, the target, the agreement."""
-    print(f"link ceiling (pinned H2D, this run): {ceiling:.1f} GB/s")
+    print(link_ceiling_line(ceiling))
     print("recomp/TTFT: speedup over recomputing the prompt on the dense path; TTFT/recomp: its inverse")
     print("disk target: TTFT <= 1.05 x recompute-engine (the same engine recomputing a prompt as long)")
     header = f"{'prefix':>7} {'case':<14} {'TTFT ms':>9} {'own ms':>8} {'recomp/TTFT':>11} {'TTFT/recomp':>11}"

@@ -39,7 +39,7 @@ import tempfile
 import time
 
 from kvtier.cli.arguments import at_least, device, gibibytes, lengths
-from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
+from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps, link_ceiling_line
 
 LLAMA_8B = dict(
     vocab_size=128256,
@@ -337,7 +337,7 @@ _CASES = ("recompute", "resident", "gpu", "host", "disk", "disk-load", "restart"
 
 
 def _print_table(rows: list[dict], ceiling: float) -> None:
-    print(f"link ceiling (pinned H2D, this run): {ceiling:.1f} GB/s")
+    print(link_ceiling_line(ceiling))
     header = f"{'history':>7} {'case':<9} {'TTFT ms':>8} {'x recomp':>8} {'build ms':>8} {'match':>6} {'resume':>6}"
     header += f" {'fill':>6} {'share':>5} {'target':>7} {'logit err':>9} {'argmax':>6} {'reused':>7}"
     print(header)

@@ -10,6 +10,13 @@ if TYPE_CHECKING:
     import torch
 
 
+def link_ceiling_line(ceiling: float) -> str:
+    """The tables' first line: the link ceiling measured, or why there is none (then the link columns are nan)."""
+    if not ceiling:
+        return "link ceiling: none on a CPU device (no host-to-device link: the link columns are nan)"
+    return f"link ceiling (pinned H2D, this run): {ceiling:.1f} GB/s"
+
+
 def link_ceiling_gbps(device: torch.device) -> float:
     """Host-to-device GB/s of one 1 GiB pinned copy, median of 4 after a warm-up (0 on a CPU device)."""
     if device.type != "cuda":
