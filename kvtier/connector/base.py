@@ -10,10 +10,13 @@ The engine drives a connector in three phases per allocation (see ``kvtier.engin
              worker loads (start_load_kv / wait_for_layer_load) before the forward. An
              asynchronous load (the ask said so) may go on after that: its request computes
              nothing, while the others run, until ``get_finished`` reports the load (asked every
-             step with the requests whose loads are in flight); the engine gives up on it after
-             ``kvtier.engine.connector_driver.ASYNC_LOAD_WAIT_S``, keeping its pages until then.
-             A load reported finished but failed (``get_failed_loads``) is recomputed: the
-             request starts over from what the engine has, and its connector is not asked again
+             step with the requests whose loads are in flight)
+
+A load that fails is a miss: one reported finished but failed (``get_failed_loads``), one whose
+hooks raised, or one in flight longer than ``kvtier.engine.connector_driver.ASYNC_LOAD_WAIT_S``.
+Nothing of its offer is committed, the request starts over from what the engine holds, and the
+connector is not asked for it again; pages an unreported load may still write stay held until
+``get_finished`` reports it.
 
 An offer that is never delivered is handed back with ``cancel_load(request, start, end)`` over
 absolute token positions. The engine computes a prompt's last token itself: an offer reaches at

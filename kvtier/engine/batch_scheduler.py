@@ -85,6 +85,11 @@ class CacheHooks(Protocol):
         """Whether pages held outside the queues (a save in flight) will be freed."""
         ...
 
+    def keeps_cache(self, request: Request) -> bool:
+        """Whether ``request``'s cache, dropped, stays open for a while (a connector may still write
+        its pages): it is not closed; the hooks close it later."""
+        ...
+
 
 class NoHooks:
     """The hooks of an engine without a connector: nothing to tell, nothing pending."""
@@ -99,6 +104,9 @@ class NoHooks:
         return None
 
     def pages_pending_release(self) -> bool:
+        return False
+
+    def keeps_cache(self, request: Request) -> bool:
         return False
 
 
@@ -310,8 +318,9 @@ class Scheduler:
         return True
 
     def recompute(self, request: Request) -> None:
-        """Back to the head of the queue with its cache closed (a connector's load into it failed):
-        it starts over from what is published."""
+        """Back to the head of the queue without its cache (a connector's load into it failed; the
+        cache is closed, or kept by the hooks while the connector may still write it): it starts
+        over from what is published."""
         if request.status is not RequestStatus.RUNNING:
             raise InvariantError(f"request {request.request_id} recomputed while {request.status.value}")
         self._drop_cache(request)
@@ -362,10 +371,12 @@ class Scheduler:
         return whole < cache.num_reused_tokens and cache.shorten_reuse(whole) > 0
 
     def _drop_cache(self, request: Request) -> None:
-        """Close the cache of an unfinished request: it will be recomputed from what was published."""
+        """Close the cache of an unfinished request (unless the hooks keep it): it will be
+        recomputed from what was published."""
         cache = request.held_cache()
         self.hooks.cache_dropped(request)
-        cache.close()
+        if not self.hooks.keeps_cache(request):
+            cache.close()
         request.cache = None
         request.loaded_until = 0
         self.num_recomputes += 1
@@ -374,7 +385,9 @@ class Scheduler:
         """Finish ``request`` with an error, its cache closed; ``take_failed`` hands it over."""
         request.error = f"request {request.request_id} failed: {reason}"
         log.warning("kvtier engine: %s", request.error)
+        keep = False
         if request.cache is not None:
             self.hooks.cache_dropped(request)
-        self.finish(request, "error")
+            keep = self.hooks.keeps_cache(request)
+        self.finish(request, "error", close_cache=not keep)
         self.failed.append(request)

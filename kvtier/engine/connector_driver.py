@@ -17,14 +17,20 @@ end, never a delta), and how far the protocol got with it:
              asynchronous load not reported finished by then is *in flight*: its request leaves
              the step's batch, the others run, and each later step asks ``get_finished`` until
              the load is reported (committed then: the request runs from the offer's end) or
-             ``ASYNC_LOAD_WAIT_S`` has passed (the request fails)
+             ``ASYNC_LOAD_WAIT_S`` has passed
 
 An offer not delivered when its request is aborted, fails, or is preempted for recompute (its
 cache closed) is handed back too. A request whose save is still running when it finishes keeps
 its cache (pages locked in the primary tier) until ``get_finished`` reports the save done;
 ``wait_for_saves`` waits for that (``generate`` returns only then). A request whose load is in
-flight is never preempted, and one that fails or is aborted then keeps its cache the same way,
-until the connector reports the load: a late write lands in no one else's page.
+flight is never preempted, and one aborted then keeps its cache the same way, until the
+connector reports the load: a late write lands in no one else's page.
+
+A load that fails (a load hook raised, a report raised, the connector reported it failed with
+``get_failed_loads``, or it stayed in flight past ``ASYNC_LOAD_WAIT_S``) is a miss: nothing of
+its offer is committed, the request starts over from what the engine holds (``missed_loads``:
+the scheduler recomputes it), and the connector is not asked for it again. A cache the
+connector may still write into stays open, apart from the request, until the load is reported.
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ import logging
 import time
 import weakref
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import torch
 
@@ -54,16 +59,6 @@ EARLY_REPORTS_KEPT = 4096  # saves reported before ``request_finished`` remember
 _running: dict[int, weakref.ref] = {}  # id of a connector -> the driver that runs it for an engine not closed
 
 
-@dataclass(frozen=True, slots=True)
-class BatchLoads:
-    """What ``before_forward`` did with a batch's offers: requests that fail (with why), and those
-    whose asynchronous loads did not land (in flight, or failed: ``missed_loads``), which sit the
-    step out."""
-
-    failed: dict[int, str]
-    sit_out: set[int]
-
-
 class ConnectorDriver:
     """Runs one connector (an object implementing both halves) over one engine's cache manager."""
 
@@ -72,8 +67,7 @@ class ConnectorDriver:
         self.mgr = mgr
         self.saving: dict[int, KVCache] = {}
         self.in_flight: dict[int, tuple[Request, Offer, float]] = {}  # loads running: (request, offer, deadline)
-        self._failed_loads: dict[int, str] = {}  # requests given up on outside a step's batch, with why
-        self._missed: dict[int, Request] = {}  # requests whose loads the connector reported failed
+        self._missed: dict[int, Request] = {}  # requests whose loads failed: they start over
         self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
         self._awaited_until: dict[int, float] = {}  # per request of ``loading``: until then its pages are waited for
         self._saved_early: dict[int, None] = {}  # saves reported before their request finished, the latest last
@@ -149,17 +143,16 @@ class ConnectorDriver:
 
     def keeps_cache(self, request: Request) -> bool:
         """Whether the connector may still write the pages of ``request``'s cache (a load given up
-        on): the request finishes, its cache stays open until the connector reports the load."""
-        return request.request_id in self.loading
+        on): the cache stays open, apart from the request, until the connector reports the load."""
+        return request.cache is not None and self.loading.get(request.request_id) is request.cache
 
-    def before_forward(self, batch: list[ScheduledChunk]) -> BatchLoads:
+    def before_forward(self, batch: list[ScheduledChunk]) -> set[int]:
         """Phase 3 for the batch that runs: deliver, load, and commit what was loaded.
 
-        Returns the requests whose offers were not loaded (a hook raised, or a value it gave was
-        unusable), with why: nothing of their offers is committed, and they must not run (their
-        chunks start past tokens that are not there); and the requests whose asynchronous loads did
-        not land (now in flight, ``Request.awaits_load``, or failed), which sit this step out.
-        Other requests of the batch run as usual."""
+        Returns the requests that sit this step out: those whose asynchronous loads are now in
+        flight (``Request.awaits_load``), and those whose loads failed (a hook raised, or a value
+        it gave was unusable: every offer of the step; or the connector reported it failed), which
+        start over (``missed_loads``). Other requests of the batch run as usual."""
         delivered: list[tuple[Request, Offer]] = []
         for chunk in batch:  # all marked first: a hook raising for one fails every offer of the step
             offer = chunk.request.offer
@@ -189,13 +182,13 @@ class ConnectorDriver:
         except Exception as exc:  # a connector's own bug: the loads of this step cannot be trusted
             self._connector_failed("a load", exc)
             self._give_up(waiting)
-            why = f"the connector failed to load its offer ({type(exc).__name__}: {exc})"
-            return BatchLoads({request.request_id: why for request, _ in delivered}, set())
+            self._missed.update((request.request_id, request) for request, _ in delivered)
+            return {request.request_id for request, _ in delivered}
         for request, offer in delivered:
             if not offer.asynchronous:
                 self._commit(request, offer)
         unlanded = self.in_flight.keys() | self._missed.keys()
-        return BatchLoads({}, {request.request_id for request in waiting} & unlanded)
+        return {request.request_id for request in waiting} & unlanded
 
     def _commit(self, request: Request, offer: Offer) -> None:
         """The connector loaded ``offer``: its tokens are committed to the request's cache."""
@@ -207,35 +200,27 @@ class ConnectorDriver:
         request.loaded_until = 0
         offer.in_flight = False
 
-    def failed_loads(self) -> dict[int, str]:
-        """The requests whose loads in flight were given up on since the last call (in flight longer
-        than ``ASYNC_LOAD_WAIT_S``, or a report that raised), with why: they fail, their caches kept
-        until the connector reports the load (``keeps_cache``)."""
+    def loads_in_flight(self) -> bool:
+        return bool(self.in_flight)
+
+    def missed_loads(self) -> list[Request]:
+        """The requests whose loads failed since the last call, loads in flight longer than
+        ``ASYNC_LOAD_WAIT_S`` among them (given up on now): nothing of their offers is committed;
+        they start over (the scheduler recomputes them), and their connector is not asked again."""
         now = time.monotonic()
         late = [request for request, _, deadline in self.in_flight.values() if deadline <= now]
         if late:
             self._connector_failed("to finish a load in time", TimeoutError(f"{ASYNC_LOAD_WAIT_S:g} s"))
             self._give_up(late)
-            why = f"the connector did not finish loading its offer within {ASYNC_LOAD_WAIT_S:g} s"
-            self._failed_loads.update(dict.fromkeys([request.request_id for request in late], why))
-        failed, self._failed_loads = self._failed_loads, {}
-        return failed
-
-    def loads_in_flight(self) -> bool:
-        return bool(self.in_flight)
-
-    def missed_loads(self) -> list[Request]:
-        """The requests whose loads the connector reported failed since the last call: nothing of
-        their offers is committed; they are recomputed (their caches closed: they start over from
-        what is published), and their connector is not asked again."""
+            self._missed.update((request.request_id, request) for request in late)
         missed, self._missed = list(self._missed.values()), {}
         for request in missed:
             request.asks_connector = False
         return missed
 
     def _give_up(self, requests: list[Request]) -> None:
-        """Requests that fail while the connector may still write their pages (an asynchronous load
-        not reported): their caches stay open until it reports the load (``keeps_cache``)."""
+        """Requests whose asynchronous loads fail while the connector may still write their pages
+        (not reported): their caches stay open until it reports the load (``keeps_cache``)."""
         until = time.monotonic() + ASYNC_LOAD_WAIT_S
         for request in requests:
             self.in_flight.pop(request.request_id, None)
@@ -297,12 +282,11 @@ class ConnectorDriver:
         return False
 
     def cache_dropped(self, request: Request) -> None:
-        """The request ends before it finished (its cache is closed, or kept while ``keeps_cache``):
+        """The request's cache is dropped before it finished (closed, or kept while ``keeps_cache``):
         an undelivered offer is handed back; a load in flight is given up on."""
         if request.request_id in self.in_flight:
             self._give_up([request])
-        self._missed.pop(request.request_id, None)  # (it ends: nothing to recompute, nothing to fail)
-        self._failed_loads.pop(request.request_id, None)
+        self._missed.pop(request.request_id, None)  # (it ends, or starts over now: nothing left to do)
         offer = request.offer
         if offer is not None and not offer.delivered:
             self._hand_back(self._view(request, with_blocks=False), offer.start, offer.end)
@@ -319,9 +303,9 @@ class ConnectorDriver:
             reports = self._finished(sorted(self.saving), self._loads_asked())
         except Exception as exc:  # saves and given-up loads are asked about again next step
             self._connector_failed("reporting its saves and loads", exc)
-            why = f"the connector failed to report its load ({type(exc).__name__}: {exc})"
-            self._failed_loads.update(dict.fromkeys(self.in_flight, why))
-            self._give_up([request for request, _, _ in self.in_flight.values()])
+            given_up = [request for request, _, _ in self.in_flight.values()]
+            self._give_up(given_up)
+            self._missed.update((request.request_id, request) for request in given_up)
             return
         self._take_reports(*reports)
 
@@ -335,12 +319,16 @@ class ConnectorDriver:
                 self._missed[request_id] = entry[0]
             elif entry is not None:
                 self._commit(entry[0], entry[1])
-        for request_id in [*saved, *loaded]:
+        for request_id in loaded:  # (a request given up on may save from a cache of its own meanwhile)
             self._awaited_until.pop(request_id, None)
-            cache = self.saving.pop(request_id, None) or self.loading.pop(request_id, None)
+            cache = self.loading.pop(request_id, None)
             if cache is not None:
                 cache.close()
-            elif request_id in saved:  # reported before ``request_finished`` asked to keep its pages
+        for request_id in saved:
+            cache = self.saving.pop(request_id, None)
+            if cache is not None:
+                cache.close()
+            else:  # reported before ``request_finished`` asked to keep its pages
                 self._saved_early[request_id] = None
                 while len(self._saved_early) > EARLY_REPORTS_KEPT:
                     del self._saved_early[next(iter(self._saved_early))]

@@ -241,25 +241,19 @@ class LLMEngine:
                 self.abort_request(request_id)
 
     def _run_step(self) -> list[RequestOutput]:
-        finished: list[RequestOutput] = []
         if self.connector is not None:
             self.connector.poll()
-            for request_id, why in self.connector.failed_loads().items():  # loads in flight given up on
-                finished.append(self._finish_failed(self._requests[request_id], why))
-            for request in self.connector.missed_loads():  # loads that failed: recomputed instead
+            for request in self.connector.missed_loads():  # loads that failed: a miss, recomputed
                 self.scheduler.recompute(request)
         batch = self.scheduler.schedule()
         # Background copies (write-through, the free reserve) go now, before the forward: they
         # overlap its compute, and the next step's moves, which wait for them, find them done.
         self.cache_manager.maintain()
-        finished += [self._finish_failed(request, request.error) for request in self.scheduler.take_failed()]
+        finished = [self._finish_failed(request, request.error) for request in self.scheduler.take_failed()]
         if batch and self.connector is not None:
-            loads = self.connector.before_forward(batch)
-            # The connector failed to load their offers: they fail, the rest of the batch runs.
-            for chunk in [c for c in batch if c.request.request_id in loads.failed]:
-                finished.append(self._finish_failed(chunk.request, loads.failed[chunk.request.request_id]))
             # Loads in flight (they run once the connector reports them) or failed (recomputed next step).
-            batch = [c for c in batch if c.request.request_id not in loads.failed.keys() | loads.sit_out]
+            sit_out = self.connector.before_forward(batch)
+            batch = [c for c in batch if c.request.request_id not in sit_out]
         if not batch:
             if (
                 not finished
