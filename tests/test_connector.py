@@ -9,6 +9,7 @@ in place. End to end (float64, CPU): tokens always equal the dense oracle.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -450,6 +451,107 @@ def test_the_save_of_a_request_whose_load_was_given_up_keeps_its_pages_past_the_
         out = fresh.generate([prompt + [3]], SamplingParams(max_tokens=3))[0]
     assert out.reused_tokens_by_tier["connector"] == 96
     assert out.token_ids == llama.reference_generate(prompt + [3], 3)
+
+
+class FailedLoadsRaiseOnce(FileSystemConnector):
+    """``get_failed_loads`` raises once, when armed, right after a ``get_finished`` that reported
+    something (a transient error in a third-party connector's report)."""
+
+    armed = False
+    reported = False
+
+    def get_finished(self, finished_gen_ids, started_loading_ids):
+        saved, loaded = super().get_finished(finished_gen_ids, started_loading_ids)
+        self.reported = bool(saved or loaded)
+        return saved, loaded
+
+    def get_failed_loads(self):
+        if self.armed and self.reported:
+            self.armed = False
+            raise ConnectionError("transient error in get_failed_loads")
+        return super().get_failed_loads()
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_failed_loads_report_that_raises_loses_no_save_and_holds_no_page(llama, tmp_path, seeded):
+    """``get_failed_loads`` raises after the ``get_finished`` that reported a save (unseeded: the
+    request computes everything) or a load (seeded: it loads 64 tokens): the save is taken, and the
+    loads of that report are misses (recomputed), their pages freed. Before, both reports were
+    lost: ``generate`` waited for the save for ever, or the landed load's pages stayed held."""
+    prompt = prompts_for(llama, [70], seed=4)[0]
+    if seeded:
+        seed_store(llama, tmp_path, [prompt])
+    conn = FailedLoadsRaiseOnce(tmp_path)
+    eng = engine(llama, 200, conn)
+    try:
+        conn.armed = True
+        outputs: list = []
+        generate = lambda: outputs.extend(eng.generate([prompt], SamplingParams(max_tokens=3)))  # noqa: E731
+        call = threading.Thread(target=generate, daemon=True)
+        call.start()
+        call.join(20)
+        assert not call.is_alive(), "generate waited for a save reported already"
+        assert not conn.armed  # it raised
+        assert outputs[0].token_ids == llama.reference_generate(prompt, 3)
+        assert not eng.connector.saving and not eng.connector.loading
+        assert eng.cache_manager.stats().tiers["primary"].pages_used == 4  # its 72 tokens' full blocks, published
+    finally:
+        eng.close_within(5.0)
+
+
+class AnswersShortOnce(FileSystemStore):
+    """A store whose first ``get_many`` answers one page short (a third-party store's bug)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self._calls = itertools.count()
+
+    def get_many(self, keys, expected_sizes=None):
+        first = next(self._calls) == 0  # (fetches run on two threads)
+        out = super().get_many(keys, expected_sizes)
+        return out[:-1] if first else out
+
+
+def test_a_store_answering_short_fails_that_load_alone(llama, tmp_path):
+    """One fetch answers a page short: that load is a miss (recomputed), the other request's load
+    lands, nothing stays held, and the counters say so. Before, the error escaped
+    ``get_finished``: every load waiting with it was dropped (never reported, their pages held
+    for good), and the saves it had taken were never reported (``generate`` waited for ever)."""
+    a, b = prompts_for(llama, [70, 70], seed=80)
+    seed_store(llama, tmp_path, [a, b])
+    conn = StoreConnector(AnswersShortOnce(tmp_path))
+    with engine(llama, 200, conn) as eng:
+        first, second = (eng.add_request(p, SamplingParams(max_tokens=3)) for p in (a, b))
+        outputs = run_until(eng, lambda outs: {first, second} <= outs.keys())
+        assert outputs[first].token_ids == llama.reference_generate(a, 3)
+        assert outputs[second].token_ids == llama.reference_generate(b, 3)
+        assert sorted(o.reused_tokens_by_tier["connector"] for o in outputs.values()) == [0, 64]
+        assert not eng.connector.loading and not eng.connector.in_flight
+        assert conn.stats().errors == 4 and conn.stats().loaded_pages == 4
+
+
+class SlowStore(FileSystemStore):
+    """A remote store answering every read in ``delay_s``."""
+
+    delay_s = 20.0
+
+    def get_many(self, keys, expected_sizes=None):
+        time.sleep(self.delay_s)
+        return super().get_many(keys, expected_sizes)
+
+
+def test_closing_an_engine_does_not_wait_for_a_fetch(llama, tmp_path):
+    """``close_within(1.0)`` while a fetch runs returns within its bound. Before, the connector's
+    close waited for the fetch (20 s here; for ever on a hung network mount)."""
+    prompt = prompts_for(llama, [70], seed=4)[0]
+    seed_store(llama, tmp_path, [prompt])
+    eng = engine(llama, 200, StoreConnector(SlowStore(tmp_path)))
+    eng.add_request(prompt, SamplingParams(max_tokens=3))
+    eng.step()
+    assert eng.connector.in_flight
+    t0 = time.monotonic()
+    assert eng.close_within(1.0)
+    assert time.monotonic() - t0 < 5.0
 
 
 def test_one_connector_given_to_two_engines_is_refused_for_the_second(llama, tmp_path):

@@ -221,18 +221,25 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
                 self._waiting.append((load, stream))
                 continue
             try:
-                payloads = load.staged.fetch.result()
-            except Exception as exc:  # a store breaking its contract (it reports failures as misses)
-                log.warning("kvtier connector: fetching the offer of request %d failed: %s", load.request_id, exc)
-                payloads = [None] * len(load.slots)
-            copied = [(page, slot, p) for page, slot, p in zip(load.staged.pages, load.slots, payloads, strict=True)]
-            missing = sum(p is None for _, slot, p in copied if slot != BAD_PAGE_INDEX)
-            if missing:
-                self._counters.add(missed_pages=missing, errors=missing)
+                self._land(load, stream)
+            except Exception as exc:  # a store or a copy breaking its contract: this load fails alone
+                log.warning("kvtier connector: loading the offer of request %d failed: %s", load.request_id, exc)
+                wanted = sum(slot != BAD_PAGE_INDEX for slot in load.slots)
+                self._counters.add(missed_pages=wanted, errors=wanted)
                 self._failed.add(load.request_id)
-            else:
-                self._copy_in([(group, slot, p) for (_, group), slot, p in copied if slot != BAD_PAGE_INDEX], stream)
             self._loaded.add(load.request_id)
+
+    def _land(self, load: _Load, stream: object) -> None:
+        """Copy in one load whose fetch is over, or mark it failed when a page it needs did not arrive
+        intact; raises for a fetch that raised or answered another number of pages."""
+        payloads = load.staged.fetch.result()
+        copied = [(page, slot, p) for page, slot, p in zip(load.staged.pages, load.slots, payloads, strict=True)]
+        missing = sum(p is None for _, slot, p in copied if slot != BAD_PAGE_INDEX)
+        if missing:
+            self._counters.add(missed_pages=missing, errors=missing)
+            self._failed.add(load.request_id)
+            return
+        self._copy_in([(group, slot, p) for (_, group), slot, p in copied if slot != BAD_PAGE_INDEX], stream)
 
     def _copy_in(self, pages: list[tuple[int, int, bytes]], stream: object) -> None:
         """Copy (group, slot, payload) pages into the cache, one ``PageCopier`` call per group, on ``stream``."""
@@ -343,13 +350,13 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
 
     def get_finished(self, finished_gen_ids: Sequence[int], started_loading_ids: Sequence[int]) -> tuple[list, list]:
         """Saves written, and loads finished (copied in, or failed: ``get_failed_loads``), each reported once."""
+        self._land_fetched()
         with self._lock:
             done = [rid for rid, future in self._saves.items() if future.done()]
             for rid in done:
                 error = self._saves.pop(rid).exception()
                 if error is not None:
                     log.warning("kvtier connector: saving request %d failed: %s", rid, error)
-        self._land_fetched()
         loaded = [rid for rid in started_loading_ids if rid in self._loaded]
         self._loaded.difference_update(loaded)
         self._failed_reported.update(self._failed.intersection(loaded))
@@ -362,7 +369,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
 
     def close(self) -> None:
         self._closed = True
-        self._fetch_pool.shutdown(wait=True, cancel_futures=True)
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)  # nothing reads a fetch after close
         self._save_pool.shutdown(wait=True)
         self.store.close()
         if self._staging is not None:

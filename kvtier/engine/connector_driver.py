@@ -233,9 +233,16 @@ class ConnectorDriver:
 
     def _finished(self, saving: list[int], loading: list[int]) -> tuple[list[int], list[int], set[int]]:
         """``get_finished`` (a None in its answer read as nothing finished: vLLM's convention), and
-        which of the loads it reported failed (``get_failed_loads``)."""
+        which of the loads it reported failed (``get_failed_loads``). ``get_failed_loads`` raising
+        (or answering no collection) fails every load of that report: the saves it reported stand."""
         saved, loaded = self.connector.get_finished(saving, loading)
-        return list(saved or ()), list(loaded or ()), set(self.connector.get_failed_loads() or ())
+        saved, loaded = list(saved or ()), list(loaded or ())
+        try:
+            failed = set(self.connector.get_failed_loads() or ())
+        except Exception as exc:
+            self._connector_failed("reporting its failed loads", exc)
+            failed = set(loaded)
+        return saved, loaded, failed
 
     def after_forward(self, batch: list[ScheduledChunk]) -> None:
         """The batch's KV is computed: the connector's save hooks, then the saves that ended. A hook
