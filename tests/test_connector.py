@@ -8,6 +8,7 @@ in place. End to end (float64, CPU): tokens always equal the dense oracle.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -268,6 +269,8 @@ def test_a_connector_hook_that_raises_costs_at_most_the_offers_it_was_loading(ll
         eng.generate(prompts_for(llama, [250, 250], seed=7), SamplingParams(max_tokens=1))  # stale KV in pages
         conn.hook = hook
         outs = eng.generate(prompts, SamplingParams(max_tokens=6))
+        eng.step()  # the connector reports what it dropped: the pages kept for it go back
+        assert not eng.connector.loading and not eng.connector.in_flight
         eng.cache_manager.check_invariants()
     assert conn.hook is None  # it raised
     for prompt, out in zip(prompts, outs, strict=True):
@@ -554,6 +557,78 @@ def test_closing_an_engine_does_not_wait_for_a_fetch(llama, tmp_path):
     assert time.monotonic() - t0 < 5.0
 
 
+def test_closing_an_engine_does_not_wait_for_a_hung_store_read(llama, tmp_path):
+    """The store's value files block on open (FIFOs: a hung network mount) while a fetch reads them:
+    ``close_within(1.0)`` returns within its bound. Before, the store's close waited for its
+    reads, for as long as they hung."""
+    prompt = prompts_for(llama, [70], seed=4)[0]
+    seed_store(llama, tmp_path, [prompt])
+    values = sorted(tmp_path.rglob("*.page"))
+    for value in values:
+        value.unlink()
+        os.mkfifo(value, 0o600)
+    done = threading.Event()
+
+    def let_the_reads_go() -> None:  # after 8 s: each FIFO opened gives an empty value (a miss)
+        done.wait(8)
+        for _ in range(100):
+            for value in values:
+                with contextlib.suppress(OSError):
+                    os.close(os.open(value, os.O_WRONLY | os.O_NONBLOCK))
+            time.sleep(0.02)
+
+    threading.Thread(target=let_the_reads_go, daemon=True).start()
+    eng = engine(llama, 200, FileSystemConnector(tmp_path))
+    try:
+        eng.add_request(prompt, SamplingParams(max_tokens=3))
+        eng.step()
+        assert eng.connector.in_flight
+        t0 = time.monotonic()
+        assert eng.close_within(1.0)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        done.set()
+
+
+class ReportsBreakDown(FileSystemConnector):
+    """``get_finished`` raises while ``broken`` (its report channel's peer died)."""
+
+    broken = False
+
+    def get_finished(self, finished_gen_ids, started_loading_ids):
+        if self.broken:
+            raise ConnectionError("report channel down")
+        return super().get_finished(finished_gen_ids, started_loading_ids)
+
+
+def test_a_connector_that_stops_reporting_holds_no_call_for_ever(llama, tmp_path, monkeypatch):
+    """Every ``get_finished`` raises: after ``ASYNC_LOAD_WAIT_S`` of that, the saves are given up on
+    (their pages held until a report) and ``generate`` returns with the model's tokens; once the
+    connector reports again, their pages go back. Before, ``generate`` (and ``close``) waited for
+    ever."""
+    monkeypatch.setattr(connector_driver, "ASYNC_LOAD_WAIT_S", 0.3)
+    a, b = prompts_for(llama, [70, 40], seed=3)
+    seed_store(llama, tmp_path, [a])
+    conn = ReportsBreakDown(tmp_path)
+    eng = engine(llama, 200, conn)
+    try:
+        conn.broken = True
+        outputs: list = []
+        call = threading.Thread(target=lambda: outputs.extend(eng.generate([a, b], SamplingParams(max_tokens=3))))
+        call.daemon = True
+        call.start()
+        call.join(20)
+        assert not call.is_alive(), "generate waited for a connector that never reports"
+        assert [o.token_ids for o in outputs] == [llama.reference_generate(p, 3) for p in (a, b)]
+        assert eng.connector.unreported_saves and not eng.connector.saving
+        conn.broken = False
+        eng.step()
+        assert not eng.connector.unreported_saves and not eng.connector.loading
+    finally:
+        conn.broken = False
+        eng.close_within(5.0)
+
+
 def test_one_connector_given_to_two_engines_is_refused_for_the_second(llama, tmp_path):
     """A connector keeps one engine's layout, pages and requests: a second engine is refused
     while the first is open, and after (closing the engine closed its connector). Before, it was
@@ -663,6 +738,9 @@ def test_a_hook_raising_for_one_offer_misses_every_offer_of_its_step(llama, tmp_
         eng.cache_manager.check_invariants()
         later = b[64:96] + a[:10]
         assert eng.generate([later], SamplingParams(max_tokens=4))[0].token_ids == llama.reference_generate(later, 4)
+        assert not eng.connector.loading  # (before: both offers' pages held for good)
+        whole = prompts_for(llama, [500], seed=8)[0]  # needs nearly every page of the tier
+        assert eng.generate([whole], SamplingParams(max_tokens=2))[0].token_ids == llama.reference_generate(whole, 2)
 
 
 class GatedFetches(FileSystemStore):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,9 +108,11 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._loaded: set[int] = set()  # requests whose loads finished, not reported yet
         self._failed: set[int] = set()  # of those, the ones whose fetch fell short (nothing copied)
         self._failed_reported: set[int] = set()  # failed loads reported finished, for ``get_failed_loads``
+        self._reported: set[int] = set()  # loads reported finished that the engine still asks about
         self._saves: dict[int, Future] = {}
         self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-connector-save")
         self._fetch_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-connector-fetch")
+        self._fetches: set[Future] = set()  # fetches not over yet
         self._lock = threading.Lock()
         self._layout: KvCacheLayout | None = None
         self._keyspace: BlockKeyspace | None = None
@@ -169,6 +171,8 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
         sizes = [self._page_bytes(g) for _, g in needed]
         fetch = self._fetch_pool.submit(self.store.get_many, keys, sizes)
+        self._fetches.add(fetch)
+        fetch.add_done_callback(self._fetches.discard)
         self._staged[request.request_id] = _Staged(num_computed_tokens, needed, fetch, end)
         return end - num_computed_tokens, True
 
@@ -349,8 +353,18 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         """Saves run on their own thread after the request finished; nothing to wait for here."""
 
     def get_finished(self, finished_gen_ids: Sequence[int], started_loading_ids: Sequence[int]) -> tuple[list, list]:
-        """Saves written, and loads finished (copied in, or failed: ``get_failed_loads``), each reported once."""
+        """Saves written, and loads finished (copied in, or failed: ``get_failed_loads``), each reported
+        once; a load asked about that this connector holds nowhere (dropped when a hook raised before
+        it started) is reported finished and failed."""
         self._land_fetched()
+        asked = set(started_loading_ids)
+        self._reported &= asked  # (ids the engine no longer asks about are done with)
+        meta = self._meta.loads if isinstance(self._meta, ConnectorMeta) else []
+        held = [load for load, _ in self._waiting] + self._pending_loads + meta  # (a later step may start these)
+        known = {load.request_id for load in held} | self._loaded | self._reported
+        lost = asked - known
+        self._loaded.update(lost)  # loads it dropped (a hook raised before they started): finished, failed
+        self._failed.update(lost)
         with self._lock:
             done = [rid for rid, future in self._saves.items() if future.done()]
             for rid in done:
@@ -359,6 +373,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
                     log.warning("kvtier connector: saving request %d failed: %s", rid, error)
         loaded = [rid for rid in started_loading_ids if rid in self._loaded]
         self._loaded.difference_update(loaded)
+        self._reported.update(loaded)
         self._failed_reported.update(self._failed.intersection(loaded))
         self._failed.difference_update(loaded)
         return done, loaded
@@ -368,10 +383,19 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         return failed
 
     def close(self) -> None:
+        """Wait for the saves, then close the store; fetches still running (nothing reads them now)
+        are not waited for: the store closes on a thread of its own once they are over (a hung
+        read holds that thread, never the caller)."""
         self._closed = True
-        self._fetch_pool.shutdown(wait=False, cancel_futures=True)  # nothing reads a fetch after close
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self._save_pool.shutdown(wait=True)
-        self.store.close()
+        running = [fetch for fetch in list(self._fetches) if not fetch.done()]
+        if running:
+            threading.Thread(
+                target=lambda: (wait(running), self.store.close()), name="kvtier-connector-close", daemon=True
+            ).start()
+        else:
+            self.store.close()
         if self._staging is not None:
             self._staging.release()
             self._staging = None

@@ -68,6 +68,8 @@ class ConnectorDriver:
         self.saving: dict[int, KVCache] = {}
         self.in_flight: dict[int, tuple[Request, Offer, float]] = {}  # loads running: (request, offer, deadline)
         self._missed: dict[int, Request] = {}  # requests whose loads failed: they start over
+        self.unreported_saves: dict[int, KVCache] = {}  # saves given up on: pages held until reported
+        self._reports_failing_since: float | None = None  # since when every get_finished has raised
         self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
         self._awaited_until: dict[int, float] = {}  # per request of ``loading``: until then its pages are waited for
         self._saved_early: dict[int, None] = {}  # saves reported before their request finished, the latest last
@@ -160,9 +162,12 @@ class ConnectorDriver:
                 offer.delivered = True
                 delivered.append((chunk.request, offer))
         waiting = [request for request, offer in delivered if offer.asynchronous]
+        handed: list[Request] = []  # offers the connector was handed (it may load them, even if it raised)
         try:
-            for request, _ in delivered:
+            for request, offer in delivered:
                 view = self._view(request)
+                if offer.asynchronous:
+                    handed.append(request)
                 self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
             output = SchedulerOutput(
                 [self._view(c.request) for c in batch], {c.request.request_id: c.num_tokens for c in batch}, []
@@ -181,7 +186,7 @@ class ConnectorDriver:
                 self._take_reports(*self._finished(sorted(self.saving), self._loads_asked()))
         except Exception as exc:  # a connector's own bug: the loads of this step cannot be trusted
             self._connector_failed("a load", exc)
-            self._give_up(waiting)
+            self._give_up(handed)  # (the offers after a raising deliver never reached it: closed when recomputed)
             self._missed.update((request.request_id, request) for request, _ in delivered)
             return {request.request_id for request, _ in delivered}
         for request, offer in delivered:
@@ -304,17 +309,36 @@ class ConnectorDriver:
         """Take what ``get_finished`` reports: saves and loads given up on end (their caches close),
         loads in flight land (committed: their requests run from the next step on). A report that
         raises fails the loads in flight (as a load hook that raised does: they cannot be trusted)."""
-        if not self.saving and not self.loading and not self.in_flight:
+        if not self.saving and not self.unreported_saves and not self.loading and not self.in_flight:
             return
         try:
-            reports = self._finished(sorted(self.saving), self._loads_asked())
+            reports = self._finished(sorted([*self.saving, *self.unreported_saves]), self._loads_asked())
         except Exception as exc:  # saves and given-up loads are asked about again next step
             self._connector_failed("reporting its saves and loads", exc)
             given_up = [request for request, _, _ in self.in_flight.values()]
             self._give_up(given_up)
             self._missed.update((request.request_id, request) for request in given_up)
+            self._give_up_saves_after_failing_reports()
             return
+        self._reports_failing_since = None
         self._take_reports(*reports)
+
+    def _give_up_saves_after_failing_reports(self) -> None:
+        """Once every ``get_finished`` has raised for ``ASYNC_LOAD_WAIT_S``, nothing waits for the
+        saves any more (``generate`` and ``close`` return): their pages stay held, apart, until a
+        later report (``unreported_saves``)."""
+        now = time.monotonic()
+        if self._reports_failing_since is None:
+            self._reports_failing_since = now
+        elif now - self._reports_failing_since >= ASYNC_LOAD_WAIT_S and self.saving:
+            log.error(
+                "kvtier: the engine's connector has failed to report for %g s: the saves of %d requests are "
+                "given up on (their pages stay held until it reports them)",
+                now - self._reports_failing_since,
+                len(self.saving),
+            )
+            self.unreported_saves.update(self.saving)
+            self.saving.clear()
 
     def _take_reports(self, saved: Collection[int], loaded: Collection[int], failed: Collection[int]) -> None:
         """Act on what one ``get_finished`` call reported (any such call may report any save or load,
@@ -332,7 +356,7 @@ class ConnectorDriver:
             if cache is not None:
                 cache.close()
         for request_id in saved:
-            cache = self.saving.pop(request_id, None)
+            cache = self.saving.pop(request_id, None) or self.unreported_saves.pop(request_id, None)
             if cache is not None:
                 cache.close()
             else:  # reported before ``request_finished`` asked to keep its pages
