@@ -221,8 +221,8 @@ class FailsOnce(FileSystemConnector):
     """The shipped filesystem connector, whose hook named ``hook`` raises the first time it is
     called once armed (a hook called at every step: in the step that delivers an offer)."""
 
-    def __init__(self, path) -> None:
-        super().__init__(path)
+    def __init__(self, path, load_async: bool) -> None:
+        super().__init__(path, load_async=load_async)
         self.hook: str | None = None
         self.delivered = False
 
@@ -254,7 +254,8 @@ class FailsOnce(FileSystemConnector):
         "request_finished",
     ],
 )
-def test_a_connector_hook_that_raises_costs_at_most_the_offers_it_was_loading(llama, tmp_path, hook):
+@pytest.mark.parametrize("load_async", [False, True])
+def test_a_connector_hook_that_raises_costs_at_most_the_offers_it_was_loading(llama, tmp_path, hook, load_async):
     """A third-party connector's bug is contained: a load that raised is a miss for the requests it
     was loading (recomputed, their connector not asked again); any other hook loses an offer or a
     save at most. Every request finishes with the dense tokens. Before, a load hook that raised
@@ -264,7 +265,7 @@ def test_a_connector_hook_that_raises_costs_at_most_the_offers_it_was_loading(ll
     seed_store(llama, tmp_path, [shared])
     others = prompts_for(llama, [30, 45], seed=6)
     prompts = [shared[:64] + others[0][:10], others[0], others[1]]  # the first is offered 64 tokens
-    conn = FailsOnce(tmp_path)
+    conn = FailsOnce(tmp_path, load_async)
     with engine(llama, 200, conn) as eng:
         eng.generate(prompts_for(llama, [250, 250], seed=7), SamplingParams(max_tokens=1))  # stale KV in pages
         conn.hook = hook
@@ -286,7 +287,7 @@ class HoldsReports(StoreConnector):
 
     def __init__(self, path_or_store, **options) -> None:
         store = path_or_store if isinstance(path_or_store, FileSystemStore) else FileSystemStore(path_or_store)
-        super().__init__(store, **options)
+        super().__init__(store, load_async=True, **options)
         self.landed: set[int] = set()
 
     def ready(self, request_id: int) -> bool:
@@ -484,7 +485,7 @@ def test_a_failed_loads_report_that_raises_loses_no_save_and_holds_no_page(llama
     prompt = prompts_for(llama, [70], seed=4)[0]
     if seeded:
         seed_store(llama, tmp_path, [prompt])
-    conn = FailedLoadsRaiseOnce(tmp_path)
+    conn = FailedLoadsRaiseOnce(tmp_path, load_async=True)
     eng = engine(llama, 200, conn)
     try:
         conn.armed = True
@@ -522,7 +523,7 @@ def test_a_store_answering_short_fails_that_load_alone(llama, tmp_path):
     for good), and the saves it had taken were never reported (``generate`` waited for ever)."""
     a, b = prompts_for(llama, [70, 70], seed=80)
     seed_store(llama, tmp_path, [a, b])
-    conn = StoreConnector(AnswersShortOnce(tmp_path))
+    conn = StoreConnector(AnswersShortOnce(tmp_path), load_async=True)
     with engine(llama, 200, conn) as eng:
         first, second = (eng.add_request(p, SamplingParams(max_tokens=3)) for p in (a, b))
         outputs = run_until(eng, lambda outs: {first, second} <= outs.keys())
@@ -548,7 +549,7 @@ def test_closing_an_engine_does_not_wait_for_a_fetch(llama, tmp_path):
     close waited for the fetch (20 s here; for ever on a hung network mount)."""
     prompt = prompts_for(llama, [70], seed=4)[0]
     seed_store(llama, tmp_path, [prompt])
-    eng = engine(llama, 200, StoreConnector(SlowStore(tmp_path)))
+    eng = engine(llama, 200, StoreConnector(SlowStore(tmp_path), load_async=True))
     eng.add_request(prompt, SamplingParams(max_tokens=3))
     eng.step()
     assert eng.connector.in_flight
@@ -578,7 +579,7 @@ def test_closing_an_engine_does_not_wait_for_a_hung_store_read(llama, tmp_path):
             time.sleep(0.02)
 
     threading.Thread(target=let_the_reads_go, daemon=True).start()
-    eng = engine(llama, 200, FileSystemConnector(tmp_path))
+    eng = engine(llama, 200, FileSystemConnector(tmp_path, load_async=True))
     try:
         eng.add_request(prompt, SamplingParams(max_tokens=3))
         eng.step()
@@ -727,7 +728,7 @@ def test_a_hook_raising_for_one_offer_misses_every_offer_of_its_step(llama, tmp_
     reused them: other tokens), or the next step raised ``InvariantError``."""
     a, b = prompts_for(llama, [70, 100], seed=21)
     seed_store(llama, tmp_path, [a, b[:65]])
-    conn = RaisesOnceInDeliver(tmp_path)
+    conn = RaisesOnceInDeliver(tmp_path, load_async=True)
     with engine(llama, 34, conn) as eng:
         eng.generate(prompts_for(llama, [250, 250], seed=7), SamplingParams(max_tokens=1))  # other KV in the pages
         conn.armed = True
@@ -772,7 +773,7 @@ class CountsAsks(StoreConnector):
     """The shipped connector, counting its asks per request."""
 
     def __init__(self, store) -> None:
-        super().__init__(store)
+        super().__init__(store, load_async=True)
         self.asks: dict[int, int] = {}
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -788,7 +789,7 @@ def test_a_slow_store_fetch_lets_the_running_requests_go_on(llama, tmp_path):
     shared, other = prompts_for(llama, [70, 30], seed=14)
     seed_store(llama, tmp_path, [shared])
     store = GatedFetches(tmp_path)
-    with engine(llama, 200, StoreConnector(store)) as eng:
+    with engine(llama, 200, StoreConnector(store, load_async=True)) as eng:
         running = eng.add_request(other, SamplingParams(max_tokens=8))
         eng.step()
         slow = eng.add_request(shared[:64] + [7, 8], SamplingParams(max_tokens=3))
@@ -833,7 +834,7 @@ def test_a_load_given_up_by_a_raising_report_keeps_its_pages_until_reported(llam
     a, b = prompts_for(llama, [70, 70], seed=31)
     seed_store(llama, tmp_path, [a])
     store = GatedFetches(tmp_path)
-    conn = RaisesOnceWhilePolled(store)
+    conn = RaisesOnceWhilePolled(store, load_async=True)
     with engine(llama, 12, conn) as eng:
         conn.raise_once = True
         first = eng.generate([a], SamplingParams(max_tokens=1))[0]

@@ -713,6 +713,14 @@ def test_a_connector_with_a_bad_tensor_parallel_shard_is_refused_when_built(tmp_
         StoreConnector(FileSystemStore(tmp_path / "other"), rank, world)
 
 
+def test_a_connector_whose_load_async_is_no_bool_is_refused_when_built(tmp_path):
+    with pytest.raises(TypeError, match="load_async"):
+        FileSystemConnector(tmp_path / "store", load_async="yes")
+    assert not (tmp_path / "store").exists()
+    with pytest.raises(TypeError, match="load_async"):
+        RedisConnector("redis://localhost:1", load_async=1)
+
+
 class DrivesTheEngine(FileSystemConnector):
     """Its first ask calls ``drive``: a hook that drives the engine asking it."""
 

@@ -1,17 +1,22 @@
 """A connector over a ``BlockStore``: both halves in one object, and the two shipped ones.
 
 - Ask: the chained keys of the prompt's full blocks after the local prefix are looked up
-  (``contains_many``, the one store call on the engine's thread), and the longest run that every
-  attention group's hit rule accepts is offered as an asynchronous load. Its pages are fetched
-  and verified (``get_many``) at once on a thread of the connector's, into a private read-ahead
-  buffer, while the engine goes on.
+  (``contains_many``), and the longest run that every attention group's hit rule accepts is
+  fetched and verified (``get_many``) into a private read-ahead buffer:
+  - by default on the engine's thread, and exactly what arrived intact is offered, so the load
+    can never fail afterwards (a store that dies between ask and load costs nothing but the
+    offer);
+  - with ``load_async=True``, on a thread of the connector's while the engine goes on: the run is
+    offered as an asynchronous load at once. A fetch that falls short (a page gone or damaged
+    since the ask, the store down) copies nothing: the load is reported finished and failed
+    (``get_failed_loads``), and the engine recomputes the offer. This pays when the store waits
+    (a remote store's round trips); a fetch that costs CPU (many small files, parsing, checksums)
+    competes with the engine's own thread for the interpreter, and the request waits a step or
+    more (docs/benchmarks.md section 41).
 - Deliver: ``update_state_after_alloc`` maps the staged blocks to their pages. Once the fetch is
   over (at ``start_load_kv``, else at a later ``get_finished``), the pages are copied in (one
   ``PageCopier`` call per layer group, on the stream ``start_load_kv`` was given) through a host
-  staging buffer that the connector keeps across steps (grown when a step needs more), and the
-  load is reported finished. A fetch that fell short (a page gone or damaged since the ask, the
-  store down) copies nothing: the load is reported finished and failed (``get_failed_loads``),
-  and the engine recomputes the offer.
+  staging buffer that the connector keeps across steps (grown when a step needs more).
 - Save: ``request_finished`` lists the request's full blocks that the save policy wants
   (``SavePolicy``: default all) and the store lacks, and returns True; a background thread
   copies those pages out and writes them; ``get_finished`` reports the request once they are
@@ -59,12 +64,14 @@ class _Staged:
     their fetch (verified payloads, positional; None for a page that did not arrive intact). The
     first block may begin before ``start`` (a local prefix that ends inside a block); only its
     tokens from ``start`` on are offered. ``handed_back``: the offer's tokens from there on will
-    not be loaded (``cancel_load``): pages holding none before it are not copied."""
+    not be loaded (``cancel_load``): pages holding none before it are not copied.
+    ``asynchronous``: offered as an asynchronous load (else fetched, complete, in the ask)."""
 
     start: int
     pages: list[tuple[int, int]]
     fetch: Future
     handed_back: int
+    asynchronous: bool
 
 
 @dataclass(slots=True)
@@ -90,13 +97,21 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
     ``save_policy``: which finished blocks to save, a ``SavePolicy`` or its text form
     (``"all"``, ``"priority>=P"``, ``"seen>=N"``); ``ValueError`` for a bad one. ``tp_rank`` /
     ``tp_world_size``: this process's tensor-parallel shard, ints with ``0 <= tp_rank <
-    tp_world_size`` (``TypeError`` / ``ValueError`` at construction otherwise).
+    tp_world_size`` (``TypeError`` / ``ValueError`` at construction otherwise). ``load_async``:
+    fetch an offer on the connector's thread and load it asynchronously (see the module docstring).
     """
 
     def __init__(
-        self, store: BlockStore, tp_rank: int = 0, tp_world_size: int = 1, *, save_policy: str | SavePolicy = "all"
+        self,
+        store: BlockStore,
+        tp_rank: int = 0,
+        tp_world_size: int = 1,
+        *,
+        save_policy: str | SavePolicy = "all",
+        load_async: bool = False,
     ) -> None:
-        _check_tp_shard(tp_rank, tp_world_size)
+        _check_options(tp_rank, tp_world_size, load_async)
+        self.load_async = load_async
         self.save_policy = SavePolicy.parse(save_policy)
         self.store = store
         self.tp_rank = tp_rank
@@ -167,14 +182,34 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         end = _best_end(present, groups, first, full, tpb, num_computed_tokens, usable)
         if end <= num_computed_tokens:
             return 0, False
-        needed = _needed(groups, first, end)
-        keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
-        sizes = [self._page_bytes(g) for _, g in needed]
-        fetch = self._fetch_pool.submit(self.store.get_many, keys, sizes)
-        self._fetches.add(fetch)
-        fetch.add_done_callback(self._fetches.discard)
-        self._staged[request.request_id] = _Staged(num_computed_tokens, needed, fetch, end)
-        return end - num_computed_tokens, True
+        if self.load_async:
+            needed = _needed(groups, first, end)
+            keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
+            sizes = [self._page_bytes(g) for _, g in needed]
+            fetch = self._fetch_pool.submit(self.store.get_many, keys, sizes)
+            self._fetches.add(fetch)
+            fetch.add_done_callback(self._fetches.discard)
+            self._staged[request.request_id] = _Staged(num_computed_tokens, needed, fetch, end, True)
+            return end - num_computed_tokens, True
+        while end > num_computed_tokens:  # fetched here: what arrived intact is offered
+            needed = _needed(groups, first, end)
+            keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
+            sizes = [self._page_bytes(g) for _, g in needed]
+            with self._counters.stall():
+                payloads = self.store.get_many(keys, sizes)
+            if len(payloads) != len(needed):  # a store breaking its contract: nothing it gave is trusted
+                payloads = [None] * len(needed)
+            missing = [needed[i] for i, p in enumerate(payloads) if p is None]
+            self._counters.add(missed_pages=len(missing), errors=len(missing))
+            if not missing:
+                fetched: Future = Future()
+                fetched.set_result(payloads)
+                self._staged[request.request_id] = _Staged(num_computed_tokens, needed, fetched, end, False)
+                return end - num_computed_tokens, False
+            for block_group in missing:
+                present[block_group] = False
+            end = _best_end(present, groups, first, min(b for b, _ in missing), tpb, num_computed_tokens, usable)
+        return 0, False
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids_by_layer_group: list[list[int]]) -> None:
         staged = self._staged.pop(request.request_id, None)
@@ -210,10 +245,13 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
     # -- worker: loads ------------------------------------------------------------------------------
 
     def start_load_kv(self, stream: object) -> None:
-        """Copy in the step's loads whose fetch is over; the others are copied by a later
-        ``get_finished`` once theirs is (on this ``stream``)."""
+        """Copy in the step's loads fetched in the ask, and the asynchronous ones whose fetch is over;
+        the others are copied by a later ``get_finished`` once theirs is (on this ``stream``)."""
         loads = self._meta.loads if isinstance(self._meta, ConnectorMeta) else []
-        self._waiting += [(load, stream) for load in loads]
+        for load in loads:
+            if not load.staged.asynchronous and not self._land(load, stream):
+                raise RuntimeError(f"a page verified in the ask of request {load.request_id} went missing")
+        self._waiting += [(load, stream) for load in loads if load.staged.asynchronous]
         self._land_fetched()
 
     def _land_fetched(self) -> None:
@@ -225,25 +263,27 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
                 self._waiting.append((load, stream))
                 continue
             try:
-                self._land(load, stream)
+                landed = self._land(load, stream)
             except Exception as exc:  # a store or a copy breaking its contract: this load fails alone
                 log.warning("kvtier connector: loading the offer of request %d failed: %s", load.request_id, exc)
                 wanted = sum(slot != BAD_PAGE_INDEX for slot in load.slots)
                 self._counters.add(missed_pages=wanted, errors=wanted)
+                landed = False
+            if not landed:
                 self._failed.add(load.request_id)
             self._loaded.add(load.request_id)
 
-    def _land(self, load: _Load, stream: object) -> None:
-        """Copy in one load whose fetch is over, or mark it failed when a page it needs did not arrive
-        intact; raises for a fetch that raised or answered another number of pages."""
+    def _land(self, load: _Load, stream: object) -> bool:
+        """Copy in one load whose fetch is over; False, copying nothing, when a page it needs did not
+        arrive intact. Raises for a fetch that raised or answered another number of pages."""
         payloads = load.staged.fetch.result()
         copied = [(page, slot, p) for page, slot, p in zip(load.staged.pages, load.slots, payloads, strict=True)]
         missing = sum(p is None for _, slot, p in copied if slot != BAD_PAGE_INDEX)
         if missing:
             self._counters.add(missed_pages=missing, errors=missing)
-            self._failed.add(load.request_id)
-            return
+            return False
         self._copy_in([(group, slot, p) for (_, group), slot, p in copied if slot != BAD_PAGE_INDEX], stream)
+        return True
 
     def _copy_in(self, pages: list[tuple[int, int, bytes]], stream: object) -> None:
         """Copy (group, slot, payload) pages into the cache, one ``PageCopier`` call per group, on ``stream``."""
@@ -424,12 +464,20 @@ class FileSystemConnector(StoreConnector):
 
     The directory holds at most about ``max_bytes`` (default ``DEFAULT_MAX_BYTES``, 64 GiB; per
     process sharing it, up to 10% more between eviction passes): past it the least recently
-    used blocks are evicted.
+    used blocks are evicted. ``load_async``: see ``StoreConnector``.
     """
 
-    def __init__(self, path, tp_rank: int = 0, tp_world_size: int = 1, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        _check_tp_shard(tp_rank, tp_world_size)  # before the store makes its directory
-        super().__init__(FileSystemStore(path, max_bytes=max_bytes), tp_rank, tp_world_size)
+    def __init__(
+        self,
+        path,
+        tp_rank: int = 0,
+        tp_world_size: int = 1,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        load_async: bool = False,
+    ) -> None:
+        _check_options(tp_rank, tp_world_size, load_async)  # before the store makes its directory
+        super().__init__(FileSystemStore(path, max_bytes=max_bytes), tp_rank, tp_world_size, load_async=load_async)
 
 
 class RedisConnector(StoreConnector):
@@ -438,7 +486,7 @@ class RedisConnector(StoreConnector):
     ``timeout_s`` bounds what a store that is down or hung costs a call (the socket timeouts);
     after a failure the server (or the cluster node) is left alone for ``retry_after_s`` and
     asked calls answer misses at once. ``ttl_seconds``: values expire after that long (None:
-    never). ``save_policy``: see ``StoreConnector``.
+    never). ``save_policy``, ``load_async``: see ``StoreConnector``.
     """
 
     def __init__(
@@ -451,15 +499,19 @@ class RedisConnector(StoreConnector):
         timeout_s: float = SOCKET_TIMEOUT_S,
         retry_after_s: float = RETRY_AFTER_S,
         save_policy: str | SavePolicy = "all",
+        load_async: bool = False,
     ) -> None:
-        _check_tp_shard(tp_rank, tp_world_size)  # before the store connects
+        _check_options(tp_rank, tp_world_size, load_async)  # before the store connects
         store = RedisStore(url, ttl_seconds=ttl_seconds, socket_timeout_s=timeout_s, retry_after_s=retry_after_s)
-        super().__init__(store, tp_rank, tp_world_size, save_policy=save_policy)
+        super().__init__(store, tp_rank, tp_world_size, save_policy=save_policy, load_async=load_async)
 
 
-def _check_tp_shard(tp_rank: int, tp_world_size: int) -> None:
-    """``TypeError`` unless both are ints (not bools), ``ValueError`` unless ``0 <= tp_rank < tp_world_size``:
-    the rules of ``BlockKeyspace``, checked where the connector is built rather than where an engine registers."""
+def _check_options(tp_rank: int, tp_world_size: int, load_async: bool) -> None:
+    """``TypeError`` unless the shard's numbers are ints (not bools) and ``load_async`` a bool,
+    ``ValueError`` unless ``0 <= tp_rank < tp_world_size``: the rules of ``BlockKeyspace``, checked
+    where the connector is built rather than where an engine registers."""
+    if not isinstance(load_async, bool):
+        raise TypeError(f"load_async must be a bool, got {load_async!r}")
     for name, value in (("tp_rank", tp_rank), ("tp_world_size", tp_world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}")
