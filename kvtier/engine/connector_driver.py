@@ -53,7 +53,7 @@ from kvtier.storage.log_limit import RateLimitedWarning
 
 log = logging.getLogger(__name__)
 
-ASYNC_LOAD_WAIT_S = 30.0  # how long an asynchronous load may stay in flight before its request fails
+ASYNC_LOAD_WAIT_S = 30.0  # how long a load may stay in flight (and reports keep raising) before it is given up on
 EARLY_REPORTS_KEPT = 4096  # saves reported before ``request_finished`` remembered for it
 
 _running: dict[int, weakref.ref] = {}  # id of a connector -> the driver that runs it for an engine not closed
@@ -70,7 +70,7 @@ class ConnectorDriver:
         self._missed: dict[int, Request] = {}  # requests whose loads failed: they start over
         self.unreported_saves: dict[int, KVCache] = {}  # saves given up on: pages held until reported
         self._reports_failing_since: float | None = None  # since when every get_finished has raised
-        self.loading: dict[int, KVCache] = {}  # failed requests whose loads the connector may still write
+        self.loading: dict[int, KVCache] = {}  # caches of loads given up on that the connector may still write
         self._awaited_until: dict[int, float] = {}  # per request of ``loading``: until then its pages are waited for
         self._saved_early: dict[int, None] = {}  # saves reported before their request finished, the latest last
         self._failures: dict[str, RateLimitedWarning] = {}  # per kind of connector failure
@@ -308,7 +308,8 @@ class ConnectorDriver:
     def poll(self) -> None:
         """Take what ``get_finished`` reports: saves and loads given up on end (their caches close),
         loads in flight land (committed: their requests run from the next step on). A report that
-        raises fails the loads in flight (as a load hook that raised does: they cannot be trusted)."""
+        raises makes the loads in flight misses (as a load hook that raised does: they cannot be
+        trusted); reports raising for ``ASYNC_LOAD_WAIT_S`` give the saves up too."""
         if not self.saving and not self.unreported_saves and not self.loading and not self.in_flight:
             return
         try:
