@@ -48,6 +48,7 @@ from kvtier.connector.save_policy import PrefixSightings, SavePolicy
 from kvtier.connector.store import BlockStore
 from kvtier.connector.store_stats import ConnectorCounters, ConnectorStats
 from kvtier.copy import PageCopier
+from kvtier.errors import InvariantError
 from kvtier.layout import GroupLayout, KvCacheLayout
 from kvtier.lifecycle import GroupRule
 from kvtier.pages import BAD_PAGE_INDEX
@@ -250,7 +251,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         loads = self._meta.loads if isinstance(self._meta, ConnectorMeta) else []
         for load in loads:
             if not load.staged.asynchronous and not self._land(load, stream):
-                raise RuntimeError(f"a page verified in the ask of request {load.request_id} went missing")
+                raise InvariantError(f"a page verified in the ask of request {load.request_id} went missing")
         self._waiting += [(load, stream) for load in loads if load.staged.asynchronous]
         self._land_fetched()
 

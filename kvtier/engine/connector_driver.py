@@ -345,13 +345,12 @@ class ConnectorDriver:
         """Act on what one ``get_finished`` call reported (any such call may report any save or load,
         once): loads in flight are committed, or kept for ``missed_loads`` when they failed; the
         caches of requests whose saves, or loads given up on, ended are closed."""
-        for request_id in loaded:
+        for request_id in loaded:  # (a request given up on may save from a cache of its own meanwhile)
             entry = self.in_flight.pop(request_id, None)
             if entry is not None and request_id in failed:
                 self._missed[request_id] = entry[0]
             elif entry is not None:
                 self._commit(entry[0], entry[1])
-        for request_id in loaded:  # (a request given up on may save from a cache of its own meanwhile)
             self._awaited_until.pop(request_id, None)
             cache = self.loading.pop(request_id, None)
             if cache is not None:
