@@ -593,6 +593,50 @@ def test_closing_an_engine_does_not_wait_for_a_hung_store_read(llama, tmp_path):
         done.set()
 
 
+HUNG_READ_EXIT = """
+import os, sys, torch
+sys.path.insert(0, {root!r})
+import kvtier
+from kvtier.connector import FileSystemConnector
+from kvtier.engine import LLMEngine, SamplingParams
+from kvtier.models import build_model
+from tests.test_engine import prompts_for, page_bytes
+model = build_model("tiny-llama", "cpu", torch.float64, seed=0)
+config = kvtier.CacheConfig(16, [kvtier.PrimaryTier(page_bytes(model) * 200)])
+eng = LLMEngine(model, config, connector=FileSystemConnector({path!r}, load_async=True))
+eng.add_request(prompts_for(model, [70], seed=4)[0], SamplingParams(max_tokens=3))
+eng.step()
+assert eng.connector.in_flight
+if {close!r}:
+    assert eng.close_within(1.0)
+print("leaving", flush=True)
+"""
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "never-closed"])
+def test_a_process_exits_while_a_store_read_hangs(llama, tmp_path, close):
+    """A fetch hangs for good (the store's values are FIFOs no one writes: a dead network mount):
+    the process exits all the same, whether it closed its engine or not. Before, the interpreter's
+    exit joined the connector's fetch threads, and the process never ended."""
+    prompt = prompts_for(llama, [70], seed=4)[0]
+    seed_store(llama, tmp_path, [prompt])
+    for value in sorted(tmp_path.rglob("*.page")):
+        value.unlink()
+        os.mkfifo(value, 0o600)
+    script = textwrap.dedent(HUNG_READ_EXIT.format(root=str(ROOT), path=str(tmp_path), close=close))
+    try:
+        peer = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the process did not exit while its store read hung: {exc.stdout!r}")
+    assert peer.returncode == 0 and "leaving" in peer.stdout, peer.stderr[-2000:]
+
+
 class ReportsBreakDown(FileSystemConnector):
     """``get_finished`` raises while ``broken`` (its report channel's peer died)."""
 

@@ -41,12 +41,12 @@ import math
 import os
 import secrets
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from kvtier.connector.block_codec import HEADER_BYTES, Buffer, decode_page, encode_page
+from kvtier.connector.daemon_pool import DaemonPool
 from kvtier.connector.fs_budget import TEMP_SUFFIX, VALUE_SUFFIX, StoreBudget
 from kvtier.connector.store import check_keys, check_sizes
 from kvtier.storage.log_limit import RateLimitedWarning
@@ -100,7 +100,8 @@ class FileSystemStore:
         except OSError as exc:
             log.warning("kvtier fs store: cannot create %s (%s); every put will fail", self.root, exc)
         self._budget = StoreBudget(self.root, max_bytes)
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-fs-store")
+        # daemon threads: the interpreter's exit never waits for a read hung on a dead network mount
+        self._pool: DaemonPool | None = DaemonPool(io_threads, "kvtier-fs-store")
 
     def path_of(self, key: str) -> Path:
         """The file that holds the value of ``key``."""
@@ -111,7 +112,7 @@ class FileSystemStore:
         """Per key its verified payload, or None: missing, unreadable, damaged, or of the wrong size."""
         keys = check_keys(keys)
         sizes = check_sizes(expected_sizes, len(keys))
-        reads = list(self._open_pool().map(self._get_one, keys, sizes))
+        reads = self._open_pool().map(self._get_one, keys, sizes)
         errors = [r.error for r in reads if r.error is not None]
         damaged = sum(r.damaged for r in reads)
         if errors:
@@ -144,7 +145,7 @@ class FileSystemStore:
         second try, or the first.
         """
         pool = self._open_pool()
-        errors = list(pool.map(self._put_one, keys, blobs))
+        errors = pool.map(self._put_one, keys, blobs)
         full = [i for i, err in enumerate(errors) if err is not None and err.errno in NO_SPACE]
         if full:
             quota_spent = errno.EDQUOT in {err.errno for err in errors if err is not None}
@@ -181,7 +182,7 @@ class FileSystemStore:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def _open_pool(self) -> ThreadPoolExecutor:
+    def _open_pool(self) -> DaemonPool:
         """The I/O threads; ``ValueError`` once the store is closed."""
         if self._pool is None:
             raise ValueError(f"the FileSystemStore at {self.root} is closed")

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from kvtier.connector.base import ConnectorRequest, KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
+from kvtier.connector.daemon_pool import DaemonPool
 from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RETRY_AFTER_S, SOCKET_TIMEOUT_S, RedisStore
@@ -127,7 +128,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._reported: set[int] = set()  # loads reported finished that the engine still asks about
         self._saves: dict[int, Future] = {}
         self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-connector-save")
-        self._fetch_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-connector-fetch")
+        self._fetch_pool = DaemonPool(2, "kvtier-connector-fetch")  # the exit never waits for a hung read
         self._fetches: set[Future] = set()  # fetches not over yet
         self._lock = threading.Lock()
         self._layout: KvCacheLayout | None = None
@@ -428,7 +429,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         are not waited for: the store closes on a thread of its own once they are over (a hung
         read holds that thread, never the caller)."""
         self._closed = True
-        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._fetch_pool.shutdown()
         self._save_pool.shutdown(wait=True)
         running = [fetch for fetch in list(self._fetches) if not fetch.done()]
         if running:
