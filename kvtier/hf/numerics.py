@@ -28,8 +28,11 @@ def numerics_tag(device: torch.device) -> str | None:
 def with_numerics(scope: ReuseScope, device: torch.device) -> ReuseScope:
     """``scope``, its salt extended with ``numerics_tag`` when a call on ``device`` has one."""
     tag = numerics_tag(device)
-    if tag is None:
-        return scope
+    return scope if tag is None else salted(scope, tag)
+
+
+def salted(scope: ReuseScope, tag: str) -> ReuseScope:
+    """``scope`` with ``tag`` added to its salt: a scope of its own, the same for the same tags."""
     salt = scope.salt
     if salt is None:
         salt = tag

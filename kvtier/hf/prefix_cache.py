@@ -59,7 +59,7 @@ from kvtier.hf.numerics import with_numerics
 from kvtier.hf.prefill_rate import PrefillTiming
 from kvtier.hf.prefix_load import group_stacks, load_prefix, state_packing
 from kvtier.hf.prefix_save import save_rows
-from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bounds
+from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bounds, typed_scope, zero_types_matter
 from kvtier.hf.training_noise import random_module
 from kvtier.hf.window_check import applies_window, uniform_window
 from kvtier.manager import KVCacheManager
@@ -151,6 +151,7 @@ class PrefixCache:
         self._told_of_no_cache = False  # a generation config's use_cache=False, set aside (logged once)
         self._told_of_dropped_cache = False  # a call whose generate set kvtier's cache aside (logged once)
         self._told_of_noise = False  # a call in training mode with dropout or noise (logged once)
+        self._zero_types_matter: bool | None = None  # ``token_bound.zero_types_matter``, probed when first needed
         self._told_of_prompt_outputs = False  # a call asking for the prompt's hidden states or attentions
         self._told_of_padding = False  # a padded call on a model that computes padded rows its own way
         self._told_of_healing = False  # a call with token healing (logged once)
@@ -287,7 +288,12 @@ class PrefixCache:
         host_ids = input_ids.detach().to("cpu")
         rows = []
         try:
-            scopes = [with_numerics(scope, mgr.device) for scope in self._scopes.for_rows(len(pads), kwargs)]
+            if self._zero_types_matter is None and kwargs.get("token_type_ids") is not None:
+                self._zero_types_matter = zero_types_matter(self.model)  # once, at the first call with types
+            scopes = [
+                typed_scope(with_numerics(scope, mgr.device), kwargs, bool(self._zero_types_matter))
+                for scope in self._scopes.for_rows(len(pads), kwargs)
+            ]
             bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
             for i, (pad, bound, scope) in enumerate(zip(pads, bounds, scopes, strict=True)):
                 prompt = host_ids[i, pad:].numpy()

@@ -11,7 +11,12 @@ tokens: a row is then neither reused nor saved past that position (its *bound*):
   (nothing reused or saved). The text before the first image (a system prompt) is still
   shared; ``generate`` also needs every placeholder in the input it computes, which a reuse up
   to the bound keeps there;
-- ``token_type_ids``: the first position where it is not 0 (segments, image spans);
+- ``token_type_ids``: the first position where it is not 0 (segments, image spans). Type 0 is not
+  "no type" for every model (GPT-2, GPT-J, CodeGen and GPTBigCode add an embedding of any types
+  given), so for a model whose logits move when zero types are given (``zero_types_matter``,
+  probed once) a call that passes them at all keys its pages in a scope of its own
+  (``typed_scope``): zero-typed prefixes are shared only between such calls. Types of another
+  shape than the ids are not compared: nothing of the call is reused or saved;
 - ``position_ids``: the first position that differs from the ones the attention mask gives
   (the ones kvtier's pages were computed with);
 - a rotary embedding whose frequencies follow the length of the forward (``rope_type``
@@ -28,6 +33,11 @@ import re
 
 import torch
 
+from kvtier.config import ReuseScope
+from kvtier.hf.numerics import salted
+
+TYPED_TAG = "token-types"  # the salt tag of a call given ``token_type_ids`` (``typed_scope``)
+PROBE_PROMPT = (5, 6, 7, 8)  # ``zero_types_matter``'s tokens (any ids a vocabulary has)
 _PLACEHOLDER = re.compile(r"^(image|video|audio|vision)_token_(id|index)$")
 _NOT_CONTENT = frozenset({"attention_mask", "position_ids", "token_type_ids", "cache_position", "logits_to_keep"})
 
@@ -114,6 +124,9 @@ def row_bounds(
     types = kwargs.get("token_type_ids")
     if isinstance(types, torch.Tensor) and types.shape == host_ids.shape:
         _first_differing(types.detach().to("cpu"), torch.zeros_like(types, device="cpu"), pads, cut)
+    elif types is not None:  # another layout: not compared, not trusted
+        for i in range(len(pads)):
+            cut(i, 0)
     positions = kwargs.get("position_ids")
     if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape == host_ids.shape:
         host_mask = mask.detach().to("cpu", torch.long)
@@ -123,6 +136,25 @@ def row_bounds(
         for i in range(len(pads)):
             cut(i, 0)
     return bounds
+
+
+def zero_types_matter(model: torch.nn.Module) -> bool:
+    """Whether ``model`` computes other logits for a prompt given all-zero ``token_type_ids`` than
+    given none (compared bit for bit, so a difference in rounding alone counts too; a forward that
+    refuses them counts). Runs under ``torch.no_grad`` in the caller's mode (eval)."""
+    ids = torch.tensor([PROBE_PROMPT], dtype=torch.long, device=next(model.parameters()).device)
+    plain = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    try:
+        typed = model(**plain, token_type_ids=torch.zeros_like(ids)).logits
+    except Exception:  # (a forward without the argument: a call giving it fails in generate as well)
+        return True
+    return not torch.equal(model(**plain).logits, typed)
+
+
+def typed_scope(scope: ReuseScope, kwargs: dict, zeros_matter: bool) -> ReuseScope:
+    """The scope a call's pages are keyed in: ``scope``, salted apart when the call gives
+    ``token_type_ids`` to a model for which zero types are not the same as none."""
+    return salted(scope, TYPED_TAG) if zeros_matter and kwargs.get("token_type_ids") is not None else scope
 
 
 def _first_differing(given: torch.Tensor, expected: torch.Tensor, pads: list[int], cut) -> None:

@@ -9,6 +9,8 @@ import torch
 from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
+    GPT2Config,
+    GPT2LMHeadModel,
     PaliGemmaConfig,
     PaliGemmaForConditionalGeneration,
     Qwen2VLConfig,
@@ -335,3 +337,26 @@ def test_a_call_whose_generate_sets_the_cache_aside_reuses_and_saves_nothing(cap
             assert pc.last_reused_tokens == [0]
         assert pc.manager.stats().tiers["primary"].pages_used == 3  # 24's blocks only: 36 saved nothing
     assert "set aside the cache" in caplog.text
+
+
+def test_zero_token_types_are_not_taken_for_no_types():
+    """GPT-2 adds an embedding of any ``token_type_ids`` given, zeros too: calls with and without
+    them are keyed apart, and each reuses only its own kind's prefixes, with ``generate``'s scores.
+    Before, a call with zero types reused a plain call's prefix (and the other way round), off by
+    0.04 in the scores."""
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=256, pad_token_id=PAD)
+    model = GPT2LMHeadModel(config).to(torch.float64).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(5)
+    ids = torch.tensor([tokens(g, 40)])
+    zeros = {"token_type_ids": torch.zeros_like(ids)}
+    settings = {"max_new_tokens": 4, "return_dict_in_generate": True, "output_scores": True}
+    with PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(8 << 20)])) as pc:
+        for extra, reused in (({}, 0), (zeros, 0), (zeros, 39), ({}, 39)):
+            expected = model.generate(ids, **settings, **extra)
+            got = pc.generate(ids, **settings, **extra)
+            assert torch.equal(got.sequences, expected.sequences)
+            assert all(torch.equal(a, b) for a, b in zip(got.scores, expected.scores, strict=True))
+            assert pc.last_reused_tokens == [reused]
