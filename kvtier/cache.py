@@ -102,7 +102,7 @@ class KVCache:
         self._tokens = array("Q")
         self._capacity = self._history = self._num_blocks = 0
         self._table = BlockTable(pool.rules, pool.residency)
-        self._chain = PublishedChain(pool, None if forgotten else pool.root(scope))
+        self._chain = PublishedChain(pool, None if forgotten or not pool.config.enable_reuse else scope)
         self._pending: list[Page] = []  # pages to copy into private ones on first resume
         self._reuse_counted = False  # the reused pages' hits were counted (at the first resume)
         self._stream = None  # the stream of the last resume, where the caller writes the pages (CUDA)
@@ -352,7 +352,7 @@ class KVCache:
         if n > len(self._tokens):
             raise ValueError(f"num_tokens ({n}) is more than the cache's {len(self._tokens)} committed tokens")
         self._pool.release_dropped()
-        forgotten = self._chain.root is None  # its scope was forgotten (or reuse is off: nothing to match)
+        forgotten = self._chain.scope is None  # its scope was forgotten (or reuse is off: nothing to match)
         cache = KVCache(self._pool, self._tokens[:n], self.scope, self._priority, counted=False, forgotten=forgotten)
         self._pool.debug_check()
         return cache
@@ -378,7 +378,7 @@ class KVCache:
         """What the tree holds of the cache's own ``tokens``, to adopt after letting go of its pages;
         None once its scope was forgotten (the tree then holds blocks of other weights, which a
         cache of the old ones must not take: it reuses nothing, as with reuse off)."""
-        if self._chain.root is None:
+        if self._chain.scope is None:
             return None
         return self._pool.match(tokens, self.scope, whole=True, weigh_load_cost=weigh_load_cost, count_recomputed=False)
 
@@ -526,7 +526,7 @@ class KVCache:
         c = len(self._tokens)
         pool = self._pool
         chain = self._chain
-        if chain.root is not None:
+        if chain.scope is not None:
             if c // self._tpb > len(chain.nodes):
                 chain.publish(self._tokens, self._table, c // self._tpb, self._input_len)
             state_page = self._table.state_page
@@ -560,7 +560,7 @@ class KVCache:
             raise InvariantError(f"{self}: lengths out of order")
         if self._num_blocks != -(-self._capacity // tpb):
             raise InvariantError(f"{self}: {self._num_blocks} blocks for capacity {self._capacity}")
-        if self._chain.root is not None and len(self._chain.nodes) != committed // tpb:
+        if self._chain.scope is not None and len(self._chain.nodes) != committed // tpb:
             raise InvariantError(f"{self}: {len(self._chain.nodes)} published blocks")
         active = self._state is _ACTIVE
         if active and self._pending:

@@ -32,7 +32,7 @@ from kvtier.invariants import PageHolder, check_pages
 from kvtier.knobs import debug_enabled
 from kvtier.layout import PageGeometry
 from kvtier.lifecycle import GroupRule
-from kvtier.pages import Node, Page
+from kvtier.pages import Page
 from kvtier.reuse.matching import ReuseMatch, find_reuse
 from kvtier.reuse.reuse_points import reuse_points
 from kvtier.reuse.tokens import encode_tokens
@@ -135,10 +135,6 @@ class PagePool:
         if isinstance(group_id, bool) or not isinstance(group_id, int) or not 0 <= group_id < len(self.rules):
             raise ValueError(f"unknown layer group id {group_id!r}: the model has groups 0..{len(self.rules) - 1}")
         return self.rules[group_id]
-
-    def root(self, scope: ReuseScope) -> Node | None:
-        """The tree root a cache of ``scope`` publishes under (None with reuse off)."""
-        return self.tree.root(scope) if self.config.enable_reuse else None
 
     def match(
         self,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from array import array
 
 from kvtier.block_table import BlockTable
+from kvtier.config import ReuseScope
 from kvtier.errors import InvariantError
 from kvtier.pages import Node, Page
 from kvtier.pool import PagePool
@@ -22,13 +23,17 @@ from kvtier.reuse.tokens import encode_tokens
 
 
 class PublishedChain:
-    """The nodes of one cache's published blocks under its scope's ``root`` (None: reuse is off)."""
+    """The nodes of one cache's published blocks under the root of ``scope`` (None: reuse is off).
 
-    __slots__ = ("_pool", "nodes", "pending_snapshot", "root")
+    The chain holds no root: the scope's root is made when its first block is published (a cache
+    that publishes nothing leaves no root behind), and one emptied meanwhile is made anew.
+    """
 
-    def __init__(self, pool: PagePool, root: Node | None) -> None:
+    __slots__ = ("_pool", "nodes", "pending_snapshot", "scope")
+
+    def __init__(self, pool: PagePool, scope: ReuseScope | None) -> None:
         self._pool = pool
-        self.root = root
+        self.scope = scope
         self.nodes: list[Node] = []
         self.pending_snapshot: Page | None = None
 
@@ -48,11 +53,9 @@ class PublishedChain:
         tree = pool.tree
         tpb = pool.tokens_per_block
         deepest = self.deepest
-        if self.root is None:
-            raise InvariantError("publishing needs a root: reuse is off")
-        if deepest is None:
-            self.root = tree.live_root(self.root)  # the scope's root may have emptied and gone meanwhile
-        parent = deepest or self.root
+        if self.scope is None:
+            raise InvariantError("publishing needs a scope: reuse is off")
+        parent = deepest or tree.root(self.scope)
         found: list[Page] = []  # pages the tree had for blocks computed again
         for b in range(len(self.nodes), full_blocks):
             node = tree.child(parent, encode_tokens(tokens[b * tpb : (b + 1) * tpb]))
@@ -112,7 +115,7 @@ class PublishedChain:
         """Publish nothing more (the cache's scope was forgotten: what it computes from now on is of
         the weights that scope no longer serves); the chain is let go of, as by ``drop``."""
         self.drop()
-        self.root = None
+        self.scope = None
 
     def drop(self) -> None:
         """Let go of the pending snapshot and of the chain (pruning what no one else uses)."""

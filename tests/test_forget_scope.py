@@ -226,6 +226,21 @@ def test_scopes_used_once_leave_nothing_behind_once_their_blocks_are_gone():
     mgr.close()
 
 
+def test_scopes_whose_caches_publish_nothing_leave_no_root():
+    """A salt per request with prompts shorter than a block, or caches closed before they resume
+    (a request aborted in the queue): no root stays. Before, each such scope kept its root for good
+    (about 0.5 KB a request)."""
+    mgr = make(None, pages=6)
+    oracle = PageOracle(mgr)
+    for i in range(30):
+        short = [300 + 7 * i + j for j in range(TPB - 3)]
+        publish(mgr, oracle, short, kvtier.ReuseScope(salt=f"short-{i}")).close()
+        mgr.create_cache([400 + i + j for j in range(2 * TPB)], kvtier.ReuseScope(salt=f"queued-{i}")).close()
+    assert mgr._pool.tree.roots == {}
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_a_cache_whose_scope_root_emptied_meanwhile_publishes_where_it_is_found():
     mgr = make(None, pages=6)
     oracle = PageOracle(mgr)

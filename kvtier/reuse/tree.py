@@ -207,15 +207,10 @@ class RadixTree:
 
     def forget_root(self, root: Node) -> None:
         """Drop an emptied scope root (not a dormant one), so that a scope used once costs nothing
-        after its blocks are gone. A cache of the scope that still refers to it publishes under the
-        scope's current root instead (``live_root``)."""
+        after its blocks are gone (no cache holds a root: each publishes under its scope's current one)."""
         if root.scope is not None and self.roots.get(root.scope) is root:
             del self.roots[root.scope]
             self._jumps.pop(root, None)
-
-    def live_root(self, root: Node) -> Node:
-        """``root``, or the scope's current root if ``root`` was dropped meanwhile (``forget_root``)."""
-        return root if self.roots.get(root.scope) is root else self.root(root.scope)  # type: ignore[arg-type]
 
     def check_runs(self) -> None:
         """``InvariantError`` unless every remembered run is ``JUMP_BLOCKS`` attached nodes chained
