@@ -65,6 +65,23 @@ def test_the_directory_stays_within_the_budget(tmp_path):
     store.close()
 
 
+def test_fan_out_directories_go_as_eviction_empties_them(tmp_path):
+    """Many more distinct values than the budget holds: the fan-out directories follow the values
+    held, and every value kept reads back. Before, each emptied ``<xx>/<yy>`` directory stayed (up
+    to 65,536 of them, each walked by every eviction pass)."""
+    store = FileSystemStore(tmp_path, max_bytes=20 * VALUE_BYTES)
+    keys = [f"block/{i}" for i in range(600)]
+    for start in range(0, len(keys), 10):
+        batch = keys[start : start + 10]
+        assert store.put_many([(k, page_for(k)) for k in batch]) == [True] * len(batch)
+    kept = [k for k, there in zip(keys, present(store, keys), strict=True) if there]
+    leaves = [d for d in tmp_path.glob("*/*") if d.is_dir()]
+    assert 0 < len(kept) <= 20 and len(leaves) <= len(kept)
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) <= len(kept)
+    assert store.get_many(kept, [PAYLOAD] * len(kept)) == [page_for(k).tobytes() for k in kept]
+    store.close()
+
+
 def test_reads_and_lookups_keep_a_value(tmp_path):
     budget = 30 * VALUE_BYTES
     store = FileSystemStore(tmp_path, max_bytes=budget)

@@ -124,12 +124,14 @@ class StoreBudget:
         remain; the bytes left. A value stamped more than ``FUTURE_STAMP_S`` ahead was written while
         the clock was ahead and not used since it was set back (a use stamps it now): it counts as
         the least recent. One stamped a little ahead (another host's clock, a file server's) is
-        as recent as its stamp says."""
+        as recent as its stamp says. Fan-out directories left empty are removed (a writer makes
+        them again), so the directory's size follows the values it holds, not its history."""
         left = sum(v.size for v in values)
         future = time.time_ns() + int(FUTURE_STAMP_S * 1e9)
         values.sort(key=lambda v: v.mtime_ns if v.mtime_ns <= future else 0)
         failed: list[OSError] = []
         removed = 0
+        emptied: set[str] = set()  # leaf directories a value was removed from
         for value in values:
             if left <= target:
                 break
@@ -138,12 +140,19 @@ class StoreBudget:
                     continue  # read or rewritten since the scan: recently used after all
                 os.unlink(value.path)
                 removed += 1
+                emptied.add(os.path.dirname(value.path))
             except FileNotFoundError:
                 pass  # evicted by another process
             except OSError as exc:
                 failed.append(exc)
                 continue
             left -= value.size
+        for leaf in emptied:
+            for directory in (leaf, os.path.dirname(leaf)):
+                try:
+                    os.rmdir(directory)
+                except OSError:  # not empty (or gone): the levels above are not either
+                    break
         if failed:
             log.warning("kvtier fs store: %d evictions under %s failed: %s", len(failed), self.root, failed[0])
         log.debug("kvtier fs store: evicted %d values under %s; %d bytes left", removed, self.root, left)

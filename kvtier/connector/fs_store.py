@@ -54,6 +54,7 @@ from kvtier.storage.page_files import default_io_threads
 
 log = logging.getLogger(__name__)
 
+CREATE_TRIES = 3  # a write makes its fan-out directories again this often when an eviction removes them
 IO_THREADS = default_io_threads()  # the disk tier's default: file I/O and checksums overlap on a few threads
 DEFAULT_MAX_BYTES: Final = 64 << 30
 WARN_INTERVAL_S: Final = 60.0
@@ -240,13 +241,18 @@ def _touch(path: Path) -> bool:
 
 
 def _create(tmp: Path) -> int:
-    """A new private file at ``tmp`` (its fan-out directories made if missing), open for writing."""
+    """A new private file at ``tmp`` (its fan-out directories made if missing, again if an eviction
+    pass removed them as they emptied meanwhile), open for writing."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    try:
-        fd = os.open(tmp, flags, PRIVATE_FILE)
-    except FileNotFoundError:
-        _make_private_dirs(tmp.parent)
-        fd = os.open(tmp, flags, PRIVATE_FILE)
+    for attempt in range(CREATE_TRIES):
+        try:
+            fd = os.open(tmp, flags, PRIVATE_FILE)
+            break
+        except FileNotFoundError:
+            if attempt == CREATE_TRIES - 1:
+                raise
+        with contextlib.suppress(FileNotFoundError):  # a level removed while the next is made: made again
+            _make_private_dirs(tmp.parent)
     with contextlib.suppress(OSError):  # the mode asked for is already no wider; make it exact
         os.fchmod(fd, PRIVATE_FILE)
     return fd

@@ -8,8 +8,9 @@ Pages are (block, layer group) pages; bytes are payload bytes (without the store
   expired, or its server down) or could not deliver intact.
 - ``errors``: pages whose save failed, and pages the store listed but could not deliver intact.
 - ``skipped_pages``: pages not saved because of the save policy.
-- ``stall_s``: seconds the engine's thread spent waiting for the store (the existence checks of
-  asks and of finished requests); fetches and saves run on threads of their own and are not counted.
+- ``stall_s``: seconds the engine's thread spent waiting for the store: the existence checks of
+  asks and of finished requests, and, with ``load_async=False`` (the default), the fetch in the
+  ask; asynchronous fetches and saves run on threads of their own and are not counted.
 
 Counters only grow; ``snapshot()`` is consistent (taken under one lock), cheap, and thread-safe.
 """
