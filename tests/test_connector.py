@@ -607,6 +607,8 @@ eng = LLMEngine(model, config, connector=FileSystemConnector({path!r}, load_asyn
 eng.add_request(prompts_for(model, [70], seed=4)[0], SamplingParams(max_tokens=3))
 eng.step()
 assert eng.connector.in_flight
+other = prompts_for(model, [40], seed=5)[0]  # computed and saved while the read hangs
+assert eng.generate([other], SamplingParams(max_tokens=2))[0].token_ids == model.reference_generate(other, 2)
 if {close!r}:
     assert eng.close_within(1.0)
 print("leaving", flush=True)
@@ -616,8 +618,9 @@ print("leaving", flush=True)
 @pytest.mark.parametrize("close", [True, False], ids=["closed", "never-closed"])
 def test_a_process_exits_while_a_store_read_hangs(llama, tmp_path, close):
     """A fetch hangs for good (the store's values are FIFOs no one writes: a dead network mount):
-    the process exits all the same, whether it closed its engine or not. Before, the interpreter's
-    exit joined the connector's fetch threads, and the process never ended."""
+    another request is computed and saved meanwhile, and the process exits all the same, whether it
+    closed its engine or not. Before, the interpreter's exit joined the connector's fetch threads,
+    and the process never ended; then the save queued behind the hung reads on the store's threads."""
     prompt = prompts_for(llama, [70], seed=4)[0]
     seed_store(llama, tmp_path, [prompt])
     for value in sorted(tmp_path.rglob("*.page")):

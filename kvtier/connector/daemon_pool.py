@@ -1,26 +1,29 @@
 """``DaemonPool``: a few daemon threads that run calls in the order submitted.
 
 It stands in for ``concurrent.futures.ThreadPoolExecutor`` where a call may hang for good (a read
-from a dead network mount) and nothing needs its result once the process leaves: the
-interpreter's exit joins every executor's threads, and so would wait for such a call for ever;
-it never waits for a daemon thread.
+from a dead network mount): the interpreter's exit joins every executor's threads, and so would
+wait for such a call for ever; it never waits for a daemon thread. Whoever needs a call's result
+waits for its future (a save is waited for by the connector's ``close``, and at exit).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
+
+_Call = tuple[Future, Callable[..., Any], tuple]
 
 
 class DaemonPool:
     """Runs calls on up to ``workers`` daemon threads (started on the first calls), first in, first out.
 
     Invariant: every future ``submit`` returned ends done (with a result or an exception) or
-    cancelled, unless its call never returns; ``shutdown`` cancels the calls not started yet and
-    waits for none.
+    cancelled, unless its call never returns. The threads hold the queue of calls, never the
+    pool: a pool dropped without ``shutdown`` stops its threads once their calls are over.
     """
 
     def __init__(self, workers: int, name: str) -> None:
@@ -28,10 +31,11 @@ class DaemonPool:
             raise ValueError(f"a pool needs at least one worker, got {workers}")
         self._workers = workers
         self._name = name
-        self._calls: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._stop = weakref.finalize(self, _stop_threads, self._calls, self._threads)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """A future of ``fn(*args)``, run on one of the pool's threads; ``RuntimeError`` after ``shutdown``."""
@@ -41,7 +45,9 @@ class DaemonPool:
                 raise RuntimeError(f"{self._name}: submit after shutdown")
             self._calls.put((future, fn, args))
             if len(self._threads) < self._workers:
-                thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
+                thread = threading.Thread(
+                    target=_work, args=(self._calls,), name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
                 self._threads.append(thread)
                 thread.start()
         return future
@@ -53,33 +59,46 @@ class DaemonPool:
         return [future.result() for future in futures]
 
     def shutdown(self, wait: bool = False) -> None:
-        """Cancel the calls not started yet; the threads end once their running calls return (with
-        ``wait``, this call returns only then)."""
+        """Take no more calls. With ``wait``, the calls queued still run, and this returns once every
+        call ended; without, the calls not started yet are cancelled and nothing is waited for."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            while True:
+            while not wait:
                 try:
                     call = self._calls.get_nowait()
                 except queue.Empty:
                     break
                 if call is not None:
                     call[0].cancel()
-            for _ in self._threads:
-                self._calls.put(None)
+            self._stop()  # after the calls queued: each thread ends on its marker
         if wait:
             for thread in self._threads:
                 thread.join()
 
-    def _work(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the future's reader, as an executor does
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+
+def _stop_threads(calls: queue.SimpleQueue, threads: list[threading.Thread]) -> None:
+    """One end marker per thread, queued after the calls there."""
+    for _ in threads:
+        calls.put(None)
+
+
+def _work(calls: queue.SimpleQueue) -> None:
+    while True:
+        call = calls.get()
+        if call is None:
+            return
+        _run(*call)
+        del call  # (nothing of a call outlives it while the thread waits: the pool may be dropped)
+
+
+def _run(future: Future, fn: Callable[..., Any], args: tuple) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args)
+    except BaseException as exc:  # handed to the future's reader, as an executor does
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

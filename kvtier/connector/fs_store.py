@@ -54,7 +54,7 @@ from kvtier.storage.page_files import default_io_threads
 
 log = logging.getLogger(__name__)
 
-CREATE_TRIES = 3  # a write makes its fan-out directories again this often when an eviction removes them
+CREATE_TRIES = 8  # a write makes its fan-out directories again this often when an eviction removes them
 IO_THREADS = default_io_threads()  # the disk tier's default: file I/O and checksums overlap on a few threads
 DEFAULT_MAX_BYTES: Final = 64 << 30
 WARN_INTERVAL_S: Final = 60.0
@@ -101,8 +101,11 @@ class FileSystemStore:
         except OSError as exc:
             log.warning("kvtier fs store: cannot create %s (%s); every put will fail", self.root, exc)
         self._budget = StoreBudget(self.root, max_bytes)
-        # daemon threads: the interpreter's exit never waits for a read hung on a dead network mount
-        self._pool: DaemonPool | None = DaemonPool(io_threads, "kvtier-fs-store")
+        # daemon threads: the interpreter's exit never waits for a read hung on a dead network mount;
+        # reads and writes apart: a save never queues behind such a read
+        self._reads = DaemonPool(io_threads, "kvtier-fs-store-read")
+        self._writes = DaemonPool(io_threads, "kvtier-fs-store-write")
+        self._closed = False
 
     def path_of(self, key: str) -> Path:
         """The file that holds the value of ``key``."""
@@ -113,7 +116,8 @@ class FileSystemStore:
         """Per key its verified payload, or None: missing, unreadable, damaged, or of the wrong size."""
         keys = check_keys(keys)
         sizes = check_sizes(expected_sizes, len(keys))
-        reads = self._open_pool().map(self._get_one, keys, sizes)
+        self._check_open()
+        reads = self._reads.map(self._get_one, keys, sizes)
         errors = [r.error for r in reads if r.error is not None]
         damaged = sum(r.damaged for r in reads)
         if errors:
@@ -145,7 +149,8 @@ class FileSystemStore:
         pass could make room for them (``StoreBudget.make_room``); an error left is the one of that
         second try, or the first.
         """
-        pool = self._open_pool()
+        self._check_open()
+        pool = self._writes
         errors = pool.map(self._put_one, keys, blobs)
         full = [i for i, err in enumerate(errors) if err is not None and err.errno in NO_SPACE]
         if full:
@@ -158,12 +163,12 @@ class FileSystemStore:
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Per key whether its file exists (not verified); a hit counts as a use, like a read."""
-        self._open_pool()
+        self._check_open()
         return [_touch(self.path_of(key)) for key in check_keys(keys)]
 
     def delete_many(self, keys: Sequence[str]) -> None:
         """Remove the files of ``keys``; missing files are fine, other failures are logged."""
-        self._open_pool()
+        self._check_open()
         failed: list[OSError] = []
         for key in check_keys(keys):
             try:
@@ -179,15 +184,15 @@ class FileSystemStore:
         """Stop the I/O threads. Idempotent."""
         for failures in self._failures.values():
             failures.flush()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if not self._closed:
+            self._closed = True
+            self._reads.shutdown(wait=True)  # (the calls queued run first: a put_many running meanwhile ends whole)
+            self._writes.shutdown(wait=True)
 
-    def _open_pool(self) -> DaemonPool:
-        """The I/O threads; ``ValueError`` once the store is closed."""
-        if self._pool is None:
+    def _check_open(self) -> None:
+        """``ValueError`` once the store is closed."""
+        if self._closed:
             raise ValueError(f"the FileSystemStore at {self.root} is closed")
-        return self._pool
 
     def _get_one(self, key: str, size: int | None) -> _Read:
         path = self.path_of(key)
@@ -274,6 +279,8 @@ def _make_private_dirs(path: Path) -> None:
         with contextlib.suppress(OSError):
             os.chmod(directory, PRIVATE_DIR)  # exactly, whatever the umask
     target = missing[0] if missing else path
+    if not target.exists():  # removed meanwhile (an eviction pass empties fan-out directories): made again
+        raise FileNotFoundError(errno.ENOENT, "removed while it was made", str(target))
     if not target.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(target))
 

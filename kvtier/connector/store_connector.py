@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,7 +127,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._failed_reported: set[int] = set()  # failed loads reported finished, for ``get_failed_loads``
         self._reported: set[int] = set()  # loads reported finished that the engine still asks about
         self._saves: dict[int, Future] = {}
-        self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-connector-save")
+        self._save_pool = DaemonPool(1, "kvtier-connector-save")  # waited for by close (and at exit, bounded)
         self._fetch_pool = DaemonPool(2, "kvtier-connector-fetch")  # the exit never waits for a hung read
         self._fetches: set[Future] = set()  # fetches not over yet
         self._lock = threading.Lock()
