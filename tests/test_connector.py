@@ -54,8 +54,13 @@ class RecordingConnector(FileSystemConnector):
         super().cancel_load(request, start, end)
 
     def request_finished(self, request, block_ids_by_layer_group) -> bool:
-        self.calls.append(("finished", request.request_id))
+        pages = sum(len(ids) for ids in block_ids_by_layer_group)
+        self.calls.append(("finished", request.request_id, request.num_computed_tokens, pages))
         return super().request_finished(request, block_ids_by_layer_group)
+
+    def build_connector_meta(self, scheduler_output):
+        self.calls.extend(("ended", request_id) for request_id in scheduler_output.finished_request_ids)
+        return super().build_connector_meta(scheduler_output)
 
     def of(self, kind: str, request_id: int | None = None) -> list[tuple]:
         return [c for c in self.calls if c[0] == kind and (request_id is None or c[1] == request_id)]
@@ -455,6 +460,52 @@ def test_the_save_of_a_request_whose_load_was_given_up_keeps_its_pages_past_the_
         out = fresh.generate([prompt + [3]], SamplingParams(max_tokens=3))[0]
     assert out.reused_tokens_by_tier["connector"] == 96
     assert out.token_ids == llama.reference_generate(prompt + [3], 3)
+
+
+@pytest.mark.parametrize("reported_first", ["load", "save"])
+def test_a_request_aborted_while_its_load_is_in_flight_saves_what_it_computed_before_its_pages_go(
+    llama, tmp_path, reported_first
+):
+    """Aborted while the connector loads its offer, a request is reported finished (as vLLM does)
+    with the blocks it holds: the connector saves the prefix the engine computed. Its cache then
+    closes only once both the load and the save are reported, in either order: the save copies
+    the request's own bytes, and the load writes no one else's page. Before, the connector heard
+    nothing of the request: the blocks were never saved."""
+    shared = prompts_for(llama, [70], seed=84)[0]
+    seed_store(llama, tmp_path / "probe", [shared[:33]])  # the file names of the prefix's two blocks
+    seed_store(llama, tmp_path / "store", [shared])
+    for name in (tmp_path / "probe").rglob("*.page"):
+        (tmp_path / "store" / name.relative_to(tmp_path / "probe")).unlink()  # the store lacks them
+    conn = SavesLate(tmp_path / "store")  # saves of priority >= 10 only
+    prompt = shared[:64] + [9]
+    with engine(llama, 40, conn) as eng:
+        eng.generate([shared[:33]], SamplingParams(max_tokens=1), priority=0)  # computed here, not saved
+        request_id = eng.add_request(prompt, SamplingParams(max_tokens=3))
+        assert eng.step() == [] and request_id in eng.connector.in_flight  # 32 tokens local, 32 loading
+        eng.abort_request(request_id)
+        cache = eng.connector.saving[request_id]
+        assert eng.connector.loading[request_id] is cache
+        if reported_first == "save":
+            conn.gate.set()
+            assert eng.connector.wait_for_saves(timeout_s=30)
+            assert cache.state is kvtier.CacheState.ACTIVE  # the load may still write its pages
+        conn.release = True
+        deadline = time.monotonic() + 30
+        while request_id in eng.connector.loading and time.monotonic() < deadline:
+            eng.step()  # until the load is reported
+        assert request_id not in eng.connector.loading
+        if reported_first == "load":
+            assert cache.state is kvtier.CacheState.ACTIVE  # the save still reads its pages
+            filler = prompts_for(llama, [300], seed=85)
+            eng.generate(filler, SamplingParams(max_tokens=1), priority=0)  # takes any page freed; not saved
+            conn.gate.set()
+            assert eng.connector.wait_for_saves(timeout_s=30)
+        assert cache.state is kvtier.CacheState.CLOSED
+        eng.cache_manager.check_invariants()
+    with engine(llama, 200, FileSystemConnector(tmp_path / "store")) as fresh:
+        out = fresh.generate([prompt], SamplingParams(max_tokens=3))[0]
+    assert out.reused_tokens_by_tier["connector"] == 64
+    assert out.token_ids == llama.reference_generate(prompt, 3)
 
 
 class FailedLoadsRaiseOnce(FileSystemConnector):
@@ -978,6 +1029,39 @@ def test_a_running_request_aborted_is_reported_finished_to_the_connector(llama, 
         out = fresh.generate([prompt + [5]], SamplingParams(max_tokens=2))[0]
         assert out.reused_tokens_by_tier["connector"] == 112  # its 7 full blocks were saved
         assert out.token_ids == llama.reference_generate(prompt + [5], 2)
+
+
+def test_every_request_that_ends_is_reported_finished_once(tmp_path):
+    """As vLLM tells its connector of every request that ends, once, and lists it in the next
+    step's ``finished_request_ids``: one that finished, one aborted while running (its pages
+    shown), one aborted in the queue and one that failed (no pages: nothing of it saved). Before,
+    only the first two were reported, and ``finished_request_ids`` was always empty."""
+    from tests.test_engine_reliability import damaged_model  # (it imports this module)
+
+    model = damaged_model(bad_token=7)
+    done, running, queued, bad = (
+        [t if t != 7 else 8 for t in p] for p in prompts_for(model, [40, 50, 30, 35], seed=82)
+    )
+    bad[20] = 7  # non-finite logits: the request fails
+    conn = RecordingConnector(tmp_path)
+    with engine(model, 200, conn) as eng:
+        ids = [eng.add_request(p, SamplingParams(max_tokens=3)) for p in (done, running, bad)]
+        outs = {o.request_id: o for o in eng.step()}  # the three run their prompts
+        ids.append(eng.add_request(queued, SamplingParams(max_tokens=3)))
+        eng.abort_request(ids[3])  # still in the queue
+        eng.abort_request(ids[1])
+        while eng.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in eng.step())
+        assert outs[ids[0]].finish_reason == "length" and outs[ids[2]].finish_reason == "error"
+        last = eng.generate([done], SamplingParams(max_tokens=1))[0].request_id  # one more step: ends told
+        finished = {call[1]: call[2:] for call in conn.of("finished")}
+        assert len(conn.of("finished")) == len(finished)  # each told once
+        assert finished.keys() == {*ids, *outs, last}
+        assert finished[ids[1]][1] > 0 and finished[ids[1]][0] >= len(running)  # its computed pages shown
+        assert finished[ids[2]] == (0, 0) and finished[ids[3]] == (0, 0)  # no pages: nothing saved
+        ended = [call[1] for call in conn.of("ended")]
+        assert sorted(ended) == sorted(set(ended)) and set(ids) <= set(ended)
+        eng.cache_manager.check_invariants()
 
 
 def test_a_request_aborted_by_on_finish_ends_generate_with_its_abort(llama):

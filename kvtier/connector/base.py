@@ -25,8 +25,12 @@ sliding-window group needs its pages at the history the offer ends at, and one t
 need one more block: an offer cut so that its window reaches a block from the offer's start on
 that the window at its own end did not is handed back whole.
 
-``request_finished`` returning True means a save is still running: the engine keeps the
-request's pages (locked in the primary tier) until ``get_finished`` reports the save done.
+``request_finished`` is called once for every request that ends, as vLLM does: finished,
+aborted (running, queued, or while its load is in flight) or failed; the next step's
+``SchedulerOutput.finished_request_ids`` lists it. A request without an active cache (queued,
+or failed: nothing of it is saved) shows no block ids and no computed tokens. True means a save
+is still running: the engine keeps the request's pages (locked in the primary tier) until
+``get_finished`` reports the save done (and, aborted while loading, the load too).
 
 Block ids are positional per layer group: entry i is block i, ``BAD_PAGE_INDEX`` where a block
 has no page (a stale sliding-window block). With one layer group, ``request.new_block_ids``

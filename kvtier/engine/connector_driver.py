@@ -20,11 +20,13 @@ end, never a delta), and how far the protocol got with it:
              ``ASYNC_LOAD_WAIT_S`` has passed
 
 An offer not delivered when its request is aborted, fails, or is preempted for recompute (its
-cache closed) is handed back too. A request whose save is still running when it finishes keeps
-its cache (pages locked in the primary tier) until ``get_finished`` reports the save done;
+cache closed) is handed back too. Every request that ends (finished, aborted, failed) is told to
+the connector once (``request_finished``). A request whose save is still running when it ends
+keeps its cache (pages locked in the primary tier) until ``get_finished`` reports the save done;
 ``wait_for_saves`` waits for that (``generate`` returns only then). A request whose load is in
 flight is never preempted, and one aborted then keeps its cache the same way, until the
-connector reports the load: a late write lands in no one else's page.
+connector reports the load (and its save, if it has one): a late write lands in no one else's
+page, and a save reads only the request's own bytes.
 
 A load that fails (a load hook raised, a report raised, the connector reported it failed with
 ``get_failed_loads``, or it stayed in flight past ``ASYNC_LOAD_WAIT_S``) is a miss: nothing of
@@ -42,7 +44,7 @@ from collections.abc import Collection
 
 import torch
 
-from kvtier.cache import KVCache
+from kvtier.cache import CacheState, KVCache
 from kvtier.connector.base import ConnectorRequest, SchedulerOutput
 from kvtier.engine.batch_scheduler import ScheduledChunk
 from kvtier.engine.request import Offer, Request
@@ -74,6 +76,7 @@ class ConnectorDriver:
         self._awaited_until: dict[int, float] = {}  # per request of ``loading``: until then its pages are waited for
         self._saved_early: dict[int, None] = {}  # saves reported before their request finished, the latest last
         self._failures: dict[str, RateLimitedWarning] = {}  # per kind of connector failure
+        self._ended: list[int] = []  # requests told ended since the last ``SchedulerOutput``
         held = _running.get(id(connector))
         other = held() if held is not None else None
         if other is not None and other.connector is connector:
@@ -169,8 +172,9 @@ class ConnectorDriver:
                 if offer.asynchronous:
                     handed.append(request)
                 self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
+            ended, self._ended = self._ended, []
             output = SchedulerOutput(
-                [self._view(c.request) for c in batch], {c.request.request_id: c.num_tokens for c in batch}, []
+                [self._view(c.request) for c in batch], {c.request.request_id: c.num_tokens for c in batch}, ended
             )
             self.connector.bind_connector_meta(self.connector.build_connector_meta(output))
             stream = self._stream()
@@ -277,9 +281,19 @@ class ConnectorDriver:
 
     # -- endings ----------------------------------------------------------------------------------
 
-    def request_finished(self, request: Request) -> bool:
-        """Tell the connector; True if its save runs on and the cache must stay open until it ends."""
-        view = self._view(request)
+    def request_finished(self, request: Request, failed: bool = False) -> bool:
+        """Tell the connector ``request`` ended, as vLLM does of every request that ends: finished,
+        aborted at any stage, or ``failed`` (once per request; its id goes to the next step's
+        ``SchedulerOutput.finished_request_ids``). True if its save runs on and the cache must stay
+        open until the save is reported.
+
+        The connector sees the request's pages only while its cache is active; otherwise (no
+        cache, a suspended one, or a failed request: nothing of it is saved) no block ids and no
+        computed tokens, and a save it claims holds no page."""
+        self._ended.append(request.request_id)
+        cache = request.cache
+        active = not failed and cache is not None and cache.state is CacheState.ACTIVE
+        view = self._view(request) if active else self._ended_view(request)
         try:
             saving = self.connector.request_finished(view, view.block_ids_by_layer_group)
         except Exception as exc:  # its save is lost (a later miss); the request finishes as it would
@@ -288,8 +302,8 @@ class ConnectorDriver:
         if saving and request.request_id in self._saved_early:
             del self._saved_early[request.request_id]
             return False  # its save was reported done already
-        if saving:
-            self.saving[request.request_id] = request.held_cache()
+        if saving and active:
+            self.saving[request.request_id] = cache
             return True
         return False
 
@@ -353,16 +367,22 @@ class ConnectorDriver:
                 self._commit(entry[0], entry[1])
             self._awaited_until.pop(request_id, None)
             cache = self.loading.pop(request_id, None)
-            if cache is not None:
+            if cache is not None and not self._saves_from(request_id, cache):
                 cache.close()
         for request_id in saved:
             cache = self.saving.pop(request_id, None) or self.unreported_saves.pop(request_id, None)
             if cache is not None:
-                cache.close()
+                if self.loading.get(request_id) is not cache:  # (else closed once its load is reported)
+                    cache.close()
             else:  # reported before ``request_finished`` asked to keep its pages
                 self._saved_early[request_id] = None
                 while len(self._saved_early) > EARLY_REPORTS_KEPT:
                     del self._saved_early[next(iter(self._saved_early))]
+
+    def _saves_from(self, request_id: int, cache: KVCache) -> bool:
+        """Whether a save of ``request_id`` still reads ``cache`` (one aborted while its load was in
+        flight: the cache closes once both are reported)."""
+        return self.saving.get(request_id) is cache or self.unreported_saves.get(request_id) is cache
 
     def wait_for_saves(self, request_ids: Collection[int] | None = None, timeout_s: float | None = None) -> bool:
         """Wait until the saves of ``request_ids`` (None: all) are complete and their caches closed.
@@ -422,6 +442,13 @@ class ConnectorDriver:
             blocks,
             request.priority,
         )
+
+    def _ended_view(self, request: Request) -> ConnectorRequest:
+        """What the connector sees of a request that ended without an active cache: no pages, and
+        so no tokens computed in them."""
+        no_pages: list[list[int]] = [[] for _ in self.mgr.layer_groups]
+        prompt = list(request.prompt)
+        return ConnectorRequest(request.request_id, prompt, [], request.scope, 0, no_pages, request.priority)
 
     def _stream(self):
         return torch.cuda.current_stream(self.mgr.device) if self.mgr.device.type == "cuda" else None

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from kvtier.cache import CacheState
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
 from kvtier.connector.base import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtier.engine import exit_close
@@ -300,9 +299,10 @@ class LLMEngine:
         return not self._closed and (self.scheduler.has_work() or bool(self._undelivered))
 
     def abort_request(self, request_id: int) -> None:
-        """Drop a request that has not finished; an undelivered connector offer is handed back, and a
-        running request is reported finished to the connector (which may save what it computed);
-        one whose connector load is in flight keeps its cache until the connector reports the load.
+        """Drop a request that has not finished; an undelivered connector offer is handed back, and
+        the request is reported finished to the connector, as vLLM does of every request that ends
+        (one with an active cache shows its pages: the connector may save what it computed); one
+        whose connector load is in flight keeps its cache until the connector reports the load.
         Called from inside a step (a connector hook), the request is dropped as the step ends."""
         if self._stepping:
             self._aborted_in_step.append(request_id)
@@ -313,13 +313,13 @@ class LLMEngine:
         keep = False  # its cache stays open: a save, or a load in flight, still uses its pages
         if request.status is RequestStatus.FINISHED:  # failed, not reported yet: aborted instead
             self.scheduler.forget_failed(request)
+            if self.connector is not None:
+                self.connector.request_finished(request, failed=True)
         elif self.connector is not None:
             self.connector.cache_dropped(request)
             keep = self.connector.keeps_cache(request)  # closed once the connector reports the load
-            cache = request.cache
-            running = request.status is RequestStatus.RUNNING and cache is not None and cache.state is CacheState.ACTIVE
-            if running and not keep:
-                keep = self.connector.request_finished(request)  # told as of any finished request, as vLLM does
+            saving = self.connector.request_finished(request)
+            keep = keep or saving
         self.scheduler.finish(request, "abort", close_cache=not keep)
         request.finish_time = time.perf_counter()
         self.runner.forget(request)
@@ -393,13 +393,16 @@ class LLMEngine:
                 self.scheduler.fail(request, "the step that computed its last token raised before sampling it")
 
     def _finish_failed(self, request: Request, error: str | None) -> RequestOutput:
-        """Finish a request with an error (pages freed, nothing saved) and give its output."""
+        """Finish a request with an error (pages freed, nothing saved; the connector told it ended)
+        and give its output."""
         if request.status is not RequestStatus.FINISHED:
             keep = False
             if self.connector is not None:
                 self.connector.cache_dropped(request)
                 keep = self.connector.keeps_cache(request)  # a load still writing its pages: closed once done
             self.scheduler.finish(request, "error", close_cache=not keep)
+        if self.connector is not None:
+            self.connector.request_finished(request, failed=True)
         request.error = error
         request.finish_time = time.perf_counter()
         self.runner.forget(request)
