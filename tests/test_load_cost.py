@@ -202,5 +202,6 @@ def test_a_disk_measured_slow_once_is_measured_again_and_loads_resume(tmp_path, 
     assert serve(mgr, oracle, [*prompt, 2]) > 0  # the probe loads past the cut and measures the disk
     push_down(mgr, oracle, 50_000)
     monkeypatch.setattr(load_cost, "PROBE_INTERVAL_S", 3600.0)
+    mgr.set_prefill_rate(100)  # a recompute of 0.64 s: any read measured now wins, under a loaded CPU too
     assert serve(mgr, oracle, [*prompt, 3]) == 4 * TPB_DISK  # fast now: the whole prefix loads
     mgr.close()
