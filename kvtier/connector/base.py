@@ -12,7 +12,16 @@ The engine drives a connector in three phases per allocation (see ``kvtier.engin
              nothing, while the others run, until ``get_finished`` reports the load (asked every
              step with the requests whose loads are in flight)
 
-A load that fails is a miss: one reported finished but failed (``get_failed_loads``), one whose
+``build_connector_meta`` is shown the step's ``SchedulerOutput``: each request the forward
+computes, with ``num_computed_tokens`` where its chunk starts (an offer loaded in the step counts
+as computed) and its tokens in ``num_scheduled_tokens``; a request whose asynchronous load is
+delivered in the step computes nothing in it and is not listed. A step with nothing to compute
+still steps the connector (build, bind, ``start_load_kv``, ``wait_for_save``, ``get_finished``)
+while requests ended since the last step or saves and loads are pending, as vLLM does.
+
+A load that fails is a miss: one reported finished but failed (``get_failed_loads``), one with a
+page among ``get_block_ids_with_load_errors`` (vLLM's report: asked right after the load hooks,
+by when a synchronous load's failures must be known, and after every ``get_finished``), one whose
 hooks raised, or one in flight longer than ``kvtier.engine.connector_driver.ASYNC_LOAD_WAIT_S``.
 Nothing of its offer is committed, the request starts over from what the engine holds, and the
 connector is not asked for it again; pages an unreported load may still write stay held until
@@ -28,9 +37,15 @@ that the window at its own end did not is handed back whole.
 ``request_finished`` is called once for every request that ends, as vLLM does: finished,
 aborted (running, queued, or while its load is in flight) or failed; the next step's
 ``SchedulerOutput.finished_request_ids`` lists it. A request without an active cache (queued,
-or failed: nothing of it is saved) shows no block ids and no computed tokens. True means a save
-is still running: the engine keeps the request's pages (locked in the primary tier) until
-``get_finished`` reports the save done (and, aborted while loading, the load too).
+or failed: nothing of it is saved) shows no block ids and no computed tokens. True (or vLLM's
+``(True, params)``) means a save is still running: the engine keeps the request's pages (locked
+in the primary tier) until ``get_finished`` reports the save done (and, aborted while loading,
+the load too).
+
+Where kvtier differs from vLLM: the ask comes once per allocation, so an answer of None (vLLM's
+"ask again later") offers nothing; ``update_state_after_alloc`` is called only for requests with
+an offer; a request whose synchronous load failed is listed in its step's ``SchedulerOutput``
+but computes nothing in it.
 
 Block ids are positional per layer group: entry i is block i, ``BAD_PAGE_INDEX`` where a block
 has no page (a stale sliding-window block). With one layer group, ``request.new_block_ids``
@@ -72,7 +87,9 @@ class ConnectorRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """The step's batch as the connector's ``build_connector_meta`` sees it."""
+    """The step as the connector's ``build_connector_meta`` sees it: the requests the forward
+    computes (each from its ``num_computed_tokens`` on), their token counts, and the requests that
+    ended since the last step."""
 
     scheduled: list[ConnectorRequest]
     num_scheduled_tokens: dict[int, int]
@@ -132,6 +149,13 @@ class KvCacheConnectorWorker(ABC):
     @abstractmethod
     def get_finished(self, finished_gen_ids: Sequence[int], started_loading_ids: Sequence[int]) -> tuple[list, list]:
         """(request ids whose saves finished, request ids whose asynchronous loads finished)."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Block ids (primary-tier slots; slots are per layer group, and an id is taken as failed in
+        every group) whose loads failed since the last call, each given once: vLLM's report of
+        loads that failed without raising. An offer with a page among them is a miss (recomputed).
+        Default: none."""
+        return set()
 
     def get_failed_loads(self) -> set[int]:
         """Request ids, among the loads ``get_finished`` reported finished, whose loads failed (a page

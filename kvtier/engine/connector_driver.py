@@ -28,8 +28,12 @@ flight is never preempted, and one aborted then keeps its cache the same way, un
 connector reports the load (and its save, if it has one): a late write lands in no one else's
 page, and a save reads only the request's own bytes.
 
+A step with no batch steps the connector all the same (``idle_step``), as vLLM does, so that it
+hears of the requests that ended and starts saves it defers to a step's start.
+
 A load that fails (a load hook raised, a report raised, the connector reported it failed with
-``get_failed_loads``, or it stayed in flight past ``ASYNC_LOAD_WAIT_S``) is a miss: nothing of
+``get_failed_loads`` or by a page's block id with ``get_block_ids_with_load_errors``, or it
+stayed in flight past ``ASYNC_LOAD_WAIT_S``) is a miss: nothing of
 its offer is committed, the request starts over from what the engine holds (``missed_loads``:
 the scheduler recomputes it), and the connector is not asked for it again. A cache the
 connector may still write into stays open, apart from the request, until the load is reported.
@@ -105,6 +109,8 @@ class ConnectorDriver:
         view = self._view(request, with_blocks=False)
         try:
             tokens, asynchronous = self.connector.get_num_new_matched_tokens(view, local)
+            if tokens is None:
+                raise ValueError("it answered None, vLLM's 'ask again later': kvtier asks once per allocation")
             end = local + max(0, int(tokens))
         except Exception as exc:  # a hook that raised, or a count that is no integer (NaN, None): no offer
             self._connector_failed("an ask", exc)
@@ -172,15 +178,22 @@ class ConnectorDriver:
                 if offer.asynchronous:
                     handed.append(request)
                 self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
+            sitting_out = {request.request_id for request in waiting}  # (an asynchronous load sits its step out)
+            computing = [c for c in batch if c.request.request_id not in sitting_out]
             ended, self._ended = self._ended, []
             output = SchedulerOutput(
-                [self._view(c.request) for c in batch], {c.request.request_id: c.num_tokens for c in batch}, ended
+                [self._view(c.request, computed=c.start) for c in computing],
+                {c.request.request_id: c.num_tokens for c in computing},
+                ended,
             )
             self.connector.bind_connector_meta(self.connector.build_connector_meta(output))
             stream = self._stream()
             self.connector.start_load_kv(stream)
             for layer_id in range(len(self.mgr.spec.layers)):
                 self.connector.wait_for_layer_load(layer_id, stream)
+            loaded_now = [(request, offer) for request, offer in delivered if not offer.asynchronous]
+            for request in self._with_load_errors(loaded_now, self._load_errors()):
+                self._missed[request.request_id] = request
             deadline = time.monotonic() + ASYNC_LOAD_WAIT_S
             for request, offer in delivered:
                 if offer.asynchronous:
@@ -194,10 +207,10 @@ class ConnectorDriver:
             self._missed.update((request.request_id, request) for request, _ in delivered)
             return {request.request_id for request, _ in delivered}
         for request, offer in delivered:
-            if not offer.asynchronous:
+            if not offer.asynchronous and request.request_id not in self._missed:
                 self._commit(request, offer)
-        unlanded = self.in_flight.keys() | self._missed.keys()
-        return {request.request_id for request in waiting} & unlanded
+        missed = {request.request_id for request, _ in delivered} & self._missed.keys()
+        return {request.request_id for request in waiting} | missed
 
     def _commit(self, request: Request, offer: Offer) -> None:
         """The connector loaded ``offer``: its tokens are committed to the request's cache."""
@@ -242,8 +255,9 @@ class ConnectorDriver:
 
     def _finished(self, saving: list[int], loading: list[int]) -> tuple[list[int], list[int], set[int]]:
         """``get_finished`` (a None in its answer read as nothing finished: vLLM's convention), and
-        which of the loads it reported failed (``get_failed_loads``). ``get_failed_loads`` raising
-        (or answering no collection) fails every load of that report: the saves it reported stand."""
+        which of the loads it reported failed: named by ``get_failed_loads``, or in flight with a
+        page among ``get_block_ids_with_load_errors``. A failure report raising (or answering no
+        collection) fails every load of that report: the saves it reported stand."""
         saved, loaded = self.connector.get_finished(saving, loading)
         saved, loaded = list(saved or ()), list(loaded or ())
         try:
@@ -251,7 +265,41 @@ class ConnectorDriver:
         except Exception as exc:
             self._connector_failed("reporting its failed loads", exc)
             failed = set(loaded)
+        landing = [self.in_flight[request_id][:2] for request_id in loaded if request_id in self.in_flight]
+        failed.update(request.request_id for request in self._with_load_errors(landing, self._load_errors()))
         return saved, loaded, failed
+
+    def _load_errors(self) -> set[int] | None:
+        """The block ids whose loads failed since the last call (``get_block_ids_with_load_errors``,
+        vLLM's report, where the connector has it); None when that report raised or answered no
+        collection of ids: every load it covers is taken as failed."""
+        report = getattr(self.connector, "get_block_ids_with_load_errors", None)
+        if not callable(report):
+            return set()
+        try:
+            return {int(block_id) for block_id in report() or ()}
+        except Exception as exc:
+            self._connector_failed("reporting the blocks its loads failed", exc)
+            return None
+
+    def _with_load_errors(self, loads: list[tuple[Request, Offer]], bad: set[int] | None) -> list[Request]:
+        """The requests of ``loads`` whose offers have a page among the failed block ids ``bad`` (in
+        any layer group: slots are per group, an id is taken as failed in each), all when ``bad``
+        is None."""
+        if bad is None:
+            return [request for request, _ in loads]
+        if not bad:
+            return []
+        tpb = self.mgr.tokens_per_block
+        failed = []
+        for request, offer in loads:
+            cache = request.held_cache()
+            first, end = offer.start // tpb, -(-offer.end // tpb)
+            for group in self.mgr.layer_groups:
+                if not bad.isdisjoint(cache.page_indices(group.group_id)[first:end].tolist()):
+                    failed.append(request)
+                    break
+        return failed
 
     def after_forward(self, batch: list[ScheduledChunk]) -> None:
         """The batch's KV is computed: the connector's save hooks, then the saves that ended. A hook
@@ -296,6 +344,9 @@ class ConnectorDriver:
         view = self._view(request) if active else self._ended_view(request)
         try:
             saving = self.connector.request_finished(view, view.block_ids_by_layer_group)
+            if isinstance(saving, tuple):  # vLLM's (delay_free_blocks, kv_transfer_params)
+                saving = saving[0] if saving else False
+            saving = bool(saving)
         except Exception as exc:  # its save is lost (a later miss); the request finishes as it would
             self._connector_failed("a request's save", exc)
             return False
@@ -318,6 +369,23 @@ class ConnectorDriver:
             self._hand_back(self._view(request, with_blocks=False), offer.start, offer.end)
         request.offer = None
         request.loaded_until = 0
+
+    def idle_step(self) -> None:
+        """A step of the connector without a forward (the batch is empty), as vLLM runs one: it is
+        shown the requests that ended since the last step, may start work it defers to a step's
+        start (saves), and its reports are taken. Nothing is run while nothing ended and no save
+        or load is pending."""
+        if not self._ended and not self.saving and not self.loading and not self.in_flight:
+            return
+        ended, self._ended = self._ended, []
+        try:
+            self.connector.bind_connector_meta(self.connector.build_connector_meta(SchedulerOutput([], {}, ended)))
+            stream = self._stream()
+            self.connector.start_load_kv(stream)
+            self.connector.wait_for_save(stream)
+        except Exception as exc:
+            self._connector_failed("a step without a forward", exc)
+        self.poll()
 
     def poll(self) -> None:
         """Take what ``get_finished`` reports: saves and loads given up on end (their caches close),
@@ -391,7 +459,7 @@ class ConnectorDriver:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            self.poll()
+            self.idle_step()
             pending = self.saving if request_ids is None else self.saving.keys() & set(request_ids)
             if not pending:
                 return True
@@ -427,9 +495,12 @@ class ConnectorDriver:
                 return True
         return False
 
-    def _view(self, request: Request, with_blocks: bool = True) -> ConnectorRequest:
+    def _view(self, request: Request, with_blocks: bool = True, computed: int | None = None) -> ConnectorRequest:
+        """The connector's view of ``request``: its tokens computed are the cache's committed ones,
+        or ``computed`` (a scheduled chunk's start: its offer, loaded in this step, counts)."""
         cache = request.cache
-        computed = cache.num_committed_tokens if cache is not None else 0
+        if computed is None:
+            computed = cache.num_committed_tokens if cache is not None else 0
         blocks = []
         if with_blocks and cache is not None:
             blocks = [cache.page_indices(g.group_id).tolist() for g in self.mgr.layer_groups]

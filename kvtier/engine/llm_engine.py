@@ -253,6 +253,8 @@ class LLMEngine:
             # Loads in flight (they run once the connector reports them) or failed (recomputed next step).
             sit_out = self.connector.before_forward(batch)
             batch = [c for c in batch if c.request.request_id not in sit_out]
+        elif self.connector is not None:
+            self.connector.idle_step()  # the connector's step all the same: ended requests, deferred saves
         if not batch:
             if (
                 not finished

@@ -1,0 +1,222 @@
+"""Connectors written to vLLM's habits, served by the engine as vLLM would serve them.
+
+A load that fails without raising, reported by block id (``get_block_ids_with_load_errors``); a
+``request_finished`` answering vLLM's ``(delay_free_blocks, params)`` tuple; saves deferred to the
+start of the next step (stepped without a forward, as vLLM steps its connector); a per-step
+saver reading ``SchedulerOutput`` as vLLM fills it (the tokens each request computes in the step).
+End to end on the CPU (float64): tokens always equal the dense oracle.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.connector import FileSystemConnector, StoreConnector
+from kvtier.engine import SamplingParams
+from kvtier.models import build_model
+from kvtier.pages import BAD_PAGE_INDEX
+from tests.test_connector import engine, prompts_for, seed_store
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_model("tiny-llama", "cpu", torch.float64, seed=0)
+
+
+class FailsLoadsQuietly(StoreConnector):
+    """The shipped connector over a filesystem store, whose loads fail without raising once
+    ``failing`` is set (a transfer that lost its peer): the pages are zeroed, not filled, and the
+    failure is told only by vLLM's report of the block ids."""
+
+    def __init__(self, path, load_async: bool) -> None:
+        super().__init__(kvtier.connector.FileSystemStore(path), load_async=load_async)
+        self.failing = True
+        self.bad: set[int] = set()
+
+    def _land(self, load, stream) -> bool:
+        if not self.failing:
+            return super()._land(load, stream)
+        for (_, group), slot in zip(load.staged.pages, load.slots, strict=True):
+            if slot != BAD_PAGE_INDEX:
+                self._group(group).regions[0].as_tensor()[slot].zero_()
+                self.bad.add(slot)
+        return True
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self.bad = self.bad, set()
+        return bad
+
+
+@pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
+def test_loads_failed_by_block_id_are_misses_for_their_request_and_the_next(llama, tmp_path, load_async):
+    """A load reported failed through ``get_block_ids_with_load_errors`` (vLLM's report; a
+    synchronous load has no other way to fail without raising) is a miss: the request recomputes
+    its prefix, and the next request sharing it reuses the recomputed pages. Before, the report
+    was never read: the zeroed pages were committed and published (other tokens for both)."""
+    shared = prompts_for(llama, [70], seed=90)[0]
+    seed_store(llama, tmp_path, [shared])
+    first, second = shared[:64] + [3, 4, 5], shared[:64] + [7, 8]
+    conn = FailsLoadsQuietly(tmp_path, load_async)
+    with engine(llama, 200, conn) as eng:
+        out = eng.generate([first], SamplingParams(max_tokens=6))[0]
+        assert out.token_ids == llama.reference_generate(first, 6)
+        assert out.reused_tokens_by_tier["connector"] == 0
+        out = eng.generate([second], SamplingParams(max_tokens=6))[0]
+        assert out.token_ids == llama.reference_generate(second, 6)
+        assert out.reused_tokens_by_tier["primary"] == 64
+        eng.cache_manager.check_invariants()
+
+
+class TellsLoadErrorsBadly(FailsLoadsQuietly):
+    """Its report of failed block ids raises: every load that report covers is taken as failed."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        raise ConnectionError("lost the transfer agent")
+
+
+def test_a_block_error_report_that_raises_fails_the_loads_it_covers(llama, tmp_path):
+    shared = prompts_for(llama, [70], seed=91)[0]
+    seed_store(llama, tmp_path, [shared])
+    prompt = shared[:64] + [3]
+    with engine(llama, 200, TellsLoadErrorsBadly(tmp_path, load_async=False)) as eng:
+        out = eng.generate([prompt], SamplingParams(max_tokens=4))[0]
+    assert out.token_ids == llama.reference_generate(prompt, 4)
+    assert out.reused_tokens_by_tier["connector"] == 0
+
+
+class AnswersAsVllm(FileSystemConnector):
+    """``request_finished`` answers vLLM's ``(delay_free_blocks, kv_transfer_params)``."""
+
+    def request_finished(self, request, block_ids_by_layer_group):
+        return super().request_finished(request, block_ids_by_layer_group), None
+
+
+def in_thread(call, timeout_s: float = 20.0):
+    """``call()`` on a daemon thread; its result, or AssertionError if it is still running after
+    ``timeout_s`` (a hang)."""
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(call()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert box, f"still running after {timeout_s:g} s"
+    return box[0]
+
+
+def test_a_vllm_style_answer_of_request_finished_is_read_by_its_flag(llama, tmp_path):
+    """``(False, None)`` frees the pages at once, ``(True, None)`` keeps them until the save is
+    reported. Before, any tuple read as a save running: ``generate`` and ``close`` waited for a
+    report that never came, the pages held."""
+    prompts = prompts_for(llama, [40, 70], seed=92)
+    eng = engine(llama, 200, AnswersAsVllm(tmp_path))
+    try:
+        outs = in_thread(lambda: eng.generate(prompts, SamplingParams(max_tokens=3)))  # saved: (True, None)
+        assert [o.token_ids for o in outs] == [llama.reference_generate(p, 3) for p in prompts]
+        again = in_thread(lambda: eng.generate(prompts, SamplingParams(max_tokens=3)))  # in the store: (False, None)
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+        assert not eng.connector.saving  # no cache held for a save
+    finally:
+        assert eng.close_within(5)
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as fresh:
+        out = fresh.generate([prompts[1] + [5]], SamplingParams(max_tokens=2))[0]
+    assert out.reused_tokens_by_tier["connector"] == 64
+
+
+class SavesAtTheNextStep(FileSystemConnector):
+    """Defers its saves to the start of the engine's next step (``start_load_kv``), as vLLM's
+    offloading connector does, and frees its per-request state on ``finished_request_ids``."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.deferred: list[tuple] = []
+        self.done: list[int] = []
+        self.state: set[int] = set()  # per-request state, freed once the request is listed ended
+
+    def build_connector_meta(self, scheduler_output):
+        self.state.update(r.request_id for r in scheduler_output.scheduled)
+        self.state.difference_update(scheduler_output.finished_request_ids)
+        return super().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids_by_layer_group):
+        self.deferred.append((request, [list(ids) for ids in block_ids_by_layer_group]))
+        return True
+
+    def start_load_kv(self, stream):
+        super().start_load_kv(stream)
+        deferred, self.deferred = self.deferred, []
+        for request, block_ids in deferred:
+            super().request_finished(request, block_ids)  # the save starts now
+            self.done.append(request.request_id)
+
+    def get_finished(self, finished_gen_ids, started_loading_ids):
+        saved, loaded = super().get_finished(finished_gen_ids, started_loading_ids)
+        done, self.done = self.done, []
+        return [*saved, *done], loaded
+
+
+def test_a_connector_is_stepped_without_a_forward_once_the_batch_is_empty(llama, tmp_path):
+    """With nothing left to compute, the engine still steps its connector (build, bind,
+    ``start_load_kv``, ``wait_for_save``, reports), as vLLM does: saves it defers to a step's start
+    run, and it hears of the requests that ended. Before, ``generate`` waited for ever for the
+    last requests' saves, and the connector's per-request state stayed."""
+    prompts = prompts_for(llama, [40, 70], seed=93)
+    conn = SavesAtTheNextStep(tmp_path)
+    eng = engine(llama, 200, conn)
+    try:
+        outs = in_thread(lambda: eng.generate(prompts, SamplingParams(max_tokens=3)))
+        assert [o.token_ids for o in outs] == [llama.reference_generate(p, 3) for p in prompts]
+        assert not conn.state and not eng.connector.saving
+    finally:
+        assert eng.close_within(5)
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as fresh:
+        out = fresh.generate([prompts[1] + [5]], SamplingParams(max_tokens=2))[0]
+    assert out.reused_tokens_by_tier["connector"] == 64
+
+
+class RecordsSteps:
+    """Per step that ran a forward: what ``SchedulerOutput`` listed (request, tokens computed,
+    tokens scheduled) and what the forward computed (request, start, tokens)."""
+
+    def __init__(self, eng, conn) -> None:
+        self.steps: list[tuple[list, list]] = []
+        self.listed: list = []
+        build, run = conn.build_connector_meta, eng.runner.run
+
+        def recording_build(output):
+            self.listed = sorted(
+                (r.request_id, r.num_computed_tokens, output.num_scheduled_tokens[r.request_id])
+                for r in output.scheduled
+            )
+            return build(output)
+
+        def recording_run(batch):
+            self.steps.append((self.listed, sorted((c.request.request_id, c.start, c.num_tokens) for c in batch)))
+            return run(batch)
+
+        conn.build_connector_meta = recording_build
+        eng.runner.run = recording_run
+
+
+@pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
+def test_the_step_output_lists_what_the_forward_computes(llama, tmp_path, load_async):
+    """``SchedulerOutput`` lists each request the forward computes, from where: a loaded offer's
+    tokens count as computed, and a request whose asynchronous load is delivered computes nothing
+    in that step (it is not listed). Before, a loaded request was listed from before its offer,
+    and one loading asynchronously as computing: a per-step saver read by vLLM's meaning stored
+    pages nothing had written (other tokens for a later request reusing them)."""
+    shared = prompts_for(llama, [70], seed=94)[0]
+    seed_store(llama, tmp_path, [shared])
+    prompts = [shared[:64] + [3, 4, 5], prompts_for(llama, [30], seed=95)[0]]
+    conn = StoreConnector(kvtier.connector.FileSystemStore(tmp_path), load_async=load_async)
+    with engine(llama, 200, conn) as eng:
+        recorder = RecordsSteps(eng, conn)
+        outs = eng.generate(prompts, SamplingParams(max_tokens=3))
+        assert [o.token_ids for o in outs] == [llama.reference_generate(p, 3) for p in prompts]
+        assert outs[0].reused_tokens_by_tier["connector"] == 64
+    assert recorder.steps
+    for listed, computed in recorder.steps:
+        assert listed == computed
+    assert any(entry[1] == 64 for _, computed in recorder.steps for entry in computed)  # from the offer's end
