@@ -66,6 +66,24 @@ def test_a_malformed_url_is_a_value_error(url):
         RedisStore(url)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h:6379/0?socket_timeout=3",
+        "rediss://h:6379/0?ssl_cert_reqs=none&socket_connect_timeout=3",
+        "unix:///tmp/r.sock?socket_timeout=30",
+    ],
+)
+def test_a_url_overriding_the_stores_timeout_is_refused(url):
+    """The store's own timeout bounds a stall on a hung server (``RedisConnector(timeout_s=...)``);
+    redis-py lets a URL's query arguments win over it. Before, a ``socket_timeout`` in the URL
+    silently replaced it: a hung server stalled each call for the URL's 3 s, not the 0.2 s given."""
+    with pytest.raises(ValueError, match="timeout_s"):
+        parse_redis_url(url)
+    with pytest.raises(ValueError, match="would override"):
+        RedisConnector(url, timeout_s=0.2)
+
+
 def test_the_password_never_shows_in_errors():
     for url in ("redis-cluster://:topsecret@a:bad", "redis-sentinel://u:topsecret@s:1/svc/x"):
         with pytest.raises(ValueError) as info:

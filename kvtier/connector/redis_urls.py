@@ -2,7 +2,8 @@
 
 - ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS, e.g.
   ``?ssl_ca_certs=/path/ca.pem``) and ``unix:///path.sock``: one server. These go to
-  ``redis.Redis.from_url`` as they are, so its query arguments work.
+  ``redis.Redis.from_url`` as they are, so its query arguments work, but for the socket timeouts
+  kvtier sets from the store's own timeout (``ValueError``).
 - ``redis-cluster://[[user]:password@]host[:port][,host[:port]...]``: any nodes of a Redis
   Cluster (the client discovers the rest); default port 6379; no database (a cluster has only 0).
 - ``redis-sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db]``: the
@@ -18,13 +19,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 SERVER_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEME = "redis-cluster"
 SENTINEL_SCHEME = "redis-sentinel"
 SCHEMES = (*SERVER_SCHEMES, CLUSTER_SCHEME, SENTINEL_SCHEME)
 DEFAULT_PORTS = {CLUSTER_SCHEME: 6379, SENTINEL_SCHEME: 26379}
+KVTIER_SETS = frozenset({"socket_timeout", "socket_connect_timeout"})  # set from the store's timeout
 _QUERY_PASSWORD = re.compile(r"([?&](?:[a-z_]*_)?password=)[^&#]*", re.IGNORECASE)
 
 
@@ -94,11 +96,19 @@ def redact_url(url: str) -> str:
 
 
 def _check_server_url(parts, shown: str) -> None:
-    """A port that is a number in range, and a database that is a number (redis://, rediss://)."""
+    """A port that is a number in range, a database that is a number (redis://, rediss://), and
+    no query argument of those kvtier sets itself (``KVTIER_SETS``)."""
     try:
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
     except ValueError as exc:
         raise ValueError(f"bad Redis URL {shown}: {exc}") from None
+    taken = sorted({name for name, _ in parse_qsl(parts.query, keep_blank_values=True)} & KVTIER_SETS)
+    if taken:
+        raise ValueError(
+            f"bad Redis URL {shown}: {', '.join(taken)} would override the limit kvtier sets from the "
+            "store's timeout (a slow server must degrade to misses within it): give "
+            "RedisConnector(url, timeout_s=...) or RedisStore(url, socket_timeout_s=...) instead"
+        )
     if parts.scheme != "unix":
         _database(parts.path.lstrip("/"), shown)
 
