@@ -155,6 +155,24 @@ def test_a_sliding_window_offer_holds_the_blocks_live_where_the_engine_takes_it(
         assert out.reused_tokens_by_tier.get("connector", 0) == (asked if cancel is None else 0)
 
 
+def test_a_sliding_window_prompt_served_whole_counts_no_missed_page(tmp_path):
+    """A sliding-window model's prompt saved, then served whole from the store: no page missed.
+    Before, the pages stale at the prompt's end (never saved) counted as misses of every ask: 21
+    on a perfect hit of a 400-token prompt, a miss rate that could never reach 0."""
+    model = build_model("tiny-swa", "cpu", torch.float64, seed=0)
+    prompt = prompts_for(model, [400], seed=14)[0]
+    for cold in (True, False):
+        conn = FileSystemConnector(tmp_path)
+        with engine(model, 64, conn) as eng:
+            out = eng.generate([prompt], SamplingParams(max_tokens=2))[0]
+        assert out.token_ids == model.reference_generate(prompt, 2)
+        stats = conn.stats()
+        if cold:
+            assert stats.saved_pages > 0 and stats.missed_pages == stats.saved_pages  # what it then saved
+        else:
+            assert out.reused_tokens_by_tier["connector"] == 399 and stats.missed_pages == 0
+
+
 @pytest.mark.parametrize("local", [0, 16, 20, 40])
 def test_an_offer_handed_back_whole_leaves_nothing_staged(llama, tmp_path, local):
     """Also when the local prefix ends inside a block: that block holds offered tokens only."""

@@ -179,8 +179,9 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         with self._counters.stall():
             found = self.store.contains_many([keyspace.key(request.scope, chain[b], g) for b, g in wanted])
         present = dict(zip(wanted, found, strict=True))
-        self._counters.add(missed_pages=found.count(False))
         usable = len(request.prompt_token_ids) - 1  # the engine computes the last prompt token itself
+        used = set(_needed(groups, first, min(full * tpb, usable)))  # (a window's stale pages are never saved)
+        self._counters.add(missed_pages=sum(not have and page in used for page, have in present.items()))
         end = _best_end(present, groups, first, full, tpb, num_computed_tokens, usable)
         if end <= num_computed_tokens:
             return 0, False

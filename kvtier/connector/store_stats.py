@@ -4,8 +4,9 @@ Pages are (block, layer group) pages; bytes are payload bytes (without the store
 
 - ``saved_pages`` / ``saved_bytes``: pages the store took.
 - ``loaded_pages`` / ``loaded_bytes``: pages copied from the store into the cache.
-- ``missed_pages``: pages asked for after the local prefix that the store did not have (absent,
-  expired, or its server down) or could not deliver intact.
+- ``missed_pages``: pages after the local prefix that the longest offer would load and the store
+  did not have (absent, expired, or its server down) or could not deliver intact (a sliding
+  window's pages stale at the prompt's end are never saved, and never counted).
 - ``errors``: pages whose save failed, and pages the store listed but could not deliver intact.
 - ``skipped_pages``: pages not saved because of the save policy.
 - ``stall_s``: seconds the engine's thread spent waiting for the store: the existence checks of
