@@ -26,6 +26,9 @@ class CacheStats:
     manager started: each was reported (an ERROR log line) and started empty.
     ``recomputed_tokens`` counts cached tokens left to be recomputed because loading them from
     their tier was estimated slower than recomputing them (``set_prefill_rate``).
+    ``hit_tokens`` (and ``hit_rate``) count reuse from the manager's own tiers; tokens an engine's
+    connector loads after them are counted by the connector (``ConnectorStats``) and in each
+    ``RequestOutput.reused_tokens_by_tier["connector"]``.
     """
 
     tiers: dict[str, TierStats]
