@@ -91,7 +91,8 @@ class DiskTier:
     ``write_behind``: while host memory is nearly full, write copies of its coldest pages to disk
     on a background thread (``KVCacheManager.maintain``), so that demoting them later writes
     nothing on the caller's thread. Host memory is the host tier, or the primary tier of a manager
-    on the CPU without one. None (the default) turns it on for CUDA devices with a host tier.
+    on the CPU without one. None (the default) turns it on for CUDA devices with a host tier; True
+    on a CUDA device without one is a ``ValueError`` (there is no host memory to write from).
 
     ``blocking_writes``: a page pushed out of host memory that has no disk copy yet is written on
     the caller's thread (True, the default). False: if only the reuse tree holds it, it is dropped
@@ -224,6 +225,13 @@ class CacheConfig:
             device = None
         if device is None or device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        disk = next((t for t in tiers if isinstance(t, DiskTier)), None)
+        if device.type == "cuda" and disk is not None and disk.write_behind and HostTier not in map(type, tiers):
+            raise ValueError(
+                "DiskTier(write_behind=True) on a CUDA device needs a HostTier: it writes host memory's coldest "
+                "pages to disk, and this manager has no host memory tier (add kvtier.HostTier(...), or leave "
+                "write_behind None)"
+            )
         object.__setattr__(self, "tiers", tiers)
         object.__setattr__(self, "device", device)
 

@@ -354,7 +354,9 @@ def test_write_behind_setting(tmp_path):
     assert write_behind_enabled(kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), host, on]))
     alone = [kvtier.PrimaryTier(8 * page), on]  # no host tier: on the CPU, the primary tier is host memory
     assert write_behind_enabled(kvtier.CacheConfig(TPB, alone))
-    assert not write_behind_enabled(kvtier.CacheConfig(TPB, alone, device="cuda"))  # nothing above the disk to read
+    with pytest.raises(ValueError, match="needs a HostTier"):  # no host memory above the disk to write from
+        kvtier.CacheConfig(TPB, alone, device="cuda")
+    assert not write_behind_enabled(kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), disk], device="cuda"))
     assert not write_behind_enabled(kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(8 * page), disk]))  # off by default
     mgr = kvtier.KVCacheManager(small_spec("llama"), kvtier.CacheConfig(TPB, alone))
     assert mgr._pool.write_behind.host is mgr._pool.tiers[0]
