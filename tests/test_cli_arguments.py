@@ -77,6 +77,11 @@ def test_a_cuda_device_without_cuda_is_a_usage_error(capsys):
             ["demo", "--model", "tiny-llama", "--conversations", "1", "--turns", "1", "--primary-mib", "1"],
             "kvtier demo: error: prompts[0] (",
         ),
+        # Before: accepted, and nothing was probed.
+        (
+            ["probe", "--disk-mib", "1024"],
+            "kvtier probe: error: --disk-mib sizes the file of the disk probe: give --disk",
+        ),
     ],
 )
 def test_a_value_refused_while_running_ends_the_command_with_its_message(capsys, argv, message):

@@ -12,6 +12,7 @@ order may flip a near-tie). ``--hf`` runs the workload on a transformers Llama t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     base_answers, kv_answers = records["baseline"].answers(), records["kvtier"].answers()
     same, agreement = base_answers == kv_answers, common_prefix_share(base_answers, kv_answers)
     exact = args.dtype == "float64"
-    summary = _summary(records, stats, workload)
+    summary = _summary(records, stats, workload, vars(args))
     summary["identical_tokens"] = same
     summary["common_prefix_share"] = agreement
     _print(console, summary, exact)
@@ -106,8 +107,9 @@ def run(args: argparse.Namespace) -> int:
     return 0 if same or not exact else 1
 
 
-def _summary(records: dict, stats: dict, workload) -> dict:
-    out: dict = {"workload": workload.__class__.__name__, "runs": {}}
+def _summary(records: dict, stats: dict, workload, args: dict) -> dict:
+    """The runs' figures, beside the workload and the command's arguments that made them."""
+    out: dict = {"workload": dataclasses.asdict(workload), "args": args, "runs": {}}
     for label, record in records.items():
         ttfts = [t.output.ttft_s * 1e3 for t in record.turns]
         computed = sum(t.output.num_computed_prompt_tokens for t in record.turns)

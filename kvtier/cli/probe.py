@@ -10,6 +10,7 @@ import sys
 from kvtier.cli.arguments import between, device
 from kvtier.cli.disk_probe import MAX_MIB, MIN_MIB
 
+DISK_PROBE_MIB = 512  # the disk probe's file, unless --disk-mib says otherwise
 PROBE_PAGE_SIZES = (16, 4096, 65_536, 262_144, 884_736, 4_194_304, 15_261_696, 217_055_232)
 
 
@@ -21,7 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--disk", default=None, metavar="PATH", help="also measure the read ceiling of the disk under this directory"
     )
     parser.add_argument(
-        "--disk-mib", type=between(MIN_MIB, MAX_MIB), default=512, help="size of the temporary file of --disk in MiB"
+        "--disk-mib",
+        type=between(MIN_MIB, MAX_MIB),
+        default=None,
+        help=f"size of the temporary file of --disk in MiB (default {DISK_PROBE_MIB})",
     )
 
 
@@ -32,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.copy.policy import COHERENT_COPY_KERNEL_ENV, COPY_ENGINE_MIN_BYTES_ENV
     from kvtier.storage.pinned import HOST_REGISTER_CHUNK_BYTES_ENV, chunk_bytes_from_env
 
+    if args.disk is None and args.disk_mib is not None:
+        raise ValueError("--disk-mib sizes the file of the disk probe: give --disk PATH too")
     name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.cli.disk_probe import probe_disk
 
         try:
-            rows += probe_disk(args.disk, args.disk_mib)
+            rows += probe_disk(args.disk, args.disk_mib or DISK_PROBE_MIB)
         except (ValueError, OSError) as exc:
             print(f"disk probe: {exc}", file=sys.stderr)
             return 2
