@@ -83,15 +83,14 @@ def run(args: argparse.Namespace) -> int:
                 kvtier.DiskTier(int(args.disk_mib * mib), f"{disk_dir}/{label}"),
             ]
             config = kvtier.CacheConfig(16, tiers, device=args.device, enable_reuse=reuse)
-            engine = LLMEngine(model, config, SchedulerConfig(policy="max_utilization", max_num_tokens=1024))
-            if args.metrics_port and reuse:
-                from kvtier.metrics import serve
+            with LLMEngine(model, config, SchedulerConfig(policy="max_utilization", max_num_tokens=1024)) as engine:
+                if args.metrics_port and reuse:
+                    from kvtier.metrics import serve
 
-                console.print(f"metrics: {serve(engine.cache_manager, args.metrics_port).url}")
-            task = progress.add_task(f"{label:<8}", total=total)
-            records[label] = run_workload(engine, workload, label, lambda task=task: progress.advance(task))
-            stats[label] = engine.cache_manager.stats()
-            engine.close()
+                    console.print(f"metrics: {serve(engine.cache_manager, args.metrics_port).url}")
+                task = progress.add_task(f"{label:<8}", total=total)
+                records[label] = run_workload(engine, workload, label, lambda task=task: progress.advance(task))
+                stats[label] = engine.cache_manager.stats()
     base_answers, kv_answers = records["baseline"].answers(), records["kvtier"].answers()
     same, agreement = base_answers == kv_answers, common_prefix_share(base_answers, kv_answers)
     exact = args.dtype == "float64"
