@@ -3,7 +3,8 @@
 A load that fails without raising, reported by block id (``get_block_ids_with_load_errors``); a
 ``request_finished`` answering vLLM's ``(delay_free_blocks, params)`` tuple; saves deferred to the
 start of the next step (stepped without a forward, as vLLM steps its connector); a per-step
-saver reading ``SchedulerOutput`` as vLLM fills it (the tokens each request computes in the step).
+saver reading ``SchedulerOutput`` as vLLM fills it (the tokens each request computes in the step);
+an ask answering None ("ask again later").
 End to end on the CPU (float64): tokens always equal the dense oracle.
 """
 
@@ -16,10 +17,10 @@ import torch
 
 import kvtier
 from kvtier.connector import FileSystemConnector, StoreConnector
-from kvtier.engine import SamplingParams
+from kvtier.engine import SamplingParams, connector_driver
 from kvtier.models import build_model
 from kvtier.pages import BAD_PAGE_INDEX
-from tests.test_connector import engine, prompts_for, seed_store
+from tests.test_connector import engine, prompts_for, run_until, seed_store
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +221,47 @@ def test_the_step_output_lists_what_the_forward_computes(llama, tmp_path, load_a
     for listed, computed in recorder.steps:
         assert listed == computed
     assert any(entry[1] == 64 for _, computed in recorder.steps for entry in computed)  # from the offer's end
+
+
+class LooksUpLater(FileSystemConnector):
+    """Answers None (vLLM's "ask again later") to the first ``later`` asks of each request, as a
+    connector whose lookup runs in the background does; records the order requests are asked in."""
+
+    def __init__(self, path, later: int) -> None:
+        super().__init__(path)
+        self.later = later
+        self.asks: list[int] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.asks.append(request.request_id)
+        if self.asks.count(request.request_id) <= self.later:
+            return None, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+def test_an_ask_answered_later_waits_for_the_answer_while_the_others_run(llama, tmp_path):
+    """An ask answering None makes its request wait, asked again at later steps, while the request
+    behind it runs; the answer, when it comes, is loaded. Before, None was taken for a failed ask:
+    nothing loaded, a WARNING with a TypeError."""
+    shared = prompts_for(llama, [70], seed=96)[0]
+    seed_store(llama, tmp_path, [shared])
+    prompts = [shared[:64] + [3, 4], prompts_for(llama, [20], seed=97)[0]]
+    conn = LooksUpLater(tmp_path, later=3)
+    with engine(llama, 200, conn) as eng:
+        first, second = (eng.add_request(p, SamplingParams(max_tokens=2)) for p in prompts)
+        outs = run_until(eng, lambda outs: {first, second} <= outs.keys())
+        assert [outs[i].token_ids for i in (first, second)] == [llama.reference_generate(p, 2) for p in prompts]
+        assert outs[first].reused_tokens_by_tier["connector"] == 64
+        assert conn.asks.count(first) == 4 and conn.asks.index(second) < conn.asks.index(first, 1)
+        eng.cache_manager.check_invariants()
+
+
+def test_an_ask_answered_later_for_too_long_runs_without_an_offer(llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(connector_driver, "ASYNC_LOAD_WAIT_S", 0.2)
+    shared = prompts_for(llama, [70], seed=98)[0]
+    seed_store(llama, tmp_path, [shared])
+    prompt = shared[:64] + [3]
+    with engine(llama, 200, LooksUpLater(tmp_path, later=10**9)) as eng:
+        out = eng.generate([prompt], SamplingParams(max_tokens=2))[0]
+        assert out.token_ids == llama.reference_generate(prompt, 2)
+        assert out.reused_tokens_by_tier.get("connector", 0) == 0

@@ -3,8 +3,8 @@
 The engine drives a connector in three phases per allocation (see ``kvtier.engine.connector_driver``):
 
     ask      get_num_new_matched_tokens(request, num_computed_tokens), at most once per
-             allocation, before residency exists; it must have no side effects on the engine
-             or on the store's contents
+             allocation (again at later steps while it answers None), before residency exists;
+             it must have no side effects on the engine or on the store's contents
     reserve  after the cache is resumed: capacity and history moved to the offer end in one call
     deliver  on the batch that actually runs: update_state_after_alloc exactly once, then the
              worker loads (start_load_kv / wait_for_layer_load) before the forward. An
@@ -42,10 +42,13 @@ or failed: nothing of it is saved) shows no block ids and no computed tokens. Tr
 in the primary tier) until ``get_finished`` reports the save done (and, aborted while loading,
 the load too).
 
-Where kvtier differs from vLLM: the ask comes once per allocation, so an answer of None (vLLM's
-"ask again later") offers nothing; ``update_state_after_alloc`` is called only for requests with
-an offer; a request whose synchronous load failed is listed in its step's ``SchedulerOutput``
-but computes nothing in it.
+An ask answering None (vLLM's "ask again later") makes the request wait, its cache suspended,
+while the requests behind it go first; it is asked again at each later step, for
+``ASYNC_LOAD_WAIT_S`` at most, then runs without an offer.
+
+Where kvtier differs from vLLM: ``update_state_after_alloc`` is called only for requests with an
+offer; a request whose synchronous load failed is listed in its step's ``SchedulerOutput`` but
+computes nothing in it.
 
 Block ids are positional per layer group: entry i is block i, ``BAD_PAGE_INDEX`` where a block
 has no page (a stale sliding-window block). With one layer group, ``request.new_block_ids``

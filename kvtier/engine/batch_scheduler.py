@@ -66,11 +66,15 @@ class _Blocked:
     reason: str
 
 
+ASK_LATER = _Blocked("its connector asked to be asked again later")  # the ones behind go first
+
+
 class CacheHooks(Protocol):
     """What the scheduler tells about requests' caches, and asks, as it goes (a connector driver)."""
 
     def cache_created(self, request: Request) -> None:
-        """Right after ``request.cache`` was created (it holds the local prefix)."""
+        """Right after ``request.cache`` was created (it holds the local prefix), and at each later
+        admission while the hooks set ``request.ask_later`` (the request waits meanwhile)."""
         ...
 
     def cache_resumed(self, request: Request) -> None:
@@ -175,6 +179,9 @@ class Scheduler:
                 batch.append(chunk)
                 budget -= chunk.num_tokens
                 continue
+            if chunk is ASK_LATER:
+                passed += 1  # the ones behind go first
+                continue
             if self.running or batch or self.hooks.pages_pending_release():
                 break  # memory comes back as running requests finish
             if not self._recompute_waiting(but=request) and not self._reuse_whole_blocks(request):
@@ -182,8 +189,17 @@ class Scheduler:
         if not reads_first:
             self._prefetch_waiting()  # for the requests still waiting after admission
         if not batch and passed and not self.running:
-            self.waiting[0].prefetch.wait(0.005)  # nothing else to do: let the reads go on
+            self._idle_wait()  # nothing else to do: let the reads go on, or the connector find out
         return batch
+
+    def _idle_wait(self) -> None:
+        """Wait a little for the prefix read of the first waiting request whose read is running, else
+        (a connector asked to be asked again later) a millisecond."""
+        job = next((r.prefetch for r in self.waiting if r.prefetch is not None and not r.prefetch.done()), None)
+        if job is not None:
+            job.wait(0.005)
+        else:
+            time.sleep(0.001)
 
     def finish(self, request: Request, reason: str, close_cache: bool = True) -> None:
         """Take a request out of the queues and close its cache (unless a connector still reads it)."""
@@ -261,6 +277,10 @@ class Scheduler:
             request.reuse_unread = request.reuse_unread or not request.admitted  # until a resume reads it
             request.admitted = True
             self.hooks.cache_created(request)
+        elif request.ask_later:
+            self.hooks.cache_created(request)  # asked again, over the same (suspended) cache
+        if request.ask_later:  # the connector does not know yet: the request waits, its cache suspended
+            return ASK_LATER
         cache = request.cache
         if not cache.resume():
             return _Blocked("its cached pages do not fit in the primary tier")

@@ -103,16 +103,20 @@ class ConnectorDriver:
         """Phase 1, ask, once per allocation: what can the connector add after the local prefix?"""
         if request.offer is not None:
             raise InvariantError(f"request {request.request_id} was asked twice for one allocation")
+        request.ask_later = False
         if not request.asks_connector:
             return
         local = request.held_cache().num_committed_tokens
         view = self._view(request, with_blocks=False)
         try:
             tokens, asynchronous = self.connector.get_num_new_matched_tokens(view, local)
+            if tokens is None and self._asks_later(request):
+                return
+            request.asked_later_since = None
             if tokens is None:
-                raise ValueError("it answered None, vLLM's 'ask again later': kvtier asks once per allocation")
+                raise TimeoutError(f"it answered 'ask again later' (None) for {ASYNC_LOAD_WAIT_S:g} s: no offer")
             end = local + max(0, int(tokens))
-        except Exception as exc:  # a hook that raised, or a count that is no integer (NaN, None): no offer
+        except Exception as exc:  # a hook that raised, or a count that is no integer (NaN, a str): no offer
             self._connector_failed("an ask", exc)
             return
         limit = len(request.prompt) - 1  # the last prompt token is always computed
@@ -124,6 +128,16 @@ class ConnectorDriver:
             end = limit
         if end > local:
             request.offer = Offer(local, end, bool(asynchronous))
+
+    def _asks_later(self, request: Request) -> bool:
+        """The connector answered None, vLLM's "not known yet": the request waits (its cache
+        suspended) and is asked again at a later step (``Request.ask_later``), for
+        ``ASYNC_LOAD_WAIT_S`` at most; then it runs without an offer."""
+        now = time.monotonic()
+        if request.asked_later_since is None:
+            request.asked_later_since = now
+        request.ask_later = now - request.asked_later_since < ASYNC_LOAD_WAIT_S
+        return request.ask_later
 
     def cache_resumed(self, request: Request) -> None:
         """Phase 2, reserve, after resume: back the offer with pages, history moved to its end in the same call."""

@@ -71,6 +71,8 @@ class Request:
     prefetch: HostPrefetch | None = None  # its prefix being read from disk into host memory while it waits
     prefetch_tried: bool = False
     asks_connector: bool = True  # False once a connector's load for it failed: it is not offered again
+    asked_later_since: float | None = None  # when the connector first answered "ask again later" (None)
+    ask_later: bool = False  # the connector's ask answered None: it waits, asked again at a later step
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
