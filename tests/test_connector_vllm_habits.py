@@ -31,12 +31,24 @@ def llama():
 class FailsLoadsQuietly(StoreConnector):
     """The shipped connector over a filesystem store, whose loads fail without raising once
     ``failing`` is set (a transfer that lost its peer): the pages are zeroed, not filled, and the
-    failure is told only by vLLM's report of the block ids."""
+    failure is told only by vLLM's report of the block ids.
 
-    def __init__(self, path, load_async: bool) -> None:
+    Asynchronous ``timing``: "lands at start" waits for the fetch in the deliver hook, so the load
+    lands (and its failure is reported) in ``start_load_kv``; "reported late" reports each finished
+    load one ``get_finished`` after the one whose failure report named its blocks."""
+
+    def __init__(self, path, load_async: bool, timing: str = "") -> None:
         super().__init__(kvtier.connector.FileSystemStore(path), load_async=load_async)
         self.failing = True
         self.bad: set[int] = set()
+        self.timing = timing
+        self.held: list[int] = []
+
+    def update_state_after_alloc(self, request, block_ids_by_layer_group):
+        staged = self._staged.get(request.request_id)
+        if self.timing == "lands at start" and staged is not None:
+            staged.fetch.result()
+        super().update_state_after_alloc(request, block_ids_by_layer_group)
 
     def _land(self, load, stream) -> bool:
         if not self.failing:
@@ -47,21 +59,33 @@ class FailsLoadsQuietly(StoreConnector):
                 self.bad.add(slot)
         return True
 
+    def get_finished(self, finished_gen_ids, started_loading_ids):
+        saved, loaded = super().get_finished(finished_gen_ids, started_loading_ids)
+        if self.timing == "reported late":
+            loaded, self.held = self.held, list(loaded)
+        return saved, loaded
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self.bad = self.bad, set()
         return bad
 
 
-@pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
-def test_loads_failed_by_block_id_are_misses_for_their_request_and_the_next(llama, tmp_path, load_async):
+@pytest.mark.parametrize(
+    ("load_async", "timing"),
+    [(False, ""), (True, ""), (True, "lands at start"), (True, "reported late")],
+    ids=["sync", "async", "async-lands-at-start", "async-reported-late"],
+)
+def test_loads_failed_by_block_id_are_misses_for_their_request_and_the_next(llama, tmp_path, load_async, timing):
     """A load reported failed through ``get_block_ids_with_load_errors`` (vLLM's report; a
-    synchronous load has no other way to fail without raising) is a miss: the request recomputes
-    its prefix, and the next request sharing it reuses the recomputed pages. Before, the report
-    was never read: the zeroed pages were committed and published (other tokens for both)."""
+    synchronous load has no other way to fail without raising) is a miss, whenever the report
+    comes before the load is reported finished: the request recomputes its prefix, and the next
+    request sharing it reuses the recomputed pages. Before, the report was never read (then, read
+    only for the loads finished in the same call): the zeroed pages were committed and published
+    (other tokens for both)."""
     shared = prompts_for(llama, [70], seed=90)[0]
     seed_store(llama, tmp_path, [shared])
     first, second = shared[:64] + [3, 4, 5], shared[:64] + [7, 8]
-    conn = FailsLoadsQuietly(tmp_path, load_async)
+    conn = FailsLoadsQuietly(tmp_path, load_async, timing)
     with engine(llama, 200, conn) as eng:
         out = eng.generate([first], SamplingParams(max_tokens=6))[0]
         assert out.token_ids == llama.reference_generate(first, 6)
@@ -265,3 +289,52 @@ def test_an_ask_answered_later_for_too_long_runs_without_an_offer(llama, tmp_pat
         out = eng.generate([prompt], SamplingParams(max_tokens=2))[0]
         assert out.token_ids == llama.reference_generate(prompt, 2)
         assert out.reused_tokens_by_tier.get("connector", 0) == 0
+
+
+class ReportsNoPageFailed(FileSystemConnector):
+    """Lists ``BAD_PAGE_INDEX`` among failed block ids, as a connector copying its ids from the
+    block table it was given may: it names no page."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return {BAD_PAGE_INDEX}
+
+
+def test_a_failed_block_id_that_names_no_page_fails_no_load(tmp_path):
+    """Before, a sliding-window offer, whose stale blocks have ``BAD_PAGE_INDEX`` in its page
+    slots, matched it: every such load was a miss (recomputed)."""
+    model = build_model("tiny-swa", "cpu", torch.float64, seed=0)
+    prompt = prompts_for(model, [400], seed=99)[0]
+    seed_store(model, tmp_path, [prompt])
+    with engine(model, 64, ReportsNoPageFailed(tmp_path)) as eng:
+        out = eng.generate([prompt + [5]], SamplingParams(max_tokens=2))[0]
+    assert out.token_ids == model.reference_generate(prompt + [5], 2)
+    assert out.reused_tokens_by_tier["connector"] == 400
+
+
+class BuildRaisesOnce(FileSystemConnector):
+    """``build_connector_meta`` raises once, the first time it is shown a request that ended (a
+    transient error); records every id it is shown as ended."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.raised = False
+        self.ended: list[int] = []
+
+    def build_connector_meta(self, scheduler_output):
+        if scheduler_output.finished_request_ids and not self.raised:
+            self.raised = True
+            raise ConnectionError("transient error")
+        self.ended += scheduler_output.finished_request_ids
+        return super().build_connector_meta(scheduler_output)
+
+
+def test_requests_listed_ended_in_a_build_that_raised_are_listed_again(llama, tmp_path):
+    """Before, they were dropped: a connector freeing per-request state from the list kept theirs."""
+    prompts = prompts_for(llama, [30, 40, 50], seed=100)
+    conn = BuildRaisesOnce(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        params = [SamplingParams(max_tokens=n) for n in (2, 4, 6)]  # they end at different steps
+        outs = eng.generate(prompts, params)
+        eng.generate([prompts[0]], SamplingParams(max_tokens=1))  # a later step lists the last ones
+    assert conn.raised
+    assert sorted(conn.ended) == sorted({*conn.ended}) and {o.request_id for o in outs} <= set(conn.ended)

@@ -81,6 +81,7 @@ class ConnectorDriver:
         self._saved_early: dict[int, None] = {}  # saves reported before their request finished, the latest last
         self._failures: dict[str, RateLimitedWarning] = {}  # per kind of connector failure
         self._ended: list[int] = []  # requests told ended since the last ``SchedulerOutput``
+        self._load_failed: set[int] = set()  # loads in flight with a page reported failed by block id
         held = _running.get(id(connector))
         other = held() if held is not None else None
         if other is not None and other.connector is connector:
@@ -194,25 +195,24 @@ class ConnectorDriver:
                 self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
             sitting_out = {request.request_id for request in waiting}  # (an asynchronous load sits its step out)
             computing = [c for c in batch if c.request.request_id not in sitting_out]
-            ended, self._ended = self._ended, []
             output = SchedulerOutput(
                 [self._view(c.request, computed=c.start) for c in computing],
                 {c.request.request_id: c.num_tokens for c in computing},
-                ended,
+                list(self._ended),
             )
-            self.connector.bind_connector_meta(self.connector.build_connector_meta(output))
+            self._build_and_bind(output)
             stream = self._stream()
             self.connector.start_load_kv(stream)
             for layer_id in range(len(self.mgr.spec.layers)):
                 self.connector.wait_for_layer_load(layer_id, stream)
-            loaded_now = [(request, offer) for request, offer in delivered if not offer.asynchronous]
-            for request in self._with_load_errors(loaded_now, self._load_errors()):
-                self._missed[request.request_id] = request
             deadline = time.monotonic() + ASYNC_LOAD_WAIT_S
             for request, offer in delivered:
                 if offer.asynchronous:
                     offer.in_flight = True
                     self.in_flight[request.request_id] = (request, offer, deadline)
+            loaded_now = [(request, offer) for request, offer in delivered if not offer.asynchronous]
+            for request in self._read_load_errors(loaded_now):
+                self._missed[request.request_id] = request
             if waiting:  # a load reported finished already runs in this step
                 self._take_reports(*self._finished(sorted(self.saving), self._loads_asked()))
         except Exception as exc:  # a connector's own bug: the loads of this step cannot be trusted
@@ -260,6 +260,7 @@ class ConnectorDriver:
         until = time.monotonic() + ASYNC_LOAD_WAIT_S
         for request in requests:
             self.in_flight.pop(request.request_id, None)
+            self._load_failed.discard(request.request_id)
             self.loading[request.request_id] = request.held_cache()
             self._awaited_until[request.request_id] = until
 
@@ -279,19 +280,29 @@ class ConnectorDriver:
         except Exception as exc:
             self._connector_failed("reporting its failed loads", exc)
             failed = set(loaded)
-        landing = [self.in_flight[request_id][:2] for request_id in loaded if request_id in self.in_flight]
-        failed.update(request.request_id for request in self._with_load_errors(landing, self._load_errors()))
+        self._read_load_errors([])
+        failed.update(request_id for request_id in loaded if request_id in self._load_failed)
         return saved, loaded, failed
+
+    def _read_load_errors(self, loaded_now: list[tuple[Request, Offer]]) -> list[Request]:
+        """Read ``get_block_ids_with_load_errors``: the loads in flight with a page among the ids
+        are failed when reported (``_load_failed``, kept across reports); returns the requests of
+        ``loaded_now`` (synchronous loads of this step) with one."""
+        bad = self._load_errors()
+        in_flight = [(request, offer) for request, offer, _ in self.in_flight.values()]
+        self._load_failed.update(request.request_id for request in self._with_load_errors(in_flight, bad))
+        return self._with_load_errors(loaded_now, bad)
 
     def _load_errors(self) -> set[int] | None:
         """The block ids whose loads failed since the last call (``get_block_ids_with_load_errors``,
-        vLLM's report, where the connector has it); None when that report raised or answered no
-        collection of ids: every load it covers is taken as failed."""
+        vLLM's report, where the connector has it; a negative id, ``BAD_PAGE_INDEX``, names no
+        page); None when that report raised or answered no collection of ids: every load it
+        covers is taken as failed."""
         report = getattr(self.connector, "get_block_ids_with_load_errors", None)
         if not callable(report):
             return set()
         try:
-            return {int(block_id) for block_id in report() or ()}
+            return {block_id for block_id in map(int, report() or ()) if block_id >= 0}
         except Exception as exc:
             self._connector_failed("reporting the blocks its loads failed", exc)
             return None
@@ -384,6 +395,13 @@ class ConnectorDriver:
         request.offer = None
         request.loaded_until = 0
 
+    def _build_and_bind(self, output: SchedulerOutput) -> None:
+        """``build_connector_meta`` and ``bind_connector_meta``; the requests ``output`` lists as ended
+        are told once the build returns (one that raises lists them again next time)."""
+        meta = self.connector.build_connector_meta(output)
+        del self._ended[: len(output.finished_request_ids)]
+        self.connector.bind_connector_meta(meta)
+
     def idle_step(self) -> None:
         """A step of the connector without a forward (the batch is empty), as vLLM runs one: it is
         shown the requests that ended since the last step, may start work it defers to a step's
@@ -391,9 +409,8 @@ class ConnectorDriver:
         or load is pending."""
         if not self._ended and not self.saving and not self.loading and not self.in_flight:
             return
-        ended, self._ended = self._ended, []
         try:
-            self.connector.bind_connector_meta(self.connector.build_connector_meta(SchedulerOutput([], {}, ended)))
+            self._build_and_bind(SchedulerOutput([], {}, list(self._ended)))
             stream = self._stream()
             self.connector.start_load_kv(stream)
             self.connector.wait_for_save(stream)
@@ -442,6 +459,7 @@ class ConnectorDriver:
         once): loads in flight are committed, or kept for ``missed_loads`` when they failed; the
         caches of requests whose saves, or loads given up on, ended are closed."""
         for request_id in loaded:  # (a request given up on may save from a cache of its own meanwhile)
+            self._load_failed.discard(request_id)
             entry = self.in_flight.pop(request_id, None)
             if entry is not None and request_id in failed:
                 self._missed[request_id] = entry[0]
