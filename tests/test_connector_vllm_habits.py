@@ -338,3 +338,75 @@ def test_requests_listed_ended_in_a_build_that_raised_are_listed_again(llama, tm
         eng.generate([prompts[0]], SamplingParams(max_tokens=1))  # a later step lists the last ones
     assert conn.raised
     assert sorted(conn.ended) == sorted({*conn.ended}) and {o.request_id for o in outs} <= set(conn.ended)
+
+
+class FreesStrictly(SavesAtTheNextStep):
+    """Frees its per-request state as vLLM's connectors do, strictly (``set.remove``): its build
+    raises for an ended request it never saw (one aborted in the queue), every time it is shown."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.seen: set[int] = set()
+        self.builds = 0
+        self.built: dict[int, object] = {}  # build number -> the metadata it returned
+        self.saved_with: list[tuple[int, int | None]] = []  # (builds attempted, the build the save hooks saw)
+
+    def build_connector_meta(self, scheduler_output):
+        self.builds += 1
+        self.seen.update(r.request_id for r in scheduler_output.scheduled)
+        for request_id in scheduler_output.finished_request_ids:
+            self.seen.remove(request_id)
+        self.built[self.builds] = meta = super().build_connector_meta(scheduler_output)
+        return meta
+
+    def save_kv_layer(self, layer_id, stream):
+        seen = next((n for n, meta in self.built.items() if meta is self._meta), None)
+        self.saved_with.append((self.builds, seen))
+
+
+def test_a_build_that_keeps_raising_on_an_ended_request_stalls_nothing(llama, tmp_path):
+    """An ended request a build raises on is listed once more, then dropped: the later builds
+    return, the saves deferred to a step's start run, ``generate`` returns, and the save hooks of
+    a step whose build raised are not run on an older step's metadata. Before, the request was
+    listed at every step for ever: every build raised, the deferred saves never started
+    (``generate`` waited for ever) and the save hooks ran on the last good build's block ids."""
+    prompts = prompts_for(llama, [40, 70], seed=101)
+    conn = FreesStrictly(tmp_path)
+    eng = engine(llama, 200, conn)
+    try:
+        eng.abort_request(eng.add_request(prompts[0], SamplingParams(max_tokens=2)))  # never seen by the connector
+        outs = in_thread(lambda: eng.generate(prompts, SamplingParams(max_tokens=3)))
+        assert [o.token_ids for o in outs] == [llama.reference_generate(p, 3) for p in prompts]
+        assert conn.saved_with and all(builds == meta for builds, meta in conn.saved_with)
+    finally:
+        assert eng.close_within(5)
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as fresh:
+        out = fresh.generate([prompts[1] + [5]], SamplingParams(max_tokens=2))[0]
+    assert out.reused_tokens_by_tier["connector"] == 64
+
+
+class AnswersLaterThenRaises(FileSystemConnector):
+    """Answers None to its first ask, then raises (a lookup service that went away)."""
+
+    asks = 0
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.asks += 1
+        if self.asks == 1:
+            return None, False
+        raise ConnectionError("lookup service gone")
+
+
+def test_an_ask_that_raises_after_a_none_leaves_a_later_allocation_its_own_wait(llama, tmp_path):
+    """Before, the first None's start time stayed: after a preemption for recompute, the new
+    allocation's first None counted as waited for already (no offer, a TimeoutError logged)."""
+    prompt = prompts_for(llama, [40], seed=102)[0]
+    conn = AnswersLaterThenRaises(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        request_id = eng.add_request(prompt, SamplingParams(max_tokens=3))
+        request = eng._requests[request_id]
+        while conn.asks < 2:
+            eng.step()
+        assert request.asked_later_since is None and not request.ask_later
+        outs = run_until(eng, lambda outs: request_id in outs)
+        assert outs[request_id].token_ids == llama.reference_generate(prompt, 3)

@@ -80,7 +80,9 @@ class ConnectorDriver:
         self._awaited_until: dict[int, float] = {}  # per request of ``loading``: until then its pages are waited for
         self._saved_early: dict[int, None] = {}  # saves reported before their request finished, the latest last
         self._failures: dict[str, RateLimitedWarning] = {}  # per kind of connector failure
-        self._ended: list[int] = []  # requests told ended since the last ``SchedulerOutput``
+        self._ended: list[int] = []  # requests told ended since the last build that returned
+        self._ended_again: list[int] = []  # those a build that raised listed: listed once more
+        self._bound = False  # this step's metadata was built and bound (the save hooks may run)
         self._load_failed: set[int] = set()  # loads in flight with a page reported failed by block id
         held = _running.get(id(connector))
         other = held() if held is not None else None
@@ -118,6 +120,7 @@ class ConnectorDriver:
                 raise TimeoutError(f"it answered 'ask again later' (None) for {ASYNC_LOAD_WAIT_S:g} s: no offer")
             end = local + max(0, int(tokens))
         except Exception as exc:  # a hook that raised, or a count that is no integer (NaN, a str): no offer
+            request.asked_later_since = None
             self._connector_failed("an ask", exc)
             return
         limit = len(request.prompt) - 1  # the last prompt token is always computed
@@ -187,6 +190,7 @@ class ConnectorDriver:
                 delivered.append((chunk.request, offer))
         waiting = [request for request, offer in delivered if offer.asynchronous]
         handed: list[Request] = []  # offers the connector was handed (it may load them, even if it raised)
+        self._bound = False
         try:
             for request, offer in delivered:
                 view = self._view(request)
@@ -198,7 +202,7 @@ class ConnectorDriver:
             output = SchedulerOutput(
                 [self._view(c.request, computed=c.start) for c in computing],
                 {c.request.request_id: c.num_tokens for c in computing},
-                list(self._ended),
+                self._ended_ids(),
             )
             self._build_and_bind(output)
             stream = self._stream()
@@ -328,7 +332,12 @@ class ConnectorDriver:
 
     def after_forward(self, batch: list[ScheduledChunk]) -> None:
         """The batch's KV is computed: the connector's save hooks, then the saves that ended. A hook
-        that raises loses saves only (later misses): the step's tokens are the model's, kept."""
+        that raises loses saves only (later misses): the step's tokens are the model's, kept. The
+        save hooks run only after this step's metadata was bound (else they would act on an older
+        step's block ids)."""
+        if not self._bound:
+            self.poll()
+            return
         try:
             stream = self._stream()
             for layer_id in range(len(self.mgr.spec.layers)):
@@ -395,22 +404,34 @@ class ConnectorDriver:
         request.offer = None
         request.loaded_until = 0
 
+    def _ended_ids(self) -> list[int]:
+        """The requests the next ``SchedulerOutput`` lists as ended: those told since the last build
+        that returned, and those of the one build that raised before it."""
+        return [*self._ended_again, *self._ended]
+
     def _build_and_bind(self, output: SchedulerOutput) -> None:
-        """``build_connector_meta`` and ``bind_connector_meta``; the requests ``output`` lists as ended
-        are told once the build returns (one that raises lists them again next time)."""
-        meta = self.connector.build_connector_meta(output)
-        del self._ended[: len(output.finished_request_ids)]
+        """``build_connector_meta`` and ``bind_connector_meta`` (``_bound`` once both returned). A build
+        that raises lists its ended requests once more, in the next step's output, then drops them
+        (a build raising on one of them must not fail every later step)."""
+        self._bound = False
+        try:
+            meta = self.connector.build_connector_meta(output)
+        except Exception:
+            self._ended_again, self._ended = self._ended, []
+            raise
+        self._ended_again, self._ended = [], []
         self.connector.bind_connector_meta(meta)
+        self._bound = True
 
     def idle_step(self) -> None:
         """A step of the connector without a forward (the batch is empty), as vLLM runs one: it is
         shown the requests that ended since the last step, may start work it defers to a step's
         start (saves), and its reports are taken. Nothing is run while nothing ended and no save
         or load is pending."""
-        if not self._ended and not self.saving and not self.loading and not self.in_flight:
+        if not self._ended_ids() and not self.saving and not self.loading and not self.in_flight:
             return
         try:
-            self._build_and_bind(SchedulerOutput([], {}, list(self._ended)))
+            self._build_and_bind(SchedulerOutput([], {}, self._ended_ids()))
             stream = self._stream()
             self.connector.start_load_kv(stream)
             self.connector.wait_for_save(stream)
