@@ -113,6 +113,13 @@ def test_a_block_error_report_that_raises_fails_the_loads_it_covers(llama, tmp_p
     assert out.reused_tokens_by_tier["connector"] == 0
 
 
+def assert_the_store_serves(llama, path, prompt: list[int], tokens: int) -> None:
+    """A fresh engine over the store at ``path`` loads ``tokens`` of ``prompt``'s from it."""
+    with engine(llama, 200, FileSystemConnector(path)) as fresh:
+        out = fresh.generate([prompt + [5]], SamplingParams(max_tokens=2))[0]
+    assert out.reused_tokens_by_tier["connector"] == tokens
+
+
 class AnswersAsVllm(FileSystemConnector):
     """``request_finished`` answers vLLM's ``(delay_free_blocks, kv_transfer_params)``."""
 
@@ -145,9 +152,7 @@ def test_a_vllm_style_answer_of_request_finished_is_read_by_its_flag(llama, tmp_
         assert not eng.connector.saving  # no cache held for a save
     finally:
         assert eng.close_within(5)
-    with engine(llama, 200, FileSystemConnector(tmp_path)) as fresh:
-        out = fresh.generate([prompts[1] + [5]], SamplingParams(max_tokens=2))[0]
-    assert out.reused_tokens_by_tier["connector"] == 64
+    assert_the_store_serves(llama, tmp_path, prompts[1], 64)
 
 
 class SavesAtTheNextStep(FileSystemConnector):
@@ -196,9 +201,7 @@ def test_a_connector_is_stepped_without_a_forward_once_the_batch_is_empty(llama,
         assert not conn.state and not eng.connector.saving
     finally:
         assert eng.close_within(5)
-    with engine(llama, 200, FileSystemConnector(tmp_path)) as fresh:
-        out = fresh.generate([prompts[1] + [5]], SamplingParams(max_tokens=2))[0]
-    assert out.reused_tokens_by_tier["connector"] == 64
+    assert_the_store_serves(llama, tmp_path, prompts[1], 64)
 
 
 class RecordsSteps:
@@ -380,9 +383,7 @@ def test_a_build_that_keeps_raising_on_an_ended_request_stalls_nothing(llama, tm
         assert conn.saved_with and all(builds == meta for builds, meta in conn.saved_with)
     finally:
         assert eng.close_within(5)
-    with engine(llama, 200, FileSystemConnector(tmp_path)) as fresh:
-        out = fresh.generate([prompts[1] + [5]], SamplingParams(max_tokens=2))[0]
-    assert out.reused_tokens_by_tier["connector"] == 64
+    assert_the_store_serves(llama, tmp_path, prompts[1], 64)
 
 
 class AnswersLaterThenRaises(FileSystemConnector):
