@@ -217,7 +217,7 @@ class ConnectorDriver:
             loaded_now = [(request, offer) for request, offer in delivered if not offer.asynchronous]
             for request in self._read_load_errors(loaded_now):
                 self._missed[request.request_id] = request
-            if waiting:  # a load reported finished already runs in this step
+            if waiting:  # a load reported finished already is committed now: it runs from the next step
                 self._take_reports(*self._finished(sorted(self.saving), self._loads_asked()))
         except Exception as exc:  # a connector's own bug: the loads of this step cannot be trusted
             self._connector_failed("a load", exc)
