@@ -206,16 +206,22 @@ def test_a_connector_is_stepped_without_a_forward_once_the_batch_is_empty(llama,
 
 class RecordsSteps:
     """Per step that ran a forward: what ``SchedulerOutput`` listed (request, tokens computed,
-    tokens scheduled) and what the forward computed (request, start, tokens)."""
+    tokens scheduled) and what the forward computed (request, start, tokens); per request listed,
+    how many tokens its view holds and where its chunk ends."""
 
     def __init__(self, eng, conn) -> None:
         self.steps: list[tuple[list, list]] = []
         self.listed: list = []
+        self.known: list[tuple[int, int]] = []  # per listed request: tokens known, tokens up to its chunk's end
         build, run = conn.build_connector_meta, eng.runner.run
 
         def recording_build(output):
             self.listed = sorted(
                 (r.request_id, r.num_computed_tokens, output.num_scheduled_tokens[r.request_id])
+                for r in output.scheduled
+            )
+            self.known.extend(
+                (len(r.all_token_ids), r.num_computed_tokens + output.num_scheduled_tokens[r.request_id])
                 for r in output.scheduled
             )
             return build(output)
@@ -232,7 +238,8 @@ class RecordsSteps:
 def test_the_step_output_lists_what_the_forward_computes(llama, tmp_path, load_async):
     """``SchedulerOutput`` lists each request the forward computes, from where: a loaded offer's
     tokens count as computed, and a request whose asynchronous load is delivered computes nothing
-    in that step (it is not listed). Before, a loaded request was listed from before its offer,
+    in that step (it is not listed); each listed request's tokens run to its chunk's end, as vLLM's
+    do (a saver hashes the blocks it stores). Before, a loaded request was listed from before its offer,
     and one loading asynchronously as computing: a per-step saver read by vLLM's meaning stored
     pages nothing had written (other tokens for a later request reusing them)."""
     shared = prompts_for(llama, [70], seed=94)[0]
@@ -247,6 +254,7 @@ def test_the_step_output_lists_what_the_forward_computes(llama, tmp_path, load_a
     assert recorder.steps
     for listed, computed in recorder.steps:
         assert listed == computed
+    assert all(known == chunk_end for known, chunk_end in recorder.known)  # the chunk's tokens are known
     assert any(entry[1] == 64 for _, computed in recorder.steps for entry in computed)  # from the offer's end
 
 
@@ -411,3 +419,85 @@ def test_an_ask_that_raises_after_a_none_leaves_a_later_allocation_its_own_wait(
         assert request.asked_later_since is None and not request.ask_later
         outs = run_until(eng, lambda outs: request_id in outs)
         assert outs[request_id].token_ids == llama.reference_generate(prompt, 3)
+
+
+class SavesEachStep(FailsLoadsQuietly):
+    """Fails its synchronous loads quietly (by block id) and records, per step whose save hooks ran,
+    the requests ``SchedulerOutput`` listed and those the forward computed: a per-step saver (as
+    vLLM's example storage connector) stores the listed requests' pages."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path, load_async=False)
+        self.listed: list[int] = []
+        self.computed: list[int] = []
+        self.saved_steps: list[tuple[list[int], list[int]]] = []
+
+    def build_connector_meta(self, scheduler_output):
+        self.listed = sorted(r.request_id for r in scheduler_output.scheduled)
+        return super().build_connector_meta(scheduler_output)
+
+    def save_kv_layer(self, layer_id, stream):
+        if layer_id == 0:
+            self.saved_steps.append((self.listed, self.computed))
+        super().save_kv_layer(layer_id, stream)
+
+
+def test_no_step_saves_pages_a_failed_load_left_unwritten(llama, tmp_path):
+    """A synchronous load that fails (reported by block id once the step's metadata is bound) takes
+    its request out of the forward, which computes the others: the save hooks of that step do not
+    run, since the metadata lists a request whose pages nothing wrote (a per-step saver would store
+    them under the prompt's keys). Before, they ran."""
+    shared = prompts_for(llama, [70], seed=96)[0]
+    seed_store(llama, tmp_path, [shared])
+    prompts = [shared[:64] + [3, 4, 5], prompts_for(llama, [30], seed=97)[0]]
+    conn = SavesEachStep(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        run = eng.runner.run
+
+        def recording_run(batch):
+            conn.computed = sorted(c.request.request_id for c in batch)
+            return run(batch)
+
+        eng.runner.run = recording_run
+        outs = eng.generate(prompts, SamplingParams(max_tokens=3))
+    assert [o.token_ids for o in outs] == [llama.reference_generate(p, 3) for p in prompts]
+    assert outs[0].reused_tokens_by_tier["connector"] == 0
+    assert conn.saved_steps
+    for listed, computed in conn.saved_steps:
+        assert listed == computed
+
+
+class RaisesOnTheSecondDelivery(StoreConnector):
+    """``update_state_after_alloc`` raises for the second offer of a step, after the first was
+    recorded; records the requests whose loads land."""
+
+    def __init__(self, path) -> None:
+        super().__init__(kvtier.connector.FileSystemStore(path))
+        self.delivered = 0
+        self.landed: list[int] = []
+
+    def update_state_after_alloc(self, request, block_ids_by_layer_group):
+        self.delivered += 1
+        if self.delivered == 2:
+            raise RuntimeError("lost the scheduler's bookkeeping")
+        super().update_state_after_alloc(request, block_ids_by_layer_group)
+
+    def _land(self, load, stream) -> bool:
+        self.landed.append(load.request_id)
+        return super()._land(load, stream)
+
+
+def test_a_load_recorded_in_a_step_that_failed_never_lands(llama, tmp_path):
+    """Offers delivered in a step whose hooks raised are handed back (``cancel_load``): a load the
+    connector recorded for one is dropped, not copied at a later step into pages its request no
+    longer holds (they may hold another request's KV by then). Before, it landed at the next step."""
+    shared = prompts_for(llama, [70], seed=98)[0]
+    seed_store(llama, tmp_path, [shared])
+    prompts = [shared[:64] + [3, 4, 5], shared[:64] + [6, 7]]
+    conn = RaisesOnTheSecondDelivery(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        outs = eng.generate(prompts, SamplingParams(max_tokens=3))
+        eng.cache_manager.check_invariants()
+    assert [o.token_ids for o in outs] == [llama.reference_generate(p, 3) for p in prompts]
+    assert conn.delivered == 2
+    assert conn.landed == []

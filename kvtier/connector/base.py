@@ -12,12 +12,17 @@ The engine drives a connector in three phases per allocation (see ``kvtier.engin
              nothing, while the others run, until ``get_finished`` reports the load (asked every
              step with the requests whose loads are in flight)
 
-``build_connector_meta`` is shown the step's ``SchedulerOutput``: each request the forward
-computes, with ``num_computed_tokens`` where its chunk starts (an offer loaded in the step counts
-as computed) and its tokens in ``num_scheduled_tokens``; a request whose asynchronous load is
-delivered in the step computes nothing in it and is not listed. A step with nothing to compute
-still steps the connector (build, bind, ``start_load_kv``, ``wait_for_save``, ``get_finished``)
-while requests ended since the last step or saves and loads are pending, as vLLM does.
+``build_connector_meta`` is shown the step's ``SchedulerOutput``: each request the forward computes,
+with ``num_computed_tokens`` where its chunk starts (an offer loaded in the step counts as computed;
+a chunk may start mid-block), its tokens in ``num_scheduled_tokens``, and ``all_token_ids`` up to
+the chunk's end; a request whose asynchronous load is delivered in the step computes nothing in it
+and is not listed. A synchronous load known to have failed only after the metadata is bound (a hook
+raised, or a block id reported) takes its request out of the forward: that step's save hooks do not
+run, so a per-step saver never stores pages nothing wrote. The save hooks come after the whole
+forward: ``save_kv_layer`` for each layer in turn, then ``wait_for_save``; a page holds every layer
+of its group, so a saver may copy whole pages. A step with nothing to compute still steps the
+connector (build, bind, ``start_load_kv``, ``wait_for_save``, ``get_finished``) while requests ended
+since the last step or saves and loads are pending, as vLLM does.
 
 A load that fails is a miss: one reported finished but failed (``get_failed_loads``), one with a
 page among ``get_block_ids_with_load_errors`` (vLLM's report: asked right after the load hooks,
@@ -28,11 +33,13 @@ connector is not asked for it again; pages an unreported load may still write st
 ``get_finished`` reports it.
 
 An offer that is never delivered is handed back with ``cancel_load(request, start, end)`` over
-absolute token positions. The engine computes a prompt's last token itself: an offer reaches at
-most the token before it, and the engine hands back the tokens offered past that at once. A
-sliding-window group needs its pages at the history the offer ends at, and one token less may
-need one more block: an offer cut so that its window reaches a block from the offer's start on
-that the window at its own end did not is handed back whole.
+absolute token positions; so is a synchronous offer delivered in a step whose hooks raised (its
+request starts over and gives up its pages): a load the connector recorded for it must be dropped.
+The engine computes a prompt's last token itself: an offer reaches at most the token before it, and
+the engine hands back the tokens offered past that at once. A sliding-window group needs its pages
+at the history the offer ends at, and one token less may need one more block: an offer cut so that
+its window reaches a block from the offer's start on that the window at its own end did not is
+handed back whole.
 
 ``request_finished`` is called once for every request that ends, as vLLM does: finished,
 aborted (running, queued, or while its load is in flight) or failed; the next step's
@@ -47,12 +54,13 @@ while the requests behind it go first; it is asked again at each later step, for
 ``ASYNC_LOAD_WAIT_S`` at most, then runs without an offer.
 
 Where kvtier differs from vLLM: ``update_state_after_alloc`` is called only for requests with an
-offer; a request whose synchronous load failed is listed in its step's ``SchedulerOutput`` but
-computes nothing in it.
+offer, and without the offer's token count (the connector's own answer to the ask); a request
+whose synchronous load failed is listed in its step's ``SchedulerOutput`` but computes nothing in
+it (and the step saves nothing); block ids come whole, not as the blocks added since the last call.
 
 Block ids are positional per layer group: entry i is block i, ``BAD_PAGE_INDEX`` where a block
-has no page (a stale sliding-window block). With one layer group, ``request.new_block_ids``
-carries that group's list too.
+has no page (a stale sliding-window block: a saver skips it, and a load never names it). With one
+layer group, ``request.new_block_ids`` carries that group's list too (the whole list).
 """
 
 from __future__ import annotations
@@ -70,8 +78,9 @@ class ConnectorRequest:
     """What a connector sees of a request.
 
     ``prompt_token_ids`` is the prompt; ``all_token_ids`` the prompt and every generated token
-    whose KV is in the cache. ``block_ids_by_layer_group`` (and ``new_block_ids`` with one layer
-    group) are the cache's page slots, positional, as of the call they come with.
+    whose KV is in the cache (in a ``SchedulerOutput``: up to the end of the chunk the step
+    computes). ``block_ids_by_layer_group`` (and ``new_block_ids`` with one layer group) are the
+    cache's page slots, positional and whole, as of the call they come with.
     """
 
     request_id: int
@@ -119,7 +128,8 @@ class KvCacheConnectorScheduler(ABC):
         """The request is done; True if a save of its pages is still running (free them later)."""
 
     def cancel_load(self, request: ConnectorRequest, start: int, end: int) -> None:  # noqa: B027 - optional hook
-        """Tokens ``[start, end)`` offered earlier will not be loaded: release what holds them."""
+        """Tokens ``[start, end)`` offered earlier will not be loaded: release what holds them (an
+        offer delivered in a step whose hooks raised included: a load recorded for it must not run)."""
 
 
 class KvCacheConnectorWorker(ABC):

@@ -228,8 +228,11 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._pending_loads.append(_Load(request.request_id, staged, slots))
 
     def cancel_load(self, request: ConnectorRequest, start: int, end: int) -> None:
+        """An offer not yet delivered keeps the tokens before ``start``; a delivered one whose step
+        failed (its load recorded, not yet built into a step's metadata) is dropped whole."""
         staged = self._staged.get(request.request_id)
         if staged is None:
+            self._pending_loads = [load for load in self._pending_loads if load.request_id != request.request_id]
             return
         staged.handed_back = min(staged.handed_back, start)
         if staged.handed_back <= staged.start:  # the whole offer: nothing stays staged

@@ -82,7 +82,7 @@ class ConnectorDriver:
         self._failures: dict[str, RateLimitedWarning] = {}  # per kind of connector failure
         self._ended: list[int] = []  # requests told ended since the last build that returned
         self._ended_again: list[int] = []  # those a build that raised listed: listed once more
-        self._bound = False  # this step's metadata was built and bound (the save hooks may run)
+        self._may_save = False  # this step's metadata was bound and lists what the forward computes
         self._load_failed: set[int] = set()  # loads in flight with a page reported failed by block id
         held = _running.get(id(connector))
         other = held() if held is not None else None
@@ -181,7 +181,13 @@ class ConnectorDriver:
         Returns the requests that sit this step out: those whose asynchronous loads are now in
         flight (``Request.awaits_load``), and those whose loads failed (a hook raised, or a value
         it gave was unusable: every offer of the step; or the connector reported it failed), which
-        start over (``missed_loads``). Other requests of the batch run as usual."""
+        start over (``missed_loads``). Other requests of the batch run as usual.
+
+        The step's save hooks run only if the metadata lists exactly what the forward computes: a
+        load failing once it is bound (a hook raised, or a block id reported) takes its request out
+        of the forward, and a per-step saver would store pages nothing wrote. Offers handed to the
+        connector in a step whose hooks raised are handed back (``cancel_load``): a load it
+        recorded for a synchronous one must never land in pages its request gives up now."""
         delivered: list[tuple[Request, Offer]] = []
         for chunk in batch:  # all marked first: a hook raising for one fails every offer of the step
             offer = chunk.request.offer
@@ -189,22 +195,26 @@ class ConnectorDriver:
                 offer.delivered = True
                 delivered.append((chunk.request, offer))
         waiting = [request for request, offer in delivered if offer.asynchronous]
-        handed: list[Request] = []  # offers the connector was handed (it may load them, even if it raised)
-        self._bound = False
+        handed: list[
+            tuple[Request, Offer]
+        ] = []  # offers the connector was handed (it may load them, even if it raised)
+        self._may_save = False
+        stage = "a delivery"  # what failed, for the log
         try:
             for request, offer in delivered:
                 view = self._view(request)
-                if offer.asynchronous:
-                    handed.append(request)
+                handed.append((request, offer))
                 self.connector.update_state_after_alloc(view, view.block_ids_by_layer_group)
             sitting_out = {request.request_id for request in waiting}  # (an asynchronous load sits its step out)
             computing = [c for c in batch if c.request.request_id not in sitting_out]
             output = SchedulerOutput(
-                [self._view(c.request, computed=c.start) for c in computing],
+                [self._view(c.request, computed=c.start, scheduled=c.num_tokens) for c in computing],
                 {c.request.request_id: c.num_tokens for c in computing},
                 self._ended_ids(),
             )
+            stage = "its step's metadata"
             self._build_and_bind(output)
+            stage = "a load"
             stream = self._stream()
             self.connector.start_load_kv(stream)
             for layer_id in range(len(self.mgr.spec.layers)):
@@ -220,15 +230,28 @@ class ConnectorDriver:
             if waiting:  # a load reported finished already is committed now: it runs from the next step
                 self._take_reports(*self._finished(sorted(self.saving), self._loads_asked()))
         except Exception as exc:  # a connector's own bug: the loads of this step cannot be trusted
-            self._connector_failed("a load", exc)
-            self._give_up(handed)  # (the offers after a raising deliver never reached it: closed when recomputed)
+            self._connector_failed(stage, exc)
+            self._may_save = False
+            self._fail_handed(handed)
             self._missed.update((request.request_id, request) for request, _ in delivered)
             return {request.request_id for request, _ in delivered}
         for request, offer in delivered:
             if not offer.asynchronous and request.request_id not in self._missed:
                 self._commit(request, offer)
         missed = {request.request_id for request, _ in delivered} & self._missed.keys()
+        if any(not offer.asynchronous and request.request_id in missed for request, offer in delivered):
+            self._may_save = False  # listed as computing, but out of the forward: no save of this step
         return {request.request_id for request in waiting} | missed
+
+    def _fail_handed(self, handed: list[tuple[Request, Offer]]) -> None:
+        """The offers handed to the connector in a step whose hooks raised: asynchronous ones are
+        given up on (their pages held until reported), synchronous ones handed back (their pages
+        are released when their requests start over). The offers after a raising deliver never
+        reached it: closed when recomputed."""
+        self._give_up([request for request, offer in handed if offer.asynchronous])
+        for request, offer in handed:
+            if not offer.asynchronous:
+                self._hand_back(self._view(request, with_blocks=False), offer.start, offer.end)
 
     def _commit(self, request: Request, offer: Offer) -> None:
         """The connector loaded ``offer``: its tokens are committed to the request's cache."""
@@ -334,8 +357,8 @@ class ConnectorDriver:
         """The batch's KV is computed: the connector's save hooks, then the saves that ended. A hook
         that raises loses saves only (later misses): the step's tokens are the model's, kept. The
         save hooks run only after this step's metadata was bound (else they would act on an older
-        step's block ids)."""
-        if not self._bound:
+        step's block ids) and if it lists only what the forward computed (``before_forward``)."""
+        if not self._may_save:
             self.poll()
             return
         try:
@@ -410,10 +433,10 @@ class ConnectorDriver:
         return [*self._ended_again, *self._ended]
 
     def _build_and_bind(self, output: SchedulerOutput) -> None:
-        """``build_connector_meta`` and ``bind_connector_meta`` (``_bound`` once both returned). A build
+        """``build_connector_meta`` and ``bind_connector_meta`` (``_may_save`` once both returned). A build
         that raises lists its ended requests once more, in the next step's output, then drops them
         (a build raising on one of them must not fail every later step)."""
-        self._bound = False
+        self._may_save = False
         try:
             meta = self.connector.build_connector_meta(output)
         except Exception:
@@ -421,7 +444,7 @@ class ConnectorDriver:
             raise
         self._ended_again, self._ended = [], []
         self.connector.bind_connector_meta(meta)
-        self._bound = True
+        self._may_save = True
 
     def idle_step(self) -> None:
         """A step of the connector without a forward (the batch is empty), as vLLM runs one: it is
@@ -548,9 +571,12 @@ class ConnectorDriver:
                 return True
         return False
 
-    def _view(self, request: Request, with_blocks: bool = True, computed: int | None = None) -> ConnectorRequest:
+    def _view(
+        self, request: Request, with_blocks: bool = True, computed: int | None = None, scheduled: int = 0
+    ) -> ConnectorRequest:
         """The connector's view of ``request``: its tokens computed are the cache's committed ones,
-        or ``computed`` (a scheduled chunk's start: its offer, loaded in this step, counts)."""
+        or ``computed`` (a scheduled chunk's start: its offer, loaded in this step, counts); its
+        tokens known run ``scheduled`` further (the chunk the forward computes)."""
         cache = request.cache
         if computed is None:
             computed = cache.num_committed_tokens if cache is not None else 0
@@ -560,7 +586,7 @@ class ConnectorDriver:
         return ConnectorRequest(
             request.request_id,
             list(request.prompt),
-            request.tokens[:computed],
+            request.tokens[: computed + scheduled],
             request.scope,
             computed,
             blocks,
