@@ -204,6 +204,14 @@ def test_a_connector_is_stepped_without_a_forward_once_the_batch_is_empty(llama,
     assert_the_store_serves(llama, tmp_path, prompts[1], 64)
 
 
+def a_stored_prefix_and_a_new_prompt(llama, path, seed: int) -> list[list[int]]:
+    """Two prompts: one whose first 64 tokens another engine saved to the store at ``path``, and
+    one the store has nothing of."""
+    shared = prompts_for(llama, [70], seed=seed)[0]
+    seed_store(llama, path, [shared])
+    return [shared[:64] + [3, 4, 5], prompts_for(llama, [30], seed=seed + 1)[0]]
+
+
 class RecordsSteps:
     """Per step that ran a forward: what ``SchedulerOutput`` listed (request, tokens computed,
     tokens scheduled) and what the forward computed (request, start, tokens); per request listed,
@@ -242,9 +250,7 @@ def test_the_step_output_lists_what_the_forward_computes(llama, tmp_path, load_a
     do (a saver hashes the blocks it stores). Before, a loaded request was listed from before its offer,
     and one loading asynchronously as computing: a per-step saver read by vLLM's meaning stored
     pages nothing had written (other tokens for a later request reusing them)."""
-    shared = prompts_for(llama, [70], seed=94)[0]
-    seed_store(llama, tmp_path, [shared])
-    prompts = [shared[:64] + [3, 4, 5], prompts_for(llama, [30], seed=95)[0]]
+    prompts = a_stored_prefix_and_a_new_prompt(llama, tmp_path, seed=94)
     conn = StoreConnector(kvtier.connector.FileSystemStore(tmp_path), load_async=load_async)
     with engine(llama, 200, conn) as eng:
         recorder = RecordsSteps(eng, conn)
@@ -422,23 +428,18 @@ def test_an_ask_that_raises_after_a_none_leaves_a_later_allocation_its_own_wait(
 
 
 class SavesEachStep(FailsLoadsQuietly):
-    """Fails its synchronous loads quietly (by block id) and records, per step whose save hooks ran,
-    the requests ``SchedulerOutput`` listed and those the forward computed: a per-step saver (as
-    vLLM's example storage connector) stores the listed requests' pages."""
+    """Fails its synchronous loads quietly (by block id) and keeps, per step whose save hooks ran,
+    what ``recorder`` (``RecordsSteps``) recorded of it: a per-step saver (as vLLM's example storage
+    connector) stores the pages of the requests the step's metadata lists."""
 
     def __init__(self, path) -> None:
         super().__init__(path, load_async=False)
-        self.listed: list[int] = []
-        self.computed: list[int] = []
-        self.saved_steps: list[tuple[list[int], list[int]]] = []
-
-    def build_connector_meta(self, scheduler_output):
-        self.listed = sorted(r.request_id for r in scheduler_output.scheduled)
-        return super().build_connector_meta(scheduler_output)
+        self.recorder: RecordsSteps | None = None
+        self.saved_steps: list[tuple[list, list]] = []
 
     def save_kv_layer(self, layer_id, stream):
         if layer_id == 0:
-            self.saved_steps.append((self.listed, self.computed))
+            self.saved_steps.append(self.recorder.steps[-1])
         super().save_kv_layer(layer_id, stream)
 
 
@@ -447,22 +448,14 @@ def test_no_step_saves_pages_a_failed_load_left_unwritten(llama, tmp_path):
     its request out of the forward, which computes the others: the save hooks of that step do not
     run, since the metadata lists a request whose pages nothing wrote (a per-step saver would store
     them under the prompt's keys). Before, they ran."""
-    shared = prompts_for(llama, [70], seed=96)[0]
-    seed_store(llama, tmp_path, [shared])
-    prompts = [shared[:64] + [3, 4, 5], prompts_for(llama, [30], seed=97)[0]]
+    prompts = a_stored_prefix_and_a_new_prompt(llama, tmp_path, seed=96)
     conn = SavesEachStep(tmp_path)
     with engine(llama, 200, conn) as eng:
-        run = eng.runner.run
-
-        def recording_run(batch):
-            conn.computed = sorted(c.request.request_id for c in batch)
-            return run(batch)
-
-        eng.runner.run = recording_run
+        conn.recorder = RecordsSteps(eng, conn)
         outs = eng.generate(prompts, SamplingParams(max_tokens=3))
     assert [o.token_ids for o in outs] == [llama.reference_generate(p, 3) for p in prompts]
     assert outs[0].reused_tokens_by_tier["connector"] == 0
-    assert conn.saved_steps
+    assert len(conn.saved_steps) < len(conn.recorder.steps)  # the step of the failed load saved nothing
     for listed, computed in conn.saved_steps:
         assert listed == computed
 
