@@ -100,8 +100,11 @@ def fill_attention(layer, kind: LayerKind, keys: torch.Tensor, values: torch.Ten
         layer.cumulative_length = width
 
 
-def fill_states(layer, states: dict[tuple[str, int], torch.Tensor]) -> None:
-    """Make a fresh linear-attention layer hold ``states`` (role, state index) -> ``[batch, ...]``."""
+def fill_states(layer, states: dict[tuple[str, int], torch.Tensor], width: int) -> None:
+    """Make a fresh linear-attention layer hold ``states`` (role, state index) -> ``[batch, ...]``,
+    the states after a prefix of ``width`` columns. From transformers 5.25 on, such a layer counts
+    the columns it was given (``get_seq_length``, from which a model whose first layer is one
+    takes its positions): it is told the prefix's."""
     for (role, index), tensor in states.items():
         if role == "conv":
             layer.lazy_initialization(conv_states=tensor, state_idx=index, conv_kernel_size=tensor.shape[-1])
@@ -110,6 +113,15 @@ def fill_states(layer, states: dict[tuple[str, int], torch.Tensor]) -> None:
             layer.lazy_initialization(recurrent_states=tensor, state_idx=index)
             layer.recurrent_states[index].copy_(tensor)
         layer.has_previous_state[index] = True
+    count = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(count, torch.Tensor):
+        count.fill_(width)
+
+
+def held_columns(cache: RecordingCache, layers: ModelLayers) -> int:
+    """The columns ``cache`` holds, as its first attention layer counts them (a linear-attention
+    layer counts only the columns it was given, from transformers 5.25 on, as a 0-d tensor)."""
+    return int(cache.layers[layers.attention[0].index].get_seq_length())
 
 
 def live_states(cache: RecordingCache, layers: ModelLayers) -> dict[tuple[int, str, int], torch.Tensor]:
@@ -148,7 +160,7 @@ class StateRecorder:
         self.stride = 1
 
     def __call__(self, module, args, output) -> None:
-        columns = self.cache.get_seq_length()
+        columns = held_columns(self.cache, self.layers)
         rows = [i for i, pad in enumerate(self.pads) if self.points(i, columns - pad)]
         if not rows:
             return

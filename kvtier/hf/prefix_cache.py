@@ -53,7 +53,7 @@ from kvtier.errors import CacheStateError
 from kvtier.hf.adapters import AdapterScope
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
 from kvtier.hf.call_state import CallState
-from kvtier.hf.hf_cache import RecordingCache, StateRecorder
+from kvtier.hf.hf_cache import RecordingCache, StateRecorder, held_columns
 from kvtier.hf.model_layers import ModelLayers, attention_implementation, read_model
 from kvtier.hf.numerics import with_numerics
 from kvtier.hf.prefill_rate import PrefillTiming
@@ -352,7 +352,7 @@ class PrefixCache:
             rate = timing.end() if timing is not None else None
             if rate is not None:
                 mgr.set_prefill_rate(rate)
-            if cache.get_seq_length() < input_ids.shape[1]:  # generate set the cache aside: its own computed all
+            if held_columns(cache, self._layers) < input_ids.shape[1]:  # generate set it aside: its own computed all
                 self._last.tokens = [0] * len(reused)
                 _reused_nothing(rows)
                 if not self._told_of_dropped_cache:

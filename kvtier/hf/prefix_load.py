@@ -85,7 +85,7 @@ def load_prefix(
     for group in mgr.layer_groups:
         if group.kind is GroupKind.RECURRENT:
             assert packing is not None
-            _load_states(cache, layers, mgr, rows, group.group_id, packing)
+            _load_states(cache, layers, mgr, rows, group.group_id, packing, width)
             continue
         kept = width if group.window is None else min(width, group.window - 1)
         first_column = width - kept  # the layer holds columns [first_column, width)
@@ -134,8 +134,10 @@ def _load_states(
     rows: list[Row],
     group_id: int,
     packing: StatePacking,
+    width: int,
 ) -> None:
-    """Each reusing row's state page into the linear-attention layers; zeros for the other rows."""
+    """Each reusing row's state page into the linear-attention layers, the states after the prefix's
+    ``width`` columns; zeros for the other rows."""
     device = mgr.device
     reusing = [row for row in rows if row.reused]
     slots = to_device(np.array([row.read.page_indices(group_id)[0] for row in reusing]), device)
@@ -148,4 +150,4 @@ def _load_states(
             tensor = torch.zeros((len(rows), *s.shape), dtype=s.dtype, device=device)
             tensor[at] = states[(layer.index, s.role, s.index)]
             full[(s.role, s.index)] = tensor
-        fill_states(cache.layers[layer.index], full)
+        fill_states(cache.layers[layer.index], full, width)

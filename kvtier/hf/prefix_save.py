@@ -31,7 +31,7 @@ import torch
 
 from kvtier.errors import InvariantError
 from kvtier.hf.batch_rows import Row
-from kvtier.hf.hf_cache import RecordingCache, RecordingSlidingWindowLayer
+from kvtier.hf.hf_cache import RecordingCache, RecordingSlidingWindowLayer, held_columns
 from kvtier.hf.model_layers import LayerKind, ModelLayers
 from kvtier.hf.page_io import StatePacking, TokenMapBuilder, scatter
 from kvtier.manager import KVCacheManager
@@ -59,7 +59,7 @@ def save_rows(
     every call while the tier is too small: a rate-limited warning). ``beams``: the cache holds each
     row's beams in turn (beam search); the row's tokens are read from its first beam, whose columns
     of ``sequences`` (then the prompts) every beam of the row computed alike."""
-    columns = min(cache.get_seq_length(), sequences.shape[1])
+    columns = min(held_columns(cache, layers), sequences.shape[1])
     tokens = [sequences[row.index, row.pad : columns].tolist() for row in rows]
     sources = _sources(cache, layers, width)
     if beams > 1:
