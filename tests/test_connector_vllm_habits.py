@@ -494,3 +494,117 @@ def test_a_load_recorded_in_a_step_that_failed_never_lands(llama, tmp_path):
     assert [o.token_ids for o in outs] == [llama.reference_generate(p, 3) for p in prompts]
     assert conn.delivered == 2
     assert conn.landed == []
+
+
+class AbortsAgain(FileSystemConnector):
+    """``request_finished`` aborts the request it is told of (a connector tidying up after itself);
+    counts the calls per request."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.eng = None
+        self.told: list[int] = []
+
+    def request_finished(self, request, block_ids_by_layer_group):
+        self.told.append(request.request_id)
+        self.eng.abort_request(request.request_id)
+        return super().request_finished(request, block_ids_by_layer_group)
+
+
+def test_a_hook_aborting_a_request_it_is_told_ended_tells_nothing_twice(llama, tmp_path):
+    """A request aborted by the user while it waits is told ended once, even though
+    ``request_finished`` aborts it again. Before, the nested abort found it still queued and told it
+    again, recursively, until Python's recursion limit."""
+    prompt = prompts_for(llama, [40], seed=99)[0]
+    conn = AbortsAgain(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        conn.eng = eng
+        request_id = eng.add_request(prompt, SamplingParams(max_tokens=2))
+        eng.abort_request(request_id)
+        assert conn.told == [request_id]
+        out = eng.generate([prompt], SamplingParams(max_tokens=2))[0]
+        assert out.token_ids == llama.reference_generate(prompt, 2)
+
+
+class AbortsWhileIdle(SavesAtTheNextStep):
+    """Aborts ``victim`` from ``build_connector_meta`` of a step without a forward (its lookup failed
+    for good, say); records the ids each step lists ended."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.eng = None
+        self.victim: int | None = None
+        self.listed: list[int] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id == self.victim:
+            return None, False  # "ask again later": it waits in the queue
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        self.listed += scheduler_output.finished_request_ids
+        if not scheduler_output.scheduled and self.victim is not None:
+            self.eng.abort_request(self.victim)
+        return super().build_connector_meta(scheduler_output)
+
+
+def test_a_request_aborted_by_a_hook_during_a_step_without_a_forward_is_listed_ended(llama, tmp_path):
+    """An abort from a hook while ``generate`` waits for saves (the engine steps the connector
+    without a forward, outside a step) is listed in the next step's ``finished_request_ids``.
+    Before, the build that was running dropped it with the ids it listed."""
+    prompts = prompts_for(llama, [40, 40], seed=100)
+    conn = AbortsWhileIdle(tmp_path)
+    with engine(llama, 200, conn) as eng:
+        conn.eng = eng
+        conn.victim = eng.add_request(prompts[0], SamplingParams(max_tokens=2))
+        out = in_thread(lambda: eng.generate([prompts[1]], SamplingParams(max_tokens=2)))[0]
+        assert out.token_ids == llama.reference_generate(prompts[1], 2)
+        eng.step()
+    assert conn.listed.count(conn.victim) == 1
+    assert conn.listed.count(out.request_id) == 1
+
+
+class CannotHandBack(StoreConnector):
+    """After an offer is delivered its next two builds raise (a transient outage), and so does
+    ``cancel_load``, before it drops the load it recorded; records the requests whose loads land."""
+
+    def __init__(self, path) -> None:
+        super().__init__(kvtier.connector.FileSystemStore(path))
+        self.builds_failing = 0
+        self.landed: list[int] = []
+
+    def update_state_after_alloc(self, request, block_ids_by_layer_group):
+        super().update_state_after_alloc(request, block_ids_by_layer_group)
+        self.builds_failing = 2
+
+    def build_connector_meta(self, scheduler_output):
+        if self.builds_failing:
+            self.builds_failing -= 1
+            raise ConnectionError("the store's scheduler side is unreachable")
+        return super().build_connector_meta(scheduler_output)
+
+    def cancel_load(self, request, start, end):
+        raise ConnectionError("the store's scheduler side is unreachable")
+
+    def _land(self, load, stream) -> bool:
+        self.landed.append(load.request_id)
+        return super()._land(load, stream)
+
+
+def test_a_load_a_connector_could_not_take_back_lands_in_pages_nobody_else_holds(llama, tmp_path):
+    """A synchronous offer delivered in a step whose build raised, handed back by a ``cancel_load``
+    that raises too, keeps its request's pages apart until the connector's next ``start_load_kv``
+    returns: the load it recorded lands there, not in another request's KV. Before, the pages were
+    freed at once; a request computed into them before the load landed got other tokens."""
+    shared, other = prompts_for(llama, [64, 70], seed=101)
+    seed_store(llama, tmp_path, [shared + [1]])
+    conn = CannotHandBack(tmp_path)
+    with engine(llama, 40, conn, recompute_when_faster=False) as eng:
+        first = eng.add_request(shared + [3], SamplingParams(max_tokens=4))
+        eng.step()  # delivered; the build and the hand-back raise
+        eng.abort_request(first)
+        second = eng.add_request(other, SamplingParams(max_tokens=8))
+        outs = run_until(eng, lambda done: second in done)
+        assert outs[second].token_ids == llama.reference_generate(other, 8)
+        eng.cache_manager.check_invariants()
+    assert conn.landed == [first]

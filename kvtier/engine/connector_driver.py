@@ -84,6 +84,9 @@ class ConnectorDriver:
         self._ended_again: list[int] = []  # those a build that raised listed: listed once more
         self._may_save = False  # this step's metadata was bound and lists what the forward computes
         self._load_failed: set[int] = set()  # loads in flight with a page reported failed by block id
+        # Synchronous offers of a failed step whose hand-back raised: a load the connector recorded for
+        # one may still land at its next ``start_load_kv``, so the cache stays open until one returns.
+        self._unsettled: dict[int, KVCache] = {}
         held = _running.get(id(connector))
         other = held() if held is not None else None
         if other is not None and other.connector is connector:
@@ -165,15 +168,17 @@ class ConnectorDriver:
         """Whether saves, or loads given up on, hold pages that they will release. A load given up
         on counts for ``ASYNC_LOAD_WAIT_S`` more: a connector that never reports it must not
         hold back the requests that need its pages for ever (they are recomputed, or fail alone)."""
-        if self.saving:
+        if self.saving or self._unsettled:
             return True
         now = time.monotonic()
         return any(self._awaited_until.get(request_id, 0.0) > now for request_id in self.loading)
 
     def keeps_cache(self, request: Request) -> bool:
         """Whether the connector may still write the pages of ``request``'s cache (a load given up
-        on): the cache stays open, apart from the request, until the connector reports the load."""
-        return request.cache is not None and self.loading.get(request.request_id) is request.cache
+        on, or a synchronous one handed back by a ``cancel_load`` that raised): the cache stays open,
+        apart from the request, until the connector reports the load (or, synchronous, until its
+        next ``start_load_kv`` returns)."""
+        return request.cache is not None and self._held_apart(request.request_id, request.cache)
 
     def before_forward(self, batch: list[ScheduledChunk]) -> set[int]:
         """Phase 3 for the batch that runs: deliver, load, and commit what was loaded.
@@ -217,6 +222,7 @@ class ConnectorDriver:
             stage = "a load"
             stream = self._stream()
             self.connector.start_load_kv(stream)
+            self._settle()
             for layer_id in range(len(self.mgr.spec.layers)):
                 self.connector.wait_for_layer_load(layer_id, stream)
             deadline = time.monotonic() + ASYNC_LOAD_WAIT_S
@@ -250,8 +256,18 @@ class ConnectorDriver:
         reached it: closed when recomputed."""
         self._give_up([request for request, offer in handed if offer.asynchronous])
         for request, offer in handed:
-            if not offer.asynchronous:
-                self._hand_back(self._view(request, with_blocks=False), offer.start, offer.end)
+            if not offer.asynchronous and not self._hand_back(
+                self._view(request, with_blocks=False), offer.start, offer.end
+            ):
+                self._unsettled[request.request_id] = request.held_cache()
+
+    def _settle(self) -> None:
+        """A ``start_load_kv`` returned: loads recorded for offers handed back unconfirmed have landed
+        or never will; their caches close (unless a save still reads one)."""
+        unsettled, self._unsettled = self._unsettled, {}
+        for request_id, cache in unsettled.items():
+            if not self._saves_from(request_id, cache):
+                cache.close()
 
     def _commit(self, request: Request, offer: Offer) -> None:
         """The connector loaded ``offer``: its tokens are committed to the request's cache."""
@@ -370,12 +386,14 @@ class ConnectorDriver:
             self._connector_failed("a save", exc)
         self.poll()
 
-    def _hand_back(self, view: ConnectorRequest, start: int, end: int) -> None:
-        """``cancel_load``; a hook that raises only keeps what the connector holds for the offer."""
+    def _hand_back(self, view: ConnectorRequest, start: int, end: int) -> bool:
+        """``cancel_load``; False when it raised (the connector may keep what it holds for the offer)."""
         try:
             self.connector.cancel_load(view, start, end)
         except Exception as exc:
             self._connector_failed("a hand-back", exc)
+            return False
+        return True
 
     def _connector_failed(self, what: str, exc: Exception) -> None:
         """A rate-limited WARNING per kind of failure: a connector failing every step must not flood the log."""
@@ -433,16 +451,19 @@ class ConnectorDriver:
         return [*self._ended_again, *self._ended]
 
     def _build_and_bind(self, output: SchedulerOutput) -> None:
-        """``build_connector_meta`` and ``bind_connector_meta`` (``_may_save`` once both returned). A build
-        that raises lists its ended requests once more, in the next step's output, then drops them
-        (a build raising on one of them must not fail every later step)."""
+        """``build_connector_meta`` and ``bind_connector_meta`` (``_may_save`` once both returned) of an
+        ``output`` listing ``_ended_ids()`` as they are at the call. A build that raises lists its
+        ended requests once more, in the next step's output, then drops them (a build raising on
+        one of them must not fail every later step); requests ended by a hook during the build
+        (an abort outside a step) are listed by the next."""
         self._may_save = False
+        listed = len(self._ended)
         try:
             meta = self.connector.build_connector_meta(output)
         except Exception:
-            self._ended_again, self._ended = self._ended, []
+            self._ended_again, self._ended = self._ended[:listed], self._ended[listed:]
             raise
-        self._ended_again, self._ended = [], []
+        self._ended_again, self._ended = [], self._ended[listed:]
         self.connector.bind_connector_meta(meta)
         self._may_save = True
 
@@ -450,13 +471,14 @@ class ConnectorDriver:
         """A step of the connector without a forward (the batch is empty), as vLLM runs one: it is
         shown the requests that ended since the last step, may start work it defers to a step's
         start (saves), and its reports are taken. Nothing is run while nothing ended and no save
-        or load is pending."""
-        if not self._ended_ids() and not self.saving and not self.loading and not self.in_flight:
+        or load is pending (an unsettled hand-back counts: its cache closes once a load step returns)."""
+        if not (self._ended_ids() or self.saving or self.loading or self.in_flight or self._unsettled):
             return
         try:
             self._build_and_bind(SchedulerOutput([], {}, self._ended_ids()))
             stream = self._stream()
             self.connector.start_load_kv(stream)
+            self._settle()
             self.connector.wait_for_save(stream)
         except Exception as exc:
             self._connector_failed("a step without a forward", exc)
@@ -516,12 +538,16 @@ class ConnectorDriver:
         for request_id in saved:
             cache = self.saving.pop(request_id, None) or self.unreported_saves.pop(request_id, None)
             if cache is not None:
-                if self.loading.get(request_id) is not cache:  # (else closed once its load is reported)
+                if not self._held_apart(request_id, cache):  # (else closed once its load is reported, or settled)
                     cache.close()
             else:  # reported before ``request_finished`` asked to keep its pages
                 self._saved_early[request_id] = None
                 while len(self._saved_early) > EARLY_REPORTS_KEPT:
                     del self._saved_early[next(iter(self._saved_early))]
+
+    def _held_apart(self, request_id: int, cache: KVCache) -> bool:
+        """Whether ``cache`` is kept open for a load that may still write it (given up on, or unsettled)."""
+        return self.loading.get(request_id) is cache or self._unsettled.get(request_id) is cache
 
     def _saves_from(self, request_id: int, cache: KVCache) -> bool:
         """Whether a save of ``request_id`` still reads ``cache`` (one aborted while its load was in

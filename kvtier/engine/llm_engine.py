@@ -309,7 +309,7 @@ class LLMEngine:
         if self._stepping:
             self._aborted_in_step.append(request_id)
             return
-        request = self._requests.get(request_id)
+        request = self._requests.pop(request_id, None)  # first: a hook aborting it again finds nothing
         if request is None:
             return
         keep = False  # its cache stays open: a save, or a load in flight, still uses its pages
@@ -325,7 +325,6 @@ class LLMEngine:
         self.scheduler.finish(request, "abort", close_cache=not keep)
         request.finish_time = time.perf_counter()
         self.runner.forget(request)
-        self._requests.pop(request_id, None)
 
     # -- closing ----------------------------------------------------------------------------------
 
