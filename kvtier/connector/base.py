@@ -34,12 +34,13 @@ connector is not asked for it again; pages an unreported load may still write st
 
 An offer that is never delivered is handed back with ``cancel_load(request, start, end)`` over
 absolute token positions; so is a synchronous offer delivered in a step whose hooks raised (its
-request starts over and gives up its pages): a load the connector recorded for it must be dropped.
-The engine computes a prompt's last token itself: an offer reaches at most the token before it, and
-the engine hands back the tokens offered past that at once. A sliding-window group needs its pages
-at the history the offer ends at, and one token less may need one more block: an offer cut so that
-its window reaches a block from the offer's start on that the window at its own end did not is
-handed back whole.
+request starts over and gives up its pages): a load the connector recorded for it must be dropped
+(where ``cancel_load`` raises, the pages stay held until the connector's next ``start_load_kv``
+returns). The engine computes a prompt's last token itself: an offer reaches at most the token
+before it, and the engine hands back the tokens offered past that at once. A sliding-window group
+needs its pages at the history the offer ends at, and one token less may need one more block: an
+offer cut so that its window reaches a block from the offer's start on that the window at its own
+end did not is handed back whole.
 
 ``request_finished`` is called once for every request that ends, as vLLM does: finished,
 aborted (running, queued, or while its load is in flight) or failed; the next step's
