@@ -3,6 +3,7 @@ reuses the same number of leading batch columns (``width - pad``), as ``batch_ro
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import pytest
@@ -195,10 +196,11 @@ def test_repeating_rows_for_beams_repeats_what_sliding_window_layers_recorded():
     g = torch.Generator().manual_seed(30)
     ids = torch.tensor([tokens(g, 6), tokens(g, 6)])
     cache = RecordingCache(model.config)
+    argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        model(ids[:, :4], past_key_values=cache, use_cache=True)
+        model(ids[:, :4], **{argument: cache}, use_cache=True)
         cache.repeat_rows(3)
-        model(ids.repeat_interleave(3, dim=0)[:, 4:], past_key_values=cache, use_cache=True)
+        model(ids.repeat_interleave(3, dim=0)[:, 4:], **{argument: cache}, use_cache=True)
     keys, values = cache.layers[0].written()
     assert keys.shape[0] == values.shape[0] == 6 and keys.shape[-2] == 6
     assert torch.equal(keys[0], keys[2]) and torch.equal(values[3], values[5]) and not torch.equal(keys[0], keys[3])
