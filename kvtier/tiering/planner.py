@@ -19,7 +19,7 @@ promoted from disk (or, with write-through, from host memory) leaves its bytes t
 
 from __future__ import annotations
 
-from itertools import groupby
+from itertools import compress, groupby
 from operator import attrgetter
 
 from kvtier.errors import InvariantError
@@ -30,8 +30,6 @@ from kvtier.tiering.duplex import swap_lag
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.residency import PRIMARY, Residency
 from kvtier.tiering.tier import Tier
-
-_SLOT = attrgetter("slot")
 
 
 class MovePlanner:
@@ -139,23 +137,24 @@ class MovePlanner:
         chained = n - seeds - donors  # and the rest in slots of leaving pages bound for victims' slots
         plan.landed += victims  # in their order: the order they become evictable in where they land
         plan.landed += leaving
-        victims, leaving = _by_slot(victims), _by_slot(leaving)  # paired in slot order: runs of slots stay runs
-        victim_slots = [page.slot for page in victims]
-        leaving_slots = [page.slot for page in leaving]
+        # paired in slot order: runs of slots stay runs
+        victim_slots, victims = _by_slot([page.slot for page in victims], primary.owners[group])
+        leaving_slots, leaving = _by_slot([page.slot for page in leaving], lower.owners[group])
         seed_slots = sorted(down_slots.allocate_many(seeds))
         down_to = seed_slots + leaving_slots[:donors] + leaving_slots[ready : ready + chained]
         up_to = sorted(up_slots.allocate_many(ready)) + victim_slots[: m - ready]
+        kept = leaving[donors:ready] + leaving[ready + chained :]  # leaving pages whose slots no victim takes
+        kept_slots = leaving_slots[donors:ready] + leaving_slots[ready + chained :]
         primary.evictable[group].discard_all(victims)
         lower.evictable[group].discard_all(leaving)
-        _empty(primary, group, victim_slots)  # both sides first: each side's new slots are among the other's old
-        _empty(lower, group, leaving_slots)
+        _empty(primary, group, victim_slots[m - ready :])  # the slots taken over are owned anew below
+        _empty(lower, group, kept_slots)
         _place(victims, lower, down_to)
         _place(leaving, primary, up_to)
         up_slots.free_all(victim_slots[m - ready :])
         up_slots.count_as_freed(victim_slots[: m - ready])  # other bytes under the same slots
         down_slots.count_as_freed(down_to[seeds:])
-        kept = list(range(donors, ready)) + list(range(ready + chained, m))
-        self._leave_behind(lower, group, [leaving[i] for i in kept], [leaving_slots[i] for i in kept], plan)
+        self._leave_behind(lower, group, kept, kept_slots, plan)
         _add_pairs(plan.edges[(PRIMARY, lower.index, group)], victim_slots, down_to)
         _add_pairs(plan.edges[(lower.index, PRIMARY, group)], leaving_slots, up_to)
         self.counters.evictions += n
@@ -204,11 +203,10 @@ class MovePlanner:
             for page in pages:
                 src.forget(page)
         old_slots = [page.slot for page in pages]
+        sources, moved = _by_slot(old_slots, src.owners[group])  # before their slots are emptied
         _empty(src, group, old_slots)
         plan.landed.extend(pages)  # in their order: the order they become evictable in where they land
-        pages = _by_slot(pages)
-        sources = [page.slot for page in pages]
-        _place(pages, dst, new_slots)
+        _place(moved, dst, new_slots)
         _add_pairs(plan.edges[(src.index, dst.index, group)], sources, new_slots)
         return old_slots
 
@@ -264,22 +262,27 @@ class MovePlanner:
         Returns False when the primary tier cannot hold them all; pages swapped up by then stay
         there (still locked by the caller, as the others stay where they are).
         """
-        cold = [page for page in pages if page.tier != PRIMARY]
-        leaving = self._below_primary(cold)
+        tiers = [page.tier for page in pages]  # the one pass that reads where they are
+        cold = list(compress(pages, tiers))  # (the primary tier's index is 0)
+        leaving = self._below_primary(cold, [tier for tier in tiers if tier])
         for group, count in need.items():
             if not self.make_room(PRIMARY, group, count, plan, leaving.get(group)):
                 return False
-        cold = [page for page in cold if page.tier != PRIMARY]  # not swapped up
+        cold = _not_swapped(cold, leaving)
         self.counters.promotions += len(cold)
         self._move_up(cold, plan)
         return True
 
-    def _below_primary(self, pages: list[Page]) -> dict[int, list[Page]]:
-        """Per group, the pages of a list in the memory tier right below the primary one, in order."""
+    def _below_primary(self, pages: list[Page], tiers: list[int]) -> dict[int, list[Page]]:
+        """Per group, the pages of a list (in tiers ``tiers``, in step) in the memory tier right below
+        the primary one, in order."""
         if len(self.tiers) < 2 or self.tiers[1].is_disk:
             return {}
+        below = pages if tiers.count(1) == len(tiers) else list(compress(pages, [tier == 1 for tier in tiers]))
+        if len(self.tiers[PRIMARY].owners) == 1:  # one layer group: no page to sort out
+            return {0: below} if below else {}
         groups: dict[int, list[Page]] = {}
-        for group, run in groupby([page for page in pages if page.tier == 1], key=attrgetter("group")):
+        for group, run in groupby(below, key=attrgetter("group")):
             groups.setdefault(group, []).extend(run)
         return groups
 
@@ -373,9 +376,22 @@ class MovePlanner:
         self.finish(plan)
 
 
-def _by_slot(pages: list[Page]) -> list[Page]:
-    """``pages`` in ascending slot order (a list already ascending or descending is sorted in one pass)."""
-    return sorted(pages, key=_SLOT)
+def _not_swapped(cold: list[Page], leaving: dict[int, list[Page]]) -> list[Page]:
+    """The pages of ``cold`` still outside the primary tier after room was made with ``leaving`` (per
+    group, pages of ``cold``): a swap moves up every page of its group's list, or none."""
+    up = sum([len(run) for run in leaving.values() if run[0].tier == PRIMARY])
+    if not up:
+        return cold
+    if up == len(cold):
+        return []
+    return [page for page in cold if page.tier != PRIMARY]
+
+
+def _by_slot(slots: list[int], owners: list[Page | None]) -> tuple[list[int], list[Page]]:
+    """``slots`` of one tier and group (``owners``: that group's owners there) in ascending order, and
+    the pages in them (a list already ascending or descending is sorted in one pass)."""
+    ordered = sorted(slots)
+    return ordered, list(map(owners.__getitem__, ordered))
 
 
 def _empty(tier: Tier, group: int, slots: list[int]) -> None:
