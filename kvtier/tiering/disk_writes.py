@@ -173,7 +173,7 @@ class DiskWritePlanner:
         """
         disk = self.disk
         group = victims[0].group
-        moving = {id(p) for p in plan.landed}
+        moving = {id(p) for batch in plan.landed for p in batch}
         wanted = disk.uncopied_ancestors(victims, moving)
         if not wanted or not self.residency.drop_for_room(disk.index, group, len(wanted)):
             wanted = disk.uncopied_ancestors(victims, moving)[: disk.storage.slots[group].num_free]

@@ -17,7 +17,9 @@ from kvtier.pages import Page
 class MovePlan:
     """Copies keyed by (src tier, dst tier, group); each edge a flat ``[src_slot, dst_slot, ...]`` list.
 
-    ``landed``: pages the plan moves (indexed for eviction again once their data is there);
+    ``landed``: pages the plan moves, in batches of one destination tier each, in the order they
+    moved (indexed for eviction again in that order once their data is there; a batch list is not
+    changed once added);
     ``deferred_frees``: slots per (tier, group) read by the plan, freed after it ran;
     ``kept_copies``: per source tier, promoted pages whose bytes stay behind there as a copy, and
     their slots there (two lists in step);
@@ -27,7 +29,7 @@ class MovePlan:
     """
 
     edges: defaultdict[tuple[int, int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
-    landed: list[Page] = field(default_factory=list)
+    landed: list[list[Page]] = field(default_factory=list)
     deferred_frees: defaultdict[tuple[int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
     kept_copies: defaultdict[int, tuple[list[Page], list[int]]] = field(
         default_factory=lambda: defaultdict(lambda: ([], []))

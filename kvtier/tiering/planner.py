@@ -19,7 +19,7 @@ promoted from disk (or, with write-through, from host memory) leaves its bytes t
 
 from __future__ import annotations
 
-from itertools import compress, groupby
+from itertools import chain, compress, groupby
 from operator import attrgetter
 
 from kvtier.errors import InvariantError
@@ -135,8 +135,7 @@ class MovePlanner:
             return False
         seeds = have + more
         chained = n - seeds - donors  # and the rest in slots of leaving pages bound for victims' slots
-        plan.landed += victims  # in their order: the order they become evictable in where they land
-        plan.landed += leaving
+        plan.landed += (victims, leaving)  # in their order: the order they become evictable in where they land
         # paired in slot order: runs of slots stay runs
         victim_slots, victims = _by_slot([page.slot for page in victims], primary.owners[group])
         leaving_slots, leaving = _by_slot([page.slot for page in leaving], lower.owners[group])
@@ -205,7 +204,7 @@ class MovePlanner:
         old_slots = [page.slot for page in pages]
         sources, moved = _by_slot(old_slots, src.owners[group])  # before their slots are emptied
         _empty(src, group, old_slots)
-        plan.landed.extend(pages)  # in their order: the order they become evictable in where they land
+        plan.landed.append(pages)  # in their order: the order they become evictable in where they land
         _place(moved, dst, new_slots)
         _add_pairs(plan.edges[(src.index, dst.index, group)], sources, new_slots)
         return old_slots
@@ -245,7 +244,7 @@ class MovePlanner:
         if not self.tiers[dst_index].place(page):
             raise InvariantError(f"{page} moved to {self.tiers[dst_index].name}, which had no free slot")
         plan.add(src_index, dst_index, page.group, src_slot, page.slot)
-        plan.landed.append(page)
+        plan.landed.append([page])
         if not demotion and src.keeps_copies and page.node is not None:
             kept_pages, kept_slots = plan.kept_copies[src_index]  # its bytes stay there, as a copy
             kept_pages.append(page)
@@ -333,8 +332,8 @@ class MovePlanner:
         tiers = self.tiers
         for (tier_index, group), slots in plan.deferred_frees.items():
             tiers[tier_index].storage.slots[group].free_all(slots)
-        for tier_index, run in groupby(plan.landed, key=attrgetter("tier")):  # runs of one tier, in order
-            tiers[tier_index].index_arrivals(list(run))
+        for tier_index, run in _runs_by_tier(plan.landed):
+            tiers[tier_index].index_arrivals(run)
         for page in plan.damaged:
             residency.mark_damaged(page)
         for page in plan.lost:
@@ -385,6 +384,19 @@ def _not_swapped(cold: list[Page], leaving: dict[int, list[Page]]) -> list[Page]
     if up == len(cold):
         return []
     return [page for page in cold if page.tier != PRIMARY]
+
+
+def _runs_by_tier(batches: list[list[Page]]) -> list[tuple[int, list[Page]]]:
+    """Batches of pages, each in one tier, as runs of one tier in order: consecutive batches of a
+    tier are joined (the batches are left as they are)."""
+    runs: list[tuple[int, list[list[Page]]]] = []
+    for batch in batches:
+        tier = batch[0].tier
+        if runs and runs[-1][0] == tier:
+            runs[-1][1].append(batch)
+        else:
+            runs.append((tier, [batch]))
+    return [(tier, run[0] if len(run) == 1 else list(chain.from_iterable(run))) for tier, run in runs]
 
 
 def _by_slot(slots: list[int], owners: list[Page | None]) -> tuple[list[int], list[Page]]:
