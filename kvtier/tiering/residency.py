@@ -93,16 +93,22 @@ class Residency:
 
     def lock_all(self, pages: list[Page]) -> tuple[dict[int, int], bool]:
         """``lock`` every page; returns (pages outside the primary tier per group, any damaged)."""
-        for page in pages:
+        groups: list[int] = []  # of the pages outside the primary tier
+        cold_group = groups.append
+        damaged = False
+        for page in pages:  # one pass: each page is read once
             page.locks += 1
+            if page.tier != PRIMARY:
+                cold_group(page.group)
+            if page.damaged:
+                damaged = True
         cold: dict[int, int] = {}
-        groups = [page.group for page in pages if page.tier != PRIMARY]  # (comprehensions: C-speed passes)
         if groups and groups.count(groups[0]) == len(groups):
             cold[groups[0]] = len(groups)
         else:
             for group in groups:
                 cold[group] = cold.get(group, 0) + 1
-        return cold, any([page.damaged for page in pages])
+        return cold, damaged
 
     def unlock(self, page: Page) -> None:
         """Drop a lock or a pin; a page that nobody holds any more (unpublished while pinned) is freed now."""
