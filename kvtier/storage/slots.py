@@ -82,7 +82,7 @@ class SlotAllocator:
             slots += range(self._next, self._next + fresh)
             self._next += fresh
         if count >= BULK_SLOTS:
-            self._free_map[np.asarray(slots, dtype=np.int64)] = 0
+            self._free_map[_index(slots)] = 0
         else:
             is_free = self._is_free
             for slot in slots:
@@ -93,7 +93,7 @@ class SlotAllocator:
         """``free`` every slot of a list, in order; a slot not allocated raises (those before it are freed)."""
         is_free, num_slots, free = self._is_free, self.num_slots, self._free
         if len(slots) >= BULK_SLOTS:
-            index = np.asarray(slots, dtype=np.int64)
+            index = _index(slots)
             free_map = self._free_map
             if index.min() >= 0 and index.max() < num_slots and not free_map[index].any():
                 before = self.num_free
@@ -116,7 +116,7 @@ class SlotAllocator:
         bytes without going through the free stack (a swap), and ``times_freed`` must still tell
         that their bytes may have changed."""
         if slots:
-            self._freed_counts[np.asarray(slots, dtype=np.int64)] += 1
+            self._freed_counts[_index(slots)] += 1
 
     def reserve(self, slots: list[int]) -> None:
         """Mark these free slots as allocated (restoring a persisted state); rebuilds the stack once:
@@ -147,3 +147,8 @@ class SlotAllocator:
             raise InvariantError("a slot on the free stack is marked used, or was never handed out")
         if not self._free_map[self._next :].all():
             raise InvariantError("a slot never handed out is marked used")
+
+
+def _index(slots: list[int]) -> np.ndarray:
+    """``slots`` as an int64 index array, read in one pass."""
+    return np.fromiter(slots, dtype=np.int64, count=len(slots))

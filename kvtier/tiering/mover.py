@@ -431,4 +431,4 @@ def _nothing() -> None:
 
 def _pairs(flat: list[int]) -> np.ndarray:
     """An edge's flat ``[src, dst, ...]`` list as an (n, 2) int64 array."""
-    return np.asarray(flat, dtype=np.int64).reshape(-1, 2)
+    return np.fromiter(flat, dtype=np.int64, count=len(flat)).reshape(-1, 2)
