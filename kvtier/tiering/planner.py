@@ -262,8 +262,11 @@ class MovePlanner:
         there (still locked by the caller, as the others stay where they are).
         """
         tiers = [page.tier for page in pages]  # the one pass that reads where they are
-        cold = list(compress(pages, tiers))  # (the primary tier's index is 0)
-        leaving = self._below_primary(cold, [tier for tier in tiers if tier])
+        cold = pages
+        if PRIMARY in tiers:
+            cold = list(compress(pages, tiers))  # (the primary tier's index is 0)
+            tiers = [tier for tier in tiers if tier != PRIMARY]
+        leaving = self._below_primary(cold, tiers)
         for group, count in need.items():
             if not self.make_room(PRIMARY, group, count, plan, leaving.get(group)):
                 return False
