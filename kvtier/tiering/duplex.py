@@ -100,14 +100,16 @@ def schedule(down: np.ndarray, up: np.ndarray, page_bytes: int, overlap: bool) -
     down_waits = np.full(n, NO_WAIT, dtype=np.int64)
     down_waits[waits] = up_part[down_after[waits]]
     order = np.argsort(up_part, kind="stable")
-    bounds = np.searchsorted(up_part[order], np.arange(READY, -(-n // size) + 1))
+    ups = up[order]  # the ready promotions, then each part's, in ``up``'s order within each
+    bounds = np.searchsorted(up_part[order], np.arange(READY, -(-n // size) + 1)).tolist()
+    starts = np.arange(0, n, size)
+    afters = np.maximum.reduceat(down_waits, starts).tolist()  # the promotion part each part waits for
     parts = []
-    for k, start in enumerate(range(0, n, size)):
-        after = int(down_waits[start : start + size].max())
+    for k, (start, after) in enumerate(zip(starts.tolist(), afters, strict=True)):
         if after >= k:
             raise InvariantError(f"duplex part {k} would wait for promotion part {after}")
-        parts.append(DuplexPart(down[start : start + size], after, up[order[bounds[k + 1] : bounds[k + 2]]]))
-    return DuplexSchedule(up[order[bounds[0] : bounds[1]]], parts)
+        parts.append(DuplexPart(down[start : start + size], after, ups[bounds[k + 1] : bounds[k + 2]]))
+    return DuplexSchedule(ups[bounds[0] : bounds[1]], parts)
 
 
 def _reader(reads: np.ndarray, writes: np.ndarray) -> np.ndarray:
