@@ -1,9 +1,9 @@
 """The connector protocol against the real scheduler, and the shipped connectors end to end.
 
 Protocol: asked once per allocation across a deferral; the clamp hands back exactly the tail; an
-offer dropped before delivery, or one reserve cannot back, is handed back with cancel_load;
-update_state_after_alloc once per delivered offer; sliding-window block ids keep BAD_PAGE_INDEX
-in place. End to end (float64, CPU): tokens always equal the dense oracle.
+offer dropped before delivery, or one reserve cannot back while nothing else runs, is handed back
+with cancel_load (while others run, it waits for their pages); update_state_after_alloc once per
+delivered offer; sliding-window block ids keep BAD_PAGE_INDEX in place. End to end (float64, CPU): tokens always equal the dense oracle.
 """
 
 from __future__ import annotations
@@ -220,20 +220,22 @@ def test_offer_dropped_before_delivery_is_handed_back(llama, tmp_path):
     eng.close()
 
 
-def test_reserve_failure_cancels_and_computes_instead(llama, tmp_path):
+def test_an_offer_whose_pages_are_taken_waits_for_them(llama, tmp_path):
+    """An offer whose pages cannot be had while another request runs keeps its request waiting (as
+    vLLM's waits for blocks) and is loaded once they come back. Before, it was handed back and the
+    prefix recomputed."""
     prompts = prompts_for(llama, [100, 100], seed=5)
     seed_store(llama, tmp_path, [prompts[1]])
     conn = RecordingConnector(tmp_path)
-    # max_utilization: A holds 4 of 8 pages; B's reserve needs 6 at once and fails
+    # max_utilization: A holds 4 of 8 pages; B's reserve needs 6 at once and cannot have them yet
     with engine(llama, 8, conn, policy="max_utilization", max_num_tokens=64, max_batch_size=2) as eng:
         eng.add_request(prompts[0][:60], SamplingParams(max_tokens=4))
         eng.step()
         b = eng.add_request(prompts[1], SamplingParams(max_tokens=4))
-        outputs = {}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                outputs[out.request_id] = out
-    assert conn.of("cancel", b)[0][2:] == (0, 96)
+        outputs = run_until(eng, lambda done: len(done) == 2)
+        eng.cache_manager.check_invariants()
+    assert not conn.of("cancel", b) and len(conn.of("ask", b)) == 1
+    assert outputs[b].reused_tokens_by_tier["connector"] == 96
     assert outputs[b].token_ids == llama.reference_generate(prompts[1], 4)
 
 

@@ -5,7 +5,9 @@ The engine drives a connector in three phases per allocation (see ``kvtier.engin
     ask      get_num_new_matched_tokens(request, num_computed_tokens), at most once per
              allocation (again at later steps while it answers None), before residency exists;
              it must have no side effects on the engine or on the store's contents
-    reserve  after the cache is resumed: capacity and history moved to the offer end in one call
+    reserve  after the cache is resumed: capacity and history moved to the offer end in one call;
+             pages that cannot be had yet keep the request waiting, its offer kept, while other
+             requests run (as vLLM's waits for blocks); with none running it is handed back
     deliver  on the batch that actually runs: update_state_after_alloc exactly once, then the
              worker loads (start_load_kv / wait_for_layer_load) before the forward. An
              asynchronous load (the ask said so) may go on after that: its request computes

@@ -77,8 +77,9 @@ class CacheHooks(Protocol):
         admission while the hooks set ``request.ask_later`` (the request waits meanwhile)."""
         ...
 
-    def cache_resumed(self, request: Request) -> None:
-        """After each successful resume of ``request.cache``."""
+    def cache_resumed(self, request: Request, may_wait: bool) -> bool:
+        """After each successful resume of ``request.cache``; False when the request waits for pages
+        (only if ``may_wait``: requests running, or pages pending release, will free some)."""
         ...
 
     def cache_dropped(self, request: Request) -> None:
@@ -101,8 +102,8 @@ class NoHooks:
     def cache_created(self, request: Request) -> None:
         return None
 
-    def cache_resumed(self, request: Request) -> None:
-        return None
+    def cache_resumed(self, request: Request, may_wait: bool) -> bool:
+        return True
 
     def cache_dropped(self, request: Request) -> None:
         return None
@@ -287,7 +288,9 @@ class Scheduler:
         if request.reuse_unread:  # what the resume kept: pages failing their checksum were given up
             request.reused_by_tier = dict(cache.reused_by_tier)
             request.reuse_unread = False
-        self.hooks.cache_resumed(request)
+        if not self.hooks.cache_resumed(request, bool(self.running or batch or self.hooks.pages_pending_release())):
+            cache.suspend()
+            return _Blocked("the pages its connector offer needs are not available in the primary tier")
         n = self._chunk(request, budget)
         if n == 0:
             cache.suspend()

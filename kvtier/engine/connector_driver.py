@@ -146,23 +146,30 @@ class ConnectorDriver:
         request.ask_later = now - request.asked_later_since < ASYNC_LOAD_WAIT_S
         return request.ask_later
 
-    def cache_resumed(self, request: Request) -> None:
-        """Phase 2, reserve, after resume: back the offer with pages, history moved to its end in the same call."""
+    def cache_resumed(self, request: Request, may_wait: bool = False) -> bool:
+        """Phase 2, reserve, after resume: back the offer with pages, history moved to its end in the
+        same call. Pages that cannot be had while ``may_wait`` (others will free some) keep the
+        offer: False, the request waits, as vLLM's waits for blocks; else the offer is handed back
+        and the request computes instead."""
         offer = request.offer
         if offer is None or offer.delivered:
-            return  # (a delivered offer is loaded and committed: nothing to back or hand back)
+            return True  # (a delivered offer is loaded and committed: nothing to back or hand back)
         cache = request.held_cache()
         intact = cache.num_committed_tokens == offer.start
         if offer.reserved and intact and cache.history_length >= offer.end:
-            return  # still backed (resumed again after a deferral or a preemption)
-        if not offer.reserved and intact and cache.resize(max(offer.end, cache.capacity), history=offer.end):
-            offer.reserved = True
-            request.loaded_until = offer.end
-            return
+            return True  # still backed (resumed again after a deferral or a preemption)
+        if not offer.reserved and intact:
+            if cache.resize(max(offer.end, cache.capacity), history=offer.end):
+                offer.reserved = True
+                request.loaded_until = offer.end
+                return True
+            if may_wait:
+                return False
         # It could not be had, or the cache started over below the offer: hand it back.
         self._hand_back(self._view(request, with_blocks=False), offer.start, offer.end)
         request.offer = None
         request.loaded_until = 0
+        return True
 
     def pages_pending_release(self) -> bool:
         """Whether saves, or loads given up on, hold pages that they will release. A load given up
