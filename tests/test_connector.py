@@ -3,7 +3,8 @@
 Protocol: asked once per allocation across a deferral; the clamp hands back exactly the tail; an
 offer dropped before delivery, or one reserve cannot back while nothing else runs, is handed back
 with cancel_load (while others run, it waits for their pages); update_state_after_alloc once per
-delivered offer; sliding-window block ids keep BAD_PAGE_INDEX in place. End to end (float64, CPU): tokens always equal the dense oracle.
+delivered offer; sliding-window block ids keep BAD_PAGE_INDEX in place. End to end (float64, CPU):
+tokens always equal the dense oracle.
 """
 
 from __future__ import annotations
