@@ -85,8 +85,9 @@ class ConnectorDriver:
         self._may_save = False  # this step's metadata was bound and lists what the forward computes
         self._load_failed: set[int] = set()  # loads in flight with a page reported failed by block id
         # Synchronous offers of a failed step whose hand-back raised: a load the connector recorded for
-        # one may still land at its next ``start_load_kv``, so the cache stays open until one returns.
-        self._unsettled: dict[int, KVCache] = {}
+        # one may still land at its next ``start_load_kv``, so the cache stays open until one returns
+        # (and counts as pages pending release until the deadline beside it).
+        self._unsettled: dict[int, tuple[KVCache, float]] = {}
         held = _running.get(id(connector))
         other = held() if held is not None else None
         if other is not None and other.connector is connector:
@@ -172,12 +173,15 @@ class ConnectorDriver:
         return True
 
     def pages_pending_release(self) -> bool:
-        """Whether saves, or loads given up on, hold pages that they will release. A load given up
-        on counts for ``ASYNC_LOAD_WAIT_S`` more: a connector that never reports it must not
-        hold back the requests that need its pages for ever (they are recomputed, or fail alone)."""
-        if self.saving or self._unsettled:
+        """Whether saves, loads given up on or unsettled hand-backs hold pages that they will release.
+        A load given up on (or a hand-back unsettled) counts for ``ASYNC_LOAD_WAIT_S`` more: a
+        connector that never reports it (or whose ``start_load_kv`` keeps raising) must not hold
+        back the requests that need its pages for ever (they are recomputed, or fail alone)."""
+        if self.saving:
             return True
         now = time.monotonic()
+        if any(until > now for _, until in self._unsettled.values()):
+            return True
         return any(self._awaited_until.get(request_id, 0.0) > now for request_id in self.loading)
 
     def keeps_cache(self, request: Request) -> bool:
@@ -266,13 +270,13 @@ class ConnectorDriver:
             if not offer.asynchronous and not self._hand_back(
                 self._view(request, with_blocks=False), offer.start, offer.end
             ):
-                self._unsettled[request.request_id] = request.held_cache()
+                self._unsettled[request.request_id] = (request.held_cache(), time.monotonic() + ASYNC_LOAD_WAIT_S)
 
     def _settle(self) -> None:
         """A ``start_load_kv`` returned: loads recorded for offers handed back unconfirmed have landed
         or never will; their caches close (unless a save still reads one)."""
         unsettled, self._unsettled = self._unsettled, {}
-        for request_id, cache in unsettled.items():
+        for request_id, (cache, _) in unsettled.items():
             if not self._saves_from(request_id, cache):
                 cache.close()
 
@@ -554,7 +558,8 @@ class ConnectorDriver:
 
     def _held_apart(self, request_id: int, cache: KVCache) -> bool:
         """Whether ``cache`` is kept open for a load that may still write it (given up on, or unsettled)."""
-        return self.loading.get(request_id) is cache or self._unsettled.get(request_id) is cache
+        unsettled = self._unsettled.get(request_id)
+        return self.loading.get(request_id) is cache or (unsettled is not None and unsettled[0] is cache)
 
     def _saves_from(self, request_id: int, cache: KVCache) -> bool:
         """Whether a save of ``request_id`` still reads ``cache`` (one aborted while its load was in
