@@ -211,9 +211,8 @@ class ConnectorDriver:
                 offer.delivered = True
                 delivered.append((chunk.request, offer))
         waiting = [request for request, offer in delivered if offer.asynchronous]
-        handed: list[
-            tuple[Request, Offer]
-        ] = []  # offers the connector was handed (it may load them, even if it raised)
+        # The offers the connector was handed (it may load them, even if it raised).
+        handed: list[tuple[Request, Offer]] = []
         self._may_save = False
         stage = "a delivery"  # what failed, for the log
         try:
