@@ -147,7 +147,7 @@ class ConnectorDriver:
         request.ask_later = now - request.asked_later_since < ASYNC_LOAD_WAIT_S
         return request.ask_later
 
-    def cache_resumed(self, request: Request, may_wait: bool = False) -> bool:
+    def cache_resumed(self, request: Request, may_wait: bool) -> bool:
         """Phase 2, reserve, after resume: back the offer with pages, history moved to its end in the
         same call. Pages that cannot be had while ``may_wait`` (others will free some) keep the
         offer: False, the request waits, as vLLM's waits for blocks; else the offer is handed back
@@ -274,6 +274,8 @@ class ConnectorDriver:
     def _settle(self) -> None:
         """A ``start_load_kv`` returned: loads recorded for offers handed back unconfirmed have landed
         or never will; their caches close (unless a save still reads one)."""
+        if not self._unsettled:
+            return
         unsettled, self._unsettled = self._unsettled, {}
         for request_id, (cache, _) in unsettled.items():
             if not self._saves_from(request_id, cache):
