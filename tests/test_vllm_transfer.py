@@ -184,3 +184,131 @@ def test_large_calls_go_to_the_bulk_copier_and_stay_exact(monkeypatch):
     pages = host.view(SLOTS, LAYERS, PAGE).numpy()
     for slot, block in ((0, 3), (1, 4), (2, 5), (3, 6), (4, 7)):
         assert [pages[slot, k].tobytes() for k in range(LAYERS)] == [block_bytes(v, block) for v in views.values()]
+
+
+class Segment:
+    """``size`` bytes at ``ptr`` of the CPU, for numpy; holds ``owner`` (the memory) alive."""
+
+    def __init__(self, ptr: int, size: int, owner: object) -> None:
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+        self.owner = owner
+
+
+GAP = 3 * PAGE  # what a segment has reserved past its committed blocks
+
+
+def test_layers_each_with_a_storage_of_their_own_move_every_byte_and_nothing_between():
+    """vLLM 0.34's extensible KV cache reserves one address range and registers each layer as a
+    segment of it with a storage of its own (LBNHC), the reservation between the segments unused.
+    Before, such caches were refused ("the KV caches live in 4 allocations")."""
+    reservation = torch.randint(1, 256, (LAYERS * (BLOCKS * PAGE + GAP),), dtype=torch.uint8)
+    segments = [
+        torch.from_numpy(
+            np.asarray(Segment(reservation.data_ptr() + k * (BLOCKS * PAGE + GAP), BLOCKS * PAGE, reservation))
+        )
+        for k in range(LAYERS)
+    ]
+    views = {
+        f"layer{k}": paged_layer_views(segment, 1, BLOCKS, HEADS, TOKENS, CONTENT, torch.float32, "LBNHC")[0]
+        for k, segment in enumerate(segments)
+    }
+    assert len({v.untyped_storage().data_ptr() for v in views.values()}) == LAYERS
+    gaps = [
+        reservation[(k + 1) * (BLOCKS * PAGE + GAP) - GAP : (k + 1) * (BLOCKS * PAGE + GAP)].clone()
+        for k in range(LAYERS)
+    ]
+    plan = one_group(list(views))
+    allocation, routes = route_groups([plan], views, BLOCKS)
+    assert allocation.data_ptr() == reservation.data_ptr()
+    host = torch.zeros(SLOTS * plan.host_page_bytes, dtype=torch.uint8)
+    transfer = BlockTransfer(allocation, routes, [host])
+    saved = {b: [block_bytes(v, b) for v in views.values()] for b in (0, 23, 9)}
+    transfer.submit([job(1, Direction.SAVE, [0, 3, 1], [0, 23, 9])])
+    assert transfer.poll() == [(1, True)]
+    for segment in segments:
+        segment.fill_(0xA5)
+    transfer.submit([job(2, Direction.LOAD, [0, 3, 1], [11, 20, 0])])
+    assert transfer.poll() == [(2, True)]
+    for block, source in ((11, 0), (20, 23), (0, 9)):
+        assert [block_bytes(v, block) for v in views.values()] == saved[source]
+    assert block_bytes(views["layer2"], 1) == bytes([0xA5]) * PAGE
+    for k, gap in enumerate(gaps):  # the reservation between the segments is never written
+        assert torch.equal(reservation[(k + 1) * (BLOCKS * PAGE + GAP) - GAP : (k + 1) * (BLOCKS * PAGE + GAP)], gap)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_segments_of_one_reserved_device_range_with_unmapped_gaps_between_them():
+    """As vLLM 0.34's extensible KV cache maps them: one virtual address range reserved, each layer's
+    committed blocks mapped at the start of its segment, the rest of the segment unmapped (a copy
+    touching it faults). Loads and saves move every byte through pinned host pages."""
+    from cuda.bindings import driver
+
+    from kvtier.storage.pinned import allocate_host_buffer
+
+    def check(result):
+        err, *value = result if isinstance(result, tuple) else (result,)
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        return value[0] if len(value) == 1 else value
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.init()
+    prop = driver.CUmemAllocationProp()
+    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device.index
+    granule = check(
+        driver.cuMemGetAllocationGranularity(
+            prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        )
+    )
+    committed = -(-BLOCKS * PAGE // granule) * granule
+    segment_bytes = 2 * committed  # the second half of every segment stays unmapped
+    base = int(check(driver.cuMemAddressReserve(LAYERS * segment_bytes, 0, 0, 0)))
+    access = driver.CUmemAccessDesc()
+    access.location = prop.location
+    access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    handles = []
+    try:
+        for k in range(LAYERS):
+            handle = check(driver.cuMemCreate(committed, prop, 0))
+            handles.append(handle)
+            check(driver.cuMemMap(base + k * segment_bytes, committed, 0, handle, 0))
+            check(driver.cuMemSetAccess(base + k * segment_bytes, committed, [access], 1))
+        segments = [
+            torch.as_tensor(DeviceSegment(base + k * segment_bytes, BLOCKS * PAGE), device=device)
+            for k in range(LAYERS)
+        ]
+        for segment in segments:
+            segment.copy_(torch.randint(1, 256, segment.shape, dtype=torch.uint8, device=device))
+        views = {
+            f"layer{k}": paged_layer_views(segment, 1, BLOCKS, HEADS, TOKENS, CONTENT, torch.float32, "LBNHC")[0]
+            for k, segment in enumerate(segments)
+        }
+        plan = one_group(list(views))
+        allocation, routes = route_groups([plan], views, BLOCKS)
+        with allocate_host_buffer(SLOTS * plan.host_page_bytes, plan.host_page_bytes, "cuda") as host:
+            transfer = BlockTransfer(allocation, routes, [host.tensor])
+            saved = {b: [block_bytes(v, b) for v in views.values()] for b in (0, 23)}
+            transfer.submit([job(1, Direction.SAVE, [7, 2], [0, 23])])
+            transfer.synchronize()
+            assert transfer.poll() == [(1, True)]
+            for segment in segments:
+                segment.fill_(0x3C)  # on the caller's stream: the load waits for it
+            transfer.submit([job(2, Direction.LOAD, [7, 2], [19, 1])])
+            transfer.synchronize()
+            assert [block_bytes(v, 19) for v in views.values()] == saved[0]
+            assert [block_bytes(v, 1) for v in views.values()] == saved[23]
+            del transfer, allocation, routes, views, segments
+        torch.cuda.synchronize()
+    finally:
+        for k, handle in enumerate(handles):
+            check(driver.cuMemUnmap(base + k * segment_bytes, committed))
+            check(driver.cuMemRelease(handle))
+        check(driver.cuMemAddressFree(base, LAYERS * segment_bytes))
+
+
+class DeviceSegment:
+    """``size`` bytes of device memory at ``ptr``, for ``torch.as_tensor`` (which does not own them)."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}

@@ -1,8 +1,9 @@
 """The data path between vLLM's paged KV blocks and kvtier's host pages. Imports neither vLLM nor
 the cache manager, so it runs (and is tested) wherever torch does.
 
-vLLM keeps one view per layer into one device allocation; in its block-contiguous layouts block
-``b`` of a layer is one contiguous page of ``page_bytes`` at ``base + b * block_stride``. A
+vLLM keeps one view per layer into one device allocation (with vLLM 0.34's extensible KV cache, one
+reserved address range whose layers are segments, a storage each); in its block-contiguous layouts
+block ``b`` of a layer is one contiguous page of ``page_bytes`` at ``base + b * block_stride``. A
 kvtier host page of a layer group holds one block of every layer of the group, layer after layer:
 layer ``k`` of host slot ``s`` is bytes ``[(s * L + k) * p, (s * L + k + 1) * p)`` of the group's
 host buffer (``L`` layers of ``p`` bytes, no padding). So a batch of blocks moves as one
@@ -112,8 +113,11 @@ class TransferJob:
         return sum(len(g.host_slots) for g in self.groups)
 
 
-def locate_layer(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int, column: int) -> LayerBlocks:
-    """Find ``name``'s blocks in its device allocation (``cache`` is the view vLLM registered).
+def locate_layer(
+    name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int, column: int, base: int | None = None
+) -> LayerBlocks:
+    """Find ``name``'s blocks in its device allocation (``cache`` is the view vLLM registered), whose
+    first byte is at address ``base`` (default: the first byte of ``cache``'s storage).
 
     ``cache``'s first dimension holds ``num_blocks`` blocks, or a multiple of it (kernel blocks
     that split a block evenly). ``ValueError`` unless each block is one contiguous page of
@@ -129,7 +133,7 @@ def locate_layer(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: in
             f"strides {blocks.stride()}); kvtier.vllm needs a block-contiguous KV cache layout such as LBNHC, "
             "LBHNC or BLNHC (VLLM_KV_CACHE_LAYOUT)"
         )
-    offset = cache.storage_offset() * itemsize
+    offset = cache.data_ptr() - (cache.untyped_storage().data_ptr() if base is None else base)
     stride = blocks.stride(0) * itemsize
     if offset % page_bytes or stride % page_bytes or stride == 0:
         raise ValueError(
@@ -142,25 +146,23 @@ def locate_layer(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: in
 def route_groups(
     plans: Sequence[GroupPlan], caches: dict[str, torch.Tensor], num_blocks: int
 ) -> tuple[torch.Tensor, list[GroupRoute]]:
-    """The device allocation behind ``caches`` (vLLM's registered views) and a route per plan.
+    """The device memory behind ``caches`` (vLLM's registered views, ``device_span``) and a route per
+    plan.
 
-    ``ValueError`` if a planned layer is missing, or the layers do not share one allocation.
+    ``ValueError`` if a planned layer is missing, or the layers are on more than one device.
     """
     missing = [name for plan in plans for name in plan.layer_names if name not in caches]
     if missing:
         raise ValueError(f"no KV cache registered for layers {missing[:4]}")
-    storages = {caches[name].untyped_storage().data_ptr() for plan in plans for name in plan.layer_names}
-    if len(storages) != 1:
-        raise ValueError(f"the KV caches live in {len(storages)} allocations; kvtier.vllm needs vLLM's single one")
+    allocation = device_span([caches[name] for plan in plans for name in plan.layer_names])
     routes = []
     for plan in plans:
         layers = tuple(
-            locate_layer(name, caches[name], num_blocks, plan.page_bytes, column)
+            locate_layer(name, caches[name], num_blocks, plan.page_bytes, column, allocation.data_ptr())
             for name, column in zip(plan.layer_names, plan.layer_columns, strict=True)
         )
         routes.append(GroupRoute(plan.group_id, plan.page_bytes, layers, len(plan.columns)))
-    first = caches[plans[0].layer_names[0]]
-    return allocation_of(first), routes
+    return allocation, routes
 
 
 def _is_dense(view: torch.Tensor) -> bool:
@@ -175,10 +177,48 @@ def _is_dense(view: torch.Tensor) -> bool:
     return True
 
 
-def allocation_of(cache: torch.Tensor) -> torch.Tensor:
-    """The whole device allocation behind a layer view, as a flat uint8 tensor."""
-    storage = cache.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage, 0, (storage.nbytes(),), (1,))
+def device_span(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The device memory behind vLLM's layer views, as one flat uint8 tensor.
+
+    Their one storage, when they share one (vLLM's single allocation). Otherwise (vLLM 0.34's
+    extensible KV cache: one reserved address range, each layer a segment mapped as its own
+    storage) a tensor over the addresses from the lowest storage's first byte to the highest one's
+    last, which keeps every storage alive. Addresses between the storages may be unmapped: a
+    route only ever names the pages of its layers' blocks, inside their storages.
+    """
+    devices = {view.device for view in views}
+    if len(devices) != 1:
+        raise ValueError(f"the KV caches are on {len(devices)} devices; kvtier.vllm needs them on one")
+    (device,) = devices
+    storages = {view.untyped_storage().data_ptr(): view.untyped_storage() for view in views}
+    if len(storages) == 1:
+        ((_, storage),) = storages.items()
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
+    start = min(storages)
+    end = max(ptr + storage.nbytes() for ptr, storage in storages.items())
+    return _bytes_at(start, end - start, device, list(storages.values()))
+
+
+class _Bytes:
+    """Bytes ``[ptr, ptr + size)`` of one device, in the array interface torch (CUDA) or numpy (CPU)
+    reads; holds ``owners``, the storages of that memory, for as long as a tensor over it lives."""
+
+    def __init__(self, ptr: int, size: int, device: torch.device, owners: list[torch.UntypedStorage]) -> None:
+        interface = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+        if device.type == "cuda":
+            self.__cuda_array_interface__ = interface
+        else:
+            self.__array_interface__ = interface
+        self.owners = owners
+
+
+def _bytes_at(ptr: int, size: int, device: torch.device, owners: list[torch.UntypedStorage]) -> torch.Tensor:
+    memory = _Bytes(ptr, size, device, owners)
+    if device.type == "cuda":
+        return torch.as_tensor(memory, device=device)
+    if device.type == "cpu":
+        return torch.from_numpy(np.asarray(memory))
+    raise ValueError(f"the KV caches' segments are on a {device.type} device; kvtier.vllm reads them on cuda or cpu")
 
 
 def copy_pairs(route: GroupRoute, blocks: GroupBlocks, direction: Direction) -> np.ndarray:
