@@ -1,27 +1,32 @@
 #!/usr/bin/env bash
-# The environment of the vLLM connector's tests (tests/vllm): vLLM 0.33 in .venv-vllm without its
-# GPU dependencies, seeing the base environment's CPU torch and the kvtier package. vLLM is
-# installed with --no-deps, then the packages that its config, scheduler, connector and worker
-# modules import, with torch pinned to the base build so nothing pulls a CUDA one.
+# The environment of the vLLM connector's tests (tests/vllm): a vLLM release kvtier supports (the
+# argument: 0.34.0, the default, in .venv-vllm; or 0.33.0, in .venv-vllm-0.33) without its GPU
+# dependencies, seeing the base environment's CPU torch and the kvtier package. vLLM is installed
+# with --no-deps, then the packages that its config, scheduler, connector and worker modules
+# import, with torch pinned to the base build so nothing pulls a CUDA one.
 # Idempotent: returns at once when the environment is complete.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=.venv-vllm
-VLLM_VERSION=0.33.0
+VLLM_VERSION=${1:-0.34.0}
+case "$VLLM_VERSION" in
+    0.34.*) VENV=.venv-vllm ;;
+    0.33.*) VENV=.venv-vllm-0.33 ;;
+    *) echo "kvtier supports vLLM 0.33 and 0.34, not $VLLM_VERSION" >&2; exit 2 ;;
+esac
 DEPS=(psutil pyzmq cbor2 aiohttp openai-harmony openai pybase64 cachetools msgspec uvloop
       xgrammar fastapi partial-json-parser llguidance einops)
 TORCH_VERSION=$(python3 -c 'import torch; print(torch.__version__)')
 
 complete() {
-    "$VENV/bin/python" - "$TORCH_VERSION" >/dev/null 2>&1 <<'PY'
+    "$VENV/bin/python" - "$TORCH_VERSION" "$VLLM_VERSION" >/dev/null 2>&1 <<'PY'
 import sys
 import torch
 import vllm.config, vllm.v1.core.sched.scheduler, vllm.v1.worker.utils
 import vllm.distributed.kv_transfer.kv_connector.v1.base
 import kvtier.vllm
 assert torch.__version__ == sys.argv[1], torch.__version__
-assert vllm.__version__.startswith("0.33."), vllm.__version__
+assert vllm.__version__ == sys.argv[2], vllm.__version__
 PY
 }
 

@@ -1,6 +1,6 @@
 """Time vLLM's scheduler thread spends per step with the kvtier connector over a slow disk.
 
-vLLM 0.33's real ``Scheduler`` drives ``KVTierConnector`` (the stand-in runner of
+vLLM's real ``Scheduler`` drives ``KVTierConnector`` (the stand-in runner of
 ``tests/vllm/harness.py``, 8 layers of 8 KV heads x 128, float32: 1 MiB kvtier pages). Host
 memory holds 40 pages. A first engine serves twelve 120-token prompts, which pushes blocks out to
 disk; a second engine on the same directory serves the same prefixes again, read back from disk.

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvtier.vllm.settings import DEFAULT_HOST_BYTES, ConnectorSettings
+from kvtier.vllm.settings import DEFAULT_HOST_BYTES, ConnectorSettings, untested_vllm
 
 
 def test_defaults_and_a_full_configuration():
@@ -79,4 +79,12 @@ def test_without_vllm_the_data_path_imports_and_the_connector_says_what_to_insta
         "try:\n    kvtier.vllm.KVTierConnector\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert "needs vLLM 0.33" in out.stdout
+    assert "needs vLLM 0.33 or 0.34" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "version, untested",
+    [("0.33.0", False), ("0.33.1", False), ("0.34.0", False), ("0.34.2rc1", False), ("0.35.0", True), ("0.3.3", True)],
+)
+def test_the_releases_the_connector_is_tested_with(version, untested):
+    assert untested_vllm(version) is untested

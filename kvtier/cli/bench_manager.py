@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 def _vllm_side() -> tuple[ModuleType | None, str]:
     """The vLLM workloads module, or None and why it is missing."""
     if importlib.util.find_spec("vllm") is None:
-        return None, "vLLM was not found (install vllm==0.33.*, e.g. bash .ci/vllm_env.sh)"
+        return None, "vLLM was not found (install vllm 0.33 or 0.34, e.g. bash .ci/vllm_env.sh)"
     try:
         from kvtier.cli import bench_manager_vllm
     except ImportError as e:

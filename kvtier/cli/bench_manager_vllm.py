@@ -3,7 +3,7 @@
 Imported only when vLLM is installed (it imports vLLM at once). Everything runs as vLLM's
 scheduler drives it, with prefix caching on, one full-attention group, ``TPB`` tokens per block,
 and the default prefix-caching hash of vLLM's ``CacheConfig`` (sha256 over pickled tuples in
-0.33), chained from the ``NONE_HASH`` that vLLM's engine initialises.
+0.33 and 0.34), chained from the ``NONE_HASH`` that vLLM's engine initialises.
 
 - Decode: after a prefill, one step of a running request is ``allocate_slots`` for one new
   token, then ``num_computed_tokens`` moves by one and the sampled token is appended, which

@@ -1,7 +1,7 @@
 """``kvtier bench vllm``: the vLLM connector's data path on a GPU, in vLLM's own KV cache layout.
 
 Runs ``kvtier.vllm.transfer.BlockTransfer`` exactly as the connector's worker does (no vLLM
-needed): per-layer views of one device allocation laid out as vLLM 0.33 lays them out
+needed): per-layer views of one device allocation laid out as vLLM lays them out
 (``kvtier.vllm.paged_views``, default LBNHC), a pinned host buffer of kvtier pages (one block of
 every layer per page), and save (vLLM blocks -> host pages) and load (host pages -> vLLM blocks)
 jobs of scattered blocks. Default shape: Llama-3-8B (32 layers, 8 KV heads, head dim 128, bf16,

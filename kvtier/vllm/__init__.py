@@ -14,9 +14,9 @@ parts that import no vLLM: ``transfer`` (the data path: which block goes to whic
 copies), ``host_pool`` (the host pages both halves share), ``store_tier`` (the shared store below the
 disk tier) and ``paged_views`` (vLLM's cache layouts, for tests and ``kvtier bench vllm``).
 
-Importing this package imports vLLM (0.33). Where vLLM is not installed the package still
-imports, so that ``kvtier.vllm.transfer`` runs on its own, and ``KVTierConnector`` raises an
-``ImportError`` that says what to install.
+Importing this package imports vLLM (0.33 or 0.34; the connector warns of another release). Where
+vLLM is not installed the package still imports, so that ``kvtier.vllm.transfer`` runs on its own,
+and ``KVTierConnector`` raises an ``ImportError`` that says what to install.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ except ModuleNotFoundError as exc:
 
     def __getattr__(name: str) -> object:
         if name == "KVTierConnector":
-            raise ImportError("kvtier.vllm.KVTierConnector needs vLLM 0.33: pip install 'kvtier[vllm]'") from _MISSING
+            raise ImportError(
+                "kvtier.vllm.KVTierConnector needs vLLM 0.33 or 0.34: pip install 'kvtier[vllm]'"
+            ) from _MISSING
         raise AttributeError(f"module 'kvtier.vllm' has no attribute {name!r}")
 
 

@@ -25,7 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.vllm.kv_groups import plan_model
 from kvtier.vllm.meta import KVTierMetadata, KVTierWorkerMeta
 from kvtier.vllm.scheduler import KVTierScheduler
-from kvtier.vllm.settings import ConnectorSettings, model_identity
+from kvtier.vllm.settings import TESTED_VLLM, ConnectorSettings, model_identity, untested_vllm, vllm_version
 from kvtier.vllm.worker import KVTierWorker
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_one_process(vllm_config)
+        if untested_vllm(vllm_version()):
+            log.warning(
+                "kvtier.vllm is tested with vLLM %s, not %s: its scheduler or model runner may call the "
+                "connector otherwise (pip install 'kvtier[vllm]' installs a tested release)",
+                " and ".join(TESTED_VLLM),
+                vllm_version(),
+            )
         settings = ConnectorSettings.parse(self._kv_transfer_config.kv_connector_extra_config)
         layout = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
         plan = plan_model(kv_cache_config, model_identity(vllm_config, layout, settings.model_id))
@@ -87,6 +94,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM is about to unmap its KV cache (sleep, or a weight update that borrows its memory):
+        every copy in flight finishes first. Nothing is dropped: the same addresses come back."""
+        self.worker.drain()
+
+    def restore_kv_caches(self) -> None:
+        """The KV cache is mapped again at the same addresses: the routes still hold."""
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

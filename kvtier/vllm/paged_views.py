@@ -1,4 +1,5 @@
-"""vLLM 0.33's per-layer KV cache views, reproduced without vLLM (for the data path's tests and bench).
+"""vLLM's per-layer KV cache views (0.33 and 0.34 lay them out alike), reproduced without vLLM (for
+the data path's tests and bench).
 
 vLLM allocates one flat buffer and views it as ``[num_blocks, heads, tokens, content]`` per layer
 (content: K then V of one head and token, in the cache dtype). The physical order is a layout:

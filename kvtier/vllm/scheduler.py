@@ -599,9 +599,13 @@ def token_bound(request: Request) -> int | None:
 
 
 def _skips_cache(request: Request) -> bool:
-    """Whether vLLM recomputes every cached token of the request (``skip_reading_prefix_cache``: set for
-    prompt logprobs, whose positions it must compute); kvtier then reads nothing for it."""
-    return bool(getattr(request, "skip_reading_prefix_cache", False))
+    """Whether vLLM reads no connector's KV for the request, whatever it is offered (prompt logprobs,
+    whose positions it must compute, or a request that skips cache reads); kvtier then reads nothing
+    for it. vLLM 0.34 names this ``skip_reading_external_kv``, 0.33 ``skip_reading_prefix_cache``."""
+    skips = getattr(request, "skip_reading_external_kv", None)
+    if skips is None:
+        skips = getattr(request, "skip_reading_prefix_cache", False)
+    return bool(skips)
 
 
 def _padded(slots: np.ndarray, length: int) -> np.ndarray:

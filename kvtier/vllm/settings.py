@@ -153,6 +153,14 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
+TESTED_VLLM = ("0.33", "0.34")  # the releases whose scheduler tests/vllm drives (.ci/run, each)
+
+
+def untested_vllm(version: str) -> bool:
+    """Whether ``version`` is of none of the releases kvtier's connector is tested with."""
+    return version.split(".")[:2] not in [release.split(".") for release in TESTED_VLLM]
+
+
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"kvtier.vllm: {name} must be an int (bytes), got {value!r}")

@@ -3,9 +3,9 @@
 Works only from its metadata and the caches given to ``register_kv_caches`` (never from attention
 metadata or the forward context). Per step, in vLLM's order:
 
+    handle_preemptions     the forward waits (on the GPU) for saves whose blocks were freed
     bind                   the step's jobs; finished requests whose blocks wait for their saves;
                            the forward's timing starts (a step with prompt tokens to time)
-    handle_preemptions     the forward waits (on the GPU) for saves whose blocks were freed
     start_load_kv          loads start on the transfer stream (after the forward, as vLLM calls it)
     wait_for_save          the forward's timing ends; saves start on the transfer stream, after
                            the forward wrote the blocks
@@ -16,6 +16,9 @@ metadata or the forward context). Per step, in vLLM's order:
     worker meta            every completed job and whether it succeeded, and the prefill rate when
                            a timed forward moved it (``kvtier.engine.prefill_meter``), for the
                            scheduler half
+
+With a drafter vLLM calls ``wait_for_save`` last (``defer_finalize``, after the drafter ran): a
+request it then reports finished has no save of this step, since it was not scheduled in it.
 
 The host pages are found by the engine id (``kvtier.vllm.host_pool``) on the first job.
 """
@@ -122,9 +125,13 @@ class KVTierWorker:
         rate, self._rate = self._rate, None
         return KVTierWorkerMeta(done, rate)
 
-    def shutdown(self) -> None:
+    def drain(self) -> None:
+        """Wait on the host until every copy submitted so far has completed."""
         if self._transfer is not None:
             self._transfer.synchronize()
+
+    def shutdown(self) -> None:
+        self.drain()
         if self._registration is not None:
             self._registration.release()
             self._registration = None

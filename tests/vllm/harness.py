@@ -1,7 +1,8 @@
 """vLLM's real ``Scheduler`` driving ``KVTierConnector``, and a stand-in model runner on the CPU.
 
-The runner does what vLLM's GPU model runner does around the connector, in its order (bind,
-preemptions, forward, loads, saves, transfer results, load errors, worker metadata), over KV
+The runner does what vLLM's GPU model runner does around the connector, in its order
+(preemptions, bind, forward, loads, saves, transfer results, load errors, worker metadata; with a
+drafter the saves start last, as vLLM's ``defer_finalize`` starts them after the drafter), over KV
 caches that vLLM's own allocator lays out (``allocate_kv_cache``, layout LBNHC). Its "forward"
 writes, for every scheduled token, a value that is a function of (layer, the token's whole
 prefix, head, element), so a block holds the right bytes only if it holds exactly this prefix's
@@ -53,6 +54,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvtier.vllm import KVTierConnector
+
+# vLLM 0.33's model runner output maps request ids to rows; 0.34's rows follow ``req_ids``.
+_INDEXED_OUTPUT = "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__
 
 BLOCK = 16
 HEADS = 2
@@ -195,6 +199,28 @@ def kv_values(hashes: np.ndarray, layer: int) -> torch.Tensor:
     return torch.from_numpy(values.astype(np.int32))
 
 
+def own_storages(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same layer views, each over a storage of its own that spans just that layer's blocks, as
+    vLLM 0.34's extensible KV cache registers them (a layer a segment of one reserved address
+    range, a tensor each): the memory is the same, the allocations many."""
+    views = {}
+    for name, view in caches.items():
+        size = (view.shape[0] - 1) * view.stride(0) * view.element_size() + view[0].numel() * view.element_size()
+        segment = torch.from_numpy(np.asarray(_Segment(view, size))).view(view.dtype)
+        views[name] = segment.as_strided(view.shape, view.stride())
+        assert views[name].untyped_storage().data_ptr() == view.data_ptr()  # (its own, starting at the layer)
+    return views
+
+
+class _Segment:
+    """``size`` bytes from ``view``'s first, for numpy; keeps ``view``'s allocation alive, as vLLM's
+    reservation stays mapped."""
+
+    def __init__(self, view: torch.Tensor, size: int) -> None:
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (view.data_ptr(), False), "version": 3}
+        self.view = view
+
+
 @dataclass
 class StepLog:
     """What the runner saw in one step."""
@@ -209,7 +235,9 @@ class StepLog:
 class Engine:
     """A scheduler, the worker connector and the stand-in runner over vLLM-laid-out CPU caches."""
 
-    def __init__(self, config: VllmConfig, kv_config: KVCacheConfig) -> None:
+    def __init__(self, config: VllmConfig, kv_config: KVCacheConfig, segmented: bool = False) -> None:
+        """``segmented``: the worker is given the caches as vLLM 0.34's extensible KV cache gives
+        them (``own_storages``) rather than views of one allocation."""
         init_none_hash(sha256)
         self.config = config
         self.kv_config = kv_config
@@ -225,6 +253,8 @@ class Engine:
         self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_config)
         layout = config.cache_config.get_resolved_kv_cache_layout()
         self.caches = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
+        if segmented:
+            self.caches = own_storages(self.caches)
         self.worker.register_kv_caches(self.caches)
         self.scheduler = config.scheduler_config.get_scheduler_cls()(  # AsyncScheduler when asynchronous
             vllm_config=config,
@@ -316,7 +346,8 @@ class Engine:
                 self._drafts[rid] = self._draft(self.tokens(rid))
         self._steps += 1
         w.start_load_kv(None)
-        w.wait_for_save()
+        if not self.spec_tokens:
+            w.wait_for_save()
         results = w.get_transfer_results(out.finished_req_ids)
         step.loaded, step.sent, step.failed = (
             set(results.finished_recving),
@@ -325,6 +356,8 @@ class Engine:
         )
         step.invalid = w.get_block_ids_with_load_errors()
         worker_meta = w.build_connector_worker_meta()
+        if self.spec_tokens:  # with a drafter, vLLM's runner starts the saves after the results
+            w.wait_for_save()  # (``defer_finalize``: after the drafter ran)
         w.clear_connector_metadata()
         self.log.append(step)
         kv_out = KVConnectorOutput(
@@ -334,12 +367,8 @@ class Engine:
             invalid_block_ids=step.invalid,
             kv_connector_worker_meta=worker_meta,
         )
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
-        )
+        by_index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if _INDEXED_OUTPUT else {}
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_out, **by_index)
 
     def update(self, out, result: ModelRunnerOutput) -> None:
         self.scheduler.update_from_output(out, result)

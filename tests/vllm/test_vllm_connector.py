@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bash .ci/vllm_env.sh)")
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 or 0.34 (bash .ci/vllm_env.sh)")
 
 from vllm.v1.request import RequestStatus
 
@@ -45,6 +45,7 @@ def engine(
     disk_read_wait_s: float = 1.0,
     recompute_when_faster: bool = False,
     prefill_tokens_per_s: float | None = None,
+    segmented: bool = False,
     **kwargs,
 ) -> Engine:
     extra: dict = {
@@ -55,7 +56,7 @@ def engine(
     if disk:
         extra.update(disk_bytes=8 * MiB, disk_path=str(tmp_path / "disk"), disk_read_wait_s=disk_read_wait_s)
     config = vllm_config(tmp_path, extra, name=name, **kwargs)
-    return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], blocks))
+    return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], blocks), segmented)
 
 
 def host_pages_engine(tmp_path: Path, host_pages: int, **extra) -> Engine:
@@ -85,8 +86,11 @@ def first_step_of(e: Engine, rid: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_prefix_saved_by_one_request_is_loaded_by_the_next(tmp_path, async_scheduling):
-    e = engine(tmp_path, async_scheduling=async_scheduling)
+@pytest.mark.parametrize("segmented", [False, True], ids=["one allocation", "a storage per layer"])
+def test_a_prefix_saved_by_one_request_is_loaded_by_the_next(tmp_path, async_scheduling, segmented):
+    """Also with the caches given as vLLM 0.34's extensible KV cache gives them (a storage per
+    layer), which the worker refused before ("the KV caches live in 3 allocations")."""
+    e = engine(tmp_path, async_scheduling=async_scheduling, segmented=segmented)
     shared = prompt(1, 100)
     e.add("r1", shared, max_tokens=4)
     run_until_computed(e, "r1", 100)
@@ -106,6 +110,29 @@ def test_a_prefix_saved_by_one_request_is_loaded_by_the_next(tmp_path, async_sch
     assert e.blocks_bytes("r2", 5) == [b for i, b in enumerate(written) if i % 6 < 5]
     e.run()
     assert e.kv_scheduler.manager.stats().hit_tokens["primary"] == 80
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_after_vllm_sleeps_and_wakes_a_prefix_saved_before_is_loaded(tmp_path):
+    """vLLM's sleep unregisters the KV caches, unmaps them (their contents lost) and maps them again
+    at the same addresses on wake-up; kvtier's host pages still serve the prefix."""
+    e = engine(tmp_path, segmented=True)
+    shared = prompt(3, 100)
+    e.add("r1", shared, max_tokens=2)
+    run_until_computed(e, "r1", 100)
+    written = e.blocks_bytes("r1", 6)
+    e.run()
+    e.worker.unregister_kv_caches()
+    e.reset_prefix_cache()
+    e.poison()  # what the memory holds after it was mapped again
+    e.worker.restore_kv_caches()
+    e.add("r2", shared[:96] + [5], max_tokens=2)
+    while "r2" not in {r for s in e.log for r in s.computed}:
+        e.step()
+    assert first_step_of(e, "r2")[0] == 96
+    assert e.blocks_bytes("r2", 6) == written
+    e.run()
     e.assert_no_leaks()
     e.shutdown()
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bash .ci/vllm_env.sh)")
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 or 0.34 (bash .ci/vllm_env.sh)")
 
 import torch
 from vllm.config import ParallelConfig
@@ -56,6 +56,24 @@ def test_more_than_one_process_is_refused(tmp_path):
     config.parallel_config = ParallelConfig(tensor_parallel_size=1, distributed_executor_backend="mp")
     with pytest.raises(NotImplementedError, match="tensor_parallel_size=1"):
         check_one_process(config)
+
+
+@pytest.mark.parametrize("version", ["0.35.0", "0.34.0"])
+def test_a_release_the_connector_is_not_tested_with_is_warned_of(tmp_path, monkeypatch, caplog, version):
+    monkeypatch.setattr("kvtier.vllm.connector.vllm_version", lambda: version)
+    config = vllm_config(tmp_path, {})
+    kv_config = kv_cache_config(config, [(layer_names(3), attention_spec())], 16)
+    with caplog.at_level("WARNING", logger="kvtier.vllm.connector"):
+        KVTierConnector(config, KVConnectorRole.WORKER, kv_config)
+    warned = [r.getMessage() for r in caplog.records if "is tested with vLLM" in r.getMessage()]
+    assert warned == (
+        [
+            f"kvtier.vllm is tested with vLLM 0.33 and 0.34, not {version}: its scheduler or model runner "
+            "may call the connector otherwise (pip install 'kvtier[vllm]' installs a tested release)"
+        ]
+        if version == "0.35.0"
+        else []
+    )
 
 
 def test_bad_extra_config_is_refused_before_anything_is_built(tmp_path):

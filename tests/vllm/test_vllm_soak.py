@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 (bash .ci/vllm_env.sh)")
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 or 0.34 (bash .ci/vllm_env.sh)")
 
 from tests.vllm.harness import (
     BLOCK,
