@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from array import array
 from concurrent.futures import Future
 
 import pytest
@@ -42,6 +43,27 @@ def test_bools_are_not_token_ids(tokens):
     """Before, True and False were tokens 1 and 0, sharing blocks with the ints 1 and 0."""
     with pytest.raises(TypeError, match="not bools"):
         as_token_array(tokens)
+
+
+class TokenBuffer(array):
+    """An ``array('i')`` subclass, as vLLM 0.34 keeps a request's tokens."""
+
+    __slots__ = ()
+
+
+@pytest.mark.parametrize("typecode", list("bBhHiIlLqQ"))
+def test_an_integer_array_converts_to_the_same_tokens_as_its_list(typecode):
+    tokens = [0, 1, 7, 100, 127] * 40
+    assert as_token_array(array(typecode, tokens)) == as_token_array(tokens)
+    assert as_token_array(TokenBuffer("i", tokens)) == as_token_array(tokens)
+    assert as_token_array(array("Q", [2**64 - 1])) == array("Q", [2**64 - 1])
+
+
+def test_an_array_of_negatives_or_floats_is_refused():
+    with pytest.raises(ValueError, match=">= 0"):
+        as_token_array(TokenBuffer("i", [5, -1, 6]))
+    with pytest.raises(TypeError, match="integer"):
+        as_token_array(array("d", [1.0, 2.0]))
 
 
 def test_ints_0_and_1_are_still_token_ids():

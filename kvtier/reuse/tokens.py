@@ -17,6 +17,7 @@ TOKEN_BYTES = 8
 MAX_TOKEN = (1 << 64) - 1
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _SCAN_BELOW = 128  # sequences shorter than this are checked for bools item by item, longer ones by numpy
+_INTEGER_TYPECODES = frozenset("bBhHiIlLqQ")  # an ``array``'s integer kinds, numpy's names for the same
 
 
 def as_token_array(tokens) -> array:
@@ -24,7 +25,8 @@ def as_token_array(tokens) -> array:
 
     Accepts a sequence of ints, an ``array``, a numpy integer array or a CPU torch tensor; refuses
     text and raw bytes (whose items are not token ids), unordered collections (a set, a dict) and
-    bools in a list or tuple (``array`` takes ``True`` as token 1).
+    bools in a list or tuple (``array`` takes ``True`` as token 1). An integer ``array`` (vLLM's
+    ``TokenBuffer`` is an ``array('i')``) converts through its buffer, not item by item.
     """
     if type(tokens) is not list:  # (a list, the common case, needs none of these checks)
         if isinstance(tokens, str | bytes | bytearray | memoryview):
@@ -33,6 +35,8 @@ def as_token_array(tokens) -> array:
             raise TypeError(f"tokens must be an ordered sequence of integer token ids, not a {type(tokens).__name__}")
         if hasattr(tokens, "numpy") and hasattr(tokens, "dtype"):  # a torch tensor
             tokens = tokens.detach().cpu().numpy()
+        elif isinstance(tokens, array) and tokens.typecode in _INTEGER_TYPECODES:
+            tokens = np.frombuffer(tokens, dtype=tokens.typecode)
         if isinstance(tokens, np.ndarray):
             if tokens.dtype.kind not in "iu" or tokens.ndim != 1:
                 raise TypeError(f"tokens must be a 1-D integer array, got {tokens.dtype} with shape {tokens.shape}")
