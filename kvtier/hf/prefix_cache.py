@@ -87,7 +87,7 @@ class PrefixCache:
     ``cache_config.device`` must be the model's device. ``model_id`` names the weights (default:
     ``kvtier.weights_fingerprint(model)`` with a fingerprint of the model's configuration, whose
     rotary settings decide keys too, transformers' version, whose model code computes them, and
-    the attention implementation, whose kernels do), so pages are only ever served to the same
+    the attention implementation and any hub kernels, which do), so pages are only ever served to the same
     model computed the same way; a later change of the model's weights in place (an optimizer
     step, ``load_state_dict``, a PEFT adapter merged while a call saw it), of its configuration or
     of its attention implementation makes ``generate`` raise ``CacheStateError``

@@ -144,6 +144,28 @@ def test_pages_of_one_attention_implementation_are_never_served_to_another(tmp_p
         assert pc.last_reused_tokens == [40]
 
 
+def test_pages_computed_with_hub_kernels_are_never_served_to_a_model_without_them(tmp_path):
+    """From transformers 5.25 ``from_pretrained`` turns the hub's kernels on where the ``kernels``
+    package is installed (``model.use_kernels``). Two processes on one disk directory, one with them
+    and one without, compute keys and values with other kernels: another model_id on disk, and
+    kernels switched under a PrefixCache are refused. Before, they shared pages. (The flag is set as
+    transformers sets it, the ``kernels`` package being absent here.)"""
+    prompt = tokens(torch.Generator().manual_seed(11), 40)
+    reused = []
+    for kernels in (False, True, False):
+        model = tiny_model("llama")
+        model._use_kernels = kernels
+        with PrefixCache(model, tiers_config(model, 60, disk_blocks=60, disk_path=tmp_path)) as pc:
+            greedy(pc.generate, [*prompt, len(reused)])
+            reused.append(pc.last_reused_tokens[0])
+    assert reused == [0, 0, 40]  # the third finds the first's pages on disk
+    with PrefixCache(model, tiers_config(model, 60)) as pc:
+        greedy(pc.generate, prompt)
+        model._use_kernels = True
+        with pytest.raises(CacheStateError, match="attention implementation changed"):
+            greedy(pc.generate, [*prompt, 1])
+
+
 def test_pages_computed_under_autocast_are_served_only_to_calls_under_the_same_autocast():
     """A float32 model: a call under ``torch.autocast("cpu", bfloat16)`` computes keys rounded to
     bfloat16. Before, its pages were served to plain float32 calls (other tokens: scores 2.25 off)."""
