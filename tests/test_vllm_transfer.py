@@ -3,6 +3,8 @@ to and from kvtier host pages, byte for byte, on the CPU (and on a GPU where the
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -194,56 +196,75 @@ class Segment:
         self.owner = owner
 
 
-GAP = 3 * PAGE  # what a segment has reserved past its committed blocks
+def padded(size: int, granule: int) -> int:
+    return -(-size // granule) * granule
 
 
-def test_layers_each_with_a_storage_of_their_own_move_every_byte_and_nothing_between():
+@pytest.mark.parametrize(
+    "heads, granule",
+    [(2, PAGE), (3, 1 << 17), (5, 1 << 17)],
+    ids=["page-aligned segments", "6 KiB pages, 128 KiB granules", "10 KiB pages, 128 KiB granules"],
+)
+def test_layers_each_with_a_storage_of_their_own_move_every_byte_and_nothing_between(heads, granule):
     """vLLM 0.34's extensible KV cache reserves one address range and registers each layer as a
-    segment of it with a storage of its own (LBNHC), the reservation between the segments unused.
-    Before, such caches were refused ("the KV caches live in 4 allocations")."""
-    reservation = torch.randint(1, 256, (LAYERS * (BLOCKS * PAGE + GAP),), dtype=torch.uint8)
+    segment of it with a storage of its own (LBNHC), each segment padded to the memory granule (a
+    power of two: a page with an odd factor then starts its next segment off a page boundary).
+    Before, such caches were refused ("the KV caches live in 4 allocations"; then, for pages with
+    an odd factor, "not on page boundaries")."""
+    page = heads * TOKENS * CONTENT * 4
+    segment_bytes = padded(BLOCKS * page + 1, granule)  # room past the blocks, as vLLM reserves
+    reservation = torch.randint(1, 256, (LAYERS * segment_bytes,), dtype=torch.uint8)
     segments = [
-        torch.from_numpy(
-            np.asarray(Segment(reservation.data_ptr() + k * (BLOCKS * PAGE + GAP), BLOCKS * PAGE, reservation))
-        )
+        torch.from_numpy(np.asarray(Segment(reservation.data_ptr() + k * segment_bytes, BLOCKS * page, reservation)))
         for k in range(LAYERS)
     ]
     views = {
-        f"layer{k}": paged_layer_views(segment, 1, BLOCKS, HEADS, TOKENS, CONTENT, torch.float32, "LBNHC")[0]
+        f"layer{k}": paged_layer_views(segment, 1, BLOCKS, heads, TOKENS, CONTENT, torch.float32, "LBNHC")[0]
         for k, segment in enumerate(segments)
     }
     assert len({v.untyped_storage().data_ptr() for v in views.values()}) == LAYERS
-    gaps = [
-        reservation[(k + 1) * (BLOCKS * PAGE + GAP) - GAP : (k + 1) * (BLOCKS * PAGE + GAP)].clone()
-        for k in range(LAYERS)
-    ]
-    plan = one_group(list(views))
-    allocation, routes = route_groups([plan], views, BLOCKS)
+    gaps = [slice(k * segment_bytes + BLOCKS * page, (k + 1) * segment_bytes) for k in range(LAYERS)]
+    before = [reservation[gap].clone() for gap in gaps]
+    plan = GroupPlan(0, tuple(views), (0,), (0,) * LAYERS, page)
+    allocation, (route,) = route_groups([plan], views, BLOCKS)
     assert allocation.data_ptr() == reservation.data_ptr()
+    assert route.unit_bytes == math.gcd(page, segment_bytes) and (route.unit_bytes < page) == (heads != 2)
     host = torch.zeros(SLOTS * plan.host_page_bytes, dtype=torch.uint8)
-    transfer = BlockTransfer(allocation, routes, [host])
-    saved = {b: [block_bytes(v, b) for v in views.values()] for b in (0, 23, 9)}
+    transfer = BlockTransfer(allocation, [route], [host])
+
+    def page_bytes(view, block):
+        return view[block].contiguous().view(torch.uint8).numpy().tobytes()  # (LBNHC: the view is the page)
+
+    saved = {b: [page_bytes(v, b) for v in views.values()] for b in (0, 23, 9)}
     transfer.submit([job(1, Direction.SAVE, [0, 3, 1], [0, 23, 9])])
     assert transfer.poll() == [(1, True)]
+    pages = host.view(SLOTS, LAYERS, page).numpy()
+    assert [pages[3, k].tobytes() for k in range(LAYERS)] == [
+        views[f"layer{k}"][23].permute(1, 0, 2).contiguous().view(torch.uint8).numpy().tobytes() for k in range(LAYERS)
+    ]
     for segment in segments:
         segment.fill_(0xA5)
     transfer.submit([job(2, Direction.LOAD, [0, 3, 1], [11, 20, 0])])
     assert transfer.poll() == [(2, True)]
     for block, source in ((11, 0), (20, 23), (0, 9)):
-        assert [block_bytes(v, block) for v in views.values()] == saved[source]
-    assert block_bytes(views["layer2"], 1) == bytes([0xA5]) * PAGE
-    for k, gap in enumerate(gaps):  # the reservation between the segments is never written
-        assert torch.equal(reservation[(k + 1) * (BLOCKS * PAGE + GAP) - GAP : (k + 1) * (BLOCKS * PAGE + GAP)], gap)
+        assert [page_bytes(v, block) for v in views.values()] == saved[source]
+    assert page_bytes(views["layer2"], 1) == bytes([0xA5]) * page
+    for gap, was in zip(gaps, before, strict=True):  # the reservation past each segment's blocks is never written
+        assert torch.equal(reservation[gap], was)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_segments_of_one_reserved_device_range_with_unmapped_gaps_between_them():
+@pytest.mark.parametrize("heads", [2, 3], ids=["4 KiB pages", "6 KiB pages"])
+def test_segments_of_one_reserved_device_range_with_unmapped_gaps_between_them(heads):
     """As vLLM 0.34's extensible KV cache maps them: one virtual address range reserved, each layer's
     committed blocks mapped at the start of its segment, the rest of the segment unmapped (a copy
-    touching it faults). Loads and saves move every byte through pinned host pages."""
+    touching it faults); with 6 KiB pages the segments start off page boundaries. Loads and saves
+    move every byte through pinned host pages."""
     from cuda.bindings import driver
 
     from kvtier.storage.pinned import allocate_host_buffer
+
+    page = heads * TOKENS * CONTENT * 4
 
     def check(result):
         err, *value = result if isinstance(result, tuple) else (result,)
@@ -251,7 +272,7 @@ def test_segments_of_one_reserved_device_range_with_unmapped_gaps_between_them()
         return value[0] if len(value) == 1 else value
 
     device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.init()
+    torch.zeros(1, device=device)  # the context the driver calls below run in
     prop = driver.CUmemAllocationProp()
     prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -261,7 +282,7 @@ def test_segments_of_one_reserved_device_range_with_unmapped_gaps_between_them()
             prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         )
     )
-    committed = -(-BLOCKS * PAGE // granule) * granule
+    committed = -(-BLOCKS * page // granule) * granule
     segment_bytes = 2 * committed  # the second half of every segment stays unmapped
     base = int(check(driver.cuMemAddressReserve(LAYERS * segment_bytes, 0, 0, 0)))
     access = driver.CUmemAccessDesc()
@@ -275,20 +296,21 @@ def test_segments_of_one_reserved_device_range_with_unmapped_gaps_between_them()
             check(driver.cuMemMap(base + k * segment_bytes, committed, 0, handle, 0))
             check(driver.cuMemSetAccess(base + k * segment_bytes, committed, [access], 1))
         segments = [
-            torch.as_tensor(DeviceSegment(base + k * segment_bytes, BLOCKS * PAGE), device=device)
+            torch.as_tensor(DeviceSegment(base + k * segment_bytes, BLOCKS * page), device=device)
             for k in range(LAYERS)
         ]
         for segment in segments:
             segment.copy_(torch.randint(1, 256, segment.shape, dtype=torch.uint8, device=device))
         views = {
-            f"layer{k}": paged_layer_views(segment, 1, BLOCKS, HEADS, TOKENS, CONTENT, torch.float32, "LBNHC")[0]
+            f"layer{k}": paged_layer_views(segment, 1, BLOCKS, heads, TOKENS, CONTENT, torch.float32, "LBNHC")[0]
             for k, segment in enumerate(segments)
         }
-        plan = one_group(list(views))
+        plan = GroupPlan(0, tuple(views), (0,), (0,) * LAYERS, page)
         allocation, routes = route_groups([plan], views, BLOCKS)
+        assert (routes[0].unit_bytes < page) == (heads == 3)
         with allocate_host_buffer(SLOTS * plan.host_page_bytes, plan.host_page_bytes, "cuda") as host:
             transfer = BlockTransfer(allocation, routes, [host.tensor])
-            saved = {b: [block_bytes(v, b) for v in views.values()] for b in (0, 23)}
+            saved = {b: [page_of(v, b) for v in views.values()] for b in (0, 23)}
             transfer.submit([job(1, Direction.SAVE, [7, 2], [0, 23])])
             transfer.synchronize()
             assert transfer.poll() == [(1, True)]
@@ -296,8 +318,8 @@ def test_segments_of_one_reserved_device_range_with_unmapped_gaps_between_them()
                 segment.fill_(0x3C)  # on the caller's stream: the load waits for it
             transfer.submit([job(2, Direction.LOAD, [7, 2], [19, 1])])
             transfer.synchronize()
-            assert [block_bytes(v, 19) for v in views.values()] == saved[0]
-            assert [block_bytes(v, 1) for v in views.values()] == saved[23]
+            assert [page_of(v, 19) for v in views.values()] == saved[0]
+            assert [page_of(v, 1) for v in views.values()] == saved[23]
             del transfer, allocation, routes, views, segments
         torch.cuda.synchronize()
     finally:
@@ -305,6 +327,11 @@ def test_segments_of_one_reserved_device_range_with_unmapped_gaps_between_them()
             check(driver.cuMemUnmap(base + k * segment_bytes, committed))
             check(driver.cuMemRelease(handle))
         check(driver.cuMemAddressFree(base, LAYERS * segment_bytes))
+
+
+def page_of(view: torch.Tensor, block: int) -> bytes:
+    """One layer's block as bytes, whatever its page size."""
+    return view[block].contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
 class DeviceSegment:

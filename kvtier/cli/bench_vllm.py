@@ -181,12 +181,14 @@ class _Bench:
         """Every page of ``job`` is the same on both sides (the job moved exactly those bytes)."""
         torch = self.torch
         (rows,) = job.groups
-        device_pages = self.allocation.view(-1, self.page)
         route = self.route
-        first = torch.tensor([layer.first_page for layer in route.layers], device=self.allocation.device)
-        stride = torch.tensor([layer.block_stride for layer in route.layers], device=self.allocation.device)
+        device_pages = self.allocation.view(-1, route.unit_bytes)
+        first = torch.tensor([layer.first_unit for layer in route.layers], device=self.allocation.device)
+        stride = torch.tensor([layer.unit_stride for layer in route.layers], device=self.allocation.device)
         blocks = torch.from_numpy(rows.device_blocks[:, 0]).to(self.allocation.device)
-        on_device = device_pages[first[None, :] + blocks[:, None] * stride[None, :]]  # (n, layers, page)
+        units = first[None, :, None] + blocks[:, None, None] * stride[None, :, None]
+        units = units + torch.arange(route.units_per_page, device=self.allocation.device)
+        on_device = device_pages[units].flatten(2)  # (n, layers, page)
         host = self.host.tensor.view(-1, self.layers, self.page)[torch.from_numpy(rows.host_slots)]
         return bool(torch.equal(on_device, host.to(self.allocation.device)))
 

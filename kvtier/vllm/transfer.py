@@ -8,7 +8,8 @@ kvtier host page of a layer group holds one block of every layer of the group, l
 layer ``k`` of host slot ``s`` is bytes ``[(s * L + k) * p, (s * L + k + 1) * p)`` of the group's
 host buffer (``L`` layers of ``p`` bytes, no padding). So a batch of blocks moves as one
 ``PageCopier`` call per layer group over ``p``-byte slots of both buffers, with pairs
-``(first_page[k] + block * block_stride[k], s * L + k)`` for every block and layer.
+``(first[k] + block * stride[k], s * L + k)`` for every block and layer (``GroupRoute``: slots of a
+divisor of ``p`` where the storages' starts are not on page boundaries, a page's consecutive).
 
 A job names, per layer group, the host slots of its blocks and, per *column*, the vLLM block ids
 of the same blocks (a kvtier group may gather layers from several vLLM KV cache groups, each with
@@ -18,6 +19,7 @@ its own block table: a column is one of them).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from kvtier.copy import CopyPolicy, PageCopier
+from kvtier.layout import PART_ALIGN
 
 # A call of at least this many pages goes to ``bulk_copier`` when there is one. vLLM's pages are
 # one layer of one block (64 KiB for a Llama-3-8B shape), so a call moves (blocks x layers) of
@@ -43,12 +46,12 @@ class Direction(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class LayerBlocks:
-    """Where one layer's blocks are in the device allocation, counted in pages: block b is page
-    ``first_page + b * block_stride``."""
+    """Where one layer's blocks are in the device allocation, counted in its route's copy units:
+    block b starts at unit ``first_unit + b * unit_stride``."""
 
     name: str
-    first_page: int
-    block_stride: int
+    first_unit: int
+    unit_stride: int
     column: int
 
 
@@ -74,12 +77,23 @@ class GroupPlan:
 
 @dataclass(frozen=True, slots=True)
 class GroupRoute:
-    """One kvtier layer group: its layers in host-page order, each found in the device allocation."""
+    """One kvtier layer group: its layers in host-page order, each found in the device allocation.
+
+    Copies move ``unit_bytes`` units, ``page_bytes // unit_bytes`` of them a page: the page itself
+    where every layer's blocks lie on page boundaries of the allocation, a divisor of it where the
+    allocation spans storages whose starts do not (vLLM 0.34 pads each layer's segment to its
+    memory granule, a power of two: a 12 KiB page copies as three 4 KiB units).
+    """
 
     group_id: int
     page_bytes: int
     layers: tuple[LayerBlocks, ...]
     num_columns: int
+    unit_bytes: int
+
+    @property
+    def units_per_page(self) -> int:
+        return self.page_bytes // self.unit_bytes
 
 
 @dataclass(slots=True)
@@ -114,10 +128,11 @@ class TransferJob:
 
 
 def locate_layer(
-    name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int, column: int, base: int | None = None
+    name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int, column: int, shift: int = 0, unit: int = 0
 ) -> LayerBlocks:
-    """Find ``name``'s blocks in its device allocation (``cache`` is the view vLLM registered), whose
-    first byte is at address ``base`` (default: the first byte of ``cache``'s storage).
+    """Find ``name``'s blocks in its device allocation (``cache`` is the view vLLM registered), in
+    units of ``unit`` bytes (default: the page); ``cache``'s storage starts ``shift`` bytes into the
+    allocation (a multiple of ``unit``).
 
     ``cache``'s first dimension holds ``num_blocks`` blocks, or a multiple of it (kernel blocks
     that split a block evenly). ``ValueError`` unless each block is one contiguous page of
@@ -133,14 +148,15 @@ def locate_layer(
             f"strides {blocks.stride()}); kvtier.vllm needs a block-contiguous KV cache layout such as LBNHC, "
             "LBHNC or BLNHC (VLLM_KV_CACHE_LAYOUT)"
         )
-    offset = cache.data_ptr() - (cache.untyped_storage().data_ptr() if base is None else base)
+    offset = cache.storage_offset() * itemsize
     stride = blocks.stride(0) * itemsize
     if offset % page_bytes or stride % page_bytes or stride == 0:
         raise ValueError(
             f"layer {name}: blocks at byte offset {offset} with stride {stride} are not on {page_bytes}-byte page "
             "boundaries of their allocation"
         )
-    return LayerBlocks(name, offset // page_bytes, stride // page_bytes, column)
+    unit = unit or page_bytes
+    return LayerBlocks(name, (shift + offset) // unit, stride // unit, column)
 
 
 def route_groups(
@@ -155,13 +171,20 @@ def route_groups(
     if missing:
         raise ValueError(f"no KV cache registered for layers {missing[:4]}")
     allocation = device_span([caches[name] for plan in plans for name in plan.layer_names])
+    base = allocation.data_ptr()
     routes = []
     for plan in plans:
+        shifts = [caches[name].untyped_storage().data_ptr() - base for name in plan.layer_names]
+        unit = math.gcd(plan.page_bytes, *shifts)
+        if unit % PART_ALIGN:
+            raise ValueError(
+                f"the KV caches' storages start {sorted(set(shifts))} bytes apart, not on {PART_ALIGN}-byte boundaries"
+            )
         layers = tuple(
-            locate_layer(name, caches[name], num_blocks, plan.page_bytes, column, allocation.data_ptr())
-            for name, column in zip(plan.layer_names, plan.layer_columns, strict=True)
+            locate_layer(name, caches[name], num_blocks, plan.page_bytes, column, shift, unit)
+            for name, column, shift in zip(plan.layer_names, plan.layer_columns, shifts, strict=True)
         )
-        routes.append(GroupRoute(plan.group_id, plan.page_bytes, layers, len(plan.columns)))
+        routes.append(GroupRoute(plan.group_id, plan.page_bytes, layers, len(plan.columns), unit))
     return allocation, routes
 
 
@@ -222,16 +245,21 @@ def _bytes_at(ptr: int, size: int, device: torch.device, owners: list[torch.Unty
 
 
 def copy_pairs(route: GroupRoute, blocks: GroupBlocks, direction: Direction) -> np.ndarray:
-    """The (src_slot, dst_slot) pairs of one group's blocks, ``p``-byte slots of both buffers.
+    """The (src, dst) pairs of one group's blocks, in ``route.unit_bytes`` units of both buffers
+    (a page's units consecutive on both sides).
 
     Vectorised over blocks and layers: no Python object per page.
     """
     num_layers = len(route.layers)
-    first = np.array([layer.first_page for layer in route.layers], dtype=np.int64)
-    stride = np.array([layer.block_stride for layer in route.layers], dtype=np.int64)
+    first = np.array([layer.first_unit for layer in route.layers], dtype=np.int64)
+    stride = np.array([layer.unit_stride for layer in route.layers], dtype=np.int64)
     column = np.array([layer.column for layer in route.layers], dtype=np.int64)
     device = first[None, :] + blocks.device_blocks[:, column] * stride[None, :]
-    host = blocks.host_slots[:, None] * num_layers + np.arange(num_layers, dtype=np.int64)[None, :]
+    k = route.units_per_page
+    host = (blocks.host_slots[:, None] * num_layers + np.arange(num_layers, dtype=np.int64)[None, :]) * k
+    if k > 1:
+        device = device[..., None] + np.arange(k, dtype=np.int64)
+        host = host[..., None] + np.arange(k, dtype=np.int64)
     src, dst = (host, device) if direction is Direction.LOAD else (device, host)
     return np.stack([src.reshape(-1), dst.reshape(-1)], axis=1)
 
@@ -349,5 +377,5 @@ class BlockTransfer:
         pairs = copy_pairs(route, merged, direction)
         host = self.host_buffers[group_id]
         src, dst = (host, self.allocation) if direction is Direction.LOAD else (self.allocation, host)
-        copier = self.bulk_copier if self.bulk_copier is not None and len(pairs) >= BULK_COPIES else self.copier
-        copier.copy(src, dst, pairs, route.page_bytes, self.stream)
+        bulk = self.bulk_copier is not None and len(pairs) >= BULK_COPIES * route.units_per_page
+        (self.bulk_copier if bulk else self.copier).copy(src, dst, pairs, route.unit_bytes, self.stream)

@@ -199,26 +199,30 @@ def kv_values(hashes: np.ndarray, layer: int) -> torch.Tensor:
     return torch.from_numpy(values.astype(np.int32))
 
 
-def own_storages(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same layer views, each over a storage of its own that spans just that layer's blocks, as
-    vLLM 0.34's extensible KV cache registers them (a layer a segment of one reserved address
-    range, a tensor each): the memory is the same, the allocations many."""
-    views = {}
-    for name, view in caches.items():
-        size = (view.shape[0] - 1) * view.stride(0) * view.element_size() + view[0].numel() * view.element_size()
-        segment = torch.from_numpy(np.asarray(_Segment(view, size))).view(view.dtype)
-        views[name] = segment.as_strided(view.shape, view.stride())
-        assert views[name].untyped_storage().data_ptr() == view.data_ptr()  # (its own, starting at the layer)
-    return views
+def own_storages(caches: dict[str, torch.Tensor], gap: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Views shaped as ``caches``, each over a storage of its own that spans just that layer's
+    blocks, ``gap`` bytes apart in one reservation, as vLLM 0.34's extensible KV cache registers
+    them (a layer a segment of one reserved address range, padded to its memory granule: for a
+    page with an odd factor the segments then start off page boundaries). Returns the views and
+    the gaps, which hold 0x5A."""
+    sizes = [(view.shape[0] - 1) * view.stride(0) * view.element_size() + view[0].nbytes for view in caches.values()]
+    reservation = torch.full((sum(sizes) + gap * len(sizes),), 0x5A, dtype=torch.uint8)
+    views, gaps, start = {}, [], 0
+    for (name, view), size in zip(caches.items(), sizes, strict=True):
+        segment = torch.from_numpy(np.asarray(_Segment(reservation.data_ptr() + start, size, reservation)))
+        segment.zero_()
+        views[name] = segment.view(view.dtype).as_strided(view.shape, view.stride())
+        gaps.append(reservation[start + size : start + size + gap])
+        start += size + gap
+    return views, gaps
 
 
 class _Segment:
-    """``size`` bytes from ``view``'s first, for numpy; keeps ``view``'s allocation alive, as vLLM's
-    reservation stays mapped."""
+    """``size`` bytes at ``ptr``, for numpy; keeps ``owner`` alive, as vLLM's reservation stays mapped."""
 
-    def __init__(self, view: torch.Tensor, size: int) -> None:
-        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (view.data_ptr(), False), "version": 3}
-        self.view = view
+    def __init__(self, ptr: int, size: int, owner: torch.Tensor) -> None:
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+        self.owner = owner
 
 
 @dataclass
@@ -237,7 +241,7 @@ class Engine:
 
     def __init__(self, config: VllmConfig, kv_config: KVCacheConfig, segmented: bool = False) -> None:
         """``segmented``: the worker is given the caches as vLLM 0.34's extensible KV cache gives
-        them (``own_storages``) rather than views of one allocation."""
+        them (``own_storages``, half a page apart) rather than views of one allocation."""
         init_none_hash(sha256)
         self.config = config
         self.kv_config = kv_config
@@ -253,8 +257,9 @@ class Engine:
         self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_config)
         layout = config.cache_config.get_resolved_kv_cache_layout()
         self.caches = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
-        if segmented:
-            self.caches = own_storages(self.caches)
+        self.segment_gaps: list[torch.Tensor] = []
+        if segmented:  # half a page apart: copies move half pages
+            self.caches, self.segment_gaps = own_storages(self.caches, BLOCK * HEADS * HEAD_SIZE * 4)
         self.worker.register_kv_caches(self.caches)
         self.scheduler = config.scheduler_config.get_scheduler_cls()(  # AsyncScheduler when asynchronous
             vllm_config=config,
