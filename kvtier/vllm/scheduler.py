@@ -48,6 +48,8 @@ import itertools
 import logging
 import secrets
 import time
+from array import array
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -179,7 +181,7 @@ class KVTierScheduler:
         if lease is None:
             scope = self._scope(request)
             bound = token_bound(request)
-            tokens = request.all_token_ids  # vLLM's own list, not copied; up to the bound and one more
+            tokens = token_ids(request)  # up to the bound and one more
             keyed = tokens if bound is None else tokens[: bound + 1]  # (a match never covers its last token)
             lease = Lease(self.manager.create_cache(keyed, scope), bound, request.num_preemptions)
             self._leases[rid] = lease
@@ -230,7 +232,7 @@ class KVTierScheduler:
         since its first ask. True when none could and it may not: it is past that wait, or nothing
         stands in the way (its pages were found damaged, or its own pages fill host memory)."""
         self._reads = [read for read in self._reads if not read.done()]
-        tokens = request.all_token_ids[: lease.matched + 1]  # what the offer covers: read no block beyond
+        tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
         read = self.manager.prefetch_to_host(tokens, self._scope(request))
         if read is not None:
             self._reads.append(read)
@@ -586,6 +588,19 @@ def lora_identity(name: str, int_id: int, path: str) -> str:
 def _keyable(request: Request) -> bool:
     """Whether a request's KV starts out decided by its token ids (it has them, not prompt embeddings)."""
     return request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+
+
+def token_ids(request: Request) -> Sequence[int]:
+    """The request's token ids, for kvtier's keys (read at once, never kept). ``all_token_ids`` is
+    a read-only wrapper that yields them one by one (32K tokens: 0.64 ms over vLLM 0.34's
+    ``array('i')``, 0.31 ms over 0.33's list); what it wraps is read instead: 0.34's array copied at
+    once (a few us, then read through its buffer), 0.33's list as it is (read in C)."""
+    held = getattr(request, "_all_token_ids", None)
+    if isinstance(held, array):
+        return array(held.typecode, held)
+    if type(held) is list:
+        return held
+    return request.all_token_ids
 
 
 def token_bound(request: Request) -> int | None:

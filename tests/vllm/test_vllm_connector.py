@@ -16,10 +16,12 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 or 0.34 (bash .ci/vllm_env.sh)")
 
-from vllm.v1.request import RequestStatus
+from vllm import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from kvtier.tiering import disk_write_behind, host_prefetch, mover
 from kvtier.vllm import settings
+from kvtier.vllm.scheduler import token_ids
 from kvtier.vllm.transfer import Direction
 from tests.disk_speed import slow_disk_reads
 from tests.holding import hold
@@ -89,7 +91,8 @@ def first_step_of(e: Engine, rid: str) -> tuple[int, int]:
 @pytest.mark.parametrize("segmented", [False, True], ids=["one allocation", "a storage per layer"])
 def test_a_prefix_saved_by_one_request_is_loaded_by_the_next(tmp_path, async_scheduling, segmented):
     """Also with the caches given as vLLM 0.34's extensible KV cache gives them (a storage per
-    layer), which the worker refused before ("the KV caches live in 3 allocations")."""
+    layer, the storages' starts off page boundaries), which the worker refused before ("the KV
+    caches live in 3 allocations"); nothing is written between the storages."""
     e = engine(tmp_path, async_scheduling=async_scheduling, segmented=segmented)
     shared = prompt(1, 100)
     e.add("r1", shared, max_tokens=4)
@@ -110,13 +113,15 @@ def test_a_prefix_saved_by_one_request_is_loaded_by_the_next(tmp_path, async_sch
     assert e.blocks_bytes("r2", 5) == [b for i, b in enumerate(written) if i % 6 < 5]
     e.run()
     assert e.kv_scheduler.manager.stats().hit_tokens["primary"] == 80
+    assert all(bool((gap == 0x5A).all()) for gap in e.segment_gaps)
     e.assert_no_leaks()
     e.shutdown()
 
 
 def test_after_vllm_sleeps_and_wakes_a_prefix_saved_before_is_loaded(tmp_path):
     """vLLM's sleep unregisters the KV caches, unmaps them (their contents lost) and maps them again
-    at the same addresses on wake-up; kvtier's host pages still serve the prefix."""
+    at the same addresses on wake-up; kvtier's host pages still serve the prefix. (vLLM's pause
+    before it resets the connector unless ``reset_connector=False``: a new weights epoch then.)"""
     e = engine(tmp_path, segmented=True)
     shared = prompt(3, 100)
     e.add("r1", shared, max_tokens=2)
@@ -252,6 +257,17 @@ def test_recompute_when_faster_weighs_with_the_prefill_rate_the_worker_measures(
 
 def disk_bytes_read(e: Engine) -> int:
     return sum(n for edge, n in e.kv_scheduler.manager.stats().bytes_copied.items() if edge.startswith("disk->"))
+
+
+def test_the_token_ids_kvtier_reads_are_the_requests_own_prompt_and_output():
+    """Read behind vLLM's read-only wrapper (an ``array('i')`` in 0.34, a list in 0.33): the same
+    ids, and never an object vLLM appends to later where it is an array."""
+    request = Request("r", list(range(7, 47)), SamplingParams(max_tokens=4), None, 0)
+    request.append_output_token_ids([3, 9])
+    ids = token_ids(request)
+    assert list(ids) == list(request.all_token_ids) == [*range(7, 47), 3, 9]
+    request.append_output_token_ids(5)  # (an array vLLM holds while its buffer is read cannot grow)
+    assert list(token_ids(request))[-3:] == [3, 9, 5]
 
 
 def test_a_request_for_prompt_logprobs_reads_nothing_waits_for_nothing_and_is_saved(tmp_path):
