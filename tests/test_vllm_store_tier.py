@@ -64,6 +64,23 @@ def test_a_run_of_stored_blocks_is_counted_and_a_cold_prompt_costs_one_small_che
     tier.close()
 
 
+@pytest.mark.parametrize("as_array", [False, True], ids=["list", "array('i')"])
+def test_keys_extended_a_few_blocks_at_a_time_are_the_keys_of_the_whole_chain(as_array):
+    """A request's keys grow with it (``upto`` at each step); they are the keys the store's other
+    users compute for the same blocks in one go (``block_chain``)."""
+    from array import array
+
+    from kvtier.reuse.block_keys import block_chain
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 2**31, 403).tolist()
+    scope = ReuseScope(salt="tenant")
+    chain = BlockChain(scope)
+    given = array("i", tokens) if as_array else tokens
+    for count in (0, 1, 1, 7, 30, 100, 100):
+        assert chain.upto(given, TPB, count) == block_chain(tokens, scope, TPB, count)
+
+
 def test_a_store_url_of_another_scheme_is_refused_without_its_password():
     """vLLM logs a connector's error at start-up: a mistyped scheme must not put the password there."""
     with pytest.raises(ValueError, match="must start with one of") as refused:

@@ -33,10 +33,16 @@ def block_chain(
     tokens: Sequence[int], scope: ReuseScope, tokens_per_block: int, count: int, namespace: bytes = b""
 ) -> list[bytes]:
     """The chained keys of the first ``count`` full blocks of ``tokens`` under ``scope``'s root."""
-    data = encode_tokens(as_token_array(tokens[: count * tokens_per_block]))
+    return chain_from(scope_key(scope, namespace), tokens[: count * tokens_per_block], tokens_per_block)
+
+
+def chain_from(parent_key: bytes, tokens: Sequence[int], tokens_per_block: int) -> list[bytes]:
+    """The chained keys of the full blocks of ``tokens``, the first block's parent ``parent_key``
+    (the tokens converted once, not per block)."""
+    data = encode_tokens(as_token_array(tokens))
     step = tokens_per_block * TOKEN_BYTES
-    keys, parent = [], scope_key(scope, namespace)
-    for b in range(count):
+    keys, parent = [], parent_key
+    for b in range(len(data) // step):
         parent = block_key(parent, data[b * step : (b + 1) * step])
         keys.append(parent)
     return keys

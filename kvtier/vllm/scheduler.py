@@ -191,7 +191,7 @@ class KVTierScheduler:
                 limit = (request.num_tokens - 1) // self._tpb  # a hit never covers the last token
                 if bound is not None:
                     limit = min(limit, bound // self._tpb)
-                keys = chain.upto(request.all_token_ids, self._tpb, limit)[lease.matched // self._tpb :]
+                keys = chain.upto(token_ids(request), self._tpb, limit)[lease.matched // self._tpb :]
                 lease.store_blocks = self._store.present(chain, keys)
                 if lease.matched + lease.store_blocks * self._tpb <= num_computed_tokens:
                     lease.store_blocks = 0  # vLLM has them itself: not worth a wait
@@ -404,7 +404,7 @@ class KVTierScheduler:
         lease.plan_save(job.job_id, list(request.all_token_ids[start : stop * tpb]))
         if self._store is not None:
             chain = self._chain(rid, request)
-            keys = chain.upto(request.all_token_ids, tpb, stop)[first:stop]
+            keys = chain.upto(token_ids(request), tpb, stop)[first:stop]
             slots = [lease.host_slots(plan.group_id, first, stop) for plan in self.plan.groups]
             self._put_plans[job.job_id] = (chain, keys, slots)
         self._jobs[job.job_id] = (lease, Direction.SAVE)

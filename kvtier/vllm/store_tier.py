@@ -33,8 +33,7 @@ from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RedisStore
 from kvtier.connector.redis_urls import redact_url
 from kvtier.connector.store import BlockStore
-from kvtier.reuse.block_keys import block_key, scope_key
-from kvtier.reuse.tokens import as_token_array, encode_tokens
+from kvtier.reuse.block_keys import chain_from, scope_key
 
 REDIS_SCHEMES = ("redis", "rediss", "redis-cluster", "redis-sentinel")
 FIRST_PROBE = 8  # blocks checked before the rest of a request's blocks are
@@ -77,11 +76,12 @@ class BlockChain:
 
     def upto(self, tokens: Sequence[int], tokens_per_block: int, count: int) -> list[bytes]:
         """The keys of the first ``count`` full blocks of ``tokens``."""
-        parent = self.keys[-1] if self.keys else scope_key(self.scope)
-        for b in range(len(self.keys), count):
-            block = tokens[b * tokens_per_block : (b + 1) * tokens_per_block]
-            parent = block_key(parent, encode_tokens(as_token_array(list(block))))
-            self.keys.append(parent)
+        start = len(self.keys)
+        if count > start:
+            parent = self.keys[-1] if self.keys else scope_key(self.scope)
+            self.keys += chain_from(
+                parent, tokens[start * tokens_per_block : count * tokens_per_block], tokens_per_block
+            )
         return self.keys[:count]
 
 
