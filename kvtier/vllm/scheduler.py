@@ -230,15 +230,21 @@ class KVTierScheduler:
         started, or when none could and it may still wait: another read has its pages, or host
         memory has no room that other requests may free, and less than ``disk_read_wait_s`` passed
         since its first ask. True when none could and it may not: it is past that wait, or nothing
-        stands in the way (its pages were found damaged, or its own pages fill host memory)."""
+        stands in the way (its pages were found damaged, or its own pages fill host memory). True
+        too, past that wait, for a read again: pages its last read brought left host memory before
+        its ask saw them (other requests' reads took the room), which could go on for ever."""
         self._reads = [read for read in self._reads if not read.done()]
+        past_wait = time.monotonic() - lease.created >= self._disk_read_wait_s
+        if lease.reads_started and past_wait:
+            return True
         tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
         read = self.manager.prefetch_to_host(tokens, self._scope(request))
         if read is not None:
             self._reads.append(read)
             lease.reads = [read]
+            lease.reads_started += 1
             return False
-        if time.monotonic() - lease.created >= self._disk_read_wait_s:
+        if past_wait:
             return True
         if self._reads:
             return False

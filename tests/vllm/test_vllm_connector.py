@@ -435,6 +435,47 @@ def test_requests_sharing_a_disk_prefix_wait_for_the_one_read(tmp_path, monkeypa
     second.shutdown()
 
 
+def test_a_request_whose_read_pages_keep_leaving_host_memory_stops_reading_after_its_wait(tmp_path):
+    """Pages a request's read brought to host memory are pushed back to disk before its next ask
+    sees them, step after step (other requests' pages take the room; seen with two requests over
+    a small host memory). After ``disk_read_wait_s`` it reads no more and recomputes what is on
+    disk. Before, it started a new read at every ask, for ever."""
+    shared = prefix_on_disk(tmp_path, 13)
+    e = host_pages_engine(tmp_path, 8, disk_read_wait_s=0.3)
+    manager = e.kv_scheduler.manager
+    reads = []
+    start_read = manager.prefetch_to_host
+
+    def counted(tokens, scope):
+        read = start_read(tokens, scope)
+        reads.append(read is not None)
+        return read
+
+    manager.prefetch_to_host = counted
+    e.poison()
+    e.add("r2", [*shared, 1], max_tokens=2)
+    began = time.monotonic()
+    junk = 0
+    while "r2" not in {r for step in e.log for r in step.computed}:
+        assert time.monotonic() - began < 10, f"r2 still waits after {sum(reads)} reads"
+        e.step()
+        time.sleep(0.02)
+        for blocks in range(8, 0, -1):  # other pages, as many as host memory can take (its pages not read)
+            junk += 1
+            tokens = prompt(1000 + junk, blocks * BLOCK)
+            cache = manager.create_cache(tokens)
+            if cache.resume() and cache.resize(len(tokens)):
+                cache.commit(tokens)
+                cache.close()
+                break
+            cache.close()
+    assert sum(reads) >= 2  # it read again at least once
+    e.run()
+    assert e.outputs["r2"]
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_a_request_waits_for_another_requests_read_only_so_long(tmp_path, monkeypatch):
     """The read that has a request's pages is another request's and takes longer than
     ``disk_read_wait_s``: the request stops waiting, recomputes its prefix and finishes while
