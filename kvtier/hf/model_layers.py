@@ -195,14 +195,10 @@ def transformers_version() -> str:
 
 
 def attention_implementation(model: torch.nn.Module) -> str | None:
-    """The attention kernels the model runs (``eager``, ``sdpa``, ...), and the hub kernels when it
-    uses them (``use_kernels``, on by default from transformers 5.25 where the ``kernels`` package is
-    installed; ``kernels_mode``): their keys and values differ in the last bits, so pages of one are
-    not served to calls of another."""
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if getattr(model, "use_kernels", False):
-        return f"{implementation}+kernels-{getattr(model, 'kernels_mode', None)}"
-    return implementation
+    """The attention kernels the model runs (``eager``, ``sdpa``, ...): their keys and values
+    differ in the last bits, so pages of one are not served to calls of another. (The hub's kernels
+    are a call's numerics: ``kvtier.hf.numerics``.)"""
+    return getattr(model.config, "_attn_implementation", None)
 
 
 def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds: list[LayerKind]) -> None:

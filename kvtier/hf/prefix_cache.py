@@ -87,12 +87,12 @@ class PrefixCache:
     ``cache_config.device`` must be the model's device. ``model_id`` names the weights (default:
     ``kvtier.weights_fingerprint(model)`` with a fingerprint of the model's configuration, whose
     rotary settings decide keys too, transformers' version, whose model code computes them, and
-    the attention implementation and any hub kernels, which do), so pages are only ever served to the same
+    the attention implementation, whose kernels do), so pages are only ever served to the same
     model computed the same way; a later change of the model's weights in place (an optimizer
     step, ``load_state_dict``, a PEFT adapter merged while a call saw it), of its configuration or
     of its attention implementation makes ``generate`` raise ``CacheStateError``
     (``kvtier.weights.WeightWatch``): build a new PrefixCache for the new weights. A call under
-    ``torch.autocast`` (or TF32 matmuls on CUDA) reuses and saves in a scope of its own
+    ``torch.autocast`` (or TF32 matmuls on CUDA, or with the hub's kernels) reuses and saves in a scope of its own
     (``kvtier.hf.numerics``). Not noticed: other writes through
     ``tensor.data`` (torch does not count them; an adapter injected and merged between two calls)
     and modules swapped in after construction (``set_input_embeddings``); after those, build a
@@ -291,7 +291,7 @@ class PrefixCache:
             if self._zero_types_matter is None and kwargs.get("token_type_ids") is not None:
                 self._zero_types_matter = zero_types_matter(self.model)  # once, at the first call with types
             scopes = [
-                typed_scope(with_numerics(scope, mgr.device), kwargs, bool(self._zero_types_matter))
+                typed_scope(with_numerics(scope, mgr.device, self.model), kwargs, bool(self._zero_types_matter))
                 for scope in self._scopes.for_rows(len(pads), kwargs)
             ]
             bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)

@@ -144,12 +144,13 @@ def test_pages_of_one_attention_implementation_are_never_served_to_another(tmp_p
         assert pc.last_reused_tokens == [40]
 
 
-def test_pages_computed_with_hub_kernels_are_never_served_to_a_model_without_them(tmp_path):
+def test_pages_computed_with_hub_kernels_are_served_only_to_calls_with_the_same_kernels(tmp_path):
     """From transformers 5.25 ``from_pretrained`` turns the hub's kernels on where the ``kernels``
-    package is installed (``model.use_kernels``). Two processes on one disk directory, one with them
-    and one without, compute keys and values with other kernels: another model_id on disk, and
-    kernels switched under a PrefixCache are refused. Before, they shared pages. (The flag is set as
-    transformers sets it, the ``kernels`` package being absent here.)"""
+    package is installed (``model.use_kernels``), in a mode ``train()`` and ``eval()`` switch. Pages
+    computed with them are another scope: a process without them on the same disk directory
+    never reads them, nor a call in the other mode, and switching kernels or mode under a
+    PrefixCache is no error. Before, processes with and without shared pages. (The flags are set as
+    transformers sets them, so that no kernel is fetched from the hub.)"""
     prompt = tokens(torch.Generator().manual_seed(11), 40)
     reused = []
     for kernels in (False, True, False):
@@ -160,10 +161,16 @@ def test_pages_computed_with_hub_kernels_are_never_served_to_a_model_without_the
             reused.append(pc.last_reused_tokens[0])
     assert reused == [0, 0, 40]  # the third finds the first's pages on disk
     with PrefixCache(model, tiers_config(model, 60)) as pc:
-        greedy(pc.generate, prompt)
-        model._use_kernels = True
-        with pytest.raises(CacheStateError, match="attention implementation changed"):
-            greedy(pc.generate, [*prompt, 1])
+        assert torch.equal(greedy(pc.generate, prompt), greedy(model.generate, prompt))
+        model._use_kernels, model._kernels_mode = True, "inference"
+        assert torch.equal(greedy(pc.generate, [*prompt, 1]), greedy(model.generate, [*prompt, 1]))
+        assert pc.last_reused_tokens == [0]  # the plain call's pages are not the kernels'
+        model._kernels_mode = "training"
+        greedy(pc.generate, [*prompt, 2])
+        assert pc.last_reused_tokens == [0]
+        model._kernels_mode = "inference"
+        greedy(pc.generate, [*prompt, 3])
+        assert pc.last_reused_tokens == [40]
 
 
 def test_pages_computed_under_autocast_are_served_only_to_calls_under_the_same_autocast():
