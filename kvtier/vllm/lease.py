@@ -62,8 +62,8 @@ class Lease:
         "planned",
         "preemptions",
         "puts",
+        "read_from",
         "reads",
-        "reads_started",
         "saves",
         "saving",
         "state",
@@ -89,7 +89,7 @@ class Lease:
         self.store_pages: list[list[bytes]] = []  # per block, per group, the pages fetched
         self.store_tokens = 0  # tokens the store actually supplied
         self.reads: list[HostPrefetch] = []  # background reads bringing the prefix's disk pages to host memory
-        self.reads_started = 0  # of them, since the lease was made
+        self.read_from: int | None = None  # tokens in memory when its last read started (None: none did)
         self.created = time.monotonic()
         self._commits: deque[_Commit] = deque()
 

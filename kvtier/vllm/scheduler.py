@@ -231,18 +231,21 @@ class KVTierScheduler:
         memory has no room that other requests may free, and less than ``disk_read_wait_s`` passed
         since its first ask. True when none could and it may not: it is past that wait, or nothing
         stands in the way (its pages were found damaged, or its own pages fill host memory). True
-        too, past that wait, for a read again: pages its last read brought left host memory before
-        its ask saw them (other requests' reads took the room), which could go on for ever."""
+        too, past that wait, for a read that would follow one that brought no more of the prefix
+        into host memory than there was when it started: its pages left again before its ask saw
+        them (other requests' reads took the room), which could go on for ever. A read that did
+        bring more (it read what room there was) is followed by the next, wait or not."""
         self._reads = [read for read in self._reads if not read.done()]
         past_wait = time.monotonic() - lease.created >= self._disk_read_wait_s
-        if lease.reads_started and past_wait:
+        in_memory = lease.cache.reused_in_memory
+        if past_wait and lease.read_from is not None and in_memory <= lease.read_from:
             return True
         tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
         read = self.manager.prefetch_to_host(tokens, self._scope(request))
         if read is not None:
             self._reads.append(read)
             lease.reads = [read]
-            lease.reads_started += 1
+            lease.read_from = in_memory
             return False
         if past_wait:
             return True

@@ -476,6 +476,33 @@ def test_a_request_whose_read_pages_keep_leaving_host_memory_stops_reading_after
     e.shutdown()
 
 
+def test_a_read_that_brought_what_room_there_was_is_followed_by_the_next_past_the_wait(tmp_path, monkeypatch):
+    """Host memory has room for 3 of a 7-block prefix (another request's cache holds 5 of 8 pages),
+    and the request's read takes longer than ``disk_read_wait_s``; the other lets go meanwhile.
+    The read brought more of the prefix than there was, so the next reads the rest: all 7 blocks
+    load. (Bounding reads that bring nothing to stay must not cost this.)"""
+    shared = prefix_on_disk(tmp_path, 13)
+    e = host_pages_engine(tmp_path, 8, disk_read_wait_s=0.3)
+    manager = e.kv_scheduler.manager
+    other = prompt(999, 5 * BLOCK)
+    holder = manager.create_cache(other)
+    assert holder.resume() and holder.resize(len(other))
+    holder.commit(other)
+    started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
+    e.poison()
+    e.add("r2", [*shared, 1], max_tokens=2)
+    e.step()
+    assert started.wait(10)
+    time.sleep(0.4)  # past the wait, the read still running
+    holder.close()
+    release.set()
+    e.run()
+    assert first_step_of(e, "r2")[0] == 7 * BLOCK
+    assert manager.stats().recomputed_tokens == 0
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_a_request_waits_for_another_requests_read_only_so_long(tmp_path, monkeypatch):
     """The read that has a request's pages is another request's and takes longer than
     ``disk_read_wait_s``: the request stops waiting, recomputes its prefix and finishes while
