@@ -191,7 +191,7 @@ class KVTierScheduler:
                 limit = (request.num_tokens - 1) // self._tpb  # a hit never covers the last token
                 if bound is not None:
                     limit = min(limit, bound // self._tpb)
-                keys = chain.upto(token_ids(request), self._tpb, limit)[lease.matched // self._tpb :]
+                keys = chain.upto(tokens, self._tpb, limit)[lease.matched // self._tpb :]
                 lease.store_blocks = self._store.present(chain, keys)
                 if lease.matched + lease.store_blocks * self._tpb <= num_computed_tokens:
                     lease.store_blocks = 0  # vLLM has them itself: not worth a wait
@@ -213,7 +213,8 @@ class KVTierScheduler:
             if lease.reads:
                 lease.reads = []
                 self.manager.maintain()  # lands the pages read
-            if lease.cache.reused_in_memory == lease.matched or self._gave_up_reading(request, lease):
+            in_memory = lease.cache.reused_in_memory
+            if in_memory == lease.matched or self._gave_up_reading(request, lease, in_memory):
                 break  # what is still on disk is recomputed
             if not lease.reads:
                 return None, False  # another read has its pages, or host memory has no room: asked again next step
@@ -224,9 +225,10 @@ class KVTierScheduler:
         offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
 
-    def _gave_up_reading(self, request: Request, lease: Lease) -> bool:
-        """Start reading the request's cached pages still on disk into host memory on the manager's
-        background thread (the lease waits for that read: ``lease.reads``). False when one
+    def _gave_up_reading(self, request: Request, lease: Lease, in_memory: int) -> bool:
+        """Start reading the request's cached pages still on disk (past the ``in_memory`` tokens of
+        its ``reused_in_memory``) into host memory on the manager's background thread (the lease
+        waits for that read: ``lease.reads``). False when one
         started, or when none could and it may still wait: another read has its pages, or host
         memory has no room that other requests may free, and less than ``disk_read_wait_s`` passed
         since its first ask. True when none could and it may not: it is past that wait, or nothing
@@ -237,7 +239,6 @@ class KVTierScheduler:
         bring more (it read what room there was) is followed by the next, wait or not."""
         self._reads = [read for read in self._reads if not read.done()]
         past_wait = time.monotonic() - lease.created >= self._disk_read_wait_s
-        in_memory = lease.cache.reused_in_memory
         if past_wait and lease.read_from is not None and in_memory <= lease.read_from:
             return True
         tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
