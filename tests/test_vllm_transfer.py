@@ -20,6 +20,7 @@ from kvtier.vllm.transfer import (
     copy_pairs,
     route_groups,
 )
+from tests.memory_at import bytes_at
 
 LAYERS, BLOCKS, HEADS, TOKENS, CONTENT = 4, 24, 2, 16, 32  # float32: a 4 KiB page per layer and block
 PAGE = HEADS * TOKENS * CONTENT * 4
@@ -188,14 +189,6 @@ def test_large_calls_go_to_the_bulk_copier_and_stay_exact(monkeypatch):
         assert [pages[slot, k].tobytes() for k in range(LAYERS)] == [block_bytes(v, block) for v in views.values()]
 
 
-class Segment:
-    """``size`` bytes at ``ptr`` of the CPU, for numpy; holds ``owner`` (the memory) alive."""
-
-    def __init__(self, ptr: int, size: int, owner: object) -> None:
-        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
-        self.owner = owner
-
-
 def padded(size: int, granule: int) -> int:
     return -(-size // granule) * granule
 
@@ -215,7 +208,7 @@ def test_layers_each_with_a_storage_of_their_own_move_every_byte_and_nothing_bet
     segment_bytes = padded(BLOCKS * page + 1, granule)  # room past the blocks, as vLLM reserves
     reservation = torch.randint(1, 256, (LAYERS * segment_bytes,), dtype=torch.uint8)
     segments = [
-        torch.from_numpy(np.asarray(Segment(reservation.data_ptr() + k * segment_bytes, BLOCKS * page, reservation)))
+        bytes_at(reservation.data_ptr() + k * segment_bytes, BLOCKS * page, reservation.device, reservation)
         for k in range(LAYERS)
     ]
     views = {
@@ -295,10 +288,7 @@ def test_segments_of_one_reserved_device_range_with_unmapped_gaps_between_them(h
             handles.append(handle)
             check(driver.cuMemMap(base + k * segment_bytes, committed, 0, handle, 0))
             check(driver.cuMemSetAccess(base + k * segment_bytes, committed, [access], 1))
-        segments = [
-            torch.as_tensor(DeviceSegment(base + k * segment_bytes, BLOCKS * page), device=device)
-            for k in range(LAYERS)
-        ]
+        segments = [bytes_at(base + k * segment_bytes, BLOCKS * page, device) for k in range(LAYERS)]
         for segment in segments:
             segment.copy_(torch.randint(1, 256, segment.shape, dtype=torch.uint8, device=device))
         views = {
@@ -332,10 +322,3 @@ def test_segments_of_one_reserved_device_range_with_unmapped_gaps_between_them(h
 def page_of(view: torch.Tensor, block: int) -> bytes:
     """One layer's block as bytes, whatever its page size."""
     return view[block].contiguous().view(torch.uint8).cpu().numpy().tobytes()
-
-
-class DeviceSegment:
-    """``size`` bytes of device memory at ``ptr``, for ``torch.as_tensor`` (which does not own them)."""
-
-    def __init__(self, ptr: int, size: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}

@@ -54,6 +54,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvtier.vllm import KVTierConnector
+from tests.memory_at import bytes_at
 
 # vLLM 0.33's model runner output maps request ids to rows; 0.34's rows follow ``req_ids``.
 _INDEXED_OUTPUT = "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__
@@ -209,20 +210,12 @@ def own_storages(caches: dict[str, torch.Tensor], gap: int) -> tuple[dict[str, t
     reservation = torch.full((sum(sizes) + gap * len(sizes),), 0x5A, dtype=torch.uint8)
     views, gaps, start = {}, [], 0
     for (name, view), size in zip(caches.items(), sizes, strict=True):
-        segment = torch.from_numpy(np.asarray(_Segment(reservation.data_ptr() + start, size, reservation)))
+        segment = bytes_at(reservation.data_ptr() + start, size, reservation.device, reservation)
         segment.zero_()
         views[name] = segment.view(view.dtype).as_strided(view.shape, view.stride())
         gaps.append(reservation[start + size : start + size + gap])
         start += size + gap
     return views, gaps
-
-
-class _Segment:
-    """``size`` bytes at ``ptr``, for numpy; keeps ``owner`` alive, as vLLM's reservation stays mapped."""
-
-    def __init__(self, ptr: int, size: int, owner: torch.Tensor) -> None:
-        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
-        self.owner = owner
 
 
 @dataclass
