@@ -139,7 +139,8 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
             f"{type(model).__name__} has no attention layer (only {sorted({k.value for k in kinds})}); "
             "generate() cannot resume such a cache from a prefix"
         )
-    argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    _refuse_prompt_learning(model)
+    argument = cache_argument(model)
     _run_probe(model, probe, argument, kinds)
     with torch.no_grad(), evaluating(model):
         padding = padding_difference(model, argument, _first_attention(kinds))
@@ -199,6 +200,33 @@ def attention_implementation(model: torch.nn.Module) -> str | None:
     differ in the last bits, so pages of one are not served to calls of another. (The hub's kernels
     are a call's numerics: ``kvtier.hf.numerics``.)"""
     return getattr(model.config, "_attn_implementation", None)
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name ``model``'s forward and ``generate`` take a cache by: ``cache`` where its forward
+    names it (transformers' name since ``past_key_values`` was deprecated), else ``past_key_values``.
+    A PEFT model's forward takes ``**kwargs`` and hands them to the model it wraps
+    (``get_base_model()``), whose forward names it: passing the old name there warns, and fails
+    once transformers drops it."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
+def _refuse_prompt_learning(model: torch.nn.Module) -> None:
+    """``NotImplementedError`` for a PEFT model with a prompt-learning adapter (prefix tuning,
+    prompt tuning, P-tuning): it feeds virtual tokens or keys of its own into every forward, which
+    no page of kvtier holds. PEFT refuses to add an adapter of another type to such a model later."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return
+    prompts = {name: c for name, c in configs.items() if getattr(c, "is_prompt_learning", False)}
+    if prompts:
+        named = ", ".join(f"{name!r} ({getattr(c.peft_type, 'value', c.peft_type)})" for name, c in prompts.items())
+        raise NotImplementedError(
+            f"{type(model).__name__} has a PEFT prompt-learning adapter: {named}; it feeds virtual tokens of its "
+            "own (prefix tuning, prompt tuning, P-tuning) into every forward, which kvtier cannot page (adapters "
+            "that change the layers' weights, such as LoRA, are served)"
+        )
 
 
 def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds: list[LayerKind]) -> None:

@@ -169,12 +169,33 @@ def test_an_adapter_merged_into_the_weights_after_a_call_saw_it_is_a_weight_chan
     assert merged is base
 
 
-def test_prefix_tuning_is_refused_by_name():
-    """Before: ``TypeError: 'NoneType' object is not subscriptable`` from the padding probe: prefix
-    tuning feeds keys of its own and leaves the cache it is given empty."""
-    model = peft.get_peft_model(
-        tiny_model("llama"), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5)
-    )
+@pytest.mark.parametrize(
+    "config",
+    [
+        peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5),
+        peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5),
+        peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=5, encoder_hidden_size=16),
+    ],
+    ids=["prefix", "prompt", "p-tuning"],
+)
+def test_prompt_learning_adapters_are_refused_by_name(config):
+    """They feed virtual tokens of their own. Before: prefix tuning was refused for a cache left
+    unwritten (``TypeError`` from the padding probe before that), prompt tuning for the positions
+    its virtual tokens add, naming neither."""
+    model = peft.get_peft_model(tiny_model("llama"), config)
     model.eval()
-    with pytest.raises(NotImplementedError, match=r"did not write layer 0 .* prefix tuning"):
-        PrefixCache(model, tiers_config(model.base_model, blocks=20))
+    with pytest.raises(NotImplementedError, match=rf"prompt-learning adapter: 'default' \({config.peft_type.value}\)"):
+        PrefixCache(model, tiers_config(model.get_base_model(), blocks=20))
+
+
+def test_a_peft_model_is_given_its_cache_by_the_name_the_wrapped_model_takes(recwarn):
+    """A PEFT model's forward takes ``**kwargs``; the model it wraps names its cache ``cache``.
+    Before, kvtier passed ``past_key_values``: a FutureWarning on every forward (transformers 5.25
+    drops the name from ``forward`` in 5.40, when the cache would no longer reach the model)."""
+    model = peft.get_peft_model(tiny_model("llama"), lora(6))
+    model.eval()
+    prompt = tokens(torch.Generator().manual_seed(5), 40)
+    with PrefixCache(model, tiers_config(model.get_base_model(), blocks=60)) as pc:
+        assert both(model, pc, prompt) == 0
+        assert both(model, pc, [*prompt, 1]) == 40
+    assert not [w for w in recwarn if "past_key_values" in str(w.message)]
