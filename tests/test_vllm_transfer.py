@@ -17,10 +17,10 @@ from kvtier.vllm.transfer import (
     GroupBlocks,
     GroupPlan,
     TransferJob,
+    bytes_at,
     copy_pairs,
     route_groups,
 )
-from tests.memory_at import bytes_at
 
 LAYERS, BLOCKS, HEADS, TOKENS, CONTENT = 4, 24, 2, 16, 32  # float32: a 4 KiB page per layer and block
 PAGE = HEADS * TOKENS * CONTENT * 4

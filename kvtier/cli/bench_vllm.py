@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paths", default="auto,kernel", help=f"copier paths, comma-separated, of {PATHS}")
     parser.add_argument("--iters", type=at_least(1), default=15, help="timed jobs per measurement (median of these)")
     parser.add_argument("--link-gbps", type=positive, default=55.0, help="the host link's bandwidth, for the share")
+    parser.add_argument(
+        "--segment-granule",
+        type=at_least(0),
+        default=0,
+        help="start each layer's blocks on a multiple of this many bytes, as vLLM 0.34's extensible KV cache "
+        "maps each layer (0, the default: one allocation, layers back to back; layer-major layouts only)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     paths = args.paths.split(",")
     if any(p not in PATHS for p in paths) or min(sizes) < 1 or args.iters < 5:
         print(f"--paths must name {PATHS}, --blocks be >= 1 and --iters >= 5")
+        return 2
+    if args.segment_granule and args.layout == "BLNHC":
+        print("--segment-granule needs a layer-major layout (a layer's blocks in one range): LBNHC or LBHNC")
         return 2
     bench = _Bench(args, max(sizes))
     rows = []
@@ -78,7 +88,7 @@ class _Bench:
         from kvtier.copy import CopyPolicy, PageCopier
         from kvtier.storage.pinned import allocate_host_buffer
         from kvtier.vllm.paged_views import paged_layer_views
-        from kvtier.vllm.transfer import KERNEL_ONLY, BlockTransfer, GroupPlan, route_groups
+        from kvtier.vllm.transfer import KERNEL_ONLY, BlockTransfer, GroupPlan, bytes_at, route_groups
 
         self.torch, self.np = torch, np
         self.iters = args.iters
@@ -89,10 +99,21 @@ class _Bench:
         self.layers = layers
         self.num_blocks = 2 * max_blocks  # jobs pick scattered blocks out of twice as many
         self.slots = max_blocks
-        raw = torch.empty(layers * self.num_blocks * self.page, dtype=torch.uint8, device=device)
+        layer_bytes = self.num_blocks * self.page
+        granule = args.segment_granule
+        segment = -(-layer_bytes // granule) * granule if granule else layer_bytes
+        raw = torch.empty(layers * segment, dtype=torch.uint8, device=device)
         for chunk in raw.split(GiB):
             chunk.random_(1, 256)
-        views = paged_layer_views(raw, layers, self.num_blocks, heads, tokens, 2 * dim, torch.bfloat16, args.layout)
+        if granule:  # a layer a storage of its own, padded to the granule: it may start off page boundaries
+            base = raw.data_ptr()
+            segments = [bytes_at(base + i * segment, layer_bytes, device, raw) for i in range(layers)]
+            views = [
+                paged_layer_views(seg, 1, self.num_blocks, heads, tokens, 2 * dim, torch.bfloat16, args.layout)[0]
+                for seg in segments
+            ]
+        else:
+            views = paged_layer_views(raw, layers, self.num_blocks, heads, tokens, 2 * dim, torch.bfloat16, args.layout)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         plan = GroupPlan(0, tuple(names), (0,), (0,) * layers, self.page)
         allocation, (self.route,) = route_groups([plan], dict(zip(names, views, strict=True)), self.num_blocks)
@@ -121,6 +142,8 @@ class _Bench:
             "layout": args.layout,
             "page_bytes": self.page,
             "host_page_bytes": plan.host_page_bytes,
+            "segment_granule": granule,
+            "unit_bytes": self.route.unit_bytes,
         }
         torch.cuda.synchronize()
 
@@ -161,7 +184,7 @@ class _Bench:
         copier = transfer.copier
         if transfer.bulk_copier is not None and n * self.layers >= BULK_COPIES:
             copier = transfer.bulk_copier
-        chosen = copier.policy.choose(self.page, coherent_link=copier.link.coherent)
+        chosen = copier.policy.choose(self.route.unit_bytes, coherent_link=copier.link.coherent)
         return {
             "path": path,
             "chosen": chosen,
@@ -200,6 +223,11 @@ def _print(report: dict[str, Any], link_gbps: float) -> None:
         f"head dim {shape['head_dim']}, {shape['dtype']}, block {shape['block_size']}, layout {shape['layout']} "
         f"({shape['page_bytes'] // 1024} KiB per layer and block)"
     )
+    if shape["segment_granule"]:
+        print(
+            f"each layer in a segment of its own, padded to {shape['segment_granule']} bytes: "
+            f"a block copies as {shape['page_bytes'] // shape['unit_bytes']} units of {shape['unit_bytes']} bytes"
+        )
     print(
         f"{'path':<18}{'dir':<6}{'blocks':>7}{'MiB':>8}{'GPU ms':>9}{'GB/s':>8}{'of link':>9}{'submit us':>11}  exact"
     )

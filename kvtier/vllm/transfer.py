@@ -219,24 +219,26 @@ def device_span(views: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
     start = min(storages)
     end = max(ptr + storage.nbytes() for ptr, storage in storages.items())
-    return _bytes_at(start, end - start, device, list(storages.values()))
+    return bytes_at(start, end - start, device, list(storages.values()))
 
 
 class _Bytes:
     """Bytes ``[ptr, ptr + size)`` of one device, in the array interface torch (CUDA) or numpy (CPU)
-    reads; holds ``owners``, the storages of that memory, for as long as a tensor over it lives."""
+    reads; holds ``owner``, whatever keeps that memory alive, for as long as a tensor over it lives."""
 
-    def __init__(self, ptr: int, size: int, device: torch.device, owners: list[torch.UntypedStorage]) -> None:
+    def __init__(self, ptr: int, size: int, device: torch.device, owner: object) -> None:
         interface = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
         if device.type == "cuda":
             self.__cuda_array_interface__ = interface
         else:
             self.__array_interface__ = interface
-        self.owners = owners
+        self.owner = owner
 
 
-def _bytes_at(ptr: int, size: int, device: torch.device, owners: list[torch.UntypedStorage]) -> torch.Tensor:
-    memory = _Bytes(ptr, size, device, owners)
+def bytes_at(ptr: int, size: int, device: torch.device, owner: object = None) -> torch.Tensor:
+    """A flat uint8 tensor over ``size`` bytes at ``ptr`` of ``device`` (cuda or cpu), with a storage
+    of its own; it keeps ``owner`` (the storages of that memory) alive."""
+    memory = _Bytes(ptr, size, device, owner)
     if device.type == "cuda":
         return torch.as_tensor(memory, device=device)
     if device.type == "cpu":

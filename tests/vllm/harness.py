@@ -54,7 +54,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvtier.vllm import KVTierConnector
-from tests.memory_at import bytes_at
+from kvtier.vllm.transfer import bytes_at
 
 # vLLM 0.33's model runner output maps request ids to rows; 0.34's rows follow ``req_ids``.
 _INDEXED_OUTPUT = "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__
