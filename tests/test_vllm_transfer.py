@@ -92,10 +92,11 @@ def test_pairs_match_the_layout_formula():
     views, _ = caches("BLNHC")
     _, (route,) = route_groups([one_group(list(views))], views, BLOCKS)
     rows = GroupBlocks(0, np.array([2, 0], dtype=np.int64), np.array([[3], [8]], dtype=np.int64))
-    pairs = copy_pairs(route, rows, Direction.SAVE)
+    (phase,) = route.phases()
+    pairs = copy_pairs(phase, LAYERS, rows, Direction.SAVE)
     want = [(block * LAYERS + k, slot * LAYERS + k) for slot, block in ((2, 3), (0, 8)) for k in range(LAYERS)]
     assert pairs.tolist() == [list(p) for p in want]
-    assert copy_pairs(route, rows, Direction.LOAD).tolist() == [[d, s] for s, d in want]
+    assert copy_pairs(phase, LAYERS, rows, Direction.LOAD).tolist() == [[d, s] for s, d in want]
 
 
 def test_a_job_the_copier_refuses_fails_alone():
@@ -222,6 +223,9 @@ def test_layers_each_with_a_storage_of_their_own_move_every_byte_and_nothing_bet
     allocation, (route,) = route_groups([plan], views, BLOCKS)
     assert allocation.data_ptr() == reservation.data_ptr()
     assert route.unit_bytes == math.gcd(page, segment_bytes) and (route.unit_bytes < page) == (heads != 2)
+    phases = route.phases()  # a call each, of whole pages
+    assert sorted(np.concatenate([phase.layers for phase in phases]).tolist()) == list(range(LAYERS))
+    assert (len(phases) > 1) == (heads != 2)
     host = torch.zeros(SLOTS * plan.host_page_bytes, dtype=torch.uint8)
     transfer = BlockTransfer(allocation, [route], [host])
 

@@ -143,7 +143,7 @@ class _Bench:
             "page_bytes": self.page,
             "host_page_bytes": plan.host_page_bytes,
             "segment_granule": granule,
-            "unit_bytes": self.route.unit_bytes,
+            "phases": len(self.route.phases()),
         }
         torch.cuda.synchronize()
 
@@ -182,9 +182,10 @@ class _Bench:
         moved = n * self.layers * self.page
         gbps = moved / (ms / 1e3) / 1e9
         copier = transfer.copier
-        if transfer.bulk_copier is not None and n * self.layers >= BULK_COPIES:
+        widest = max(len(phase.layers) for phase in self.route.phases())  # the call of the most pages
+        if transfer.bulk_copier is not None and n * widest >= BULK_COPIES:
             copier = transfer.bulk_copier
-        chosen = copier.policy.choose(self.route.unit_bytes, coherent_link=copier.link.coherent)
+        chosen = copier.policy.choose(self.page, coherent_link=copier.link.coherent)
         return {
             "path": path,
             "chosen": chosen,
@@ -226,7 +227,7 @@ def _print(report: dict[str, Any], link_gbps: float) -> None:
     if shape["segment_granule"]:
         print(
             f"each layer in a segment of its own, padded to {shape['segment_granule']} bytes: "
-            f"a block copies as {shape['page_bytes'] // shape['unit_bytes']} units of {shape['unit_bytes']} bytes"
+            f"the layers' blocks start at {shape['phases']} offsets past page boundaries (a copy call each)"
         )
     print(
         f"{'path':<18}{'dir':<6}{'blocks':>7}{'MiB':>8}{'GPU ms':>9}{'GB/s':>8}{'of link':>9}{'submit us':>11}  exact"

@@ -8,8 +8,10 @@ kvtier host page of a layer group holds one block of every layer of the group, l
 layer ``k`` of host slot ``s`` is bytes ``[(s * L + k) * p, (s * L + k + 1) * p)`` of the group's
 host buffer (``L`` layers of ``p`` bytes, no padding). So a batch of blocks moves as one
 ``PageCopier`` call per layer group over ``p``-byte slots of both buffers, with pairs
-``(first[k] + block * stride[k], s * L + k)`` for every block and layer (``GroupRoute``: slots of a
-divisor of ``p`` where the storages' starts are not on page boundaries, a page's consecutive).
+``(first[k] + block * stride[k], s * L + k)`` for every block and layer. Where the storages' starts
+are not on page boundaries of the allocation (vLLM 0.34's padded segments), the layers fall into
+*phases*, by how far past a page boundary their blocks start (a multiple of ``GroupRoute.unit_bytes``):
+one call per phase, over the allocation from that phase's offset, so each page is still one pair.
 
 A job names, per layer group, the host slots of its blocks and, per *column*, the vLLM block ids
 of the same blocks (a kvtier group may gather layers from several vLLM KV cache groups, each with
@@ -79,10 +81,11 @@ class GroupPlan:
 class GroupRoute:
     """One kvtier layer group: its layers in host-page order, each found in the device allocation.
 
-    Copies move ``unit_bytes`` units, ``page_bytes // unit_bytes`` of them a page: the page itself
-    where every layer's blocks lie on page boundaries of the allocation, a divisor of it where the
-    allocation spans storages whose starts do not (vLLM 0.34 pads each layer's segment to its
-    memory granule, a power of two: a 12 KiB page copies as three 4 KiB units).
+    Layers are located in ``unit_bytes`` units: the page itself where every layer's blocks lie on
+    page boundaries of the allocation, a divisor of it where the allocation spans storages whose
+    starts do not (vLLM 0.34 pads each layer's segment to its memory granule, a power of two: a
+    12 KiB page's blocks may start 0, 4 or 8 KiB past a page boundary). Copies move whole pages,
+    one call per phase (``phases``).
     """
 
     group_id: int
@@ -94,6 +97,34 @@ class GroupRoute:
     @property
     def units_per_page(self) -> int:
         return self.page_bytes // self.unit_bytes
+
+    def phases(self) -> list[Phase]:
+        """The layers grouped by how many units past a page boundary their blocks start, in pages
+        of the allocation from that offset; one phase (offset 0) where every page is on a boundary."""
+        k = self.units_per_page
+        firsts = np.array([layer.first_unit for layer in self.layers], dtype=np.int64)
+        strides = np.array([layer.unit_stride for layer in self.layers], dtype=np.int64)
+        columns = np.array([layer.column for layer in self.layers], dtype=np.int64)
+        phases = []
+        for offset in sorted(set((firsts % k).tolist())):
+            mine = np.flatnonzero(firsts % k == offset)
+            phases.append(
+                Phase(offset * self.unit_bytes, mine, (firsts[mine] - offset) // k, strides[mine] // k, columns[mine])
+            )
+        return phases
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Phase:
+    """Layers of a route whose blocks start ``offset_bytes`` past a page boundary of the allocation:
+    layer ``layers[i]`` (its place in host pages) has block b at page ``first_page[i] + b *
+    page_stride[i]`` of the allocation from ``offset_bytes``, and reads column ``columns[i]``."""
+
+    offset_bytes: int
+    layers: np.ndarray
+    first_page: np.ndarray
+    page_stride: np.ndarray
+    columns: np.ndarray
 
 
 @dataclass(slots=True)
@@ -246,22 +277,15 @@ def bytes_at(ptr: int, size: int, device: torch.device, owner: object = None) ->
     raise ValueError(f"the KV caches' segments are on a {device.type} device; kvtier.vllm reads them on cuda or cpu")
 
 
-def copy_pairs(route: GroupRoute, blocks: GroupBlocks, direction: Direction) -> np.ndarray:
-    """The (src, dst) pairs of one group's blocks, in ``route.unit_bytes`` units of both buffers
-    (a page's units consecutive on both sides).
+def copy_pairs(phase: Phase, num_layers: int, blocks: GroupBlocks, direction: Direction) -> np.ndarray:
+    """The (src, dst) pairs of one group's blocks in the layers of ``phase`` (of a route of
+    ``num_layers`` layers), in pages of both buffers: the allocation's from ``phase.offset_bytes``,
+    the group's host buffer's.
 
     Vectorised over blocks and layers: no Python object per page.
     """
-    num_layers = len(route.layers)
-    first = np.array([layer.first_unit for layer in route.layers], dtype=np.int64)
-    stride = np.array([layer.unit_stride for layer in route.layers], dtype=np.int64)
-    column = np.array([layer.column for layer in route.layers], dtype=np.int64)
-    device = first[None, :] + blocks.device_blocks[:, column] * stride[None, :]
-    k = route.units_per_page
-    host = (blocks.host_slots[:, None] * num_layers + np.arange(num_layers, dtype=np.int64)[None, :]) * k
-    if k > 1:
-        device = device[..., None] + np.arange(k, dtype=np.int64)
-        host = host[..., None] + np.arange(k, dtype=np.int64)
+    device = phase.first_page[None, :] + blocks.device_blocks[:, phase.columns] * phase.page_stride[None, :]
+    host = blocks.host_slots[:, None] * num_layers + phase.layers[None, :]
     src, dst = (host, device) if direction is Direction.LOAD else (device, host)
     return np.stack([src.reshape(-1), dst.reshape(-1)], axis=1)
 
@@ -275,8 +299,10 @@ class BlockTransfer:
     calling thread and are done on return.
 
     Invariants: jobs complete in submission order (``poll`` returns them so); a job whose copy
-    call was refused (``ValueError`` from the copier) copied nothing of that group and is
-    reported failed, the other jobs of its batch are retried one by one.
+    call was refused (``ValueError`` from the copier) is reported failed (where its group has
+    several phases, those before the refused call may have copied: a failed load's blocks are
+    recomputed, a failed save's pages never published), the other jobs of its batch are retried
+    one by one.
     """
 
     def __init__(
@@ -294,6 +320,11 @@ class BlockTransfer:
             raise ValueError(f"{len(routes)} group routes but {len(host_buffers)} host buffers")
         self.allocation = allocation
         self.routes = {route.group_id: route for route in routes}
+        # per group, its phases and the allocation from each phase's offset (one tensor each: the
+        # copier learns a buffer's facts once per tensor object)
+        self.phases = {
+            route.group_id: [(phase, allocation[phase.offset_bytes :]) for phase in route.phases()] for route in routes
+        }
         self.host_buffers = {route.group_id: buf for route, buf in zip(routes, host_buffers, strict=True)}
         self.device = allocation.device
         self.copier = copier if copier is not None else PageCopier(self.device)
@@ -376,8 +407,9 @@ class BlockTransfer:
             np.concatenate([p.host_slots for p in parts]),
             np.concatenate([p.device_blocks for p in parts]),
         )
-        pairs = copy_pairs(route, merged, direction)
         host = self.host_buffers[group_id]
-        src, dst = (host, self.allocation) if direction is Direction.LOAD else (self.allocation, host)
-        bulk = self.bulk_copier is not None and len(pairs) >= BULK_COPIES * route.units_per_page
-        (self.bulk_copier if bulk else self.copier).copy(src, dst, pairs, route.unit_bytes, self.stream)
+        for phase, device in self.phases[group_id]:
+            pairs = copy_pairs(phase, len(route.layers), merged, direction)
+            src, dst = (host, device) if direction is Direction.LOAD else (device, host)
+            bulk = self.bulk_copier is not None and len(pairs) >= BULK_COPIES
+            (self.bulk_copier if bulk else self.copier).copy(src, dst, pairs, route.page_bytes, self.stream)
