@@ -157,6 +157,7 @@ class KVCache:
         Attention groups: one entry per block of ``capacity``. Recurrent groups: one entry, the
         live state page. Valid only while ACTIVE.
         """
+        self._check_open()  # first: after close every call is a ``CacheStateError``, whatever it is given
         self._pool.rule(group_id)
         if self._state is not _ACTIVE:
             raise CacheStateError(f"page indices are valid only while ACTIVE; the cache is {self._state.value}")
