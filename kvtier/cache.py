@@ -277,6 +277,9 @@ class KVCache:
             self._adopt(match, tokens)
         if not self._hits.used:  # the reuse lost before the request took it: recomputed, not a hit
             self._hits.cut(self.num_reused_tokens)
+            # the intact prefix was found where the count says (its pages were promoted since)
+            self._block_tiers, counted = self._hits.counted()
+            self.reused_by_tier = {**dict.fromkeys(self.reused_by_tier, 0), **counted}
         log.warning(
             "kvtier: a page of a suspended cache failed its checksum; it restarts from %d of %d tokens",
             len(self._tokens),

@@ -51,6 +51,10 @@ class HitCount:
         ``recomputed_tokens``, each from the tier it was counted for. Returns the tokens moved."""
         return self.keep(kept, self._block_tiers)
 
+    def counted(self) -> tuple[list[int] | None, dict[str, int]]:
+        """The blocks' tiers the count follows, and the counted tokens per tier name (those with any)."""
+        return self._block_tiers, self._by_tier(self._block_tiers, self.end)
+
     def _by_tier(self, block_tiers: list[int] | None, end: int) -> dict[str, int]:
         """The first ``end`` tokens per tier name, each block counted for its tier in ``block_tiers``."""
         if block_tiers is None:

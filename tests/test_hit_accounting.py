@@ -182,6 +182,8 @@ def test_reuse_cut_short_by_a_checksum_failure_keeps_the_tier_its_intact_part_ca
         cache = mgr.create_cache([*prompt, 1])
         assert cache.resume() and cache.num_committed_tokens == 16
         assert totals(mgr) == ({"primary": 0, "host": 0, "disk": 16}, 33, 16)  # the intact part came from disk
+        # the cache says so too (before: "primary", where the failed resume had promoted it)
+        assert cache.reused_by_tier == {"primary": 0, "host": 0, "disk": 16} and cache.num_reused_tokens == 16
         cache.close()
 
 
