@@ -202,14 +202,18 @@ def attention_implementation(model: torch.nn.Module) -> str | None:
     return getattr(model.config, "_attn_implementation", None)
 
 
+def wrapped_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model whose forward ``model``'s ``generate`` runs: a PEFT model's wrapped
+    model (``get_base_model()``: PEFT's ``generate`` hands over to it, and its forward takes
+    ``**kwargs`` and passes them on), else ``model`` itself."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
 def cache_argument(model: torch.nn.Module) -> str:
-    """The name ``model``'s forward and ``generate`` take a cache by: ``cache`` where its forward
-    names it (transformers' name since ``past_key_values`` was deprecated), else ``past_key_values``.
-    A PEFT model's forward takes ``**kwargs`` and hands them to the model it wraps
-    (``get_base_model()``), whose forward names it: passing the old name there warns, and fails
-    once transformers drops it."""
-    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+    """The name ``model``'s forward and ``generate`` take a cache by: ``cache`` where the forward of
+    ``wrapped_model(model)`` names it (transformers' name since ``past_key_values`` was deprecated),
+    else ``past_key_values``. (Passing the old name warns, and fails once transformers drops it.)"""
+    return "cache" if "cache" in inspect.signature(wrapped_model(model).forward).parameters else "past_key_values"
 
 
 def _refuse_prompt_learning(model: torch.nn.Module) -> None:

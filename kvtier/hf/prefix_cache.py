@@ -54,7 +54,7 @@ from kvtier.hf.adapters import AdapterScope
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
 from kvtier.hf.call_state import CallState
 from kvtier.hf.hf_cache import RecordingCache, StateRecorder, held_columns
-from kvtier.hf.model_layers import ModelLayers, attention_implementation, read_model
+from kvtier.hf.model_layers import ModelLayers, attention_implementation, read_model, wrapped_model
 from kvtier.hf.numerics import with_numerics
 from kvtier.hf.prefill_rate import PrefillTiming
 from kvtier.hf.prefix_load import group_stacks, load_prefix, state_packing
@@ -126,7 +126,8 @@ class PrefixCache:
         device = next(model.parameters()).device
         if not _same_device(device, cache_config.device):
             raise ValueError(f"cache_config.device is {cache_config.device}, the model is on {device}: use the same")
-        self.model = model
+        self._model = model
+        self._runner = wrapped_model(model)  # whose forwards generate runs: the call's hooks go there
         self.scope = scope
         self._scopes = AdapterScope(model, scope)  # each call's: with the PEFT adapters active then
         self._call_state = CallState(model)  # values a model keeps from its last call (cleared before each)
@@ -138,7 +139,7 @@ class PrefixCache:
         self.manager = _open_manager(self._layers.spec, cache_config)
         self._packing = state_packing(self._layers, self.manager)
         self._stacks = group_stacks(self.manager)  # how each call's load reads the pages
-        self._forward_arguments = set(inspect.signature(model.forward).parameters)
+        self._forward_arguments = set(inspect.signature(self._runner.forward).parameters)
         self._calls = threading.RLock()  # one call at a time: the manager is driven by one thread
         self._last = threading.local()  # each thread's last call: ``last_reused_tokens``
         self._unsaved = RateLimitedWarning(log, "kvtier.hf: new blocks not saved")  # a primary tier too small
@@ -161,6 +162,12 @@ class PrefixCache:
             if self._prefill.rate is not None:
                 self.manager.set_prefill_rate(self._prefill.rate)
         self._closed = False
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model given at construction (read-only: a PrefixCache serves that model's pages only;
+        build another for another model)."""
+        return self._model
 
     @property
     def spec(self):
@@ -196,19 +203,19 @@ class PrefixCache:
         config = self._generation_config(kwargs)  # (once a call: completing a passed one costs ~30 us)
         input_ids, attention_mask, kwargs = self._one_sequence_per_row(input_ids, attention_mask, kwargs, config)
         self._check_arguments(input_ids, attention_mask, kwargs, config)
-        device = next(self.model.parameters()).device
+        device = next(self._model.parameters()).device
         if not _same_device(device, self.manager.device):
             raise CacheStateError(
                 f"the model moved to {device} since this PrefixCache was built with its pages on "
                 f"{self.manager.device}: move it back, or build a PrefixCache for {device}"
             )
-        if attention_implementation(self.model) != self._attention:
+        if attention_implementation(self._model) != self._attention:
             raise CacheStateError(
                 f"the model's attention implementation changed since this PrefixCache was built ({self._attention} "
-                f"-> {attention_implementation(self.model)}): its pages hold keys and values of the other kernels. "
+                f"-> {attention_implementation(self._model)}): its pages hold keys and values of the other kernels. "
                 "Set it back, or build a new PrefixCache"
             )
-        if config_fingerprint(self.model.config) != self._config:
+        if config_fingerprint(self._model.config) != self._config:
             raise CacheStateError(
                 "the model's configuration changed since this PrefixCache was built (a setting such as "
                 "sliding_window or the rotary scaling): its pages were computed, and are laid out, with the old "
@@ -222,7 +229,7 @@ class PrefixCache:
             )
         mask = attention_mask if attention_mask is not None else self._inferred_mask(input_ids, kwargs, config)
         pads = left_pads(mask)
-        noisy = random_module(self.model)
+        noisy = random_module(self._model)
         if noisy is not None and not self._told_of_noise:
             self._told_of_noise = True
             log.warning(
@@ -241,7 +248,7 @@ class PrefixCache:
             log.info(
                 "%s computes left-padded rows its own way (%s): calls with padding run as plain generate, "
                 "reusing and saving nothing",
-                type(self.model).__name__,
+                type(self._model).__name__,
                 self._layers.padding,
             )
         healing = bool(kwargs.get("token_healing", getattr(config, "token_healing", False)))
@@ -255,7 +262,7 @@ class PrefixCache:
         if pads is None or noisy is not None or rescaled or padded or healing:
             reused = [0] * (input_ids.shape[0] * _num_sequences(config, kwargs))
             self._last.tokens = reused
-            out = self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+            out = self._model.generate(input_ids, attention_mask=attention_mask, **kwargs)
             self._last.tokens = reused  # (a call made from inside this one, by a callback, set its own)
             return out
         with torch.no_grad():
@@ -266,7 +273,7 @@ class PrefixCache:
         not apply it, calls that long run as plain ``generate`` from now on (``kvtier.hf.window_check``).
         True when this call must run plainly (the window is not applied, or the probe failed)."""
         try:
-            applied = applies_window(self.model, self._layers, window)
+            applied = applies_window(self._model, self._layers, window)
         except Exception:  # (out of memory: two rows of the window's length) this call runs plainly; probed again
             log.warning("the probe of the model's window failed: this call runs as plain generate", exc_info=True)
             return True
@@ -278,7 +285,7 @@ class PrefixCache:
             "%s keeps a sliding window of %d tokens in its cache (config.sliding_window) but attends to the whole "
             "prompt: calls longer than the window run as plain generate, reusing and saving nothing (set "
             "config.sliding_window = None before building the PrefixCache if the model has no window)",
-            type(self.model).__name__,
+            type(self._model).__name__,
             window,
         )
         return True
@@ -289,9 +296,9 @@ class PrefixCache:
         rows = []
         try:
             if self._zero_types_matter is None and kwargs.get("token_type_ids") is not None:
-                self._zero_types_matter = zero_types_matter(self.model)  # once, at the first call with types
+                self._zero_types_matter = zero_types_matter(self._model)  # once, at the first call with types
             scopes = [
-                typed_scope(with_numerics(scope, mgr.device, self.model), kwargs, bool(self._zero_types_matter))
+                typed_scope(with_numerics(scope, mgr.device, self._model), kwargs, bool(self._zero_types_matter))
                 for scope in self._scopes.for_rows(len(pads), kwargs)
             ]
             bounds = row_bounds(host_ids, mask, pads, kwargs, config, self._placeholders)
@@ -300,7 +307,7 @@ class PrefixCache:
                 keyed = prompt if bound is None else prompt[: bound + 1]  # a match never covers its last token
                 rows.append(Row(i, pad, prompt, mgr.create_cache(keyed, scope), scope, bound=bound))
             stream = torch.cuda.current_stream(mgr.device) if mgr.device.type == "cuda" else None
-            cache = RecordingCache(self.model.config)
+            cache = RecordingCache(self._model.config)
             cache.initialize_attention(mgr.spec.dtype, mgr.device)
             whole = _asks_for_prompt_outputs(kwargs, config)
             if whole and not self._told_of_prompt_outputs:
@@ -320,7 +327,7 @@ class PrefixCache:
             reused = [row.reused for row in rows for _ in range(per_row)]
             self._last.tokens = reused
             recorder = None if whole else self._recorder(cache, rows)  # whole: one forward over the prompt
-            hooks = [self.model.register_forward_hook(recorder)] if recorder is not None else []
+            hooks = [self._runner.register_forward_hook(recorder)] if recorder is not None else []
             ends = self._snapshot_ends(input_ids.shape[1], rows, width) if recorder is not None else []
             split = ends[-1] if ends else width  # where generate's own forward starts
             timing = self._prefill
@@ -331,16 +338,16 @@ class PrefixCache:
                     timing.begin(len(rows) * (split - width + beams * (input_ids.shape[1] - split)))
                 self._call_state.clear()  # the cache given is not empty: nothing of the last call may be trusted
                 if ends:
-                    self._prefill_to_snapshots(input_ids, mask, ends, width, cache)
+                    self._prefill_to_snapshots(input_ids, mask, ends, width, cache, kwargs.get("adapter_names"))
                 if beams > 1:  # each row's beams, in turn, as generate repeats the rows
                     cache.repeat_rows(beams)
                     if recorder is not None:
                         recorder.stride = beams
                 if timing is not None:
-                    hooks.append(self.model.register_forward_hook(timing.hook))  # generate's first forward
+                    hooks.append(self._runner.register_forward_hook(timing.hook))  # generate's first forward
                 arguments = {**kwargs, self._layers.cache_argument: cache, "cache_implementation": None}
                 arguments["use_cache"] = True  # over a generation config's use_cache=False (checked: not the call's)
-                out = self.model.generate(input_ids, attention_mask=attention_mask, **arguments)
+                out = self._model.generate(input_ids, attention_mask=attention_mask, **arguments)
                 self._last.tokens = reused  # (a call made from inside this one, by a callback, set its own)
             except BaseException:
                 self._last.tokens = [0] * len(reused)  # a call that raised gave nothing: it reused nothing
@@ -401,9 +408,12 @@ class PrefixCache:
             {pad + m for pad in pads for m in range(interval, num_columns - pad, interval) if width < pad + m <= last}
         )
 
-    def _prefill_to_snapshots(self, input_ids, mask, ends: list[int], width: int, cache: RecordingCache) -> None:
+    def _prefill_to_snapshots(
+        self, input_ids, mask, ends: list[int], width: int, cache: RecordingCache, adapter_names: list | None
+    ) -> None:
         """Run the prompt columns ``[width, ends[-1])`` in stretches ending at ``ends`` (``_snapshot_ends``),
-        one forward each, as ``generate`` would (same mask and positions)."""
+        one forward each, as ``generate`` would (same mask and positions, and PEFT's per-row
+        ``adapter_names`` when given)."""
         device = self.manager.device
         ids = input_ids.to(device)
         mask = mask.to(device=device, dtype=torch.long)
@@ -418,7 +428,9 @@ class PrefixCache:
                 arguments["attention_mask"] = mask[:, :end]
             if "logits_to_keep" in self._forward_arguments:
                 arguments["logits_to_keep"] = 1
-            self.model(**arguments)
+            if adapter_names is not None:
+                arguments["adapter_names"] = adapter_names
+            self._model(**arguments)
             start = end
 
     def _one_sequence_per_row(self, input_ids, attention_mask, kwargs: dict, config):
@@ -499,7 +511,7 @@ class PrefixCache:
         (None) settings taken from the model's, else the model's (the call's own arguments, which
         override both, are read beside it)."""
         passed = kwargs.get("generation_config")
-        model_config = self.model.generation_config
+        model_config = self._model.generation_config
         if passed is None:
             return model_config
         config = copy.copy(passed)

@@ -199,3 +199,60 @@ def test_a_peft_model_is_given_its_cache_by_the_name_the_wrapped_model_takes(rec
         assert both(model, pc, prompt) == 0
         assert both(model, pc, [*prompt, 1]) == 40
     assert not [w for w in recwarn if "past_key_values" in str(w.message)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
+def test_a_peft_model_of_a_hybrid_model_records_the_states_generate_computes(arch):
+    """PEFT's ``generate`` runs the wrapped model's forwards: the recurrent states' recorder hooks it
+    there. Before, it hooked the PEFT model and saw none of them: a call whose decoding passed a
+    snapshot point (32 here) raised ``InvariantError`` ("no state was recorded at snapshot
+    point"), its output lost."""
+    model = peft.get_peft_model(tiny_model(arch), lora(8))
+    model.eval()
+    prompt = tokens(torch.Generator().manual_seed(6), 30)
+    with PrefixCache(model, tiers_config(model.get_base_model(), blocks=60)) as pc:
+        ids = torch.tensor([prompt])
+        first = pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        assert torch.equal(first, expected)
+        assert both(model, pc, [*first[0].tolist(), 1]) == 32  # the state decoding passed at 32
+
+
+def test_per_row_adapters_of_a_hybrid_model_compute_the_snapshots_with_each_rows_adapter():
+    """The prompt's stretches up to the recurrent snapshots run with ``adapter_names`` too."""
+    model = peft.get_peft_model(tiny_model("qwen3_next"), lora(1), adapter_name="first")
+    model.add_adapter("second", lora(2))
+    model.eval()
+    g = torch.Generator().manual_seed(9)
+    prompt = tokens(g, 40)
+    with PrefixCache(model, tiers_config(model.get_base_model(), blocks=120)) as pc:
+        for names, tail in ((["first", "second"], 5), (["second", "first"], 6)):
+            ids = torch.tensor([[*prompt, tail], [*prompt, tail + 1]])
+            mask = torch.ones_like(ids)
+            expected = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=names
+            )
+            got = pc.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=names)
+            assert torch.equal(got, expected), f"reused {pc.last_reused_tokens}"
+        assert min(pc.last_reused_tokens) >= 32  # each row's adapter's pages, saved by the first call
+
+
+def test_a_peft_models_prompt_forward_is_timed(tmp_path):
+    """``recompute_when_faster`` times generate's prompt forward, on the wrapped model. Before, the
+    hook sat on the PEFT model and no rate was ever measured."""
+    model = peft.get_peft_model(tiny_model("llama"), lora(7))
+    model.eval()
+    config = tiers_config(model.get_base_model(), blocks=200, disk_blocks=400, disk_path=tmp_path)
+    with PrefixCache(model, config, recompute_when_faster=True) as pc:
+        both(model, pc, tokens(torch.Generator().manual_seed(2), 300))
+    with PrefixCache(model, config) as pc:
+        assert pc.manager.remembered_prefill_rate is not None
+
+
+def test_the_model_of_a_prefix_cache_cannot_be_replaced():
+    """Before, ``pc.model = other`` was taken, and the other model was served the first one's pages."""
+    first = tiny_model("llama")
+    with PrefixCache(first, tiers_config(first, blocks=40)) as pc:
+        with pytest.raises(AttributeError):
+            pc.model = tiny_model("llama", seed=1)
+        assert pc.model is first
