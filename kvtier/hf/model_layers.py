@@ -250,7 +250,9 @@ def _run_probe(model: torch.nn.Module, cache: DynamicCache, argument: str, kinds
         except Exception as e:  # the model's own error, whatever its type (MiniMax refuses a DynamicCache)
             raise NotImplementedError(
                 f"{type(model).__name__} cannot run with the cache kvtier gives it (a transformers "
-                f"DynamicCache; its forward raised {type(e).__name__}: {e})"
+                f"DynamicCache): its forward raised {type(e).__name__} on a one-token probe: {e} (where "
+                "model.generate fails the same way, the model cannot run in this setting at all: its dtype, "
+                "its device, its configuration)"
             ) from e
         _check_written(model, cache, kinds)
         _check_positions(model, full, 1)

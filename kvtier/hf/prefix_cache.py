@@ -201,8 +201,9 @@ class PrefixCache:
         if self._closed:
             raise CacheStateError("the PrefixCache is closed")
         config = self._generation_config(kwargs)  # (once a call: completing a passed one costs ~30 us)
+        _check_inputs(input_ids, attention_mask, kwargs)  # first: the rows are repeated next
         input_ids, attention_mask, kwargs = self._one_sequence_per_row(input_ids, attention_mask, kwargs, config)
-        self._check_arguments(input_ids, attention_mask, kwargs, config)
+        self._check_arguments(kwargs, config)
         device = next(self._model.parameters()).device
         if not _same_device(device, self.manager.device):
             raise CacheStateError(
@@ -448,20 +449,7 @@ class PrefixCache:
             attention_mask = attention_mask.repeat_interleave(n, dim=0)
         return input_ids.repeat_interleave(n, dim=0), attention_mask, {**kwargs, "num_return_sequences": 1}
 
-    def _check_arguments(self, input_ids, attention_mask, kwargs: dict, config) -> None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-            raise TypeError("input_ids must be a 2-D integer tensor [batch, tokens]")
-        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
-        if attention_mask is not None and (
-            not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
-        ):
-            raise ValueError("attention_mask must be a tensor of input_ids' shape")
-        for name in _CACHE_ARGUMENTS:
-            if name in kwargs:
-                raise ValueError(f"PrefixCache.generate supplies the cache: do not pass {name}=")
-        if "inputs_embeds" in kwargs or "inputs" in kwargs:
-            raise ValueError("PrefixCache.generate takes input_ids (token ids), not inputs/inputs_embeds")
+    def _check_arguments(self, kwargs: dict, config) -> None:
         for name, what in _UNSUPPORTED.items():
             if kwargs.get(name) is not None:
                 raise NotImplementedError(f"{what} ({name}=) is not supported by PrefixCache.generate")
@@ -544,6 +532,24 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_inputs(input_ids, attention_mask, kwargs: dict) -> None:
+    """``TypeError``/``ValueError`` unless the call gives token ids (a 2-D integer tensor, not empty),
+    a mask of their shape or none, and no cache or embeddings of its own."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        raise TypeError("input_ids must be a 2-D integer tensor [batch, tokens]")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+    if attention_mask is not None and (
+        not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
+    ):
+        raise ValueError("attention_mask must be a tensor of input_ids' shape")
+    for name in _CACHE_ARGUMENTS:
+        if name in kwargs:
+            raise ValueError(f"PrefixCache.generate supplies the cache: do not pass {name}=")
+    if "inputs_embeds" in kwargs or "inputs" in kwargs:
+        raise ValueError("PrefixCache.generate takes input_ids (token ids), not inputs/inputs_embeds")
 
 
 def _asks_for_prompt_outputs(kwargs: dict, config) -> bool:

@@ -188,6 +188,12 @@ def test_the_cache_must_live_on_the_models_device():
         ({"cache_implementation": "static"}, NotImplementedError, "cache_implementation"),
         ({"past_key_values": None}, ValueError, "supplies the cache"),
         ({"inputs_embeds": torch.zeros(1, 3, 32)}, ValueError, "input_ids"),
+        # (before: refused for a per-row argument num_return_sequences cannot repeat)
+        (
+            {"inputs_embeds": torch.zeros(1, 3, 32), "do_sample": True, "num_return_sequences": 2},
+            ValueError,
+            "input_ids",
+        ),
     ],
 )
 def test_generate_refuses_what_it_cannot_serve_and_changes_nothing(kwargs, error, match):
