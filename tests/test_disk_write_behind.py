@@ -239,6 +239,47 @@ def test_a_batch_writes_the_locked_prefix_above_its_pages_too(tmp_path):
     mgr.close()
 
 
+def reachable_after_a_crash(mgr) -> bool:
+    """Whether every page the disk tier holds (originals and copies) is one a restart could reach:
+    its block and every block above have their full-attention pages on disk."""
+    disk = mgr._pool.tiers[-1]
+    on_disk = [page for owners in disk.owners for page in owners if page is not None]
+    whole: dict[int, bool] = {}
+    return all(disk.chain_whole(page.node, whole, on_disk=True) for page in on_disk)
+
+
+def test_pages_below_a_prefix_held_only_on_the_gpu_are_not_written_behind_until_it_is_on_disk(tmp_path):
+    """A batch writes what a restart after a crash would reach. Before, pages in host memory below a
+    hot prefix held in the primary tier were written without it: a process killed then left rows
+    no match could reach, which the next start dropped (with a WARNING about lost pages)."""
+    mgr, oracle = make(tmp_path / "disk")
+    system = prompt_of(5000, blocks=2)[:-1]
+    hot = mgr.create_cache(system + [1])
+    assert hot.resume() and hot.resize(len(system) + 1)
+    oracle.write(hot, system + [1], 0, len(system) + 1)
+    hot.commit(system + [1])
+    below = system + prompt_of(6000, blocks=2)
+    serve(mgr, oracle, below)
+    to_host(mgr, oracle, prompt_of(7000, blocks=2))  # pushes the blocks below the hot prefix to host memory
+    tail = pages_of(mgr, below)[2:]
+    assert all(page.tier == 1 for page in tail) and all(page.tier == 0 for page in hot._table.live_pages()[:2])
+    mgr.maintain()
+    mgr._pool.write_behind.poll(wait=True)
+    disk = mgr._pool.tiers[2]
+    assert disk.copies and not any(page in disk.copies for page in tail)  # others were written
+    assert reachable_after_a_crash(mgr)
+    hot.close()
+    for k in range(3):  # the hot prefix goes to host memory, then the blocks below it can go
+        serve(mgr, oracle, prompt_of(80_000 + 1000 * k, blocks=2))
+    for _ in range(4):
+        mgr.maintain()
+        mgr._pool.write_behind.poll(wait=True)
+    assert all(page in disk.copies or page.tier == 2 for page in pages_of(mgr, below))
+    assert reachable_after_a_crash(mgr)
+    mgr.check_invariants()
+    mgr.close()
+
+
 @pytest.fixture
 def held_writes(monkeypatch):
     """Write-behind batches wait for ``release`` before they write; ``started`` is set when one waits."""

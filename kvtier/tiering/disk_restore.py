@@ -113,8 +113,8 @@ def restore_disk_tier(tier: Tier, tree: RadixTree, rules: list[GroupRule], count
         )
     if unreachable:
         log.warning(
-            "kvtier disk tier: %d pages of %s lay below blocks with no page left (lost, or past the quota) and "
-            "could never be reused; they were dropped",
+            "kvtier disk tier: %d pages of %s lay below blocks with no page left (lost, past the quota, or "
+            "still in memory when the process ended) and could never be reused; they were dropped",
             unreachable,
             index.path,
         )

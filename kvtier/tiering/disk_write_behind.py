@@ -7,10 +7,12 @@ are nearly all used (fewer free than a batch), the pages in the cold end of that
 eviction order (``CLEAN_SHARE`` of its host slots, at least ``SCAN_BATCHES`` batches, at most
 ``MAX_SCAN`` pages: about what a large resume pushes out) that are published, intact and not on
 disk yet, a batch of them (``BATCH_BYTES``, at most ``BATCH_PAGES``) after their ancestors in host
-memory not on disk yet (parents first: a chain lands whole), and a disk slot for each: a
-free one, a spare copy's, or one freed by dropping the disk's least recently used droppable pages
-(what demoting these pages would drop anyway). The removal of the dropped pages' rows is committed before any byte is
-written into their slots. A worker thread waits for the device copies issued so far (the bytes
+memory not on disk yet (parents first: a chain lands whole), none that a restart could not reach
+once written (a block above only in the primary tier, or its block's full-attention page not on
+disk: a crash would leave it there unreachable), and a disk slot for each: a free one, a spare
+copy's, or one freed by dropping the disk's least recently used droppable pages (what demoting
+these pages would drop anyway). The removal of the dropped pages' rows is committed before any
+byte is written into their slots. A worker thread waits for the device copies issued so far (the bytes
 of a page just demoted may still be landing in its host slot), writes the pages and checksums
 them. ``poll`` lands a finished batch on the pool's thread: a page still the owner of its host
 slot, a slot never freed since the batch started (``SlotAllocator.times_freed``), still published
@@ -117,39 +119,55 @@ class DiskWriteBehind:
         if slots.num_free >= want:
             return None  # room enough for the next demotions: nothing to hurry
         window = min(MAX_SCAN, max(SCAN_BATCHES * want, int(CLEAN_SHARE * slots.num_slots)))
-        pages = []
-        for page in islice(host.evictable[group], window):
-            if (
-                not page.locks
-                and page.node is not None
-                and not page.damaged
-                and page not in host.originals
-                and page not in disk.copies
-            ):
-                pages.append(page)
-                if len(pages) == want:
-                    break
+        candidates = (
+            page
+            for page in islice(host.evictable[group], window)
+            if not page.locks
+            and page.node is not None
+            and not page.damaged
+            and page not in host.originals
+            and page not in disk.copies
+        )
+        pages: list[Page] = []
+        while len(pages) < want:  # a part of the window at a time, each after its ancestors in host memory
+            part = list(islice(candidates, want - len(pages)))
+            if not part:
+                break
+            pages += self._restorable(self._with_ancestors(part, pages), pages)
+        pages = self._restorable(pages[:want])  # (a page may need one cut off)
         if not pages:
             return None
-        pages = self._with_ancestors(pages)[:want]
         disk_slots = self._disk_slots(group, len(pages))
+        if len(disk_slots) < len(pages):  # cut short: only what a restart reaches without the rest
+            pages = self._restorable(pages[: len(disk_slots)])
+            disk.storage.slots[group].free_all(disk_slots[len(pages) :])
+            disk_slots = disk_slots[: len(pages)]
         if not disk_slots:
             return None
-        pages = pages[: len(disk_slots)]
         disk.reserved[group].update(disk_slots)
         host_slots = [page.slot for page in pages]
         times_freed = [slots.times_freed(slot) for slot in host_slots]
         return WriteBatch(group, pages, host_slots, times_freed, disk_slots)
 
-    def _with_ancestors(self, pages: list[Page]) -> list[Page]:
-        """``pages`` after their ancestors in host memory that have nothing on disk yet, parents
-        first (``Tier.uncopied_ancestors``, which also keeps the ancestors already on disk
-        the most recently used there): a chain lands whole, so a restart after a crash reaches
-        what was written. The hot prefix above cold pages stays in memory, locked, and would
-        otherwise never be written."""
-        chosen = {id(page) for page in pages}
-        ancestors = self.disk.uncopied_ancestors(pages, chosen)
+    def _with_ancestors(self, pages: list[Page], chosen: list[Page]) -> list[Page]:
+        """``pages`` after their ancestors in host memory that have nothing on disk yet and are not
+        ``chosen`` already, parents first (``Tier.uncopied_ancestors``, which also keeps the
+        ancestors already on disk the most recently used there): a chain lands whole. The hot
+        prefix above cold pages stays in memory, locked, and would otherwise never be written."""
+        moving = {id(page) for page in (*chosen, *pages)}
+        ancestors = self.disk.uncopied_ancestors(pages, moving)
         return [page for page in ancestors if page.tier == self.host.index and not page.damaged] + pages
+
+    def _restorable(self, pages: list[Page], chosen: list[Page] | None = None) -> list[Page]:
+        """Of pages to be written with ``chosen`` (which a restart reaches), those a restart could
+        reach once they all landed: their block and every block above have a page of each
+        full-attention group on disk or among them (``Tier.chain_whole``). Not the others: below a
+        block held in the primary tier only (the blocking demotion copies it to disk with its first
+        child), or of another group in a block whose full-attention page is not on disk yet (that
+        group's turn comes)."""
+        landing = frozenset(id(page) for page in (*(chosen or ()), *pages))
+        whole: dict[int, bool] = {}
+        return [page for page in pages if self.disk.chain_whole(page.node, whole, on_disk=True, landing=landing)]
 
     def _disk_slots(self, group: int, count: int) -> list[int]:
         """Up to ``count`` disk slots for copies: free ones, spare copies', then ones of dropped

@@ -73,7 +73,7 @@ class DiskWritePlanner:
             dropped = [page for page in victims if not page.refs]
         else:
             whole: dict[int, bool] = {}
-            dropped = [page for page in victims if not page.refs and not self._chain_whole(page.node, whole)]
+            dropped = [page for page in victims if not page.refs and not self.disk.chain_whole(page.node, whole)]
         if not dropped:
             return victims
         self._not_written(dropped)
@@ -227,7 +227,7 @@ class DiskWritePlanner:
         for (_, group), pages in sorted(batches.items(), key=lambda item: item[0][1] not in chain):  # chains first
             if group not in chain:  # the blocks whose chain landed (a write may have failed)
                 landed: dict[int, bool] = {}
-                pages = [page for page in pages if self._chain_whole(page.node, landed, on_disk=True)]
+                pages = [page for page in pages if self.disk.chain_whole(page.node, landed, on_disk=True)]
             step = max(1, PERSIST_CHUNK_BYTES // disk.storage.page_bytes[group])
             for start in range(0, len(pages), step):  # each part's rows commit as the next one starts
                 self._write_down(pages[start : start + step], plan, blocking=True)  # closing: every page
@@ -258,27 +258,3 @@ class DiskWritePlanner:
         for page in wanted:
             batches[(page.tier, page.group)].append(page)
         return True
-
-    def _chain_whole(self, node: Node | None, whole: dict[int, bool], on_disk: bool = False) -> bool:
-        """Whether ``node`` and every block above it have a page of each full-attention group
-        (``Tier.chain_groups``), which a match needs (in any tier; ``on_disk``: there, an original
-        or a copy). Memoized in ``whole`` by the nodes' ids. A page off the tree (None) has none."""
-        disk = self.disk
-        groups = disk.chain_groups
-        if not groups:  # (no full-attention group: every block is reached)
-            return node is not None
-        path: list[Node] = []
-        while node is not None and node.parent is not None and id(node) not in whole:
-            path.append(node)
-            node = node.parent
-        ok = node is not None and (node.parent is None or whole[id(node)])
-        for block in reversed(path):  # parents first
-            if ok:
-                pages = block.pages
-                for group in groups:
-                    page = pages[group]
-                    if page is None or (on_disk and disk.here(page) is None):
-                        ok = False
-                        break
-            whole[id(block)] = ok
-        return ok

@@ -346,6 +346,33 @@ class Tier:
         groups = self.chain_groups
         return [child for child in node.children.values() if all([child.pages[g] is not None for g in groups])]
 
+    def chain_whole(
+        self, node: Node | None, whole: dict[int, bool], on_disk: bool = False, landing: frozenset[int] = frozenset()
+    ) -> bool:
+        """Whether ``node`` and every block above it have a page of each full-attention group
+        (``chain_groups``), which a match needs (in any tier; ``on_disk``: here, an original or a
+        copy, or among the pages whose ids are in ``landing``, about to be written here).
+        Memoized in ``whole`` by the nodes' ids (for one ``on_disk`` and ``landing``). A page off
+        the tree (None) has none."""
+        groups = self.chain_groups
+        if not groups:  # (no full-attention group: every block is reached)
+            return node is not None
+        path: list[Node] = []
+        while node is not None and node.parent is not None and id(node) not in whole:
+            path.append(node)
+            node = node.parent
+        ok = node is not None and (node.parent is None or whole[id(node)])
+        for block in reversed(path):  # parents first
+            if ok:
+                pages = block.pages
+                for group in groups:
+                    page = pages[group]
+                    if page is None or (on_disk and id(page) not in landing and self.here(page) is None):
+                        ok = False
+                        break
+            whole[id(block)] = ok
+        return ok
+
     def orphans(self, dropped: list[Page]) -> list[Page]:
         """On the disk tier, for chain-group originals about to be dropped from here: their blocks'
         pages of other groups here (copies, and originals no cache holds), which no match or
