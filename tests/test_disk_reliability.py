@@ -513,6 +513,63 @@ def test_a_manager_in_another_process_holds_the_directory(tmp_path):
     manager(tmp_path, primary=6, host=0, disk=40).close()  # the lock died with its holder
 
 
+def test_a_lock_file_removed_under_its_holder_lets_no_second_manager_in(tmp_path):
+    """A cleaner of old files in /tmp may remove the lock file while its manager runs. Before, a
+    second process then made a new one, locked it and wrote into the same index and page files
+    (checksum failures after). The directory itself is locked too."""
+    code = f"""
+    import time
+    from tests.test_tiers import manager
+    mgr = manager({str(tmp_path)!r}, primary=6, host=0, disk=40)
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+    )
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        (lock,) = tmp_path.glob("*/lock")
+        lock.unlink()
+        with pytest.raises(kvtier.DiskTierBusyError, match="lock file was removed"):
+            manager(tmp_path, primary=6, host=0, disk=40)
+    finally:
+        child.kill()
+        child.wait()
+    manager(tmp_path, primary=6, host=0, disk=40).close()  # the locks died with their holder
+
+
+def test_a_new_directory_on_a_full_file_system_stores_nothing_and_leaves_nothing_half_made(
+    tmp_path, caplog, monkeypatch
+):
+    """The secret of a new directory cannot be written (ENOSPC): one ERROR that says the directory
+    cannot be used (before: "cannot read"), and no ``secret.new`` left behind; a later manager with
+    room uses the directory as new."""
+    from kvtier.storage import disk_dir
+
+    real_write = os.write
+
+    def full(fd, data):
+        if len(data) == disk_dir.SECRET_BYTES:
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(disk_dir.os, "write", full)
+    with caplog.at_level(logging.ERROR):
+        mgr = manager(tmp_path, primary=6, host=0, disk=40)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "cannot use" in errors[0] and "No space left" in errors[0], errors
+    assert not list(tmp_path.glob("*/secret*"))
+    oracle = PageOracle(mgr)
+    prefill(mgr, oracle, convo(0))  # served from memory all the same
+    mgr.close()
+    monkeypatch.setattr(disk_dir.os, "write", real_write)
+    with manager(tmp_path, primary=6, host=0, disk=40) as again:
+        assert again.stats().tiers["disk"].pages_total > 0
+        assert list(tmp_path.glob("*/secret"))
+
+
 def sleeping_fork() -> int:
     """A forked child that sleeps until killed, as a DataLoader worker or a pool process lives on."""
     pid = os.fork()

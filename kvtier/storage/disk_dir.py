@@ -32,6 +32,7 @@ closes the manager or dies, whether or not children it forked still run.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import gc
 import logging
@@ -111,8 +112,8 @@ class DiskDirectory:
             if self.writable:
                 make_private(path, PRIVATE_DIR)
             self.secret = self._load_secret()
-        except OSError as exc:
-            log.error("kvtier disk tier: cannot read %s (%s); the disk tier stores nothing", path, exc)
+        except OSError as exc:  # reading it, or writing the secret of a new directory (a full file system)
+            log.error("kvtier disk tier: cannot use %s (%s); the disk tier stores nothing", path, exc)
             self.writable, self.why_not_writable = False, str(exc)
             self.close()
             return
@@ -149,13 +150,39 @@ class DiskDirectory:
                     "notebook cell run again replaces it, holds its directory until it is collected), give this "
                     "one another DiskTier path, or share prefixes between processes with a connector"
                 )
+        fds = (fd, *self._lock_directory(fd))
         self._lock_fd = fd
-        _LOCK_FDS.add(fd)
-        self._finalizer = weakref.finalize(self, _release, fd, os.getpid())
+        _LOCK_FDS.update(fds)
+        self._finalizer = weakref.finalize(self, _release, fds, os.getpid())
         self._finalizer.atexit = False  # the process's end releases it, after managers closed at exit
         _HELD[_key(self.path)] = self
         _write_holder(fd)
         return None
+
+    def _lock_directory(self, file_fd: int) -> tuple[int, ...]:
+        """Lock the directory itself too, beside its lock file (whose lock, taken first, already tells
+        an older kvtier): a lock file removed under a live holder (a cleaner of old files in /tmp)
+        lets a second manager create and lock a new one, but never the directory, which is not
+        removed while it holds files. Returns the directory's locked descriptor (none where the
+        directory cannot be opened or locked: the lock file's lock stands alone); raises
+        ``DiskTierBusyError``, with the file's lock released, while another holds it."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return ()
+        try:
+            locked = _try_lock(fd)
+        except OSError:
+            os.close(fd)
+            return ()
+        if locked:
+            return (fd,)
+        os.close(fd)
+        _release((file_fd,), os.getpid())
+        raise DiskTierBusyError(
+            f"the disk tier directory {self.path} is in use by another KVCacheManager (its lock file was removed "
+            "under it, so the holder is not named there): a directory belongs to one manager at a time"
+        )
 
     def _released_by_abandoned(self, fd: int) -> bool:
         """Whether the lock, held in this process, could be taken once a manager dropped without
@@ -191,11 +218,17 @@ class DiskDirectory:
         staged = self.path / f"{SECRET_FILE}.new"
         fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE)
         try:
-            os.write(fd, secret)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(staged, path)
+            try:
+                if os.write(fd, secret) != SECRET_BYTES:
+                    raise OSError(errno.ENOSPC, "the secret was written short")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(staged, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                staged.unlink()  # (a full file system: nothing half made is left behind)
+            raise
         return secret
 
     def close(self) -> None:
@@ -301,16 +334,17 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
-def _release(fd: int, pid: int) -> None:
-    """Unlock and close the lock descriptor ``fd`` that process ``pid`` took. Unlocking releases the
-    lock even while a forked child still has a copy of the descriptor. In a forked child (another
-    pid) nothing is done: the child closed its copy as it started, and ``fd`` may now be another file."""
+def _release(fds: tuple[int, ...], pid: int) -> None:
+    """Unlock and close the lock descriptors ``fds`` that process ``pid`` took. Unlocking releases
+    a lock even while a forked child still has a copy of the descriptor. In a forked child (another
+    pid) nothing is done: the child closed its copies as it started, and ``fds`` may now be other files."""
     if os.getpid() != pid:
         return
-    _LOCK_FDS.discard(fd)
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
+    for fd in fds:
+        _LOCK_FDS.discard(fd)
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def _close_inherited_locks() -> None:
