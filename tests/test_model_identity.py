@@ -8,6 +8,7 @@ connector's keys, and the second model was served the first one's KV.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -148,6 +149,7 @@ def test_checkpoints_served_in_turn_on_one_path_are_reported_once_their_director
         mgr.close()  # writes its 150 pages to its own directory
     assert warned[0] == "" and warned[1] == ""  # one other directory: 150 pages, within 256
     assert "2 other directories under" in warned[2] and "none is removed" in warned[2]
+    assert re.search(r" use 1\.\d MiB, more than this tier's 1\.0 MiB", warned[2])  # (before: 0.0 GiB and 0.0 GiB)
     a = kvtier.ModelSpec.uniform(1, 1, 64, torch.float16, model_id="ckpt-a")
     assert "kvtier-" in warned[2] and len(list(tmp_path.glob("kvtier-*"))) == 3
     with kvtier.KVCacheManager(a, kvtier.CacheConfig(TPB, tiers)) as again:  # nothing was deleted

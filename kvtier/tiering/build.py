@@ -96,16 +96,25 @@ def _warn_of_other_directories(path: Path, capacity: int) -> None:
         return
     oldest = others[0]
     log.warning(
-        "kvtier disk tier: %d other directories under %s (other models, checkpoints or layouts) use %.1f GiB, "
-        "more than this tier's %.1f GiB; each keeps its own capacity and none is removed: delete those no longer "
+        "kvtier disk tier: %d other directories under %s (other models, checkpoints or layouts) use %s, "
+        "more than this tier's %s; each keeps its own capacity and none is removed: delete those no longer "
         "served (the least recently used: %s, %s)",
         len(others),
         path.parent,
-        used / 2**30,
-        capacity / 2**30,
+        _size(used),
+        _size(capacity),
         oldest.name,
         time.strftime("%Y-%m-%d %H:%M", time.localtime(oldest.last_used)),
     )
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in GiB, or MiB or bytes where that would read 0.0 GiB."""
+    if nbytes >= 2**30 // 10:
+        return f"{nbytes / 2**30:.1f} GiB"
+    if nbytes >= 2**20 // 10:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes} bytes"
 
 
 def layout_fingerprint(spec: ModelSpec, config: CacheConfig, geometries: Sequence[PageGeometry]) -> str:
