@@ -150,7 +150,8 @@ class DiskDirectory:
                     "notebook cell run again replaces it, holds its directory until it is collected), give this "
                     "one another DiskTier path, or share prefixes between processes with a connector"
                 )
-        fds = (fd, *self._lock_directory(fd))
+        # released in this order: whoever takes the file's lock next finds the directory's free
+        fds = (*self._lock_directory(fd), fd)
         self._lock_fd = fd
         _LOCK_FDS.update(fds)
         self._finalizer = weakref.finalize(self, _release, fds, os.getpid())
