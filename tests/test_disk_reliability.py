@@ -570,6 +570,32 @@ def test_a_new_directory_on_a_full_file_system_stores_nothing_and_leaves_nothing
         assert list(tmp_path.glob("*/secret"))
 
 
+def test_a_snapshot_demoted_to_disk_brings_its_blocks_full_attention_pages(tmp_path):
+    """A recurrent snapshot leaves for the disk while its block's full-attention page stays in
+    memory, held by the running request: the disk gets a copy of that page (and of the blocks
+    above), so a process killed then restarts with the snapshot reachable. Before, it lay on disk
+    below no full-attention page; the next start after a kill dropped it (0 of 2 restored in an
+    audit's case)."""
+    mgr = manager(tmp_path, kind="hybrid", primary=12, host=0, disk=80)
+    oracle = PageOracle(mgr)
+    tokens = convo(0, 20 * TPB)
+    cache = mgr.create_cache(tokens)
+    assert cache.resume()
+    for end in range(2 * TPB, len(tokens) + 1, 2 * TPB):  # grows until the primary tier is full of it
+        if not cache.resize(end):
+            break
+        start = cache.num_committed_tokens
+        oracle.write(cache, tokens, start, end)
+        cache.commit(tokens[start:end])
+    disk = mgr._pool.tiers[-1]
+    on_disk = [page for owners in disk.owners for page in owners if page is not None]
+    assert any(page.group not in disk.chain_groups for page in on_disk)  # a snapshot went down
+    whole: dict[int, bool] = {}
+    assert all(disk.chain_whole(page.node, whole, on_disk=True) for page in on_disk)
+    cache.close()
+    mgr.close()
+
+
 def sleeping_fork() -> int:
     """A forked child that sleeps until killed, as a DataLoader worker or a pool process lives on."""
     pid = os.fork()

@@ -120,6 +120,7 @@ class DiskWritePlanner:
                     self._land(page, slot, checksum)
         if blocking:
             self._copy_ancestors(victims, plan)
+            self._copy_chain_pages(victims, plan)
 
     def _write(self, pages: list[Page], slots: list[int]) -> list[int | None]:
         """``DiskWriter.write_pages`` into slots allocated for them. An error on the way (a failing
@@ -164,8 +165,9 @@ class DiskWritePlanner:
                 self.residency.counters.evictions += 1
                 self.residency.drop(page)
 
-    def _copy_ancestors(self, victims: list[Page], plan: MovePlan) -> None:
-        """Write copies of the victims' ancestors (same group) that have no page or copy on disk.
+    def _copy_ancestors(self, victims: list[Page], plan: MovePlan, with_pages: bool = False) -> None:
+        """Write copies of the victims' ancestors (same group) that have no page or copy on disk
+        (``with_pages``: and of the victims themselves, pages in memory, after their ancestors).
 
         Their bytes are final (published blocks never change); pages this plan is still moving
         are skipped (their bytes have not landed). Best effort: an ancestor that finds no room is
@@ -174,9 +176,17 @@ class DiskWritePlanner:
         disk = self.disk
         group = victims[0].group
         moving = {id(p) for batch in plan.landed for p in batch}
-        wanted = disk.uncopied_ancestors(victims, moving)
+
+        if with_pages:  # (parents first; a victim above another is written once, as itself)
+            victims = sorted(victims, key=lambda page: page.node.block)
+            moving |= {id(page) for page in victims}
+
+        def uncopied() -> list[Page]:
+            return disk.uncopied_ancestors(victims, moving) + (victims if with_pages else [])
+
+        wanted = uncopied()
         if not wanted or not self.residency.drop_for_room(disk.index, group, len(wanted)):
-            wanted = disk.uncopied_ancestors(victims, moving)[: disk.storage.slots[group].num_free]
+            wanted = uncopied()[: disk.storage.slots[group].num_free]
         if wanted and not disk.disk_index.flush():  # the drops' rows go before their slots are rewritten
             return
         by_tier: dict[int, list[Page]] = defaultdict(list)
@@ -191,6 +201,24 @@ class DiskWritePlanner:
                     allocator.free(slot)
                 else:
                     disk.add_copy(page, slot, checksum, max(priority, page.priority))
+
+    def _copy_chain_pages(self, victims: list[Page], plan: MovePlan) -> None:
+        """For victims of a group no restart walks by (sliding-window pages, recurrent snapshots):
+        copies of their blocks' full-attention pages (``Tier.chain_groups``) that are in memory
+        only, and of those pages' ancestors, as ``_copy_ancestors`` copies a victim's own: a
+        restart reaches a block only through them, so a process killed later keeps the victims."""
+        disk = self.disk
+        if victims[0].group in disk.chain_groups:
+            return
+        moving = {id(p) for batch in plan.landed for p in batch}
+        for group in disk.chain_groups:
+            anchors = {}
+            for victim in victims:
+                page = victim.node.pages[group] if victim.node is not None else None
+                if page is not None and not page.damaged and id(page) not in moving and disk.here(page) is None:
+                    anchors[id(page)] = page
+            if anchors:
+                self._copy_ancestors(list(anchors.values()), plan, with_pages=True)
 
     def persist(self, plan: MovePlan) -> int:
         """Write published pages held in memory tiers to free disk slots, parents first.

@@ -172,6 +172,8 @@ class Tier:
         A ``spare`` copy (bytes a promotion left behind, so a later demotion needs no write) is
         evicted before any other page here; a copy of an ancestor, which keeps the chains below
         it restorable after a crash, is evicted by its priority like any page."""
+        if original in self.copies or original.tier == self.index:
+            raise InvariantError(f"{original} has its bytes in the {self.name} tier already: no second copy")
         copy = Page(
             original.group,
             self.index,
