@@ -129,12 +129,19 @@ class DiskWriteBehind:
             and page not in disk.copies
         )
         pages: list[Page] = []
+        landing: set[int] = set()  # ids of ``pages``
+        whole: dict[int, bool] = {}  # (a block reached stays reached as more pages are chosen)
         while len(pages) < want:  # a part of the window at a time, each after its ancestors in host memory
             part = list(islice(candidates, want - len(pages)))
             if not part:
                 break
-            pages += self._restorable(self._with_ancestors(part, pages), pages)
-        pages = self._restorable(pages[:want])  # (a page may need one cut off)
+            part = self._with_ancestors(part, pages)
+            landing.update(map(id, part))
+            kept = self._restorable(part, landing, whole)
+            landing.difference_update(id(page) for page in part if page not in kept)
+            pages += kept
+        if len(pages) > want:  # cut: a page may have needed one cut off
+            pages = self._restorable(pages[:want])
         if not pages:
             return None
         disk_slots = self._disk_slots(group, len(pages))
@@ -158,15 +165,18 @@ class DiskWriteBehind:
         ancestors = self.disk.uncopied_ancestors(pages, moving)
         return [page for page in ancestors if page.tier == self.host.index and not page.damaged] + pages
 
-    def _restorable(self, pages: list[Page], chosen: list[Page] | None = None) -> list[Page]:
-        """Of pages to be written with ``chosen`` (which a restart reaches), those a restart could
-        reach once they all landed: their block and every block above have a page of each
-        full-attention group on disk or among them (``Tier.chain_whole``). Not the others: below a
-        block held in the primary tier only (the blocking demotion copies it to disk with its first
-        child), or of another group in a block whose full-attention page is not on disk yet (that
-        group's turn comes)."""
-        landing = frozenset(id(page) for page in (*(chosen or ()), *pages))
-        whole: dict[int, bool] = {}
+    def _restorable(
+        self, pages: list[Page], landing: set[int] | None = None, whole: dict[int, bool] | None = None
+    ) -> list[Page]:
+        """Of pages to be written together, those a restart could reach once they landed: their
+        block and every block above have a page of each full-attention group on disk or among the
+        pages whose ids are in ``landing`` (default: ``pages``; ``Tier.chain_whole``, memoized in
+        ``whole``). Not the others: below a block held in the primary tier only (the blocking
+        demotion copies it to disk with its first child), or of another group in a block whose
+        full-attention page is not on disk yet (that group's turn comes)."""
+        if landing is None:
+            landing = {id(page) for page in pages}
+        whole = {} if whole is None else whole
         return [page for page in pages if self.disk.chain_whole(page.node, whole, on_disk=True, landing=landing)]
 
     def _disk_slots(self, group: int, count: int) -> list[int]:

@@ -29,7 +29,7 @@ that order, oldest first; the write-through copies them below. Bounded: the olde
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 
 from kvtier.errors import InvariantError
 from kvtier.pages import Node, Page
@@ -349,7 +349,7 @@ class Tier:
         return [child for child in node.children.values() if all([child.pages[g] is not None for g in groups])]
 
     def chain_whole(
-        self, node: Node | None, whole: dict[int, bool], on_disk: bool = False, landing: frozenset[int] = frozenset()
+        self, node: Node | None, whole: dict[int, bool], on_disk: bool = False, landing: Set[int] = frozenset()
     ) -> bool:
         """Whether ``node`` and every block above it have a page of each full-attention group
         (``chain_groups``), which a match needs (in any tier; ``on_disk``: here, an original or a
