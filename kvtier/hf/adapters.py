@@ -4,18 +4,18 @@ An adapter changes the keys and values its layers compute, while the model's own
 as they were: pages computed with adapter ``a`` active must never be served with ``b`` active,
 or with adapters disabled. ``AdapterScope`` gives each call the ``PrefixCache``'s scope with the
 adapters its layers apply added to its ``lora_id`` (the active ones, or the merged ones while a
-merge holds: PEFT's forward then runs the base layer alone): each adapter by name and by a
-fingerprint of its weights and settings (a name given to other weights later is another scope;
-the same adapter loaded in another process is the same scope, so a disk tier serves it after a
-restart).
+merge holds: PEFT's forward then runs the base layer alone; none while adapters are disabled,
+whatever rows ``adapter_names`` names): each adapter by name and by a fingerprint of its weights
+and settings (a name given to other weights later is another scope; the same adapter loaded in
+another process is the same scope, so a disk tier serves it after a restart).
 
 PEFT's tuner layers are found by what they expose (``active_adapters``, ``disable_adapters``,
 ``adapter_layer_names``), so peft is never imported. The layers are listed at construction and
 again whenever the model's ``peft_config`` names other adapters (``add_adapter``,
-``load_adapter``, ``delete_adapter``) or a layer listed is no longer where it was in the model
-(``unload()`` puts the base layers back and leaves ``peft_config`` as it was). A fingerprint is
-computed once per set of tensors (their identity, version and address), so training an adapter
-between calls makes a new scope too.
+``load_adapter``, ``delete_adapter``, an adapter added again under its name) or a layer listed is
+no longer where it was in the model (``unload()`` puts the base layers back and leaves
+``peft_config`` as it was). A fingerprint is computed once per set of tensors (their identity,
+version and address), so training an adapter between calls makes a new scope too.
 
 Adapters merged into the weights are the base weights' business (``kvtier.weights.WeightWatch``),
 but PEFT merges by writing through ``tensor.data`` (``merge_and_unload()``), which no version
@@ -63,7 +63,16 @@ class AdapterScope:
         if isinstance(names, str) or len(names) != count:
             raise ValueError(f"adapter_names must name one adapter per batch row ({count}), got {names!r}")
         self._refresh()
-        return [self._base if name == "__base__" else self._scope([(name, False)]) for name in names]
+        disabled = tuple(bool(layer.disable_adapters) for layer in self._layers)
+        if disabled and all(disabled):  # (``disable_adapter()``: PEFT runs every row on the base layers)
+            return [self._base] * count
+        scopes = [self._base if name == "__base__" else self._scope([(name, False)]) for name in names]
+        if any(disabled):  # some layers run their base alone for every row: the pattern is part of the key
+            pattern = hashlib.blake2b(repr(disabled).encode(), digest_size=8).hexdigest()
+            scopes = [
+                s if s is self._base else ReuseScope(lora_id=f"{s.lora_id}+off:{pattern}", salt=s.salt) for s in scopes
+            ]
+        return scopes
 
     def current(self) -> ReuseScope:
         """``base`` when no adapter is applied, else ``base`` with the applied ones in its ``lora_id``
@@ -84,7 +93,9 @@ class AdapterScope:
     def _refresh(self) -> None:
         names = _configured(self._model)
         model = self._model
-        if names != self._names or not all(map(_in_place, [model] * len(self._paths), self._paths, self._layers)):
+        if not _same_adapters(names, self._names) or not all(
+            map(_in_place, [model] * len(self._paths), self._paths, self._layers)
+        ):
             tensors, fingerprint = self._bases
             if tensors and tensors_fingerprint(tensors) != fingerprint:
                 self._merged = True
@@ -126,10 +137,16 @@ class AdapterScope:
         return cached[1]
 
 
-def _configured(model: torch.nn.Module) -> tuple[str, ...]:
-    """The adapter names the model's ``peft_config`` holds (PeftModel, transformers' adapter API)."""
+def _configured(model: torch.nn.Module) -> tuple[tuple[str, object], ...]:
+    """The adapters the model's ``peft_config`` holds (PeftModel, transformers' adapter API): each
+    name with its config object (held, so compared by identity: an adapter deleted and added again
+    under its name, maybe on other modules, has a new one)."""
     config = getattr(model, "peft_config", None)
-    return tuple(sorted(config)) if isinstance(config, dict) else ()
+    return tuple(sorted(config.items(), key=lambda item: item[0])) if isinstance(config, dict) else ()
+
+
+def _same_adapters(a: tuple[tuple[str, object], ...], b: tuple[tuple[str, object], ...]) -> bool:
+    return len(a) == len(b) and all(x[0] == y[0] and x[1] is y[1] for x, y in zip(a, b, strict=True))
 
 
 def _tuner_layers(model: torch.nn.Module) -> tuple[list[tuple[str, ...]], list[torch.nn.Module]]:

@@ -256,3 +256,50 @@ def test_the_model_of_a_prefix_cache_cannot_be_replaced():
         with pytest.raises(AttributeError):
             pc.model = tiny_model("llama", seed=1)
         assert pc.model is first
+
+
+def test_rows_named_inside_disable_adapter_are_the_base_models():
+    """PEFT's layers run their base alone while adapters are disabled, whatever ``adapter_names``
+    names. Before, such rows were saved under the named adapters' scopes: a later call with the
+    adapter active was served the base model's pages (other tokens than ``generate``'s)."""
+    model = peft.get_peft_model(tiny_model("llama"), lora(3), adapter_name="first")
+    model.eval()
+    prompt = tokens(torch.Generator().manual_seed(8), 40)
+    with PrefixCache(model, tiers_config(model.get_base_model(), blocks=120)) as pc:
+        ids = torch.tensor([[*prompt, 1], [*prompt, 2]])
+        mask = torch.ones_like(ids)
+        with model.disable_adapter():
+            expected = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=3,
+                do_sample=False,
+                adapter_names=["first", "__base__"],
+            )
+            got = pc.generate(
+                ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=["first", "__base__"]
+            )
+            assert torch.equal(got, expected)
+            assert both(model, pc, [*prompt, 3]) == 40  # the base model's pages, both rows'
+        assert both(model, pc, [*prompt, 4]) == 0  # "first" active: none of them
+
+
+def test_an_adapter_added_again_under_its_name_on_other_modules_gets_a_scope_of_its_own():
+    """Before, its new layers were never listed (the names in ``peft_config`` were the same): the
+    call ran under the base model's scope and was served its pages."""
+    model = peft.get_peft_model(tiny_model("llama"), lora(1), adapter_name="first")
+    model.add_adapter("second", lora(2))
+    model.eval()
+    prompt = tokens(torch.Generator().manual_seed(9), 40)
+    with PrefixCache(model, tiers_config(model.get_base_model(), blocks=120)) as pc:
+        with model.disable_adapter():
+            assert both(model, pc, prompt) == 0
+        model.delete_adapter("second")
+        torch.manual_seed(4)
+        model.add_adapter(
+            "second", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"], init_lora_weights=False)
+        )
+        model.set_adapter("second")
+        model.eval()
+        assert both(model, pc, [*prompt, 1]) == 0  # not the base model's pages
+        assert both(model, pc, [*prompt, 2]) == 40  # its own
