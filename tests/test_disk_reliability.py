@@ -491,7 +491,9 @@ def test_a_second_manager_on_the_directory_is_refused(tmp_path):
     second.close()
 
 
-def test_a_manager_in_another_process_holds_the_directory(tmp_path):
+@contextlib.contextmanager
+def manager_in_another_process(tmp_path):
+    """A child process holding a manager over ``tmp_path`` (ready when this yields it); killed after."""
     code = f"""
     import time
     from tests.test_tiers import manager
@@ -505,11 +507,18 @@ def test_a_manager_in_another_process_holds_the_directory(tmp_path):
     )
     try:
         assert child.stdout.readline().strip() == b"ready"
-        with pytest.raises(kvtier.DiskTierBusyError, match=f"pid {child.pid} "):
-            manager(tmp_path, primary=6, host=0, disk=40)
+        yield child
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_manager_in_another_process_holds_the_directory(tmp_path):
+    with (
+        manager_in_another_process(tmp_path) as child,
+        pytest.raises(kvtier.DiskTierBusyError, match=f"pid {child.pid} "),
+    ):
+        manager(tmp_path, primary=6, host=0, disk=40)
     manager(tmp_path, primary=6, host=0, disk=40).close()  # the lock died with its holder
 
 
@@ -517,26 +526,11 @@ def test_a_lock_file_removed_under_its_holder_lets_no_second_manager_in(tmp_path
     """A cleaner of old files in /tmp may remove the lock file while its manager runs. Before, a
     second process then made a new one, locked it and wrote into the same index and page files
     (checksum failures after). The directory itself is locked too."""
-    code = f"""
-    import time
-    from tests.test_tiers import manager
-    mgr = manager({str(tmp_path)!r}, primary=6, host=0, disk=40)
-    print("ready", flush=True)
-    time.sleep(60)
-    """
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
-    )
-    try:
-        assert child.stdout.readline().strip() == b"ready"
+    with manager_in_another_process(tmp_path):
         (lock,) = tmp_path.glob("*/lock")
         lock.unlink()
         with pytest.raises(kvtier.DiskTierBusyError, match="lock file was removed"):
             manager(tmp_path, primary=6, host=0, disk=40)
-    finally:
-        child.kill()
-        child.wait()
     manager(tmp_path, primary=6, host=0, disk=40).close()  # the locks died with their holder
 
 

@@ -102,6 +102,18 @@ def test_training_an_adapter_present_at_construction_is_a_weight_change():
             pc.generate(torch.tensor([prompt]), max_new_tokens=2)
 
 
+def per_row(model, pc: PrefixCache, ids: torch.Tensor, names: list[str]) -> list[int]:
+    """One call of a batch with an adapter per row through both paths (the same tokens); the tokens
+    each row reused."""
+    mask = torch.ones_like(ids)
+    expected = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=names
+    )
+    got = pc.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=names)
+    assert torch.equal(got, expected), f"reused {pc.last_reused_tokens}"
+    return pc.last_reused_tokens
+
+
 def test_a_batch_with_an_adapter_per_row_reuses_each_rows_own_pages():
     model = peft.get_peft_model(tiny_model("llama"), lora(7), adapter_name="first")
     model.add_adapter("second", lora(8))
@@ -114,12 +126,7 @@ def test_a_batch_with_an_adapter_per_row_reuses_each_rows_own_pages():
     with PrefixCache(model, tiers_config(model.base_model.model, blocks=80)) as pc:
         calls = ((["first", "second", "__base__"], [0, 0, 0]), (["second", "__base__", "first"], [32] * 3))
         for names, reused in calls:
-            expected = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=names
-            )
-            got = pc.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=names)
-            assert torch.equal(got, expected)
-            assert pc.last_reused_tokens == reused
+            assert per_row(model, pc, ids, names) == reused
         with pytest.raises(ValueError, match="one adapter per batch row"):
             pc.generate(ids, attention_mask=mask, max_new_tokens=3, adapter_names=["first"])
 
@@ -227,14 +234,8 @@ def test_per_row_adapters_of_a_hybrid_model_compute_the_snapshots_with_each_rows
     prompt = tokens(g, 40)
     with PrefixCache(model, tiers_config(model.get_base_model(), blocks=120)) as pc:
         for names, tail in ((["first", "second"], 5), (["second", "first"], 6)):
-            ids = torch.tensor([[*prompt, tail], [*prompt, tail + 1]])
-            mask = torch.ones_like(ids)
-            expected = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=names
-            )
-            got = pc.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=names)
-            assert torch.equal(got, expected), f"reused {pc.last_reused_tokens}"
-        assert min(pc.last_reused_tokens) >= 32  # each row's adapter's pages, saved by the first call
+            reused = per_row(model, pc, torch.tensor([[*prompt, tail], [*prompt, tail + 1]]), names)
+        assert min(reused) >= 32  # each row's adapter's pages, saved by the first call
 
 
 def test_a_peft_models_prompt_forward_is_timed(tmp_path):
@@ -266,20 +267,8 @@ def test_rows_named_inside_disable_adapter_are_the_base_models():
     model.eval()
     prompt = tokens(torch.Generator().manual_seed(8), 40)
     with PrefixCache(model, tiers_config(model.get_base_model(), blocks=120)) as pc:
-        ids = torch.tensor([[*prompt, 1], [*prompt, 2]])
-        mask = torch.ones_like(ids)
         with model.disable_adapter():
-            expected = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=3,
-                do_sample=False,
-                adapter_names=["first", "__base__"],
-            )
-            got = pc.generate(
-                ids, attention_mask=mask, max_new_tokens=3, do_sample=False, adapter_names=["first", "__base__"]
-            )
-            assert torch.equal(got, expected)
+            per_row(model, pc, torch.tensor([[*prompt, 1], [*prompt, 2]]), ["first", "__base__"])
             assert both(model, pc, [*prompt, 3]) == 40  # the base model's pages, both rows'
         assert both(model, pc, [*prompt, 4]) == 0  # "first" active: none of them
 
