@@ -135,6 +135,9 @@ class DiskWriteBehind:
             part = list(islice(candidates, want - len(pages)))
             if not part:
                 break
+            part = [page for page in part if id(page) not in landing]  # (not an ancestor chosen already)
+            if not part:
+                continue
             part = self._with_ancestors(part, pages)
             landing.update(map(id, part))
             kept = self._restorable(part, landing, whole)
