@@ -18,11 +18,23 @@ no longer where it was in the model (``unload()`` puts the base layers back and 
 version and address), so training an adapter between calls makes a new scope too.
 
 Adapters merged into the weights are the base weights' business (``kvtier.weights.WeightWatch``),
-but PEFT merges by writing through ``tensor.data`` (``merge_and_unload()``), which no version
-counter sees. So when tuner layers are listed, a fingerprint of their base layers' weights is
-kept, and when any of them leaves the model it is compared again (``merged_into_weights``): an
-adapter merged while the layers were seen by a call is noticed. One injected and merged between
-two calls never was: those writes go unseen, like any other ``.data`` write.
+but PEFT merges and unmerges by writing through ``tensor.data``, which no version counter sees.
+So a fingerprint of the tuner layers' base weights is kept, taken while no adapter is merged, and
+compared again:
+
+- when a tuner layer leaves the model (``merge_and_unload()``, ``unload()``): changed base weights
+  mean an adapter was merged into them for good (``merged_into_weights``, sticky);
+- when the layers are unmerged again (a call finds none merged where the last one found some) or
+  listed again with none merged: ``unmerge_adapter`` subtracts the delta it added, which leaves the
+  base weights a rounding off (``W + d - d``), or further off when the adapter was trained while
+  merged. Changed base weights are new weights: every scope of this object then carries their
+  fingerprint (``weights@...``), so pages computed before are never served to them, and calls go
+  on without an error.
+
+Comparing reads every byte of the tuner layers' base weights (``kvtier.weights``: about 1 GB/s
+on one CPU core), once per unmerge or adapter list change, never per call. Writes between two
+calls that no call saw merged (an adapter injected and merged, or merged, trained and unmerged,
+between two calls) go unseen, like any other ``.data`` write.
 """
 
 from __future__ import annotations
@@ -40,10 +52,14 @@ class AdapterScope:
 
     def __init__(self, model: torch.nn.Module, base: ReuseScope) -> None:
         self._model = model
+        self._origin = base  # the scope given; ``_base`` adds the base weights' fingerprint once they change
         self._base = base
         self._names = _configured(model)
         self._paths, self._layers = _tuner_layers(model)
-        self._bases = _base_weights(self._layers)  # the tuner layers' base weights, and their fingerprint
+        self._was_merged = _any_merged(self._layers)  # as the last call found the layers
+        # the tuner layers' base weights and their fingerprint, taken with no adapter merged (with
+        # one merged at construction: as they were then, compared at the first unmerge)
+        self._bases = _base_weights(self._layers)
         self._merged = False  # base weights found changed when tuner layers left the model (a merge)
         self._fingerprints: dict[str, tuple[tuple, str]] = {}  # per adapter: its tensors' handles, fingerprint
 
@@ -91,17 +107,42 @@ class AdapterScope:
         return scope
 
     def _refresh(self) -> None:
+        """List the tuner layers again if the adapters changed, and compare the base weights where
+        the module's docstring says."""
         names = _configured(self._model)
         model = self._model
-        if not _same_adapters(names, self._names) or not all(
-            map(_in_place, [model] * len(self._paths), self._paths, self._layers)
-        ):
+        in_place = all(map(_in_place, [model] * len(self._paths), self._paths, self._layers))
+        if in_place and _same_adapters(names, self._names):
+            merged = _any_merged(self._layers)
+            if self._was_merged and not merged:  # unmerged since the last call
+                self._compare_bases()
+            self._was_merged = merged
+            return
+        if not in_place:  # a layer left the model: its base weights stay as it leaves them
             tensors, fingerprint = self._bases
             if tensors and tensors_fingerprint(tensors) != fingerprint:
                 self._merged = True
-            self._names = names
-            self._paths, self._layers = _tuner_layers(model)
-            self._bases = _base_weights(self._layers)
+            self._bases = [], ""  # compared: the layers listed now are fingerprinted afresh
+        self._names = names
+        self._paths, self._layers = _tuner_layers(model)
+        self._was_merged = _any_merged(self._layers)
+        if not self._was_merged:  # (with one merged, the layers are compared at the unmerge)
+            self._compare_bases()
+
+    def _compare_bases(self) -> None:
+        """No adapter is merged: if the base weights fingerprinted last differ now, the base weights
+        are new (every scope carries their fingerprint from now on); the tuner layers' base weights
+        now listed become the ones compared next."""
+        tensors, fingerprint = self._bases
+        now = _base_weights(self._layers)
+        same_tensors = len(tensors) == len(now[0]) and all(
+            a is b for (_, a), (_, b) in zip(tensors, now[0], strict=True)
+        )
+        if tensors and (now[1] if same_tensors else tensors_fingerprint(tensors)) != fingerprint:
+            key = f"weights@{now[1][:16]}"
+            lora_id = key if self._origin.lora_id is None else f"{self._origin.lora_id}|{key}"
+            self._base = ReuseScope(lora_id=lora_id, salt=self._origin.salt)
+        self._bases = now
 
     def _scope(self, applied: list[tuple[str, bool]]) -> ReuseScope:
         """``base`` with the adapters ``applied`` (name, merged into the base weights) in its ``lora_id``."""
@@ -168,6 +209,11 @@ def _base_weights(layers: list[torch.nn.Module]) -> tuple[list[tuple[str, torch.
         if isinstance(base, torch.nn.Module):
             tensors += [(f"{i}.{name}", t) for name, t in base.named_parameters()]
     return tensors, tensors_fingerprint(tensors) if tensors else ""
+
+
+def _any_merged(layers: list[torch.nn.Module]) -> bool:
+    """Whether an adapter is merged into any of these tuner layers' base weights now."""
+    return any([getattr(layer, "merged_adapters", None) for layer in layers])
 
 
 def _in_place(model: torch.nn.Module, path: tuple[str, ...], layer: torch.nn.Module) -> bool:

@@ -89,9 +89,11 @@ class PrefixCache:
     rotary settings decide keys too, transformers' version, whose model code computes them, and
     the attention implementation, whose kernels do), so pages are only ever served to the same
     model computed the same way; a later change of the model's weights in place (an optimizer
-    step, ``load_state_dict``, a PEFT adapter merged while a call saw it), of its configuration or
-    of its attention implementation makes ``generate`` raise ``CacheStateError``
-    (``kvtier.weights.WeightWatch``): build a new PrefixCache for the new weights. A call under
+    step, ``load_state_dict``, a PEFT adapter merged for good while a call saw it), of its
+    configuration or of its attention implementation makes ``generate`` raise ``CacheStateError``
+    (``kvtier.weights.WeightWatch``): build a new PrefixCache for the new weights. A PEFT
+    ``unmerge_adapter`` that leaves the base weights other than before the merge (a rounding off)
+    starts a scope of the new weights instead (``kvtier.hf.adapters``). A call under
     ``torch.autocast`` (or TF32 matmuls on CUDA, or with the hub's kernels) reuses and saves in a scope of its own
     (``kvtier.hf.numerics``). Not noticed: other writes through
     ``tensor.data`` (torch does not count them; an adapter injected and merged between two calls)

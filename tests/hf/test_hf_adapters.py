@@ -67,7 +67,8 @@ def test_a_merged_adapter_is_a_scope_of_its_own_whichever_is_active():
         model.set_adapter("second")
         assert both(model, pc, [*prompt, 7]) == 0  # "second" beside the base weights: other roundings
         model.base_model.merge_adapter(["second"])
-        assert both(model, pc, [*prompt, 8]) == 40
+        assert both(model, pc, [*prompt, 8]) == 0  # the unmerge left other base weights (a rounding off)
+        assert both(model, pc, [*prompt, 9]) == 40
         model.base_model.unmerge_adapter()
 
 
@@ -292,3 +293,47 @@ def test_an_adapter_added_again_under_its_name_on_other_modules_gets_a_scope_of_
         model.eval()
         assert both(model, pc, [*prompt, 1]) == 0  # not the base model's pages
         assert both(model, pc, [*prompt, 2]) == 40  # its own
+
+
+def test_an_unmerge_that_leaves_other_base_weights_starts_their_own_scope_without_an_error():
+    """``unmerge_adapter`` subtracts the delta through ``.data``: ``W + d - d`` is a rounding off
+    ``W``. Before, that went unseen until an adapter was added or deleted, and then every call
+    raised ``CacheStateError`` blaming a merge no longer there."""
+    model = peft.get_peft_model(tiny_model("llama"), lora(1), adapter_name="first")
+    model.eval()
+    prompt = tokens(torch.Generator().manual_seed(4), 40)
+    with PrefixCache(model, tiers_config(model.base_model.model, blocks=200)) as pc:
+        with model.disable_adapter():
+            assert both(model, pc, prompt) == 0
+        model.base_model.merge_adapter()
+        assert both(model, pc, [*prompt, 1]) == 0
+        model.base_model.unmerge_adapter()
+        with model.disable_adapter():
+            assert both(model, pc, [*prompt, 2]) == 0  # not the pages of the weights before the merge
+            assert both(model, pc, [*prompt, 3]) == 40  # the new weights' own
+        model.add_adapter("second", lora(2))
+        with model.disable_adapter():
+            assert both(model, pc, [*prompt, 4]) == 40
+        model.set_adapter("second")
+        assert both(model, pc, [*prompt, 5]) == 0
+
+
+def test_base_pages_are_not_served_after_an_adapter_was_trained_while_merged_then_unmerged():
+    """Unmerging subtracts the trained delta, not the one merged: the base weights change through
+    ``.data``. Before, the base model's earlier pages were served (scores off by 0.58)."""
+    base = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(3), 40)
+    with PrefixCache(base, tiers_config(base, blocks=60)) as pc:
+        assert both(base, pc, prompt) == 0
+        model = peft.get_peft_model(base, lora(5))
+        model.eval()
+        assert both(model, pc, [*prompt, 4]) == 0
+        model.base_model.merge_adapter()
+        assert both(model, pc, [*prompt, 5]) == 0
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.add_(0.05)
+        model.base_model.unmerge_adapter()
+        with model.disable_adapter():
+            assert both(model, pc, [*prompt, 6]) == 0
