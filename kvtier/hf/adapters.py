@@ -31,6 +31,9 @@ compared again:
   fingerprint (``weights@...``), so pages computed before are never served to them, and calls go
   on without an error.
 
+A DoRA adapter merges otherwise: PEFT assigns its base layer new weight memory, which
+``WeightWatch`` sees as a weight change (``CacheStateError``, as after an optimizer step).
+
 Comparing reads every byte of the tuner layers' base weights (``kvtier.weights``: about 1 GB/s
 on one CPU core), once per unmerge or adapter list change, never per call. Writes between two
 calls that no call saw merged (an adapter injected and merged, or merged, trained and unmerged,
