@@ -3,12 +3,18 @@ optimizer steps) are noticed: ``generate`` refuses to serve pages of the old wei
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvtier.errors import CacheStateError
 from kvtier.hf import PrefixCache
 from tests.hf.tiny import tiers_config, tiny_model, tokens
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def greedy(fn, prompt: list[int]) -> torch.Tensor:
@@ -206,3 +212,43 @@ def test_a_configuration_changed_in_place_is_refused_until_it_is_set_back():
         model.config.sliding_window = window
         assert torch.equal(greedy(pc.generate, [*prompt, 1]), greedy(model.generate, [*prompt, 1]))
         assert pc.last_reused_tokens == [40]
+
+
+@pytest.fixture
+def matmul_precision_restored():
+    yield
+    torch.set_float32_matmul_precision("highest")
+
+
+def test_pages_computed_with_reduced_precision_cpu_matmuls_are_served_only_to_such_calls(matmul_precision_restored):
+    """``torch.set_float32_matmul_precision("medium")`` runs a float32 model's matmuls in bfloat16
+    through oneDNN on CPUs with bfloat16 instructions. Before, only CUDA's precision was part of a
+    call's scope: such pages were served to full-precision calls (2 prompts in 30 gave other tokens
+    on a CPU with AMX)."""
+    model = tiny_model("llama").to(torch.float32)
+    prompt = tokens(torch.Generator().manual_seed(13), 48)
+    with PrefixCache(model, tiers_config(model, 60)) as pc:
+        torch.set_float32_matmul_precision("medium")
+        assert torch.equal(greedy(pc.generate, prompt), greedy(model.generate, prompt))
+        torch.set_float32_matmul_precision("highest")
+        assert torch.equal(greedy(pc.generate, [*prompt, 1]), greedy(model.generate, [*prompt, 1]))
+        assert pc.last_reused_tokens == [0]
+        torch.set_float32_matmul_precision("medium")
+        assert torch.equal(greedy(pc.generate, [*prompt, 2]), greedy(model.generate, [*prompt, 2]))
+        assert pc.last_reused_tokens == [48]
+
+
+def test_the_matmul_precision_is_read_after_torch_s_newer_api_was_used():
+    """transformers' ``enable_tf32`` sets ``torch.backends.cuda.matmul.fp32_precision``; after that,
+    ``torch.get_float32_matmul_precision()`` raises ``RuntimeError``, which every call on CUDA
+    reached. Run in a process of its own: the mix of both APIs stays for the process's life."""
+    script = (
+        "import torch\n"
+        "from kvtier.hf.numerics import numerics_tag\n"
+        "torch.set_float32_matmul_precision('highest')\n"
+        "torch.backends.cuda.matmul.fp32_precision = 'tf32'\n"
+        "print(numerics_tag(torch.device('cuda')), numerics_tag(torch.device('cpu')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["numerics:matmul-tf32", "None"]
