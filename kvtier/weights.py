@@ -109,20 +109,48 @@ def _without_runtime(value: object) -> object:
 
 
 def tensors_fingerprint(named: Iterable[tuple[str, object]]) -> str:
-    """A hex digest of named tensors (their names, shapes, dtypes and bytes), in name order; entries
-    that are not tensors are skipped."""
+    """A hex digest of named tensors (their names, shapes, dtypes and bytes), in name order.
+
+    Tensors inside tuples and lists count too, under ``name.i`` (torch's dynamically quantized
+    ``Linear`` saves its packed weight and bias as such a pair); a quantized tensor counts by its
+    integer values and its quantization (scheme, scales, zero points). Other entries are skipped."""
     h = hashlib.blake2b(digest_size=16, person=b"kvtier-weights1")
     coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-    for name, tensor in sorted(named, key=lambda item: item[0]):
-        if not isinstance(tensor, torch.Tensor):
-            continue
+    for name, tensor in sorted(_flattened(named), key=lambda item: item[0]):
         h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
-        words = _as_words(tensor.detach())
+        tensor = tensor.detach()
+        if tensor.is_quantized:
+            h.update(_quantization(tensor).encode())
+            tensor = tensor.int_repr()
+        words = _as_words(tensor)
         if tensor.device not in coefficients:
             coefficients[tensor.device] = _coefficients(tensor.device)
         for digest in _hash_words(words, coefficients[tensor.device]):
             h.update(digest.to_bytes(8, "little"))
     return h.hexdigest()
+
+
+def _flattened(named: Iterable[tuple[str, object]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of ``named``, with those inside tuples and lists (nested too) named ``name.i``."""
+    found: list[tuple[str, torch.Tensor]] = []
+    pending = list(named)
+    while pending:
+        name, value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            found.append((name, value))
+        elif isinstance(value, tuple | list):
+            pending += [(f"{name}.{i}", item) for i, item in enumerate(value)]
+    return found
+
+
+def _quantization(tensor: torch.Tensor) -> str:
+    """How a quantized tensor maps its integers to values: its scheme and parameters, as text."""
+    scheme = tensor.qscheme()
+    if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return f"{scheme}|{tensor.q_scale()!r}|{tensor.q_zero_point()}|"
+    scales = tensor.q_per_channel_scales().tolist()
+    zero_points = tensor.q_per_channel_zero_points().tolist()
+    return f"{scheme}|{tensor.q_per_channel_axis()}|{scales!r}|{zero_points!r}|"
 
 
 def _as_words(tensor: torch.Tensor) -> torch.Tensor:
@@ -200,10 +228,21 @@ class WeightWatch:
         return True
 
     def _handles(self) -> tuple[tuple[int, int, int], ...]:
-        """(identity, version, address) of every parameter and persistent buffer of the modules."""
-        return tuple(
+        """(identity, version, address) of every parameter and persistent buffer of the modules, and
+        the identity of every packed-weights object (torch's quantized modules keep their weights in
+        one, outside the parameters; setting or loading weights replaces it)."""
+        tensors = tuple(
             (id(t), t._version, t.data_ptr())
             for module in self._modules
             for name, t in (*module._parameters.items(), *module._buffers.items())
             if t is not None and name not in module._non_persistent_buffers_set
         )
+        packed = tuple((id(p), 0, 0) for p in map(_packed_weights, self._modules) if p is not None)
+        return tensors + packed if packed else tensors
+
+
+def _packed_weights(module: torch.nn.Module) -> object | None:
+    """The packed-weights object a module holds outside its parameters (``_packed_params``: a
+    ``torch.ScriptObject`` in torch's quantized modules), or None."""
+    packed = module.__dict__.get("_packed_params")
+    return packed if isinstance(packed, torch.ScriptObject) else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from kvtier.errors import CacheStateError
 from kvtier.hf import PrefixCache
+from kvtier.weights import weights_fingerprint
 from tests.hf.tiny import tiers_config, tiny_model, tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -252,3 +254,41 @@ def test_the_matmul_precision_is_read_after_torch_s_newer_api_was_used():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["numerics:matmul-tf32", "None"]
+
+
+def quantized(model):
+    """``model`` with its Linear layers quantized dynamically to int8 (torch's eager quantization;
+    the test is skipped where this torch no longer has it)."""
+    quantize = getattr(getattr(torch.ao, "quantization", None), "quantize_dynamic", None)
+    if quantize is None:
+        pytest.skip("this torch has no torch.ao.quantization.quantize_dynamic")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its deprecation warnings
+        return quantize(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def test_dynamically_quantized_weights_are_part_of_the_identity_and_their_changes_are_noticed():
+    """A dynamically quantized Linear keeps its int8 weight packed, outside its parameters and
+    buffers. Before, two models differing only there had one ``model_id`` (a shared disk tier served
+    one's pages to the other), and other weights set or loaded into one went unnoticed."""
+    first = quantized(tiny_model("llama").to(torch.float32))
+    other = tiny_model("llama").to(torch.float32)
+    with torch.no_grad():
+        for module in other.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(-2)
+    second = quantized(other)
+    assert weights_fingerprint(first) != weights_fingerprint(second)
+    prompt = tokens(torch.Generator().manual_seed(14), 40)
+    with PrefixCache(first, tiers_config(first, 60)) as pc:
+        assert torch.equal(greedy(pc.generate, prompt), greedy(first.generate, prompt))
+        first.load_state_dict(first.state_dict())  # the same weights again: nothing changed
+        assert torch.equal(greedy(pc.generate, [*prompt, 1]), greedy(first.generate, [*prompt, 1]))
+        assert pc.last_reused_tokens == [40]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for mine, theirs in zip(first.modules(), second.modules(), strict=True):
+                if hasattr(mine, "set_weight_bias"):
+                    mine.set_weight_bias(*theirs._weight_bias())
+        with pytest.raises(CacheStateError, match="weights changed"):
+            greedy(pc.generate, [*prompt, 2])
