@@ -18,6 +18,7 @@ computed block is saved for the next call (or the next process, through a disk t
     token bound    kvtier/hf/token_bound.py   where images, token types or own positions reach a row's KV
     window check   kvtier/hf/window_check.py  a cache window the attention does not apply (long calls plain)
     adapters       kvtier/hf/adapters.py      the PEFT adapters active in a call: part of its scope
+    forward hooks  kvtier/hf/forward_hooks.py a user's hook on the model (calls plain while one is)
     the adapter    kvtier/hf/prefix_cache.py  PrefixCache (weights changed in place after construction
                                               are refused: kvtier.weights.WeightWatch)
 """

@@ -53,6 +53,7 @@ from kvtier.errors import CacheStateError
 from kvtier.hf.adapters import AdapterScope
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
 from kvtier.hf.call_state import CallState
+from kvtier.hf.forward_hooks import user_hook
 from kvtier.hf.hf_cache import RecordingCache, StateRecorder, held_columns
 from kvtier.hf.model_layers import ModelLayers, attention_implementation, read_model, wrapped_model
 from kvtier.hf.numerics import with_numerics
@@ -154,6 +155,7 @@ class PrefixCache:
         self._told_of_no_cache = False  # a generation config's use_cache=False, set aside (logged once)
         self._told_of_dropped_cache = False  # a call whose generate set kvtier's cache aside (logged once)
         self._told_of_noise = False  # a call in training mode with dropout or noise (logged once)
+        self._told_of_hook: str | None = None  # the user hook a call last warned of (logged once each)
         self._zero_types_matter: bool | None = None  # ``token_bound.zero_types_matter``, probed when first needed
         self._told_of_prompt_outputs = False  # a call asking for the prompt's hidden states or attentions
         self._told_of_padding = False  # a padded call on a model that computes padded rows its own way
@@ -240,6 +242,14 @@ class PrefixCache:
                 "reuses and saves nothing while it is (call model.eval() to reuse)",
                 noisy,
             )
+        hooked = user_hook(self._model)
+        if hooked is not None and hooked != self._told_of_hook:
+            self._told_of_hook = hooked
+            log.warning(
+                "%s is registered on the model: kvtier cannot see how it changes keys and values, so "
+                "PrefixCache.generate reuses and saves nothing while it is (a call runs as plain generate)",
+                hooked,
+            )
         window = self._window_to_check
         unprobed = window is not None and pads is not None and input_ids.shape[1] - min(pads) > window
         limit = self._length_limit  # a call this long reuses nothing (rotary frequencies or a window of its own)
@@ -262,7 +272,7 @@ class PrefixCache:
                 "first one made padding) after kvtier matched it: such calls run as plain generate, reusing "
                 "and saving nothing"
             )
-        if pads is None or noisy is not None or rescaled or padded or healing:
+        if pads is None or noisy is not None or hooked is not None or rescaled or padded or healing:
             reused = [0] * (input_ids.shape[0] * _num_sequences(config, kwargs))
             self._last.tokens = reused
             out = self._model.generate(input_ids, attention_mask=attention_mask, **kwargs)

@@ -17,22 +17,33 @@ from tests.hf.tiny import left_padded, tiers_config, tiny_model, tokens
 POISON_AT = 20  # the first token of the poisoned row whose keys are NaN
 
 
-def poison_output(module: torch.nn.Module, row: int, first_column: int) -> torch.utils.hooks.RemovableHandle:
-    """NaN in ``module``'s output for one row of a batch, from a column on.
+class PoisonedOutput:
+    """NaN in ``module``'s output for one row of a batch, from a column on, while this is open.
 
-    The forwards of a call cover consecutive columns: the hook counts them."""
-    seen = [0]
+    The forwards of a call cover consecutive columns: the wrapper counts them. It replaces the
+    module's forward (a forward hook would make the calls run as plain generate)."""
 
-    def hook(module, args, output):
-        columns = output.shape[1]
-        poisoned = output.clone()
-        start = max(first_column - seen[0], 0)
-        if start < columns:
-            poisoned[row, start:] = float("nan")
-        seen[0] += columns
-        return poisoned
+    def __init__(self, module: torch.nn.Module, row: int, first_column: int) -> None:
+        self.module, self.row, self.first_column = module, row, first_column
+        self.seen = 0
 
-    return module.register_forward_hook(hook)
+    def __enter__(self) -> None:
+        original = self.module.forward
+
+        def forward(*args, **kwargs):
+            output = original(*args, **kwargs)
+            columns = output.shape[1]
+            poisoned = output.clone()
+            start = max(self.first_column - self.seen, 0)
+            if start < columns:
+                poisoned[self.row, start:] = float("nan")
+            self.seen += columns
+            return poisoned
+
+        self.module.forward = forward
+
+    def __exit__(self, *exc) -> None:
+        del self.module.forward  # the class's forward again
 
 
 def attention_first_hybrid():
@@ -66,12 +77,9 @@ def test_a_row_that_went_nan_is_saved_only_up_to_where_it_did(case, caplog):
     rows = [tokens(g, n) for n in (40, 33, 47)]
     ids, mask = left_padded(rows)
     with PrefixCache(model, tiers_config(model, blocks=60)) as pc:
-        hook = poison_output(poisoned_module(model), 0, ids.shape[1] - len(rows[0]) + POISON_AT)
-        try:
-            with caplog.at_level(logging.WARNING, logger="kvtier.hf.prefix_save"):
-                pc.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-        finally:
-            hook.remove()
+        poisoned = PoisonedOutput(poisoned_module(model), 0, ids.shape[1] - len(rows[0]) + POISON_AT)
+        with poisoned, caplog.at_level(logging.WARNING, logger="kvtier.hf.prefix_save"):
+            pc.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
         assert f"row 0 computed NaN or infinite keys, values or states; its tokens from {cut} on" in caplog.text
         assert "row 1" not in caplog.text and "row 2" not in caplog.text
         for i, prompt in enumerate(rows):  # the model healthy again: every answer is plain generate's
