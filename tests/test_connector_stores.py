@@ -77,10 +77,13 @@ def test_keys_differ_in_every_part():
 
 
 def test_key_format_is_pinned():
-    """The layout of keys is part of what other processes and machines rely on: it never drifts."""
+    """The layout of keys is part of what other processes and machines rely on: it changes only with
+    the stored page format (``v3``: ``block_codec.FORMAT_VERSION``), so that releases writing other
+    values never share a key. Before, format 3 used format 2's ``v1`` keys: a rolling upgrade's two
+    releases took each other's values for damaged ones and deleted them."""
     space = BlockKeyspace(FINGERPRINT, 16, tp_rank=1, tp_world_size=4)
     assert space.key(kvtier.ReuseScope(lora_id=7, salt="t"), bytes(range(16)), 2) == (
-        "kvtier/v1/0123456789abcdef0123456789abcdef/tpb16/tp1of4/"
+        "kvtier/v3/0123456789abcdef0123456789abcdef/tpb16/tp1of4/"
         "0135e4823a9fd99b23c091f7ae959085/000102030405060708090a0b0c0d0e0f/g2"
     )
 

@@ -1,7 +1,11 @@
 """Names of pages in an external store: one key per (reuse scope, block, layer group).
 
 A key is ``<prefix>/<scope>/<block>/g<group>`` with the prefix
-``kvtier/v1/<model fingerprint>/tpb<tokens per block>/tp<rank>of<world size>``:
+``kvtier/v<format>/<model fingerprint>/tpb<tokens per block>/tp<rank>of<world size>``:
+
+- ``<format>`` is the stored page format's version (``block_codec.FORMAT_VERSION``): releases
+  whose values differ never share a key (during a rolling upgrade each reads its own values; on
+  shared keys each took the other's intact values for damaged ones and deleted them);
 
 - the model fingerprint (``ModelSpec.fingerprint``) and tokens per block decide a page's bytes,
   and a tensor-parallel rank holds its own shard of the heads, so two models, two block sizes or
@@ -25,9 +29,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from kvtier.config import ReuseScope
+from kvtier.connector.block_codec import FORMAT_VERSION
 from kvtier.spec import ModelSpec
 
-KEY_VERSION = "v1"
+KEY_VERSION = f"v{FORMAT_VERSION}"
 BLOCK_KEY_BYTES = 16
 SCOPE_DIGEST_BYTES = 16
 _HEX = frozenset(string.hexdigits.lower())
