@@ -197,9 +197,18 @@ def transformers_version() -> str:
 
 def attention_implementation(model: torch.nn.Module) -> str | None:
     """The attention kernels the model runs (``eager``, ``sdpa``, ...): their keys and values
-    differ in the last bits, so pages of one are not served to calls of another. (The hub's kernels
-    are a call's numerics: ``kvtier.hf.numerics``.)"""
-    return getattr(model.config, "_attn_implementation", None)
+    differ in the last bits, so pages of one are not served to calls of another. A multimodal
+    model's sub-configurations (``text_config``, ...) may each name their own
+    (``set_attn_implementation({"text_config": ...})``): those that differ from the top level's are
+    added as ``name=kernel``. (The hub's kernels are a call's numerics: ``kvtier.hf.numerics``.)"""
+    config = model.config
+    top = getattr(config, "_attn_implementation", None)
+    others = [
+        f"{name}={kernel}"
+        for name in getattr(config, "sub_configs", None) or ()
+        if (kernel := getattr(getattr(config, name, None), "_attn_implementation", None)) not in (None, top)
+    ]
+    return top if not others else "+".join([str(top), *others])
 
 
 def wrapped_model(model: torch.nn.Module) -> torch.nn.Module:
