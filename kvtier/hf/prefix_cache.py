@@ -96,7 +96,8 @@ class PrefixCache:
     ``unmerge_adapter`` that leaves the base weights other than before the merge (a rounding off)
     starts a scope of the new weights instead (``kvtier.hf.adapters``). A call under
     ``torch.autocast`` (or TF32 matmuls on CUDA, or with the hub's kernels) reuses and saves in a scope of its own
-    (``kvtier.hf.numerics``). Not noticed: other writes through
+    (``kvtier.hf.numerics``). While a forward hook of the user's is registered on the model, calls
+    run as plain ``generate`` (``kvtier.hf.forward_hooks``). Not noticed: other writes through
     ``tensor.data`` (torch does not count them; an adapter injected and merged between two calls)
     and modules swapped in after construction (``set_input_embeddings``); after those, build a
     new PrefixCache too. A ``model_id`` given names the weights, the rotary settings, the model
