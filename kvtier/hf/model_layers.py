@@ -126,7 +126,12 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
         raise NotImplementedError(f"{type(model).__name__} is an encoder-decoder model; kvtier.hf serves decoder-only")
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
-        raise NotImplementedError(f"{type(model).__name__} is split across devices {sorted(map(str, devices))}")
+        offloaded = (
+            " (some of its weights offloaded: on the meta device)" if any(d.type == "meta" for d in devices) else ""
+        )
+        raise NotImplementedError(
+            f"{type(model).__name__} is split across devices {sorted(map(str, devices))}{offloaded}"
+        )
     probe = DynamicCache(config=config)
     kinds = []
     for i, layer in enumerate(probe.layers):

@@ -128,6 +128,12 @@ class PrefixCache:
             raise TypeError(f"recompute_when_faster must be a bool, got {recompute_when_faster!r}")
         model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: its generate is the model's own
         device = next(model.parameters()).device
+        if device.type == "meta":
+            raise NotImplementedError(
+                f"{type(model).__name__} has its weights offloaded (on the meta device: accelerate's cpu_offload, "
+                "disk_offload or a device_map that offloads), which kvtier.hf does not serve: load the model "
+                "onto one device"
+            )
         if not _same_device(device, cache_config.device):
             raise ValueError(f"cache_config.device is {cache_config.device}, the model is on {device}: use the same")
         self._model = model

@@ -82,6 +82,15 @@ def test_an_encoder_decoder_model_is_refused():
         PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
 
 
+def test_a_model_with_offloaded_weights_is_refused_by_what_it_is():
+    """accelerate's ``cpu_offload`` leaves the weights on the meta device. Before, the refusal said
+    "cache_config.device is cpu, the model is on meta: use the same", which no device can follow."""
+    model = tiny_model("llama")
+    config = tiers_config(model, blocks=8)
+    with pytest.raises(NotImplementedError, match="weights offloaded"):
+        PrefixCache(model.to("meta"), config)
+
+
 def test_a_model_without_attention_layers_is_refused():
     config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, state_size=4)
     model = transformers.AutoModelForCausalLM.from_config(config)
