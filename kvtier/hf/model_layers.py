@@ -205,7 +205,9 @@ def attention_implementation(model: torch.nn.Module) -> str | None:
     differ in the last bits, so pages of one are not served to calls of another. A multimodal
     model's sub-configurations (``text_config``, ...) may each name their own
     (``set_attn_implementation({"text_config": ...})``): those that differ from the top level's are
-    added as ``name=kernel``. (The hub's kernels are a call's numerics: ``kvtier.hf.numerics``.)"""
+    added as ``name=kernel``. A mixture-of-experts model's experts kernels
+    (``set_experts_implementation``: ``grouped_mm``, ``batched_mm``, ...) round otherwise too: added
+    as ``experts=kernel``. (The hub's kernels are a call's numerics: ``kvtier.hf.numerics``.)"""
     config = model.config
     top = getattr(config, "_attn_implementation", None)
     others = [
@@ -213,6 +215,11 @@ def attention_implementation(model: torch.nn.Module) -> str | None:
         for name in getattr(config, "sub_configs", None) or ()
         if (kernel := getattr(getattr(config, name, None), "_attn_implementation", None)) not in (None, top)
     ]
+    can_set_experts = getattr(model, "_can_set_experts_implementation", None)
+    if callable(can_set_experts) and can_set_experts():
+        configs = [config, *(getattr(config, name, None) for name in getattr(config, "sub_configs", None) or ())]
+        experts = sorted({str(k) for c in configs if (k := getattr(c, "_experts_implementation", None)) is not None})
+        others.append(f"experts={'/'.join(experts)}")
     return top if not others else "+".join([str(top), *others])
 
 

@@ -223,8 +223,9 @@ class PrefixCache:
             )
         if attention_implementation(self._model) != self._attention:
             raise CacheStateError(
-                f"the model's attention implementation changed since this PrefixCache was built ({self._attention} "
-                f"-> {attention_implementation(self._model)}): its pages hold keys and values of the other kernels. "
+                "the model's attention (or experts) implementation changed since this PrefixCache was built "
+                f"({self._attention} -> {attention_implementation(self._model)}): its pages hold keys and values of "
+                "the other kernels. "
                 "Set it back, or build a new PrefixCache"
             )
         if config_fingerprint(self._model.config) != self._config:

@@ -373,7 +373,7 @@ def test_switching_only_the_text_models_attention_kernels_is_noticed():
         pc.generate(ids, max_new_tokens=2)
         kernel = model.config.text_config._attn_implementation
         model.set_attn_implementation({"text_config": "eager" if kernel != "eager" else "sdpa"})
-        with pytest.raises(CacheStateError, match="attention implementation changed"):
+        with pytest.raises(CacheStateError, match=r"attention \(or experts\) implementation changed"):
             pc.generate(ids, max_new_tokens=2)
         model.set_attn_implementation({"text_config": kernel})
         assert torch.equal(pc.generate(ids, max_new_tokens=2), model.generate(ids, max_new_tokens=2))

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from kvtier.errors import CacheStateError
 from kvtier.hf import PrefixCache
 from kvtier.weights import weights_fingerprint
-from tests.hf.tiny import tiers_config, tiny_model, tokens
+from tests.hf.tiny import PAD, TINY_TEXT, tiers_config, tiny_model, tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,7 +146,7 @@ def test_pages_of_one_attention_implementation_are_never_served_to_another(tmp_p
     with PrefixCache(model, tiers_config(model, 60)) as pc:
         greedy(pc.generate, prompt)
         model.set_attn_implementation("sdpa")
-        with pytest.raises(CacheStateError, match="attention implementation changed"):
+        with pytest.raises(CacheStateError, match=r"attention \(or experts\) implementation changed"):
             greedy(pc.generate, [*prompt, 1])
         model.set_attn_implementation("eager")
         assert torch.equal(greedy(pc.generate, [*prompt, 1]), greedy(model.generate, [*prompt, 1]))
@@ -292,3 +293,25 @@ def test_dynamically_quantized_weights_are_part_of_the_identity_and_their_change
                     mine.set_weight_bias(*theirs._weight_bias())
         with pytest.raises(CacheStateError, match="weights changed"):
             greedy(pc.generate, [*prompt, 2])
+
+
+def test_a_mixture_of_experts_models_experts_kernels_are_part_of_its_identity():
+    """``set_experts_implementation`` switches how the experts' matmuls run (``grouped_mm``,
+    ``batched_mm``, ``eager``): other roundings (1e-3 off in bfloat16). Before, a switch under a
+    PrefixCache went unseen, and processes running other kernels shared one ``model_id``."""
+    config = transformers.MixtralConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **TINY_TEXT)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    prompt = tokens(torch.Generator().manual_seed(15), 40)
+    model.set_experts_implementation("eager")
+    with PrefixCache(model, tiers_config(model, 60)) as pc:
+        eager_id = pc.manager.spec.model_id
+        greedy(pc.generate, prompt)
+        model.set_experts_implementation("batched_mm")
+        with pytest.raises(CacheStateError, match=r"attention \(or experts\) implementation changed"):
+            greedy(pc.generate, [*prompt, 1])
+    with PrefixCache(model, tiers_config(model, 60)) as pc:
+        assert pc.manager.spec.model_id != eager_id
+        assert torch.equal(greedy(pc.generate, prompt), greedy(model.generate, prompt))
