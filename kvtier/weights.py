@@ -227,17 +227,19 @@ class WeightWatch:
         self._seen = seen
         return True
 
-    def _handles(self) -> tuple[tuple[int, int, int], ...]:
+    def _handles(self) -> tuple[object, ...]:
         """(identity, version, address) of every parameter and persistent buffer of the modules, and
-        the identity of every packed-weights object (torch's quantized modules keep their weights in
-        one, outside the parameters; setting or loading weights replaces it)."""
+        every packed-weights object with its ``id`` (torch's quantized modules keep their weights in
+        one, outside the parameters; setting or loading weights replaces it). The objects are held,
+        so no later object can take their ids: equal ids mean the same object, and different ids stop
+        the comparison before the objects (which have no ``==``) are compared."""
         tensors = tuple(
             (id(t), t._version, t.data_ptr())
             for module in self._modules
             for name, t in (*module._parameters.items(), *module._buffers.items())
             if t is not None and name not in module._non_persistent_buffers_set
         )
-        packed = tuple((id(p), 0, 0) for p in map(_packed_weights, self._modules) if p is not None)
+        packed = tuple((id(p), p) for p in map(_packed_weights, self._modules) if p is not None)
         return tensors + packed if packed else tensors
 
 

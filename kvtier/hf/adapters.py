@@ -23,13 +23,15 @@ So a fingerprint of the tuner layers' base weights is kept, taken while no adapt
 compared again:
 
 - when a tuner layer leaves the model (``merge_and_unload()``, ``unload()``): changed base weights
-  mean an adapter was merged into them for good (``merged_into_weights``, sticky);
+  of layers that leave merged mean an adapter was merged into them for good
+  (``merged_into_weights``, sticky); of layers unmerged before they left, new weights (below);
 - when the layers are unmerged again (a call finds none merged where the last one found some) or
   listed again with none merged: ``unmerge_adapter`` subtracts the delta it added, which leaves the
   base weights a rounding off (``W + d - d``), or further off when the adapter was trained while
   merged. Changed base weights are new weights: every scope of this object then carries their
   fingerprint (``weights@...``), so pages computed before are never served to them, and calls go
-  on without an error.
+  on without an error. A call inside ``disable_adapter()`` over a merged adapter is unmerged by
+  PEFT during its own forward: it runs as plain ``generate`` (``unmerged_in_call``).
 
 A DoRA adapter merges otherwise: PEFT assigns its base layer new weight memory, which
 ``WeightWatch`` sees as a weight change (``CacheStateError``, as after an optimizer step).
@@ -61,8 +63,9 @@ class AdapterScope:
         self._paths, self._layers = _tuner_layers(model)
         self._was_merged = _any_merged(self._layers)  # as the last call found the layers
         # the tuner layers' base weights and their fingerprint, taken with no adapter merged (with
-        # one merged at construction: as they were then, compared at the first unmerge)
-        self._bases = _base_weights(self._layers)
+        # one merged at construction: as they were then, compared at the first unmerge); None while
+        # merged layers were never seen unmerged (listed first while merged): unknown, so changed
+        self._bases: tuple[list[tuple[str, torch.Tensor]], str] | None = _base_weights(self._layers)
         self._merged = False  # base weights found changed when tuner layers left the model (a merge)
         self._fingerprints: dict[str, tuple[tuple, str]] = {}  # per adapter: its tensors' handles, fingerprint
 
@@ -122,30 +125,61 @@ class AdapterScope:
             self._was_merged = merged
             return
         if not in_place:  # a layer left the model: its base weights stay as it leaves them
-            tensors, fingerprint = self._bases
-            if tensors and tensors_fingerprint(tensors) != fingerprint:
-                self._merged = True
+            now = self._changed_bases()
+            if now is not None:
+                if _any_merged(self._layers):  # merged as they left (``merge_and_unload``): for good
+                    self._merged = True
+                else:  # unmerged before they left: new weights, as after an unmerge
+                    self._renew_base(now)
             self._bases = [], ""  # compared: the layers listed now are fingerprinted afresh
+        known = bool(self._bases and self._bases[0])
         self._names = names
         self._paths, self._layers = _tuner_layers(model)
         self._was_merged = _any_merged(self._layers)
-        if not self._was_merged:  # (with one merged, the layers are compared at the unmerge)
+        if not self._was_merged:
             self._compare_bases()
+        elif not known:  # merged before a call saw them unmerged (injected after construction, say)
+            self._bases = None
 
     def _compare_bases(self) -> None:
-        """No adapter is merged: if the base weights fingerprinted last differ now, the base weights
-        are new (every scope carries their fingerprint from now on); the tuner layers' base weights
-        now listed become the ones compared next."""
-        tensors, fingerprint = self._bases
+        """No adapter is merged: if the base weights fingerprinted last differ now (or were never
+        seen unmerged), the base weights are new (every scope carries their fingerprint from now
+        on); the tuner layers' base weights now listed become the ones compared next."""
         now = _base_weights(self._layers)
-        same_tensors = len(tensors) == len(now[0]) and all(
-            a is b for (_, a), (_, b) in zip(tensors, now[0], strict=True)
-        )
-        if tensors and (now[1] if same_tensors else tensors_fingerprint(tensors)) != fingerprint:
-            key = f"weights@{now[1][:16]}"
-            lora_id = key if self._origin.lora_id is None else f"{self._origin.lora_id}|{key}"
-            self._base = ReuseScope(lora_id=lora_id, salt=self._origin.salt)
+        if self._changed_bases(now) is not None:
+            self._renew_base(now[1])
         self._bases = now
+
+    def _changed_bases(self, now: tuple[list[tuple[str, torch.Tensor]], str] | None = None) -> str | None:
+        """The fingerprint now of the base weights last fingerprinted, if they changed or are
+        unknown (``_bases`` None: those of the layers listed now), else None. ``now``: the current
+        layers' ``_base_weights``, reused where they are the same tensors."""
+        if self._bases is None:
+            return (now or _base_weights(self._layers))[1]
+        tensors, fingerprint = self._bases
+        if not tensors:
+            return None
+        same = (
+            now is not None
+            and len(tensors) == len(now[0])
+            and all(a is b for (_, a), (_, b) in zip(tensors, now[0], strict=True))
+        )
+        current = now[1] if same else tensors_fingerprint(tensors)
+        return current if current != fingerprint else None
+
+    def _renew_base(self, fingerprint: str) -> None:
+        """The base weights changed to those of ``fingerprint``: every scope carries it from now on."""
+        key = f"weights@{fingerprint[:16]}"
+        lora_id = key if self._origin.lora_id is None else f"{self._origin.lora_id}|{key}"
+        self._base = ReuseScope(lora_id=lora_id, salt=self._origin.salt)
+
+    def unmerged_in_call(self) -> bool:
+        """Whether PEFT will undo a merge inside the next forward: a tuner layer both merged and
+        disabled (``disable_adapter()`` over a merged adapter unmerges on the way). The weights such a
+        call computes with are known only once it ran (the unmerge subtracts the delta as it is
+        then), so it must neither reuse nor save; the call after it compares them (``_refresh``)."""
+        self._refresh()
+        return any([layer.disable_adapters and getattr(layer, "merged_adapters", None) for layer in self._layers])
 
     def _scope(self, applied: list[tuple[str, bool]]) -> ReuseScope:
         """``base`` with the adapters ``applied`` (name, merged into the base weights) in its ``lora_id``."""

@@ -163,6 +163,7 @@ class PrefixCache:
         self._told_of_dropped_cache = False  # a call whose generate set kvtier's cache aside (logged once)
         self._told_of_noise = False  # a call in training mode with dropout or noise (logged once)
         self._told_of_hook: str | None = None  # the user hook a call last warned of (logged once each)
+        self._told_of_unmerging = False  # a call whose forward unmerges a PEFT adapter (logged once)
         self._zero_types_matter: bool | None = None  # ``token_bound.zero_types_matter``, probed when first needed
         self._told_of_prompt_outputs = False  # a call asking for the prompt's hidden states or attentions
         self._told_of_padding = False  # a padded call on a model that computes padded rows its own way
@@ -250,6 +251,14 @@ class PrefixCache:
                 "reuses and saves nothing while it is (call model.eval() to reuse)",
                 noisy,
             )
+        unmerging = self._scopes.unmerged_in_call()
+        if unmerging and not self._told_of_unmerging:
+            self._told_of_unmerging = True
+            log.info(
+                "a call inside disable_adapter() over a merged PEFT adapter has PEFT unmerge it during the "
+                "forward, leaving base weights kvtier sees only afterwards: such calls run as plain generate, "
+                "reusing and saving nothing"
+            )
         hooked = user_hook(self._model)
         if hooked is not None and hooked != self._told_of_hook:
             self._told_of_hook = hooked
@@ -280,7 +289,8 @@ class PrefixCache:
                 "first one made padding) after kvtier matched it: such calls run as plain generate, reusing "
                 "and saving nothing"
             )
-        if pads is None or noisy is not None or hooked is not None or rescaled or padded or healing:
+        plain = noisy is not None or hooked is not None or unmerging or rescaled or padded or healing
+        if pads is None or plain:
             reused = [0] * (input_ids.shape[0] * _num_sequences(config, kwargs))
             self._last.tokens = reused
             out = self._model.generate(input_ids, attention_mask=attention_mask, **kwargs)

@@ -337,3 +337,50 @@ def test_base_pages_are_not_served_after_an_adapter_was_trained_while_merged_the
         model.base_model.unmerge_adapter()
         with model.disable_adapter():
             assert both(model, pc, [*prompt, 6]) == 0
+
+
+def kvtier_first(model, pc: PrefixCache, prompt: list[int]) -> int:
+    """``both`` with the PrefixCache's call first (it sees the model as the user left it)."""
+    ids = torch.tensor([prompt])
+    got = pc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected), f"reused {pc.last_reused_tokens}"
+    return pc.last_reused_tokens[0]
+
+
+def test_a_call_inside_disable_adapter_over_a_merged_adapter_reuses_and_saves_nothing():
+    """PEFT undoes the merge inside that call's forward, subtracting the delta as it is then: after
+    training while merged the base weights change during the call. Before, the call reused the
+    base model's earlier pages (scores 0.49 off) and saved its own under their scope."""
+    base = tiny_model("llama")
+    prompt = tokens(torch.Generator().manual_seed(5), 40)
+    with PrefixCache(base, tiers_config(base, blocks=200)) as pc:
+        assert kvtier_first(base, pc, prompt) == 0
+        model = peft.get_peft_model(base, lora(6))  # added after construction: trained unwatched
+        model.eval()
+        model.base_model.merge_adapter()
+        assert kvtier_first(model, pc, [*prompt, 1]) == 0
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.add_(0.5)
+        with model.disable_adapter():
+            assert kvtier_first(model, pc, [*prompt, 2]) == 0  # unmerged during the call: plain
+            assert kvtier_first(model, pc, [*prompt, 3]) == 0  # the new weights: none of the old ones' pages
+            assert kvtier_first(model, pc, [*prompt, 4]) == 40
+
+
+def test_unload_after_an_unmerge_no_call_saw_is_no_merge():
+    """``unmerge_adapter`` then ``unload()`` with no call between: the base layers leave a rounding
+    off the weights before the merge. Before, that was taken for a merge for good: every later
+    call raised ``CacheStateError``."""
+    model = peft.get_peft_model(tiny_model("llama"), lora(7))
+    model.eval()
+    prompt = tokens(torch.Generator().manual_seed(6), 40)
+    with PrefixCache(model, tiers_config(model.base_model.model, blocks=200)) as pc:
+        model.base_model.merge_adapter()
+        assert kvtier_first(model, pc, prompt) == 0
+        model.base_model.unmerge_adapter()
+        base = model.unload()
+        assert kvtier_first(base, pc, [*prompt, 1]) == 0
+        assert kvtier_first(base, pc, [*prompt, 2]) == 40
