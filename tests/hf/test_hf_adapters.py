@@ -14,6 +14,14 @@ from tests.hf.tiny import tiers_config, tiny_model, tokens
 peft = pytest.importorskip("peft")
 
 
+def train_in_place(model, step: float) -> None:
+    """A training step on the LoRA ``B`` matrices, in place (as an optimizer writes them)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.add_(step)
+
+
 def lora(seed: int) -> peft.LoraConfig:
     torch.manual_seed(seed)
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
@@ -330,10 +338,7 @@ def test_base_pages_are_not_served_after_an_adapter_was_trained_while_merged_the
         assert both(model, pc, [*prompt, 4]) == 0
         model.base_model.merge_adapter()
         assert both(model, pc, [*prompt, 5]) == 0
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_B" in name:
-                    parameter.add_(0.05)
+        train_in_place(model, 0.05)
         model.base_model.unmerge_adapter()
         with model.disable_adapter():
             assert both(model, pc, [*prompt, 6]) == 0
@@ -360,10 +365,7 @@ def test_a_call_inside_disable_adapter_over_a_merged_adapter_reuses_and_saves_no
         model.eval()
         model.base_model.merge_adapter()
         assert kvtier_first(model, pc, [*prompt, 1]) == 0
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_B" in name:
-                    parameter.add_(0.5)
+        train_in_place(model, 0.5)
         with model.disable_adapter():
             assert kvtier_first(model, pc, [*prompt, 2]) == 0  # unmerged during the call: plain
             assert kvtier_first(model, pc, [*prompt, 3]) == 0  # the new weights: none of the old ones' pages
