@@ -19,6 +19,7 @@ computed block is saved for the next call (or the next process, through a disk t
     window check   kvtier/hf/window_check.py  a cache window the attention does not apply (long calls plain)
     adapters       kvtier/hf/adapters.py      the PEFT adapters active in a call: part of its scope
     forward hooks  kvtier/hf/forward_hooks.py a user's hook on the model (calls plain while one is)
+    rotary tables  kvtier/hf/rotary_tables.py tables built otherwise than the configuration now says
     the adapter    kvtier/hf/prefix_cache.py  PrefixCache (weights changed in place after construction
                                               are refused: kvtier.weights.WeightWatch)
 """

@@ -36,6 +36,7 @@ from transformers import cache_utils
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from kvtier.hf.padding import padding_difference
+from kvtier.hf.rotary_tables import stale_tables
 from kvtier.spec import AttentionLayer, ModelSpec, RecurrentLayer
 from kvtier.weights import default_model_id
 
@@ -181,6 +182,9 @@ def read_model(model: torch.nn.Module, model_id: str | None = None) -> ModelLaye
     if model_id is None:  # transformers' version and the attention kernels too: they compute the keys and values
         weights, model_id = default_model_id(model, config)
         model_id += f"+transformers-{transformers_version()}+attention-{attention_implementation(model)}"
+        tables = stale_tables(model)  # a configuration edited after the model was built: name the tables
+        if tables is not None:
+            model_id += f"+rotary-{tables[:16]}"
     spec = ModelSpec(spec_layers, dtype=kv_dtypes.pop(), model_id=model_id)
     return ModelLayers(tuple(layers), spec, argument, weights, padding)
 

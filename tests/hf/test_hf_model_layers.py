@@ -3,6 +3,8 @@ arguments ``generate`` refuses before touching anything."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -73,6 +75,19 @@ def test_model_id_is_a_fingerprint_of_the_weights_and_the_configuration_unless_g
     assert read_model(model).spec.model_id == model_id
     with PrefixCache(model, tiers_config(model, blocks=8), model_id="llama-tiny@1") as pc:
         assert pc.manager.spec.model_id == "llama-tiny@1"
+
+
+def test_a_configuration_edited_after_the_model_was_built_names_the_tables_it_computes_with():
+    """The rotary tables are computed when the model is built: a base edited into the configuration
+    afterwards changes nothing the model computes. Before, the ``model_id`` named the edited setting,
+    so a model built with that base for real shared its pages (other tokens)."""
+    edited = tiny_model("llama")
+    edited.config.rope_parameters["rope_theta"] = 100.0
+    for_real = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(edited.config), dtype=torch.float64)
+    for_real.load_state_dict(edited.state_dict())
+    assert "+rotary-" not in read_model(for_real).spec.model_id  # tables as the configuration names them
+    assert "+rotary-" in read_model(edited).spec.model_id
+    assert read_model(edited).spec.model_id != read_model(for_real).spec.model_id
 
 
 def test_an_encoder_decoder_model_is_refused():
