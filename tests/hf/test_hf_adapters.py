@@ -27,6 +27,14 @@ def lora(seed: int) -> peft.LoraConfig:
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
 
 
+def two_adapters(arch: str = "llama", seeds: tuple[int, int] = (1, 2)):
+    """A PEFT model of a tiny ``arch`` with LoRA adapters "first" (active) and "second", in eval mode."""
+    model = peft.get_peft_model(tiny_model(arch), lora(seeds[0]), adapter_name="first")
+    model.add_adapter("second", lora(seeds[1]))
+    model.eval()
+    return model
+
+
 def both(model, pc: PrefixCache, prompt: list[int]) -> int:
     """One call through both paths (the same tokens); the tokens it reused."""
     ids = torch.tensor([prompt])
@@ -37,9 +45,7 @@ def both(model, pc: PrefixCache, prompt: list[int]) -> int:
 
 
 def test_each_adapter_and_the_base_model_reuse_only_their_own_pages(tmp_path):
-    model = peft.get_peft_model(tiny_model("llama"), lora(1), adapter_name="first")
-    model.add_adapter("second", lora(2))
-    model.eval()
+    model = two_adapters()
     prompt = tokens(torch.Generator().manual_seed(3), 40)
     config = tiers_config(model.base_model.model, blocks=60, disk_blocks=200, disk_path=tmp_path)
     with PrefixCache(model, config) as pc:
@@ -61,9 +67,7 @@ def test_a_merged_adapter_is_a_scope_of_its_own_whichever_is_active():
     """PEFT's forward runs a merged layer's base weights alone: merging "second" while "first" is
     active applies "second". Before, such calls saved their pages under "first", and a call with
     "first" after ``unmerge_adapter()`` was served them (scores off by 0.53)."""
-    model = peft.get_peft_model(tiny_model("llama"), lora(1), adapter_name="first")
-    model.add_adapter("second", lora(2))
-    model.eval()
+    model = two_adapters()
     prompt = tokens(torch.Generator().manual_seed(3), 40)
     with PrefixCache(model, tiers_config(model.base_model.model, blocks=200)) as pc:
         model.set_adapter("first")
@@ -124,9 +128,7 @@ def per_row(model, pc: PrefixCache, ids: torch.Tensor, names: list[str]) -> list
 
 
 def test_a_batch_with_an_adapter_per_row_reuses_each_rows_own_pages():
-    model = peft.get_peft_model(tiny_model("llama"), lora(7), adapter_name="first")
-    model.add_adapter("second", lora(8))
-    model.eval()
+    model = two_adapters(seeds=(7, 8))
     g = torch.Generator().manual_seed(6)
     shared = tokens(g, 32)
     rows = [[*shared, *tokens(g, 4)] for _ in range(3)]
@@ -236,9 +238,7 @@ def test_a_peft_model_of_a_hybrid_model_records_the_states_generate_computes(arc
 
 def test_per_row_adapters_of_a_hybrid_model_compute_the_snapshots_with_each_rows_adapter():
     """The prompt's stretches up to the recurrent snapshots run with ``adapter_names`` too."""
-    model = peft.get_peft_model(tiny_model("qwen3_next"), lora(1), adapter_name="first")
-    model.add_adapter("second", lora(2))
-    model.eval()
+    model = two_adapters("qwen3_next")
     g = torch.Generator().manual_seed(9)
     prompt = tokens(g, 40)
     with PrefixCache(model, tiers_config(model.get_base_model(), blocks=120)) as pc:
@@ -285,9 +285,7 @@ def test_rows_named_inside_disable_adapter_are_the_base_models():
 def test_an_adapter_added_again_under_its_name_on_other_modules_gets_a_scope_of_its_own():
     """Before, its new layers were never listed (the names in ``peft_config`` were the same): the
     call ran under the base model's scope and was served its pages."""
-    model = peft.get_peft_model(tiny_model("llama"), lora(1), adapter_name="first")
-    model.add_adapter("second", lora(2))
-    model.eval()
+    model = two_adapters()
     prompt = tokens(torch.Generator().manual_seed(9), 40)
     with PrefixCache(model, tiers_config(model.get_base_model(), blocks=120)) as pc:
         with model.disable_adapter():
