@@ -226,8 +226,7 @@ class PrefixCache:
             raise CacheStateError(
                 "the model's attention (or experts) implementation changed since this PrefixCache was built "
                 f"({self._attention} -> {attention_implementation(self._model)}): its pages hold keys and values of "
-                "the other kernels. "
-                "Set it back, or build a new PrefixCache"
+                "the other kernels. Set it back, or build a new PrefixCache"
             )
         if config_fingerprint(self._model.config) != self._config:
             raise CacheStateError(
