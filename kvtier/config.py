@@ -277,3 +277,27 @@ def check_device_usable(device: torch.device) -> None:
         )
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device={str(device)!r} but this process sees {torch.cuda.device_count()} GPU(s)")
+
+
+def check_fits_in_memory(what: str, nbytes: int, device: torch.device, remedy: str) -> None:
+    """``ValueError`` when ``nbytes`` (of ``what``, such as a tier or a model's weights) are more than
+    all the memory ``device`` has: GPU memory for a CUDA device, else the machine's physical
+    memory; the message ends with ``remedy``. Such an allocation can never be had: refusing it
+    names the problem before the allocator fails (or the system's out-of-memory killer ends the
+    process)."""
+    if device.type == "cuda":
+        where, have = str(device), torch.cuda.get_device_properties(device).total_memory
+    else:
+        where, have = "host memory", _host_memory_bytes()
+    if have is not None and nbytes > have:
+        raise ValueError(
+            f"{what} cannot be allocated: it is more than all of {where} ({have / 2**30:.1f} GiB); {remedy}"
+        )
+
+
+def _host_memory_bytes() -> int | None:
+    """Physical memory of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import weakref
 
@@ -17,7 +16,15 @@ import numpy as np
 import torch
 
 from kvtier.cache import KVCache
-from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, PrimaryTier, ReuseScope, check_device_usable
+from kvtier.config import (
+    DEFAULT_SCOPE,
+    CacheConfig,
+    DiskTier,
+    PrimaryTier,
+    ReuseScope,
+    check_device_usable,
+    check_fits_in_memory,
+)
 from kvtier.errors import CacheStateError
 from kvtier.exclusive import exclusive
 from kvtier.layout import GroupLayout, KvCacheLayout, Region, page_geometries, part_views
@@ -296,27 +303,11 @@ class KVCacheManager:
 
 def _check_quotas_fit(config: CacheConfig) -> None:
     """``ValueError`` for a memory tier larger than all the memory it would live in (it can never be had)."""
-    device: torch.device = config.device  # type: ignore[assignment]
     for tier in config.tiers:
-        if isinstance(tier, DiskTier):
-            continue
-        if isinstance(tier, PrimaryTier) and device.type == "cuda":
-            where, have = str(device), torch.cuda.get_device_properties(device).total_memory
-        else:
-            where, have = "host memory", _host_memory_bytes()
-        if have is not None and tier.bytes > have:
-            raise ValueError(
-                f"{type(tier).__name__}({tier.bytes}) cannot be allocated: it is more than all of {where} "
-                f"({have / 2**30:.1f} GiB); configure a smaller quota"
-            )
-
-
-def _host_memory_bytes() -> int | None:
-    """Physical memory of this machine, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+        if not isinstance(tier, DiskTier):
+            device = config.device if isinstance(tier, PrimaryTier) else torch.device("cpu")
+            what = f"{type(tier).__name__}({tier.bytes})"
+            check_fits_in_memory(what, tier.bytes, device, "configure a smaller quota")  # type: ignore[arg-type]
 
 
 def _close_pool(pool: PagePool, persist: bool) -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -50,6 +55,13 @@ from kvtier.cli import main
         (["bench", "e2e", "--prefetch-timeout-s", "nan"], "argument --prefetch-timeout-s: must be a finite number"),
         (["bench", "e2e", "--prefetch-timeout-s", "-1"], "argument --prefetch-timeout-s: must be a finite number"),
         (["bench", "e2e", "--model", ""], "argument --model: must not be empty"),
+        # Before: the disk cases ran without a disk tier, then a traceback (e2e) or exit 0 (hf).
+        (
+            ["bench", "e2e", "--disk-path", "/proc/kvtier-e2e"],
+            "argument --disk-path: /proc/kvtier-e2e: cannot be written",
+        ),
+        (["bench", "hf", "--disk-path", "/proc/kvtier-hf"], "argument --disk-path: /proc/kvtier-hf: cannot be written"),
+        (["bench", "hf", "--disk-path", "tests/conftest.py/d"], "argument --disk-path: tests/conftest.py/d: '"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_the_option(capsys, argv, message):
@@ -89,6 +101,53 @@ def test_a_value_refused_while_running_ends_the_command_with_its_message(capsys,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
+@pytest.mark.parametrize("target", ["copy", "vllm", "hf"])
+def test_a_gpu_benchmark_without_cuda_is_refused_on_stderr(capsys, target):
+    """Before, the refusal went to stdout, lost to a script that captures errors."""
+    assert main(["bench", target]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"kvtier bench {target}: error: it ") and "needs a CUDA device" in err and not out
+
+
+def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(capsys, monkeypatch):
+    """Before, ``llama-8b-shape`` in float64 (60 GiB) on a smaller machine ended in the allocator's
+    traceback, or in the out-of-memory killer."""
+    monkeypatch.setattr("kvtier.config._host_memory_bytes", lambda: 16 << 30)
+    assert main(["demo", "--model", "llama-8b-shape"]) == 2
+    err = capsys.readouterr().err
+    assert "kvtier demo: error: the model's weights (59.8 GiB in torch.float64) cannot be allocated: it is more " in err
+    assert "than all of host memory (16.0 GiB); choose a smaller model or dtype" in err and "Traceback" not in err
+
+
+def test_an_existing_or_new_disk_directory_is_taken_and_left_as_it_was(tmp_path):
+    from kvtier.cli.arguments import kept_directory
+
+    assert kept_directory(str(tmp_path)) == str(tmp_path) and list(tmp_path.iterdir()) == []
+    new = tmp_path / "a" / "b"
+    assert kept_directory(str(new)) == str(new) and list(tmp_path.iterdir()) == []  # made by the run, not now
+
+
+@pytest.mark.parametrize("hf", [False, True])
+def test_ctrl_c_ends_the_demo_with_one_line_and_its_temporary_directory_removed(tmp_path, hf):
+    """Before, a Python traceback of 38-113 lines ending in ``KeyboardInterrupt``."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv = [sys.executable, "-m", "kvtier", "demo", "--plot", str(tmp_path / "ttft.png"), *(["--hf"] if hf else [])]
+    demo = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(tmp)}
+    )
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith("kvtier-") for p in tmp.iterdir()):  # the run's disk tier: it is running
+        assert demo.poll() is None and time.monotonic() < deadline, "the demo never started its run"
+        time.sleep(0.02)
+    demo.send_signal(signal.SIGINT)
+    _, err = demo.communicate(timeout=120)
+    assert demo.returncode == 130
+    assert err.decode() == "kvtier demo: interrupted\n"
+    assert not any(p.name.startswith("kvtier-") for p in tmp.iterdir())
 
 
 def test_a_metrics_port_in_use_is_a_usage_error_before_the_run(capsys):

@@ -3,8 +3,10 @@
 Each subcommand lives in its own module, listed in ``SUBCOMMANDS`` or ``BENCHES``, which defines
 ``add_arguments(parser)`` and ``run(args) -> int``. Only the module of the subcommand being run
 is imported, so ``kvtier probe`` does not pay for the engine. A value kvtier refuses while a
-command runs (``ValueError``: a model name, tiers too small for the workload; a disk directory in
-use) ends it with its message and exit status 2, as argparse ends a bad option.
+command runs (``ValueError``: a model name, tiers too small for the workload, a GPU benchmark
+without a GPU; a disk directory in use) ends it with its message on stderr and exit status 2,
+as argparse ends a bad option. Ctrl-C ends it with one line and status 130, as a shell reports
+an interrupted command; the managers and temporary directories of the run are closed on the way.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import sys
 
 from kvtier.cli.arguments import output_file
 from kvtier.errors import DiskTierBusyError
+
+INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (128 + SIGINT)
 
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -61,12 +65,15 @@ def _selected(argv: list[str]) -> tuple[str | None, str | None]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser(_selected(argv)).parse_args(argv)
+    command = " ".join(word for word in ("kvtier", args.command, getattr(args, "target", None)) if word)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, DiskTierBusyError) as refused:  # a value kvtier refused: its message says what to change
-        command = " ".join(word for word in ("kvtier", args.command, getattr(args, "target", None)) if word)
         print(f"{command}: error: {refused}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

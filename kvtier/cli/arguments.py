@@ -7,6 +7,7 @@ import argparse
 import os
 import re
 import socket
+import tempfile
 from collections.abc import Callable
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -155,3 +156,24 @@ def plot_file(text: str) -> str:
     if suffix not in PLOT_FORMATS:
         raise argparse.ArgumentTypeError(f"{text}: name a file ending in one of {sorted(PLOT_FORMATS)}")
     return path
+
+
+def kept_directory(text: str) -> str:
+    """A directory a run keeps its files in: an existing one that takes files, or a new one that can
+    be made (it is made by the run, not now). Probed by making a temporary directory in it (or in
+    the nearest existing directory above it), removed again: a place that takes no file is refused
+    before the run, where the tier it names would store nothing and the run report figures of no
+    disk at all."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    existing = os.path.abspath(text)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "a file" if existing == os.path.abspath(text) else f"{existing!r} is a file"
+        raise argparse.ArgumentTypeError(f"{text}: {what}; name a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvtier-probe-", dir=existing))
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written ({exc.strerror or exc})") from None
+    return text

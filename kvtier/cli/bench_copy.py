@@ -54,11 +54,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("kvtier bench copy measures host<->GPU copies and needs a CUDA device; none is available here.")
-        return 2
+        raise ValueError("it measures host<->GPU copies and needs a CUDA device; none is available here")
     if args.iters < 10:
-        print("--iters must be at least 10 (figures are medians of at least 10 calls)")
-        return 2
+        raise ValueError("--iters must be at least 10 (figures are medians of at least 10 calls)")
     bench = _CopyBench(args.iters, args.warmup)
     report = bench.run_all(with_load=not args.no_load)
     if args.json:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.cli import bench_e2e_pressure as pressure
-from kvtier.cli.arguments import at_least, device, gibibytes, lengths, non_empty
+from kvtier.cli.arguments import at_least, device, gibibytes, kept_directory, lengths, non_empty
 from kvtier.cli.bench_e2e_report import add_targets, print_table
 from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps
 
@@ -64,7 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-gib", type=gibibytes, default=None, help=_sized("host_gib"))
     parser.add_argument("--disk-gib", type=gibibytes, default=None, help=_sized("disk_gib"))
     parser.add_argument(
-        "--disk-path", default=None, help="disk tier directory, kept (default: a temporary one, removed after)"
+        "--disk-path",
+        type=kept_directory,
+        default=None,
+        help="disk tier directory, kept (default: a temporary one, removed after)",
     )
     parser.add_argument(
         "--chunk", type=at_least(1), default=8192, help="prefill chunk (max_num_tokens) when populating"

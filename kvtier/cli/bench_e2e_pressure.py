@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import shutil
 import statistics
 import tempfile
@@ -246,6 +247,8 @@ def _queued_engine(bench) -> Iterator:
     import kvtier
 
     args = bench.args
+    if args.disk_path:
+        os.makedirs(args.disk_path, exist_ok=True)  # ``kept_directory``: it may be new
     path = tempfile.mkdtemp(prefix="kvtier-e2e-queued-", dir=args.disk_path)
     tiers = bench.memory_tiers(args.primary_gib, args.host_gib)
     tiers.append(kvtier.DiskTier(int(args.disk_gib * (1 << 30)), path))

@@ -38,7 +38,7 @@ import statistics
 import tempfile
 import time
 
-from kvtier.cli.arguments import at_least, device, gibibytes, lengths
+from kvtier.cli.arguments import at_least, device, gibibytes, kept_directory, lengths
 from kvtier.cli.bench_machine import drop_page_cache, link_ceiling_gbps, link_ceiling_line
 
 LLAMA_8B = dict(
@@ -78,7 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-gib", type=gibibytes, default=None, help="default: 12 (0.25 with --tiny)")
     parser.add_argument("--disk-gib", type=gibibytes, default=None, help="default: 12 (0.25 with --tiny)")
     parser.add_argument(
-        "--disk-path", default=None, help="disk tier directory, kept (default: a temporary one, removed after)"
+        "--disk-path",
+        type=kept_directory,
+        default=None,
+        help="disk tier directory, kept (default: a temporary one, removed after)",
     )
     parser.add_argument("--tiny", action="store_true", help="a two-layer model (a smoke run, e.g. on a CPU)")
 
@@ -87,11 +90,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if not _fill_defaults(args, torch.cuda.is_available()):
-        print(
-            "kvtier bench hf times an 8B-shaped model and needs a CUDA device; none is available here "
-            "(--tiny runs a two-layer model on the CPU; --device cpu runs the 8B shape there)."
+        raise ValueError(
+            "it times an 8B-shaped model and needs a CUDA device; none is available here "
+            "(--tiny runs a two-layer model on the CPU; --device cpu runs the 8B shape there)"
         )
-        return 2
     bench = _Bench(args)
     ceiling = link_ceiling_gbps(bench.device)
     rows = []

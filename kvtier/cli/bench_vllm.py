@@ -51,16 +51,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("kvtier bench vllm measures host<->GPU block copies and needs a CUDA device; none is available here.")
-        return 2
+        raise ValueError("it measures host<->GPU block copies and needs a CUDA device; none is available here")
     sizes = [int(x) for x in args.blocks.split(",")]
     paths = args.paths.split(",")
     if any(p not in PATHS for p in paths) or min(sizes) < 1 or args.iters < 5:
-        print(f"--paths must name {PATHS}, --blocks be >= 1 and --iters >= 5")
-        return 2
+        raise ValueError(f"--paths must name {PATHS}, --blocks be >= 1 and --iters >= 5")
     if args.segment_granule and args.layout == "BLNHC":
-        print("--segment-granule needs a layer-major layout (a layer's blocks in one range): LBNHC or LBHNC")
-        return 2
+        raise ValueError("--segment-granule needs a layer-major layout (a layer's blocks in one range): LBNHC or LBHNC")
     bench = _Bench(args, max(sizes))
     rows = []
     for path in paths:

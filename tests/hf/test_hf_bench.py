@@ -58,4 +58,4 @@ def test_the_device_and_the_tier_sizes_follow_tiny_and_cuda():
 def test_the_full_model_without_cuda_is_refused_with_a_message(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["bench", "hf", "--histories", "64"]) == 2
-    assert "needs a CUDA device" in capsys.readouterr().out
+    assert "kvtier bench hf: error: it times an 8B-shaped model and needs a CUDA device" in capsys.readouterr().err
