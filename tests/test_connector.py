@@ -99,6 +99,28 @@ def test_filesystem_cold_then_warm_across_engines(llama, tmp_path):
             assert out.num_computed_prompt_tokens == len(prompt) - out.reused_tokens_by_tier["connector"]
 
 
+@pytest.mark.parametrize(("policy", "saved"), [("priority>=50", [False, True]), ("seen>=2", [False, False])])
+def test_a_filesystem_connector_saves_by_its_save_policy(llama, tmp_path, policy, saved):
+    """``save_policy`` as ``RedisConnector`` takes it. Before, ``FileSystemConnector`` refused the
+    argument (``TypeError``): selective saving to a directory needed a hand-built connector."""
+    prompts = prompts_for(llama, [70, 90], seed=2)
+    connector = FileSystemConnector(tmp_path, save_policy=policy)
+    assert connector.save_policy == kvtier.connector.SavePolicy.parse(policy)
+    with engine(llama, 200, connector) as eng:
+        for prompt, priority in zip(prompts, [10, 60], strict=True):
+            eng.generate([prompt], SamplingParams(max_tokens=2), priority=priority)
+    with engine(llama, 200, FileSystemConnector(tmp_path)) as warm:
+        outs = warm.generate(prompts, SamplingParams(max_tokens=2))
+    check_against_oracle(llama, prompts, outs, 2)
+    assert [o.reused_tokens_by_tier.get("connector", 0) > 0 for o in outs] == saved
+
+
+def test_a_bad_save_policy_is_refused_before_the_directory_is_made(tmp_path):
+    with pytest.raises(ValueError, match="save policy"):
+        FileSystemConnector(tmp_path / "store", save_policy="hot")
+    assert not (tmp_path / "store").exists()
+
+
 def test_asked_once_per_allocation_across_a_deferral(llama, tmp_path):
     prompts = prompts_for(llama, [30, 100], seed=2)
     seed_store(llama, tmp_path, [prompts[1]])

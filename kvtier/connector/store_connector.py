@@ -470,7 +470,7 @@ class FileSystemConnector(StoreConnector):
 
     The directory holds at most about ``max_bytes`` (default ``DEFAULT_MAX_BYTES``, 64 GiB; per
     process sharing it, up to 10% more between eviction passes): past it the least recently
-    used blocks are evicted. ``load_async``: see ``StoreConnector``.
+    used blocks are evicted. ``save_policy``, ``load_async``: see ``StoreConnector``.
     """
 
     def __init__(
@@ -480,10 +480,13 @@ class FileSystemConnector(StoreConnector):
         tp_world_size: int = 1,
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        save_policy: str | SavePolicy = "all",
         load_async: bool = False,
     ) -> None:
         _check_options(tp_rank, tp_world_size, load_async)  # before the store makes its directory
-        super().__init__(FileSystemStore(path, max_bytes=max_bytes), tp_rank, tp_world_size, load_async=load_async)
+        policy = SavePolicy.parse(save_policy)  # likewise
+        store = FileSystemStore(path, max_bytes=max_bytes)
+        super().__init__(store, tp_rank, tp_world_size, save_policy=policy, load_async=load_async)
 
 
 class RedisConnector(StoreConnector):
