@@ -222,7 +222,8 @@ class KVCache:
         published pages start after the work queued there; once it suspends or closes, every copy
         that moves its pages starts after the work queued there by then (``kvtier.tiering.mover``).
         A page that fails its checksum on the way makes the cache start over from the longest
-        intact prefix of its committed tokens (``num_committed_tokens`` goes down; recompute).
+        intact prefix of its committed tokens (``num_committed_tokens`` and ``history_length`` go
+        down to it, the one case where ``history_length`` decreases; recompute).
         """
         if self._state is _ACTIVE:
             return True

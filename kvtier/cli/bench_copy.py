@@ -1,8 +1,8 @@
-"""``kvtier bench copy``: host<->GPU page copies on each path, idle and under load (PERF.md target 1).
+"""``kvtier bench copy``: host<->GPU page copies on each path, idle and under load (target 1 of docs/benchmarks.md).
 
 Measures, in one process:
 
-- every PERF.md shape, host->device and device->host, on the copy engines, the kernel and the
+- every reference shape (docs/copy.md), host->device and device->host, on the copy engines, the kernel and the
   automatic choice, idle and with bf16 matmuls running on another stream;
 - a page-size sweep at a fixed call size (the crossover that sets KVTIER_COPY_ENGINE_MIN_BYTES);
 - both directions at once (64 x 4 MiB each way on two streams);
@@ -301,7 +301,7 @@ def _row(
 
 
 def _summary(rows: list[dict[str, Any]], threshold: int | None) -> dict[str, Any]:
-    """The PERF.md target-1 checks on this run's rows."""
+    """The target-1 checks on this run's rows."""
     shape_rows = [r for r in rows if r["section"] == "perf_shapes"]
     ceiling = {
         d: max(r["gbps"] for r in rows if r.get("direction") == d and r["load"] == "idle") for d in ("h2d", "d2h")
@@ -378,7 +378,7 @@ def _print_tables(report: dict[str, Any]) -> None:
             path, stream, slots, *(f"{got[shape]['host_us']} ({got[shape]['target_us']})" for shape in SUBMIT_SHAPES)
         )
     console.print(submit)
-    shapes = Table(title=f"PERF.md shapes (GB/s); auto: copy engines from {summary['copy_engine_min_bytes']} B")
+    shapes = Table(title=f"reference shapes (GB/s); auto: copy engines from {summary['copy_engine_min_bytes']} B")
     for column in ("shape", "dir", "load", "copy_engine", "kernel", "auto", "auto/best", "auto/link"):
         shapes.add_column(column, justify="right")
     for entry in summary["auto_vs_best"]:

@@ -1,4 +1,4 @@
-"""``kvtier bench e2e``: time to first token when a long prefix comes back (PERF.md targets 3-5).
+"""``kvtier bench e2e``: time to first token when a long prefix comes back (targets 3-5 of docs/benchmarks.md).
 
 For each prefix length, a request of prefix + a short new suffix is timed these ways:
 

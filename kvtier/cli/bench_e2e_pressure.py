@@ -1,4 +1,4 @@
-"""The e2e bench's cases under pressure (PERF.md targets 4 and 5): a full GPU and a busy queue.
+"""The e2e bench's cases under pressure (targets 4 and 5 of docs/benchmarks.md): a full GPU and a busy queue.
 
 host-full-wt, host-full-nowt (``--pressure``, on by default)
     The prefix is on host memory while every page of the primary tier holds other requests'

@@ -1,4 +1,4 @@
-"""The e2e bench's targets (PERF.md targets 3-5) and its table."""
+"""The e2e bench's targets (targets 3-5 of docs/benchmarks.md) and its table."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``kvtier bench manager``: the manager's CPU overhead (PERF.md target 2), through the public API.
+"""``kvtier bench manager``: the manager's CPU overhead (target 2 of docs/benchmarks.md), through the public API.
 
 1. Decode step: ``resize`` by one token and ``commit`` of it, for every one of 256 running
    requests, 16 tokens per block; reported per request per step (crossing block boundaries,
@@ -25,7 +25,7 @@ When vLLM is importable (and not ``--no-vllm``), its ``KVCacheManager`` runs 1 a
 process (``bench_manager_vllm``: decode with its incremental block hashing, the cached prompt
 with its hashing of the whole prompt), alternating with kvtier step by step and repeat by
 repeat, so the machine's drift hits both alike; the ratios vLLM / kvtier are printed beside the
-PERF.md targets. The CPU's speed drifts, so the ratios, not the absolute figures, are judged.
+targets. The CPU's speed drifts, so the ratios, not the absolute figures, are judged.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from kvtier.cli.arguments import at_least, device
 DECODE_REQUESTS = 256
 DECODE_CONTEXT = 512
 TPB = 16
-# PERF.md target 2: kvtier's own ceilings, and how many times cheaper than vLLM it must be.
+# Target 2 (docs/benchmarks.md): kvtier's own ceilings, and how many times cheaper than vLLM it must be.
 DECODE_TARGET_US = 1.0
 CACHED_PROMPT_TARGET_MS = 2.0
 DECODE_TARGET_RATIO = 9.0

@@ -4,11 +4,11 @@ The launch reads the call's ``(src_slot, dst_slot)`` pairs as they are, from a p
 (``kvtier.copy.table_ring``): no per-call work plan is built on the host. Each page is split into
 ``programs_per_page`` equal parts so that the whole call has about ``PROGRAMS_PER_SM`` programs
 per multiprocessor (``plan_split``), never one program per large page: a single program keeps only
-a few KiB in flight, which caps one page at 10-24 GB/s on a 55 GB/s link (PERF.md). Program
+a few KiB in flight, which caps one page at 10-24 GB/s on a 55 GB/s link (measured on the H200). Program
 ``pid`` copies part ``pid % programs_per_page`` of pair ``pid // programs_per_page``, in steps of
 ``ROWS`` rows of 16 bytes (16 KiB), each thread moving whole 16-byte vectors
 (``ld.global.v4.b32``/``st.global.v4.b32`` on sm_90). On the H200 every setting tried (1-8 programs
-per SM, steps of 256-1024 rows, 4 or 8 warps) moved the PERF.md shapes at 48-52 GB/s idle; 2
+per SM, steps of 256-1024 rows, 4 or 8 warps) moved the reference shapes (docs/copy.md) at 48-52 GB/s idle; 2
 programs per SM of 1024 rows held up best under a compute load (docs/copy.md).
 
 Requirements, checked by ``check_kernel_args`` before any GPU work: the page size is a multiple
