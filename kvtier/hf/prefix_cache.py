@@ -79,6 +79,9 @@ _UNSUPPORTED = {
 # Decoding that writes only the tokens it keeps into the cache. Assisted decoding writes drafts and
 # cuts the rejected ones back out, which the recording of sliding-window layers does not follow.
 _BEAM_MODES = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+# per-token inputs of a text model, batch first: ``generate`` repeats them row by row for
+# ``num_return_sequences``, as kvtier repeats the rows (other tensors follow each model's rules)
+_PER_TOKEN_INPUTS = ("position_ids", "token_type_ids")
 _SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.DOLA_GENERATION, *_BEAM_MODES)
 
 
@@ -191,7 +194,9 @@ class PrefixCache:
 
         Sets ``last_reused_tokens`` (one entry per output row). Greedy, sampling and beam search (with
         or without sampling); sampling several sequences per row (``num_return_sequences``) repeats
-        each row as ``generate`` does, so each copy reuses the row's prefix, and so do a row's beams.
+        each row as ``generate`` does, so each copy reuses the row's prefix, and so do a row's beams
+        (with ``position_ids`` or ``token_type_ids`` repeated alike; another tensor argument, such as
+        images, or ``adapter_names`` raises ``NotImplementedError`` there).
         Beam search saves the prompts only. Assisted decoding, constrained or group beam search and
         static caches raise ``NotImplementedError``.
         A ``cache_implementation`` preset by the model's generation config (Gemma's "hybrid") is set
@@ -212,6 +217,7 @@ class PrefixCache:
     def _serve(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict):
         if self._closed:
             raise CacheStateError("the PrefixCache is closed")
+        self._last.tokens = []  # until the call is served: a refused call reused nothing
         config = self._generation_config(kwargs)  # (once a call: completing a passed one costs ~30 us)
         _check_inputs(input_ids, attention_mask, kwargs)  # first: the rows are repeated next
         input_ids, attention_mask, kwargs = self._one_sequence_per_row(input_ids, attention_mask, kwargs, config)
@@ -471,12 +477,18 @@ class PrefixCache:
         shaped = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
         if n <= 1 or not shaped or _generation_mode(config, kwargs) is not GenerationMode.SAMPLE:
             return input_ids, attention_mask, kwargs
-        per_row = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor) or name == "adapter_names"]
+        per_token = {name: kwargs[name] for name in _PER_TOKEN_INPUTS if isinstance(kwargs.get(name), torch.Tensor)}
+        per_row = [
+            name
+            for name, value in kwargs.items()
+            if (isinstance(value, torch.Tensor) and name not in per_token) or name == "adapter_names"
+        ]
         if per_row:  # generate expands these by rules of each model (images, adapters): not repeated here
             raise NotImplementedError(f"num_return_sequences > 1 with per-row arguments {per_row} is not supported")
         if attention_mask is not None:
             attention_mask = attention_mask.repeat_interleave(n, dim=0)
-        return input_ids.repeat_interleave(n, dim=0), attention_mask, {**kwargs, "num_return_sequences": 1}
+        repeated = {name: value.repeat_interleave(n, dim=0) for name, value in per_token.items()}
+        return input_ids.repeat_interleave(n, dim=0), attention_mask, {**kwargs, **repeated, "num_return_sequences": 1}
 
     def _check_arguments(self, kwargs: dict, config) -> None:
         for name, what in _UNSUPPORTED.items():

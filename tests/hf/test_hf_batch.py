@@ -131,8 +131,16 @@ def test_several_sampled_sequences_per_row_are_generate_s_and_reuse_the_row_pref
         reused = pc.last_reused_tokens
         assert len(reused) == 6 and reused[:3] == [reused[0]] * 3 and reused[3:] == [reused[3]] * 3
         assert min(reused) > 0  # the second call's copies reuse their row's prompt
-        with pytest.raises(NotImplementedError, match="per-row arguments"):
-            pc.generate(ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), **sample)
+        # Positions given explicitly are repeated with the rows, as generate repeats them. Before, refused.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        torch.manual_seed(2)
+        expected = model.generate(ids, attention_mask=mask, position_ids=positions, **sample)
+        torch.manual_seed(2)
+        got = pc.generate(ids, attention_mask=mask, position_ids=positions, **sample)
+        assert torch.equal(got, expected) and min(pc.last_reused_tokens) > 0
+        with pytest.raises(NotImplementedError, match="per-row arguments"):  # images: each model's own rules
+            pc.generate(ids, attention_mask=mask, pixel_values=torch.zeros(2, 3, 8, 8), **sample)
+        assert pc.last_reused_tokens == []  # a refused call reused nothing. Before, the last call's figures
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen3_next", "falcon_h1"])
