@@ -45,7 +45,7 @@ import os
 import threading
 
 import torch
-from transformers.generation import GenerationMode
+from transformers.generation import GenerationConfig, GenerationMode
 
 from kvtier.cache import CacheState
 from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, ReuseScope
@@ -204,8 +204,14 @@ class PrefixCache:
         prompt's hidden states or attentions (``return_dict_in_generate`` with ``output_hidden_states``
         or ``output_attentions``) reuses nothing: ``generate`` returns them for every prompt position;
         nor does one with ``token_healing``: ``generate`` rewrites its prompt after kvtier matched it.
-        A call from another thread meanwhile waits for this one to end.
+        A call from another thread meanwhile waits for this one to end. A ``GenerationConfig`` given
+        second, as ``model.generate(input_ids, generation_config)`` takes it, is the call's
+        ``generation_config``.
         """
+        if isinstance(attention_mask, GenerationConfig):  # ``model.generate``'s second parameter
+            if "generation_config" in kwargs:
+                raise TypeError("generate() got multiple values for argument 'generation_config'")
+            kwargs["generation_config"], attention_mask = attention_mask, None
         with self._calls:
             return self._serve(input_ids, attention_mask, kwargs)
 
@@ -381,8 +387,8 @@ class PrefixCache:
                         recorder.stride = beams
                 if timing is not None:
                     hooks.append(self._runner.register_forward_hook(timing.hook))  # generate's first forward
-                arguments = {**kwargs, self._layers.cache_argument: cache, "cache_implementation": None}
-                arguments["use_cache"] = True  # over a generation config's use_cache=False (checked: not the call's)
+                arguments = {**kwargs, **_own_cache(kwargs, self._model.generation_config)}
+                arguments[self._layers.cache_argument] = cache
                 out = self._model.generate(input_ids, attention_mask=attention_mask, **arguments)
                 self._last.tokens = reused  # (a call made from inside this one, by a callback, set its own)
             except BaseException:
@@ -623,6 +629,28 @@ def _generation_mode(config, kwargs: dict) -> GenerationMode:
         if hasattr(effective, name) and not callable(getattr(effective, name)):
             setattr(effective, name, value)
     return effective.get_generation_mode(kwargs.get("assistant_model"))
+
+
+def _own_cache(kwargs: dict, model_config) -> dict:
+    """Arguments that have ``generate`` decode with the cache kvtier filled: no
+    ``cache_implementation`` (one beside a cache is an error), ``use_cache=True`` (over a generation
+    config's ``use_cache=False``; the call's own was checked).
+
+    A passed ``generation_config`` carries them, in a copy: transformers deprecates settings passed
+    beside one (and warns of them as the caller's). Not where the model's own config presets a
+    cache implementation: ``generate`` fills a passed config's unset fields from it, so the
+    arguments must carry them."""
+    passed = kwargs.get("generation_config")
+    if passed is None or getattr(model_config, "cache_implementation", None) not in (None, "hybrid"):
+        return {"cache_implementation": None, "use_cache": True}  # ("hybrid": generate unsets it)
+    config = copy.deepcopy(passed)
+    config.cache_implementation = None
+    config.use_cache = True
+    own = {"generation_config": config}
+    for name in ("cache_implementation", "use_cache"):  # the call's own: None / "dynamic", True (checked)
+        if name in kwargs:
+            own[name] = None if name == "cache_implementation" else True
+    return own
 
 
 def _same_device(model_device: torch.device, cache_device: torch.device) -> bool:

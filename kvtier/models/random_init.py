@@ -31,7 +31,7 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     num_params = sum(p.numel() for p in model.parameters())
     weight_bytes = num_params * dtype.itemsize
     what = f"the model's weights ({weight_bytes / 2**30:.1f} GiB in {dtype})"
-    check_fits_in_memory(what, weight_bytes, device, "choose a smaller model or dtype")
+    check_fits_in_memory(what, weight_bytes, torch.device(device), "choose a smaller model or dtype")
     on_device = num_params >= DEVICE_INIT_MIN_PARAMS
     if on_device:
         model = model.to(dtype).to_empty(device=device)

@@ -430,6 +430,38 @@ def test_a_half_precision_prefix_loads_exactly_the_bytes_of_its_pages(dtype):
         close_rows(rows)
 
 
+def test_a_generation_config_passed_second_or_by_name_carries_kvtier_s_cache_settings(monkeypatch):
+    """``model.generate(input_ids, generation_config)`` takes the config second: so does
+    ``pc.generate``. kvtier's settings for its cache (no ``cache_implementation``, ``use_cache``) go
+    in a copy of a passed config, never beside it, where transformers deprecates them and warns of
+    them as the caller's. Before, a config given second was taken for the attention mask
+    (``ValueError``), and every call with a config passed drew that deprecation warning."""
+    model = tiny_model("llama")
+    ids = torch.tensor([tokens(torch.Generator().manual_seed(18), 40)])
+    passed = transformers.GenerationConfig(max_new_tokens=4, use_cache=True)
+    expected = model.generate(ids, passed)
+    seen = []
+    generate = model.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    with PrefixCache(model, tiers_config(model, blocks=40)) as pc:
+        for _ in range(2):
+            assert torch.equal(pc.generate(ids, passed), expected)
+        assert min(pc.last_reused_tokens) > 0
+        assert torch.equal(pc.generate(ids, generation_config=passed), expected)
+        with pytest.raises(TypeError, match="multiple values for argument 'generation_config'"):
+            pc.generate(ids, passed, generation_config=passed)
+    for kwargs in seen:
+        assert "cache_implementation" not in kwargs and "use_cache" not in kwargs
+        given = kwargs["generation_config"]
+        assert given is not passed and given.cache_implementation is None and given.use_cache is True
+    assert passed.use_cache is True and passed.cache_implementation is None  # the caller's config as it was
+
+
 @pytest.mark.parametrize("preset", ["beams", "sampling", "hidden_states", "pad"])
 def test_a_generation_config_passed_to_a_call_is_completed_from_the_models(preset):
     """``generate`` takes the settings a passed ``generation_config`` leaves unset from the model's.
