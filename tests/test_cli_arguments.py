@@ -61,7 +61,10 @@ from kvtier.cli import main
             "argument --disk-path: /proc/kvtier-e2e: cannot be written",
         ),
         (["bench", "hf", "--disk-path", "/proc/kvtier-hf"], "argument --disk-path: /proc/kvtier-hf: cannot be written"),
-        (["bench", "hf", "--disk-path", "tests/conftest.py/d"], "argument --disk-path: tests/conftest.py/d: '"),
+        (
+            ["bench", "hf", "--disk-path", "/etc/passwd/d"],
+            "argument --disk-path: /etc/passwd/d: '/etc/passwd' is a file",
+        ),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_the_option(capsys, argv, message):
@@ -122,12 +125,19 @@ def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(capsys, m
     assert "than all of host memory (16.0 GiB); choose a smaller model or dtype" in err and "Traceback" not in err
 
 
-def test_an_existing_or_new_disk_directory_is_taken_and_left_as_it_was(tmp_path):
+def test_an_existing_or_new_disk_directory_is_taken_and_left_as_it_was(tmp_path, monkeypatch):
+    import argparse
+
     from kvtier.cli.arguments import kept_directory
 
     assert kept_directory(str(tmp_path)) == str(tmp_path) and list(tmp_path.iterdir()) == []
     new = tmp_path / "a" / "b"
     assert kept_directory(str(new)) == str(new) and list(tmp_path.iterdir()) == []  # made by the run, not now
+    monkeypatch.setenv("HOME", str(tmp_path))  # ``~``, as the disk tier reads it: the home, not ./~
+    assert kept_directory("~/kv") == str(tmp_path / "kv")
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")  # before: its parent was probed, then the run failed
+    with pytest.raises(argparse.ArgumentTypeError, match="is a link to nothing"):
+        kept_directory(str(tmp_path / "gone" / "kv"))
 
 
 @pytest.mark.parametrize("hf", [False, True])

@@ -179,3 +179,16 @@ def test_config_round_trip_of_every_named_config() -> None:
         config = named_config(name)
         assert isinstance(config, ModelConfig)
         assert config_from_hf(json.loads(json.dumps(config_to_hf(config)))) == config
+
+
+@pytest.mark.parametrize("from_checkpoint", [False, True])
+def test_weights_larger_than_the_machine_are_refused_before_any_is_allocated(tmp_path, monkeypatch, from_checkpoint):
+    """A named model and a checkpoint directory alike. Before, the allocator's traceback (or the
+    out-of-memory killer) ended the process."""
+    model = build_model("tiny-llama", "cpu", DTYPE)
+    source = save_checkpoint(model, config_to_hf(model.config), tmp_path / "ckpt") if from_checkpoint else "tiny-llama"
+    nbytes = sum(p.numel() for p in model.parameters()) * DTYPE.itemsize
+    monkeypatch.setattr("kvtier.config._host_memory_bytes", lambda: nbytes - 1)
+    with pytest.raises(ValueError, match=r"the model's weights \(0\.0 GiB in torch\.float64\) cannot be allocated"):
+        build_model(source, "cpu", DTYPE)
+    build_model(source, "cpu", torch.float32)  # half the bytes: they fit

@@ -5,8 +5,10 @@ Each subcommand lives in its own module, listed in ``SUBCOMMANDS`` or ``BENCHES`
 is imported, so ``kvtier probe`` does not pay for the engine. A value kvtier refuses while a
 command runs (``ValueError``: a model name, tiers too small for the workload, a GPU benchmark
 without a GPU; a disk directory in use) ends it with its message on stderr and exit status 2,
-as argparse ends a bad option. Ctrl-C ends it with one line and status 130, as a shell reports
-an interrupted command; the managers and temporary directories of the run are closed on the way.
+as argparse ends a bad option. Ctrl-C once ``main`` runs ends it with one line and status 130,
+as a shell reports an interrupted command; the managers and temporary directories of the run are
+closed on the way. (One during the first imports, of torch by ``kvtier``, before ``main`` is
+called, is Python's own traceback.)
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ def _selected(argv: list[str]) -> tuple[str | None, str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = _parser(_selected(argv)).parse_args(argv)
-    command = " ".join(word for word in ("kvtier", args.command, getattr(args, "target", None)) if word)
+    selected = _selected(argv)
+    command = " ".join(word for word in ("kvtier", *selected) if word)  # until the arguments are read
     try:
+        args = _parser(selected).parse_args(argv)  # (imports the command's module)
+        command = " ".join(word for word in ("kvtier", args.command, getattr(args, "target", None)) if word)
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, DiskTierBusyError) as refused:  # a value kvtier refused: its message says what to change
         print(f"{command}: error: {refused}", file=sys.stderr)

@@ -159,21 +159,25 @@ def plot_file(text: str) -> str:
 
 
 def kept_directory(text: str) -> str:
-    """A directory a run keeps its files in: an existing one that takes files, or a new one that can
-    be made (it is made by the run, not now). Probed by making a temporary directory in it (or in
-    the nearest existing directory above it), removed again: a place that takes no file is refused
-    before the run, where the tier it names would store nothing and the run report figures of no
-    disk at all."""
+    """A directory a run keeps its files in (``~`` is the user's home, as the disk tier reads it):
+    an existing one that takes files, or a new one that can be made (it is made by the run, not
+    now). Probed by making a temporary directory in it (or in the nearest existing directory
+    above it), removed again: a place that takes no file is refused before the run, where the
+    tier it names would store nothing and the run report figures of no disk at all. Returns the
+    path with ``~`` expanded, so that every part of the run uses the same directory."""
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
-    existing = os.path.abspath(text)
-    while not os.path.exists(existing):
+    path = os.path.expanduser(text)
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
+    if os.path.islink(existing) and not os.path.exists(existing):
+        raise argparse.ArgumentTypeError(f"{text}: {existing!r} is a link to nothing; name a directory")
     if not os.path.isdir(existing):
-        what = "a file" if existing == os.path.abspath(text) else f"{existing!r} is a file"
+        what = "a file" if existing == os.path.abspath(path) else f"{existing!r} is a file"
         raise argparse.ArgumentTypeError(f"{text}: {what}; name a directory")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".kvtier-probe-", dir=existing))
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"{text}: cannot be written ({exc.strerror or exc})") from None
-    return text
+    return path

@@ -27,6 +27,7 @@ import torch
 
 from kvtier.models.architecture import LayerKind, ModelConfig
 from kvtier.models.llama import DecoderModel
+from kvtier.models.memory_fit import check_weights_fit
 from kvtier.models.rope import RopeScaling
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -141,6 +142,7 @@ def load_model(path: str | os.PathLike[str], device: torch.device, dtype: torch.
         raise ValueError(f"{directory} has no *.safetensors weight files")
     with torch.device("meta"):
         model = DecoderModel(config)
+    check_weights_fit(model, device, dtype)
     model = model.to(dtype).to_empty(device=device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()

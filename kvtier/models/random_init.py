@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from kvtier.config import check_fits_in_memory
 from kvtier.models.architecture import ModelConfig
 from kvtier.models.llama import DecoderModel
+from kvtier.models.memory_fit import check_weights_fit
 
 DEVICE_INIT_MIN_PARAMS = 1 << 28
 
@@ -28,10 +28,8 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     ``ValueError`` when its weights are more than all the memory of ``device``."""
     with torch.device("meta"):
         model = DecoderModel(config)
+    check_weights_fit(model, device, dtype)
     num_params = sum(p.numel() for p in model.parameters())
-    weight_bytes = num_params * dtype.itemsize
-    what = f"the model's weights ({weight_bytes / 2**30:.1f} GiB in {dtype})"
-    check_fits_in_memory(what, weight_bytes, torch.device(device), "choose a smaller model or dtype")
     on_device = num_params >= DEVICE_INIT_MIN_PARAMS
     if on_device:
         model = model.to(dtype).to_empty(device=device)
