@@ -189,8 +189,12 @@ class PrefixCache:
         """The ``kvtier.ModelSpec`` read from the model."""
         return self._layers.spec
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+    def generate(self, input_ids: torch.Tensor, *args, **kwargs):
         """``model.generate(input_ids, attention_mask=attention_mask, **kwargs)``, reusing cached prefixes.
+
+        Called as ``generate(input_ids, attention_mask=None, **kwargs)``; a second positional
+        argument is the attention mask, or the call's ``generation_config`` where it is a
+        ``GenerationConfig``, as ``model.generate(input_ids, generation_config)`` takes it.
 
         Sets ``last_reused_tokens`` (one entry per output row). Greedy, sampling and beam search (with
         or without sampling); sampling several sequences per row (``num_return_sequences``) repeats
@@ -204,14 +208,20 @@ class PrefixCache:
         prompt's hidden states or attentions (``return_dict_in_generate`` with ``output_hidden_states``
         or ``output_attentions``) reuses nothing: ``generate`` returns them for every prompt position;
         nor does one with ``token_healing``: ``generate`` rewrites its prompt after kvtier matched it.
-        A call from another thread meanwhile waits for this one to end. A ``GenerationConfig`` given
-        second, as ``model.generate(input_ids, generation_config)`` takes it, is the call's
-        ``generation_config``.
+        A call from another thread meanwhile waits for this one to end.
         """
-        if isinstance(attention_mask, GenerationConfig):  # ``model.generate``'s second parameter
-            if "generation_config" in kwargs:
-                raise TypeError("generate() got multiple values for argument 'generation_config'")
-            kwargs["generation_config"], attention_mask = attention_mask, None
+        self._last.tokens = []  # until the call is served: a refused call reused nothing
+        if len(args) > 1:
+            raise TypeError(
+                f"generate() takes input_ids and at most one more positional argument (the attention mask or a "
+                f"GenerationConfig), got {1 + len(args)}"
+            )
+        if args:  # ``model.generate``'s second parameter is its generation_config
+            name = "generation_config" if isinstance(args[0], GenerationConfig) else "attention_mask"
+            if name in kwargs:
+                raise TypeError(f"generate() got multiple values for argument {name!r}")
+            kwargs[name] = args[0]
+        attention_mask = kwargs.pop("attention_mask", None)
         with self._calls:
             return self._serve(input_ids, attention_mask, kwargs)
 
@@ -223,7 +233,6 @@ class PrefixCache:
     def _serve(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict):
         if self._closed:
             raise CacheStateError("the PrefixCache is closed")
-        self._last.tokens = []  # until the call is served: a refused call reused nothing
         config = self._generation_config(kwargs)  # (once a call: completing a passed one costs ~30 us)
         _check_inputs(input_ids, attention_mask, kwargs)  # first: the rows are repeated next
         input_ids, attention_mask, kwargs = self._one_sequence_per_row(input_ids, attention_mask, kwargs, config)

@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from kvtier.errors import CacheStateError
 from kvtier.hf import PrefixCache, model_layers
 from tests.hf.tiny import ARCHS, FIRST_TOKEN, HAS_GEMMA4, WINDOW, tiers_config, tiny_model, tokens
 from tests.hf.tiny import config as tiny_config
@@ -453,8 +454,21 @@ def test_a_generation_config_passed_second_or_by_name_carries_kvtier_s_cache_set
             assert torch.equal(pc.generate(ids, passed), expected)
         assert min(pc.last_reused_tokens) > 0
         assert torch.equal(pc.generate(ids, generation_config=passed), expected)
+        mask = torch.ones_like(ids)
+        assert torch.equal(pc.generate(ids, passed, attention_mask=mask), expected)  # the usual padded call's form
+        assert torch.equal(pc.generate(ids, mask, generation_config=passed), expected)  # the mask second, as before
         with pytest.raises(TypeError, match="multiple values for argument 'generation_config'"):
             pc.generate(ids, passed, generation_config=passed)
+        with pytest.raises(TypeError, match="multiple values for argument 'attention_mask'"):
+            pc.generate(ids, mask, attention_mask=mask)
+        with pytest.raises(TypeError, match="at most one more positional argument"):
+            pc.generate(ids, mask, passed)
+        assert pc.last_reused_tokens == []  # a refused call reused nothing
+        pc.generate(ids, passed)
+        assert min(pc.last_reused_tokens) > 0
+    with pytest.raises(CacheStateError, match="closed"):
+        pc.generate(ids, passed)
+    assert pc.last_reused_tokens == []  # nor does one refused for the closed cache
     for kwargs in seen:
         assert "cache_implementation" not in kwargs and "use_cache" not in kwargs
         given = kwargs["generation_config"]
