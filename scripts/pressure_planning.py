@@ -1,0 +1,37 @@
+"""Host time of planning a 2,048-page resume under pressure, without the copies.
+
+``kvtier bench manager``'s pressure case (``PressureResume``: both tiers full, a 2,048-block
+prefix in host memory that swaps places with as many primary pages) on the CPU, with the CPU
+copy path replaced by a no-op, so that only the bookkeeping (locks, eviction, the swap, the
+copier's checks and runs, finishing) is timed: the part that the 2 ms target of planning is
+about, which on a GPU runs while the copies are in flight. Prints the median and the fastest
+resume over ``--seeds`` seeds x 3 resumes. To compare two trees, run it from each in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import kvtier.copy.copier as copier
+from kvtier.cli.bench_manager import PressureResume
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--write-through", action="store_true")
+    args = parser.parse_args()
+    copier.copy_pages_cpu = lambda request, runs: None  # the bytes are not what is timed
+    times = []
+    for seed in range(args.seeds):
+        side = PressureResume(args.write_through, seed=seed, device="cpu")
+        for _ in range(3):
+            times.append(side.once(False)["seconds"] * 1e3)
+            side.push_prefix_down()
+        side.close()
+    print(f"planning a 2,048-page resume: median {statistics.median(times):.3f} ms, fastest {min(times):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
