@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 
@@ -85,6 +86,7 @@ class KVCacheManager:
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._closed = False
         self._closing = False  # ``close`` has begun (it may release the tiers before it ends)
+        self._made_by: int | None = None  # in a forked child: the pid of the process that made it
         _OPEN_MANAGERS.add(self)
 
     # -- caches ----------------------------------------------------------------------------------
@@ -271,13 +273,18 @@ class KVCacheManager:
         self._check_open()
         self._pool.check()
 
-    @exclusive
     def close(self, persist: bool = True) -> None:
         """Close every cache and release the tiers' memory and files. Idempotent.
 
         With a disk tier and ``persist``, published pages still in memory are first written to
         the disk's free slots (parents first), so a later manager on the same path finds them.
+        In a forked child, a manager its parent made is left to the parent: nothing is done.
         """
+        if self._made_by is None:
+            self._close(persist)
+
+    @exclusive
+    def _close(self, persist: bool) -> None:
         if self._closed:
             return
         self._closing = True
@@ -290,6 +297,8 @@ class KVCacheManager:
     def _check_open(self, closing: bool = False) -> None:
         """``CacheStateError`` once closed (``closing``: or while ``close`` runs, for a read that
         another thread's ``close`` got ahead of)."""
+        if self._made_by is not None:
+            raise CacheStateError(_inherited_message(self._made_by))
         if self._closed or (closing and self._closing):
             raise CacheStateError("the KVCacheManager is closed")
 
@@ -376,3 +385,47 @@ def _close_at_exit() -> None:
 
 
 atexit.register(_close_at_exit)
+
+
+def _inherited_message(pid: int) -> str:
+    return (
+        f"this KVCacheManager was made by process {pid}, of which this process is a forked child: its tiers' "
+        "memory, disk files and threads are that process's. Build a manager (or a PrefixCache, an LLMEngine) "
+        "in the child"
+    )
+
+
+class _Inherited:
+    """The guard of a manager a forked child inherited: every call that would change its pool is
+    refused (``kvtier.exclusive`` claims the guard first). Its disk tier's threads do not exist in
+    the child (a read waited for them forever), and its files and index are the parent's, who
+    holds their lock (a child's writes damaged the parent's pages)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def acquire(self, blocking: bool = True) -> bool:
+        raise CacheStateError(_inherited_message(self.pid))
+
+    def release(self) -> None:
+        raise CacheStateError(_inherited_message(self.pid))
+
+
+def _disown_after_fork() -> None:
+    """In a forked child: the managers open in the parent stay the parent's. Their calls, and their
+    caches' calls that change the pool, raise ``CacheStateError``; neither their exit nor their
+    collection closes them here (which would write the child's pages into the parent's files)."""
+    parent = os.getppid()
+    for mgr in list(_OPEN_MANAGERS):
+        mgr._made_by = parent
+        mgr._dropped.detach()
+        mgr._guard = _Inherited(parent)
+        for holder in list(mgr._pool.holders):
+            if hasattr(holder, "_guard"):
+                holder._guard = mgr._guard
+    _OPEN_MANAGERS.clear()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)

@@ -393,6 +393,62 @@ def test_a_manager_never_closed_is_closed_at_exit_and_its_pages_persist(tmp_path
     assert int(read.stdout) == 40, "the pages published before exit were lost"
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_is_refused_the_parents_manager_and_leaves_its_files_alone(tmp_path):
+    """A manager and its caches made before a fork (a DataLoader worker, a preloading server, a
+    multiprocessing pool) stay the parent's: in the child every call that would change them raises
+    ``CacheStateError`` naming the fork, ``close()`` does nothing, and the child's exit writes
+    nothing. Before, the child used them: a read from disk waited forever on the parent's threads,
+    and the child's pages went into the parent's locked files (the parent's pages damaged)."""
+    out = run_python(
+        EXIT_PRELUDE
+        + textwrap.dedent(f"""
+        import os
+        mgr = manager({str(tmp_path)!r})
+        active = mgr.create_cache(tokens)
+        assert active.resume() and active.resize(len(tokens))
+        active.commit(tokens)
+        waiting = mgr.create_cache(tokens[:20])
+        pid = os.fork()
+        if pid == 0:
+            refused = []
+            calls = [
+                lambda: mgr.create_cache([7] * 40),
+                lambda: mgr.stats(),
+                lambda: mgr.prefetch(tokens),
+                lambda: waiting.resume(),
+                lambda: active.close(),
+            ]
+            for call in calls:
+                try:
+                    call()
+                    refused.append(False)
+                except kvtier.CacheStateError as refusal:
+                    refused.append("forked child" in str(refusal))
+            mgr.close()  # the parent's: nothing is done
+            print("child", refused, flush=True)
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        active.close()
+        waiting.close()
+        mgr.close()
+    """)
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["child [True, True, True, True, True]", "child exit 0"]
+    read = run_python(
+        EXIT_PRELUDE
+        + textwrap.dedent(f"""
+        mgr = manager({str(tmp_path)!r})
+        print(mgr.create_cache(tokens).num_reused_tokens)
+        mgr.close()
+    """)
+    )
+    assert read.returncode == 0 and int(read.stdout) == 40, read.stderr[-3000:]
+    assert "WARNING" not in read.stderr and "ERROR" not in read.stderr, read.stderr
+
+
 def test_closing_at_exit_never_waits_on_a_thread_still_inside(tmp_path):
     """A daemon thread stuck inside a call at exit: that manager is skipped (logged), the process exits."""
     out = run_python(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook is registered first, so it runs after ours)
 import logging
+import os
 import threading
 import weakref
 from typing import Protocol
@@ -46,6 +47,15 @@ def track(engine: Closable) -> None:
 
 def untrack(engine: Closable) -> None:
     _OPEN.discard(engine)
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the engines open in the parent are the parent's (its managers refuse the
+    child, ``kvtier.manager``), so the child's exit does not close them."""
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _close_open_engines(main_thread_only: bool) -> None:
