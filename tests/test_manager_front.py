@@ -368,6 +368,18 @@ tokens = list(range(1, 42))
 """
 
 
+def reused_in_a_new_process(path) -> subprocess.CompletedProcess:
+    """A new process's manager on ``path`` prints the tokens of ``tokens`` it reuses."""
+    return run_python(
+        EXIT_PRELUDE
+        + textwrap.dedent(f"""
+        mgr = manager({str(path)!r})
+        print(mgr.create_cache(tokens).num_reused_tokens)
+        mgr.close()
+    """)
+    )
+
+
 def test_a_manager_never_closed_is_closed_at_exit_and_its_pages_persist(tmp_path):
     wrote = run_python(
         EXIT_PRELUDE
@@ -381,14 +393,7 @@ def test_a_manager_never_closed_is_closed_at_exit_and_its_pages_persist(tmp_path
     """)
     )
     assert wrote.returncode == 0, wrote.stderr[-3000:]
-    read = run_python(
-        EXIT_PRELUDE
-        + textwrap.dedent(f"""
-        mgr = manager({str(tmp_path)!r})
-        print(mgr.create_cache(tokens).num_reused_tokens)
-        mgr.close()
-    """)
-    )
+    read = reused_in_a_new_process(tmp_path)
     assert read.returncode == 0, read.stderr[-3000:]
     assert int(read.stdout) == 40, "the pages published before exit were lost"
 
@@ -437,14 +442,7 @@ def test_a_forked_child_is_refused_the_parents_manager_and_leaves_its_files_alon
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["child [True, True, True, True, True]", "child exit 0"]
-    read = run_python(
-        EXIT_PRELUDE
-        + textwrap.dedent(f"""
-        mgr = manager({str(tmp_path)!r})
-        print(mgr.create_cache(tokens).num_reused_tokens)
-        mgr.close()
-    """)
-    )
+    read = reused_in_a_new_process(tmp_path)
     assert read.returncode == 0 and int(read.stdout) == 40, read.stderr[-3000:]
     assert "WARNING" not in read.stderr and "ERROR" not in read.stderr, read.stderr
 
