@@ -273,18 +273,14 @@ class KVCacheManager:
         self._check_open()
         self._pool.check()
 
+    @exclusive
     def close(self, persist: bool = True) -> None:
         """Close every cache and release the tiers' memory and files. Idempotent.
 
         With a disk tier and ``persist``, published pages still in memory are first written to
         the disk's free slots (parents first), so a later manager on the same path finds them.
-        In a forked child, a manager its parent made is left to the parent: nothing is done.
+        In a forked child, a manager its parent made counts as closed there: nothing is done.
         """
-        if self._made_by is None:
-            self._close(persist)
-
-    @exclusive
-    def _close(self, persist: bool) -> None:
         if self._closed:
             return
         self._closing = True
@@ -297,9 +293,9 @@ class KVCacheManager:
     def _check_open(self, closing: bool = False) -> None:
         """``CacheStateError`` once closed (``closing``: or while ``close`` runs, for a read that
         another thread's ``close`` got ahead of)."""
-        if self._made_by is not None:
-            raise CacheStateError(_inherited_message(self._made_by))
         if self._closed or (closing and self._closing):
+            if self._made_by is not None:
+                raise CacheStateError(_inherited_message(self._made_by))
             raise CacheStateError("the KVCacheManager is closed")
 
     def __enter__(self) -> KVCacheManager:
@@ -396,10 +392,11 @@ def _inherited_message(pid: int) -> str:
 
 
 class _Inherited:
-    """The guard of a manager a forked child inherited: every call that would change its pool is
-    refused (``kvtier.exclusive`` claims the guard first). Its disk tier's threads do not exist in
-    the child (a read waited for them forever), and its files and index are the parent's, who
-    holds their lock (a child's writes damaged the parent's pages)."""
+    """The guard of the caches of a manager a forked child inherited: their calls that would change
+    the pool are refused (``kvtier.exclusive`` claims the guard first, and never releases a guard
+    it did not acquire). The disk tier's threads do not exist in the child (a read waited for them
+    forever), and its files and index are the parent's, who holds their lock (a child's writes
+    damaged the parent's pages)."""
 
     __slots__ = ("pid",)
 
@@ -409,22 +406,21 @@ class _Inherited:
     def acquire(self, blocking: bool = True) -> bool:
         raise CacheStateError(_inherited_message(self.pid))
 
-    def release(self) -> None:
-        raise CacheStateError(_inherited_message(self.pid))
-
 
 def _disown_after_fork() -> None:
-    """In a forked child: the managers open in the parent stay the parent's. Their calls, and their
-    caches' calls that change the pool, raise ``CacheStateError``; neither their exit nor their
-    collection closes them here (which would write the child's pages into the parent's files)."""
+    """In a forked child: the managers open in the parent stay the parent's. There they count as
+    closed (their calls raise ``CacheStateError`` naming the fork, ``close`` does nothing), their
+    caches' calls that change the pool are refused, and neither the child's exit nor its collection
+    of them closes them (which would write the child's pages into the parent's files)."""
     parent = os.getppid()
     for mgr in list(_OPEN_MANAGERS):
         mgr._made_by = parent
+        mgr._closed = True
         mgr._dropped.detach()
-        mgr._guard = _Inherited(parent)
+        refused = _Inherited(parent)
         for holder in list(mgr._pool.holders):
             if hasattr(holder, "_guard"):
-                holder._guard = mgr._guard
+                holder._guard = refused
     _OPEN_MANAGERS.clear()
 
 

@@ -79,6 +79,8 @@ _UNSUPPORTED = {
 # Decoding that writes only the tokens it keeps into the cache. Assisted decoding writes drafts and
 # cuts the rejected ones back out, which the recording of sliding-window layers does not follow.
 _BEAM_MODES = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+# what has generate decode with the cache kvtier filled (``_own_cache``)
+_OWN_CACHE = {"cache_implementation": None, "use_cache": True}
 # per-token inputs of a text model, batch first: ``generate`` repeats them row by row for
 # ``num_return_sequences``, as kvtier repeats the rows (other tensors follow each model's rules)
 _PER_TOKEN_INPUTS = ("position_ids", "token_type_ids")
@@ -651,15 +653,12 @@ def _own_cache(kwargs: dict, model_config) -> dict:
     arguments must carry them."""
     passed = kwargs.get("generation_config")
     if passed is None or getattr(model_config, "cache_implementation", None) not in (None, "hybrid"):
-        return {"cache_implementation": None, "use_cache": True}  # ("hybrid": generate unsets it)
+        return dict(_OWN_CACHE)  # ("hybrid": generate unsets it)
     config = copy.deepcopy(passed)
-    config.cache_implementation = None
-    config.use_cache = True
-    own = {"generation_config": config}
-    for name in ("cache_implementation", "use_cache"):  # the call's own: None / "dynamic", True (checked)
-        if name in kwargs:
-            own[name] = None if name == "cache_implementation" else True
-    return own
+    for name, value in _OWN_CACHE.items():
+        setattr(config, name, value)
+    # the call's own settings (None / "dynamic", True: checked) stay beside the config, as given
+    return {"generation_config": config, **{name: value for name, value in _OWN_CACHE.items() if name in kwargs}}
 
 
 def _same_device(model_device: torch.device, cache_device: torch.device) -> bool:
