@@ -74,6 +74,7 @@ class KVCache:
         "reused_by_tier",
         "scope",
     )
+    _CLOSED = CacheState.CLOSED  # read by ``__del__``, which may run after interpreter exit cleared the module's names
 
     def __init__(
         self,
@@ -126,7 +127,7 @@ class KVCache:
     def __del__(self) -> None:
         """Dropped without ``close``: kept alive in the pool's ``dropped`` list, closed at its next
         claimed call (this may run on any thread, at any point of another operation)."""
-        if getattr(self, "_state", CacheState.CLOSED) is not CacheState.CLOSED and not self._pool.orphaned:
+        if getattr(self, "_state", self._CLOSED) is not self._CLOSED and not self._pool.orphaned:
             self._pool.dropped.append(self)
 
     # -- public state ------------------------------------------------------------------------------

@@ -505,6 +505,21 @@ def test_caches_dropped_without_close_give_their_pages_back(caplog, state):
     mgr.close()
 
 
+def test_a_cache_finalized_at_interpreter_exit_is_quiet(monkeypatch):
+    """At exit Python may clear ``kvtier.cache``'s names before it finalizes a cache that a cycle
+    kept: ``__del__`` then must not read them (it printed "Exception ignored in ... __del__")."""
+    mgr = manager()
+    caches = [mgr.create_cache([5, 6, 7, 8, 9]) for _ in range(2)]
+    caches[0].close()
+    monkeypatch.setattr(kvtier.cache, "CacheState", None)  # as module teardown leaves it
+    for cache in caches:
+        cache.__del__()  # raised AttributeError: 'NoneType' object has no attribute 'CLOSED'
+    monkeypatch.undo()
+    assert mgr._pool.dropped == [caches[1]]  # the open one is still queued for release
+    caches[1].close()
+    mgr.close()
+
+
 def test_a_dropped_manager_and_its_unclosed_caches_free_their_memory_at_once():
     mgr = manager()
     caches = [mgr.create_cache([5, 6, 7, 8, 9, 10 + i]) for i in range(3)]
