@@ -31,6 +31,7 @@ from kvtier.hit_count import HitCount, fill_from_later
 from kvtier.invariants import Holdings
 from kvtier.pages import Page
 from kvtier.pool import PagePool
+from kvtier.process_bound import ProcessBound
 from kvtier.published_chain import PublishedChain
 from kvtier.reuse.matching import ReuseMatch
 from kvtier.reuse.tokens import MAX_TOKEN, as_token_array
@@ -47,7 +48,7 @@ class CacheState(str, enum.Enum):
 _ACTIVE = CacheState.ACTIVE
 
 
-class KVCache:
+class KVCache(ProcessBound):
     """The KV cache of one request. Create it with ``KVCacheManager.create_cache``."""
 
     __slots__ = (
@@ -74,6 +75,7 @@ class KVCache:
         "reused_by_tier",
         "scope",
     )
+    remedy = "create another with KVCacheManager.create_cache (it reuses this one's published prefix)"
     _CLOSED = CacheState.CLOSED  # read by ``__del__``, which may run after interpreter exit cleared the module's names
 
     def __init__(

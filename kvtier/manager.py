@@ -30,6 +30,7 @@ from kvtier.errors import CacheStateError
 from kvtier.exclusive import exclusive
 from kvtier.layout import GroupLayout, KvCacheLayout, Region, page_geometries, part_views
 from kvtier.pool import PagePool
+from kvtier.process_bound import ProcessBound
 from kvtier.reuse.matching import ReuseMatch
 from kvtier.reuse.tokens import as_token_array
 from kvtier.spec import ModelSpec
@@ -42,7 +43,7 @@ from kvtier.tiering.residency import PRIMARY
 log = logging.getLogger(__name__)
 
 
-class KVCacheManager:
+class KVCacheManager(ProcessBound):
     """Pages for every layer group of one model, over a primary tier and optional host/disk tiers.
 
     One thread at a time drives it and its caches (any thread, handed over between calls); a
@@ -54,6 +55,8 @@ class KVCacheManager:
     ``KVTIER_DEBUG=1`` checks every invariant after each cache operation that changes residency
     (slow; for tests and debugging).
     """
+
+    remedy = "build a manager in each process (they share pages through a disk tier or a connector)"
 
     def __init__(self, spec: ModelSpec, config: CacheConfig) -> None:
         if not isinstance(spec, ModelSpec):

@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -355,6 +357,16 @@ def test_a_closed_engine_refuses_work(llama):
         eng.generate(prompts_for(llama, [10]))
     with pytest.raises(kvtier.CacheStateError, match="closed"):
         eng.step()
+
+
+def test_an_engine_copied_or_pickled_is_a_type_error_and_serves_on(llama):
+    eng = engine(llama, primary_blocks=20)
+    for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"LLMEngine cannot be copied or pickled.*in each process"):
+            duplicate(eng)
+    prompts = prompts_for(llama, [10, 12], seed=5)
+    check_against_oracle(llama, prompts, eng.generate(prompts, SamplingParams(max_tokens=3)), 3)
+    eng.close()
 
 
 # -- resize in O(1) -------------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import inspect
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -502,6 +504,29 @@ def test_caches_dropped_without_close_give_their_pages_back(caplog, state):
     whole = mgr.create_cache(tokens)
     assert whole.resume() and whole.resize(len(tokens))
     whole.close()
+    mgr.close()
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_manager_or_cache_copied_or_pickled_is_a_type_error_naming_it(how):
+    """A shallow copy shared the original's page table: closing one left the other holding freed
+    pages. Now every way of copying is refused, and the originals work on."""
+    mgr = manager()
+    rng = np.random.default_rng()
+    tokens = fresh_tokens(rng, 3 * TPB)
+    cache = mgr.create_cache(tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    duplicate = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    with pytest.raises(TypeError, match=r"KVCacheManager cannot be copied or pickled.*in each process"):
+        duplicate(mgr)
+    with pytest.raises(TypeError, match=r"KVCache cannot be copied or pickled.*create_cache"):
+        duplicate(cache)
+    cache.commit(tokens)
+    cache.close()
+    again = mgr.create_cache(tokens)
+    assert again.num_reused_tokens == len(tokens) - 1  # all but the last token, which is computed
+    again.close()
+    mgr.check_invariants()
     mgr.close()
 
 

@@ -25,13 +25,14 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.errors import CacheStateError
 from kvtier.manager import KVCacheManager
 from kvtier.models import DecoderModel
+from kvtier.process_bound import ProcessBound
 from kvtier.tiering.eviction import check_priority
 from kvtier.weights import WeightWatch, default_model_id
 
 log = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(ProcessBound):
     """Continuous batching over a ``KVCacheManager`` built from ``model.spec`` and ``cache_config``.
 
     Greedy output is token-identical to ``model.reference_generate`` whatever the cache does
@@ -52,6 +53,8 @@ class LLMEngine:
     context manager) finishes the connector's saves and closes the cache manager; an engine
     never closed is closed when the interpreter exits (kvtier.engine.exit_close).
     """
+
+    remedy = "build an engine in each process"
 
     def __init__(
         self,

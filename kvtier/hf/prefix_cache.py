@@ -64,6 +64,7 @@ from kvtier.hf.token_bound import dynamic_rope_limit, placeholder_ids, row_bound
 from kvtier.hf.training_noise import random_module
 from kvtier.hf.window_check import applies_window, uniform_window
 from kvtier.manager import KVCacheManager
+from kvtier.process_bound import ProcessBound
 from kvtier.spec import ModelSpec
 from kvtier.storage.disk_replicas import open_first_free
 from kvtier.storage.log_limit import RateLimitedWarning
@@ -87,7 +88,7 @@ _PER_TOKEN_INPUTS = ("position_ids", "token_type_ids")
 _SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.DOLA_GENERATION, *_BEAM_MODES)
 
 
-class PrefixCache:
+class PrefixCache(ProcessBound):
     """Prefix reuse for ``model.generate`` over kvtier's tiers (GPU, host, disk).
 
     ``cache_config.device`` must be the model's device. ``model_id`` names the weights (default:
@@ -114,8 +115,10 @@ class PrefixCache:
     block. Raises ``NotImplementedError`` naming what kvtier cannot represent (see
     ``model_layers``). Calls from several threads run one at a time, and each thread reads its own
     last call's ``last_reused_tokens``. Also a context manager; ``close`` (which waits for a running
-    call) persists a disk tier's pages.
+    call) persists a disk tier's pages. It is never copied or pickled: build one in each process.
     """
+
+    remedy = "build one in each process, around that process's model"
 
     def __init__(
         self,

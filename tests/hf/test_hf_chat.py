@@ -4,7 +4,9 @@ and never serves one checkpoint's pages to another."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 import sys
 import threading
 
@@ -514,6 +516,18 @@ def test_a_generation_config_passed_to_a_call_is_completed_from_the_models(prese
             assert torch.equal(expected, got)
             if call == 1 and preset != "hidden_states":  # (which compute their whole prompt: nothing reused)
                 assert min(pc.last_reused_tokens) > 0
+
+
+def test_a_prefix_cache_copied_or_pickled_is_a_type_error_naming_it():
+    model = tiny_model("llama")
+    with PrefixCache(model, tiers_config(model, blocks=8)) as pc:
+        for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match=r"PrefixCache cannot be copied or pickled.*in each process"):
+                duplicate(pc)
+        prompt = tokens(torch.Generator().manual_seed(3), 20)
+        _turn(model, pc, prompt)
+        _turn(model, pc, prompt)
+        assert pc.last_reused_tokens == [19]  # all but the last prompt token
 
 
 def test_a_call_made_from_inside_another_leaves_each_its_own_reuse():
