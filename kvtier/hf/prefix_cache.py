@@ -159,6 +159,7 @@ class PrefixCache(ProcessBound):
         self._stacks = group_stacks(self.manager)  # how each call's load reads the pages
         self._forward_arguments = set(inspect.signature(self._runner.forward).parameters)
         self._calls = threading.RLock()  # one call at a time: the manager is driven by one thread
+        self._pid = os.getpid()  # a forked child's copy is refused before it waits on ``_calls``
         self._last = threading.local()  # each thread's last call: ``last_reused_tokens``
         self._unsaved = RateLimitedWarning(log, "kvtier.hf: new blocks not saved")  # a primary tier too small
         self._placeholders = placeholder_ids(model.config)  # multimodal placeholder tokens (``token_bound``)
@@ -227,6 +228,11 @@ class PrefixCache(ProcessBound):
                 raise TypeError(f"generate() got multiple values for argument {name!r}")
             kwargs[name] = args[0]
         attention_mask = kwargs.pop("attention_mask", None)
+        if os.getpid() != self._pid:  # a thread of the parent inside a call at the fork holds ``_calls`` for ever
+            raise CacheStateError(
+                f"this PrefixCache was made by process {self._pid}, of which this process is a forked child: "
+                "build a PrefixCache in the child"
+            )
         with self._calls:
             return self._serve(input_ids, attention_mask, kwargs)
 
@@ -580,7 +586,10 @@ class PrefixCache(ProcessBound):
         return torch.ones_like(input_ids, dtype=torch.long)
 
     def close(self) -> None:
-        """Close the manager (a disk tier persists its pages for the next process). Idempotent."""
+        """Close the manager (a disk tier persists its pages for the next process). Idempotent; in a
+        forked child it does nothing (the manager is the parent's)."""
+        if os.getpid() != self._pid:
+            return
         with self._calls:
             if self._closed:
                 return

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import pickle
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from tests.hf.tiny import ARCHS, FIRST_TOKEN, HAS_GEMMA4, WINDOW, tiers_config, 
 from tests.hf.tiny import config as tiny_config
 
 NEW_TOKENS = 6
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _turn(model, pc: PrefixCache, prompt: list[int]) -> list[int]:
@@ -528,6 +532,60 @@ def test_a_prefix_cache_copied_or_pickled_is_a_type_error_naming_it():
         _turn(model, pc, prompt)
         _turn(model, pc, prompt)
         assert pc.last_reused_tokens == [19]  # all but the last prompt token
+
+
+FORK_WHILE_INSIDE = """
+import os, signal, sys, threading
+import torch
+from kvtier.errors import CacheStateError
+from kvtier.hf import PrefixCache
+from tests.hf.tiny import tiers_config, tiny_model
+
+torch.set_num_threads(1)
+model = tiny_model("llama")
+pc = PrefixCache(model, tiers_config(model, blocks=8))
+inside, leave = threading.Event(), threading.Event()
+
+class Stalls:  # a streamer that holds the call open until the parent lets it go
+    def put(self, value):
+        inside.set()
+        leave.wait()
+    def end(self):
+        pass
+
+ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
+worker = threading.Thread(target=lambda: pc.generate(ids, max_new_tokens=2, do_sample=False, streamer=Stalls()))
+worker.start()
+inside.wait()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)  # a hang ends the child with SIGALRM
+    try:
+        pc.generate(ids, max_new_tokens=2, do_sample=False)
+        print("child served", flush=True)
+    except CacheStateError as refusal:
+        print("child refused:", "forked child" in str(refusal), flush=True)
+    pc.close()  # the parent's: nothing is done
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+leave.set()
+worker.join()
+pc.close()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_is_refused_a_prefix_cache_another_thread_was_inside():
+    """A fork while a thread of the parent is inside ``generate`` (a server forking workers): the
+    child's copy of the call lock is held by a thread the child does not have. Before, the child's
+    first call waited for ever; now it raises ``CacheStateError`` naming the fork, and ``close``
+    does nothing there."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_WHILE_INSIDE], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["child refused: True", "child exit 0"], done.stderr[-3000:]
 
 
 def test_a_call_made_from_inside_another_leaves_each_its_own_reuse():
