@@ -10,7 +10,8 @@ sees exactly its own handler, as ``asyncio.run`` and Jupyter expect). A wait mar
 ``may_be_cut_short`` (the disk I/O a long call waits for, written to be interrupted) is the
 exception: a kept SIGINT is handed on as it starts, and one arriving during it at once. The
 caller (``kvtier.exclusive``) lets go of what a call made when the handler it was handed on to
-raises.
+raises. ``interrupt_main`` does the same for another signal's handler (the command line's
+SIGTERM): a ``KeyboardInterrupt``, kept likewise until the claimed call it lands in ends.
 
 Invariants: only the main thread's claimed calls are counted (other threads never receive a
 Python signal handler's exception); the wrapper is installed only inside the main thread's
@@ -34,7 +35,7 @@ _SIGINT = int(signal.SIGINT)
 _MAIN_THREAD = threading.main_thread().ident
 _depth = 0  # claimed calls the main thread is inside
 _waiting = 0  # waits that may be cut short the main thread is inside
-_kept = False  # a SIGINT arrived inside a claimed call and was not handed on yet
+_kept: Callable[[], None] | None = None  # what interrupts the main thread once its claimed call ends
 _installed: Any = None  # the wrapper while it is installed (``kvtier_wraps``: the handler it wraps)
 _last_wrapper: Any = None  # the wrapper made last: made again only for another handler
 
@@ -65,9 +66,23 @@ def leave() -> None:
     wrapper, _installed = _installed, None
     if wrapper is not None and _signal.getsignal(_SIGINT) is wrapper:
         _signal.signal(_SIGINT, wrapper.kvtier_wraps)
-    if _kept:
-        _kept = False
-        _hand_on()
+    if _kept is not None:
+        interrupt, _kept = _kept, None
+        interrupt()
+
+
+def interrupt_main() -> None:
+    """From a signal handler on the main thread: raise ``KeyboardInterrupt`` as Python's SIGINT
+    handler does, now or, inside a claimed call's bookkeeping, when that call ends."""
+    global _kept
+    if _depth and not _waiting:
+        _kept = _raise_interrupt
+        return
+    _raise_interrupt()
+
+
+def _raise_interrupt() -> None:
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -78,9 +93,9 @@ def may_be_cut_short() -> Iterator[None]:
     if threading.get_ident() != _MAIN_THREAD:
         yield
         return
-    if _kept:
-        _kept = False
-        _hand_on()
+    if _kept is not None:
+        interrupt, _kept = _kept, None
+        interrupt()
     _waiting += 1
     try:
         yield
@@ -97,7 +112,7 @@ def _wrapper_of(inner: Handler) -> Handler:
     def on_sigint(signum: int, frame: FrameType | None) -> Any:
         global _kept
         if _depth and not _waiting:  # inside a claimed call's bookkeeping: kept until its end
-            _kept = True
+            _kept = _hand_on
             return None
         return inner(signum, frame)
 

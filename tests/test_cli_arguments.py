@@ -140,9 +140,19 @@ def test_an_existing_or_new_disk_directory_is_taken_and_left_as_it_was(tmp_path,
         kept_directory(str(tmp_path / "gone" / "kv"))
 
 
-@pytest.mark.parametrize("hf", [False, True])
-def test_ctrl_c_ends_the_demo_with_one_line_and_its_temporary_directory_removed(tmp_path, hf):
-    """Before, a Python traceback of 38-113 lines ending in ``KeyboardInterrupt``."""
+@pytest.mark.parametrize(
+    ("hf", "stop", "status", "said"),
+    [
+        (False, signal.SIGINT, 130, "interrupted"),
+        (True, signal.SIGINT, 130, "interrupted"),
+        (False, signal.SIGTERM, 143, "terminated"),
+    ],
+)
+def test_ctrl_c_or_sigterm_ends_the_demo_with_one_line_and_its_temporary_directory_removed(
+    tmp_path, hf, stop, status, said
+):
+    """Before, Ctrl-C printed a Python traceback of 38-113 lines ending in ``KeyboardInterrupt``,
+    and SIGTERM ended the process at once, its temporary disk tier left behind."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     argv = [sys.executable, "-m", "kvtier", "demo", "--plot", str(tmp_path / "ttft.png"), *(["--hf"] if hf else [])]
@@ -153,10 +163,10 @@ def test_ctrl_c_ends_the_demo_with_one_line_and_its_temporary_directory_removed(
     while not any(p.name.startswith("kvtier-") for p in tmp.iterdir()):  # the run's disk tier: it is running
         assert demo.poll() is None and time.monotonic() < deadline, "the demo never started its run"
         time.sleep(0.02)
-    demo.send_signal(signal.SIGINT)
+    demo.send_signal(stop)
     _, err = demo.communicate(timeout=120)
-    assert demo.returncode == 130
-    assert err.decode() == "kvtier demo: interrupted\n"
+    assert demo.returncode == status
+    assert err.decode() == f"kvtier demo: {said}\n"
     assert not any(p.name.startswith("kvtier-") for p in tmp.iterdir())
 
 

@@ -281,6 +281,39 @@ def test_a_ctrl_c_inside_a_close_waits_for_its_end(monkeypatch):
     mgr.close()
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_the_command_lines_sigterm_inside_a_close_waits_for_its_end(monkeypatch, sigint_handler):
+    """``kvtier``'s SIGTERM handler interrupts as Ctrl-C does, kept to the end of the call even where
+    SIGINT is ignored (a background job of a script: no SIGINT wrapper is installed then)."""
+    from kvtier.cli import _sigterm_as_interrupt
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mgr = eight_page_manager()
+    oracle = PageOracle(mgr)
+    cache = prefill(mgr, oracle, conversation(7, 6 * TPB - 1), keep=True)
+    original = Residency.release_all
+    ran = []
+
+    def terminated(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+        ran.append("release_all")
+        return original(*args, **kwargs)
+
+    handler_before = signal.getsignal(signal.SIGTERM)
+    with _sigterm_as_interrupt() as got, monkeypatch.context() as patch:
+        patch.setattr(Residency, "release_all", terminated)
+        with pytest.raises(KeyboardInterrupt):
+            cache.close()
+    assert set(got) == {signal.SIGTERM} and len(ran) == len(got)  # every release ran, then one interrupt
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    assert cache.state is kvtier.CacheState.CLOSED
+    mgr.check_invariants()
+    whole = mgr.create_cache(conversation(8, 1))
+    assert whole.resume() and whole.resize(8 * TPB)  # every primary page can be had
+    whole.close()
+    mgr.close()
+
+
 def test_a_create_cache_cut_short_while_it_builds_the_cache_leaves_the_next_call_working(monkeypatch):
     """Before, the half-built cache was taken for one dropped without ``close``, and the next call
     raised ``AttributeError: 'KVCache' object has no attribute '_pending'`` as it closed it."""

@@ -7,20 +7,28 @@ command runs (``ValueError``: a model name, tiers too small for the workload, a 
 without a GPU; a disk directory in use) ends it with its message on stderr and exit status 2,
 as argparse ends a bad option. Ctrl-C once ``main`` runs ends it with one line and status 130,
 as a shell reports an interrupted command; the managers and temporary directories of the run are
-closed on the way. (One during the first imports, of torch by ``kvtier``, before ``main`` is
-called, is Python's own traceback.)
+closed on the way. SIGTERM (``kill``, ``timeout``, a container stopped) ends it the same way,
+with ``terminated`` and status 143. (One during the first imports, of torch by ``kvtier``, before
+``main`` is called, is Python's own traceback, or for SIGTERM its default: the process ends at
+once.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
+from kvtier import interrupts
 from kvtier.cli.arguments import output_file
 from kvtier.errors import DiskTierBusyError
 
 INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (128 + SIGINT)
+TERMINATED = 143  # the exit status of a command ended by SIGTERM (128 + SIGTERM)
 
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -68,16 +76,38 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     selected = _selected(argv)
     command = " ".join(word for word in ("kvtier", *selected) if word)  # until the arguments are read
+    with _sigterm_as_interrupt() as terminated:
+        try:
+            args = _parser(selected).parse_args(argv)  # (imports the command's module)
+            command = " ".join(word for word in ("kvtier", args.command, getattr(args, "target", None)) if word)
+            return int(importlib.import_module(args._module).run(args) or 0)
+        except (ValueError, DiskTierBusyError) as refused:  # a value kvtier refused: its message says what to change
+            print(f"{command}: error: {refused}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"{command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+            return TERMINATED if terminated else INTERRUPTED
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[list[int]]:
+    """While the command runs, SIGTERM interrupts it as Ctrl-C does (``kvtier.interrupts``), so the
+    run closes its managers and temporary directories; the list yielded gets the signal's number.
+    Only on the main thread (elsewhere nothing changes); the previous handler is put back."""
+    terminated: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield terminated
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        terminated.append(signum)
+        interrupts.interrupt_main()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        args = _parser(selected).parse_args(argv)  # (imports the command's module)
-        command = " ".join(word for word in ("kvtier", args.command, getattr(args, "target", None)) if word)
-        return int(importlib.import_module(args._module).run(args) or 0)
-    except (ValueError, DiskTierBusyError) as refused:  # a value kvtier refused: its message says what to change
-        print(f"{command}: error: {refused}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{command}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        yield terminated
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
