@@ -534,6 +534,48 @@ def test_a_lock_file_removed_under_its_holder_lets_no_second_manager_in(tmp_path
     manager(tmp_path, primary=6, host=0, disk=40).close()  # the locks died with their holder
 
 
+@pytest.mark.parametrize("then", ["nothing", "another manager"])
+def test_a_directory_removed_under_its_manager_is_served_read_only_and_left_alone(tmp_path, caplog, then):
+    """``rm -rf`` of a live manager's directory (a cleaner of old files in /tmp, an operator clearing
+    the cache). Before, nothing noticed: demotions and the close-time persist went on writing into
+    the removed files, space ``df`` counted and nobody could read again, and a manager made on the
+    path meanwhile was left its own directory only by luck of descriptors. Now the first write
+    after the removal says so once and the tier writes nothing more; what it wrote before is still
+    served, byte for byte, from the files it holds open."""
+    mgr = manager(tmp_path, primary=4, host=0, disk=40)
+    oracle = PageOracle(mgr)
+    early = [convo(i, 3 * TPB) + [7] for i in range(3)]
+    for tokens in early:  # each pushes the one before it to the disk
+        prefill(mgr, oracle, tokens)
+    on_disk = mgr.stats().tiers["disk"].pages_used
+    assert on_disk > 0
+    shutil.rmtree(kvtier_dir(tmp_path))
+    other = manager(tmp_path, primary=4, host=0, disk=40) if then == "another manager" else None
+    if other is not None:  # it made a new directory at the path: its pages are its own
+        prefill(other, PageOracle(other), convo(50, 3 * TPB) + [7])
+        prefill(other, PageOracle(other), convo(51, 3 * TPB) + [7])
+        other.close()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        for i in range(3, 6):  # more demotions: none is written any more
+            prefill(mgr, oracle, convo(i, 3 * TPB) + [7])
+        cache = serve(mgr, early[0] + [1])  # still served from the open files, exact bytes
+        assert cache.reused_by_tier["disk"] > 0
+        cache.close()
+        assert mgr.stats().tiers["disk"].pages_used <= on_disk
+        mgr.check_invariants()
+        mgr.close()  # persists nothing
+    removed = [r for r in caplog.records if "was removed or replaced while this manager used it" in r.getMessage()]
+    assert len(removed) == 1 and removed[0].levelno == logging.WARNING
+    again = manager(tmp_path, primary=4, host=0, disk=40)
+    if other is None:
+        assert again.create_cache(early[0] + [1]).num_reused_tokens == 0  # the removal stands
+    else:  # the other manager's directory holds its pages, untouched
+        cache = serve(again, convo(50, 3 * TPB) + [7, 1])
+        assert cache.reused_by_tier["disk"] > 0
+        cache.close()
+    again.close()
+
+
 def test_a_new_directory_on_a_full_file_system_stores_nothing_and_leaves_nothing_half_made(
     tmp_path, caplog, monkeypatch
 ):

@@ -10,6 +10,7 @@ leaves the disk exact.
 from __future__ import annotations
 
 import gc
+import shutil
 import threading
 import time
 
@@ -113,6 +114,20 @@ def test_a_page_written_behind_is_demoted_without_a_write(tmp_path, written_page
     assert all(p.tier == 2 and p.slot == copy_slots[id(p)] for p in pages)  # each took its copy's slot
     assert not {id(p) for p in pages} & {id(p) for p in written_pages}
     reuse_exactly(mgr, oracle, prompt, "disk")
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_a_directory_removed_under_its_manager_gets_no_more_pages_written_behind(tmp_path):
+    """Write-behind looks at the directory before each batch (``Tier.still_writable``): once it is
+    removed, nothing more is written behind (before, batches went on into the removed files)."""
+    mgr, oracle = make(tmp_path / "disk")
+    prompt = prompt_of(1000)
+    to_host(mgr, oracle, prompt)
+    shutil.rmtree(next((tmp_path / "disk").glob("kvtier-*")))
+    mgr.maintain()
+    assert mgr._pool.write_behind.active is None and not mgr._pool.tiers[2].writable
+    reuse_exactly(mgr, oracle, prompt, "host")
     mgr.check_invariants()
     mgr.close()
 

@@ -23,6 +23,9 @@ read) is still running stays alive until that work ends, holding the directory: 
 of the same process waits for it (up to ``ABANDONED_WAIT_S``), but refuses at once a directory
 whose manager is still in use (``abandon`` tells them apart).
 
+A directory removed (or moved away, another made in its place) while its manager runs is noticed
+before the next write (``gone``): the tier then writes nothing more (``Tier.still_writable``).
+
 The lock belongs to the process that took it, not to its forked children (a DataLoader worker, a
 multiprocessing pool): a child closes its copies of the lock's descriptor as it starts, without
 unlocking them, and ``close`` unlocks before it closes. So the lock is released when its holder
@@ -87,6 +90,7 @@ class DiskDirectory:
         self.secret: bytes | None = None
         self._lock_fd: int | None = None
         self._finalizer: weakref.finalize | None = None
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the directory this manager opened
         check_disk_path(path)
         try:
             _make_private_dirs(path)
@@ -112,6 +116,8 @@ class DiskDirectory:
             if self.writable:
                 make_private(path, PRIVATE_DIR)
             self.secret = self._load_secret()
+            st = os.stat(path)
+            self._identity = (st.st_dev, st.st_ino)
         except OSError as exc:  # reading it, or writing the secret of a new directory (a full file system)
             log.error("kvtier disk tier: cannot use %s (%s); the disk tier stores nothing", path, exc)
             self.writable, self.why_not_writable = False, str(exc)
@@ -199,6 +205,20 @@ class DiskDirectory:
             if in_use or time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
+
+    def gone(self) -> bool:
+        """Whether ``path`` no longer names the directory this manager opened: it was removed (``rm -rf``),
+        perhaps another made in its place, or moved away. What is
+        written to its files from then on is lost at the manager's end (removed: they are unlinked)."""
+        if self._identity is None:
+            return False
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        except OSError:  # cannot look (a transient error): taken as still there
+            return False
+        return (st.st_dev, st.st_ino) != self._identity
 
     def abandon(self) -> None:
         """Its manager was dropped without close(): a new manager may wait for its release."""

@@ -97,6 +97,8 @@ class DiskWriteBehind:
         moves = (c.demotions, c.promotions, c.drops, *(index.additions for index in self.host.evictable))
         if moves == self._idle_at:
             return None  # no page moved or became evictable since nothing was found to write
+        if not self.disk.still_writable():  # (a look at the directory: only when there may be work)
+            return None
         groups = len(self.host.storage.slots)
         for turn in range(groups):
             group = (self._group + turn) % groups

@@ -94,7 +94,7 @@ class DiskWritePlanner:
     def _write_down(self, victims: list[Page], plan: MovePlan, blocking: bool) -> None:
         """``demote``, writing (``blocking``) or dropping the victims without a disk copy."""
         disk = self.disk
-        if not disk.disk_index.flush():  # the rows of freed slots must be gone before slots are rewritten
+        if not disk.still_writable() or not disk.disk_index.flush():  # freed slots' rows go before a rewrite
             self._not_written(victims)
             return
         allocator = disk.storage.slots[victims[0].group]
@@ -233,7 +233,7 @@ class DiskWritePlanner:
         drop it with a WARNING). Returns the number of pages written.
         """
         disk = self.disk
-        if not disk.writable:
+        if not disk.still_writable():
             return 0
         chain = disk.chain_groups
         free = [s.num_free for s in disk.storage.slots]

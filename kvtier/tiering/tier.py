@@ -28,6 +28,7 @@ that order, oldest first; the write-through copies them below. Bounded: the olde
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Set
 
@@ -35,6 +36,8 @@ from kvtier.errors import InvariantError
 from kvtier.pages import Node, Page
 from kvtier.storage.disk_index import DiskIndex, NodeRow, PageRow
 from kvtier.tiering.eviction import EvictionIndex
+
+log = logging.getLogger(__name__)
 
 SWEEP_MIN = 4096  # index rows of blocks that left the tree are removed in sweeps, when this many are known
 
@@ -105,6 +108,22 @@ class Tier:
     @property
     def is_disk(self) -> bool:
         return self.disk_index is not None
+
+    def still_writable(self) -> bool:
+        """``writable``, checked again on the disk tier: a directory removed or replaced under the
+        manager (``DiskDirectory.gone``) makes the tier read-only from then on, with a WARNING. Its
+        pages are still served from the files it holds open; nothing more is written, neither as
+        demotions nor at close, where it would be lost (or land in another's directory)."""
+        if not self.writable or self.disk_index is None or not self.disk_index.directory.gone():
+            return self.writable
+        self.writable = False
+        log.warning(
+            "kvtier disk tier: its directory %s was removed or replaced while this manager used it; the pages "
+            "written there before are still served, nothing more is written (a manager made again uses the path "
+            "anew)",
+            self.disk_index.directory.path,
+        )
+        return False
 
     def vacate(self, page: Page, free_slot: bool = True) -> None:
         """Take ``page`` out of this tier; its slot is freed now, or later by the caller."""
