@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -477,4 +478,56 @@ def test_fs_store_rejects_bad_arguments(tmp_path):
     for interval in (-1, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="warn_interval_s"):
             FileSystemStore(tmp_path, warn_interval_s=interval)
+    for name in ("timeout_s", "retry_after_s"):
+        for bad in (0, -1, float("nan"), float("inf"), True, "1"):
+            with pytest.raises(ValueError, match=name):
+                FileSystemStore(tmp_path, **{name: bad})
     store.close()
+
+
+def hang_reads_of(store: FileSystemStore, key: str) -> Path:
+    """Make ``key``'s value a FIFO: opening it to read waits for a writer, as a read of a hard-mounted
+    network file system waits for its dead server. Returns its path (``release`` ends the waits)."""
+    path = store.path_of(key)
+    path.unlink()
+    os.mkfifo(path, 0o600)
+    return path
+
+
+def release(fifo: Path) -> None:
+    """End every read waiting on ``fifo``: a writer opens and closes it (they read an empty value)."""
+    with contextlib.suppress(OSError):  # no reader waits any more
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.timeout(60)
+def test_fs_store_read_that_hangs_costs_a_bounded_wait_then_backs_off(tmp_path, caplog):
+    """Before, ``get_many`` waited for a hung read for ever, on the engine's thread (no timeout),
+    and hung reads kept the store's threads, so later reads of sound values queued behind them."""
+    store = FileSystemStore(tmp_path, io_threads=2, timeout_s=0.3, retry_after_s=0.5)
+    values = {f"k{i}": bytes([i + 1]) * 64 for i in range(4)}
+    assert store.put_many(list(values.items())) == [True] * 4
+    fifo = hang_reads_of(store, "k0")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.connector.fs_store"):
+            for _ in range(3):  # each hangs both threads of its pool: later calls need new ones
+                t0 = time.monotonic()
+                assert store.get_many(["k0", "k1", "k0"]) == [None, None, None]
+                assert time.monotonic() - t0 < 2.0
+                t0 = time.monotonic()
+                assert store.get_many(["k1"]) == [None]  # backed off: answered at once, no file read
+                assert store.put_many([("k9", b"9")]) == [False]
+                assert store.contains_many(["k1"]) == [False]
+                assert time.monotonic() - t0 < 0.2
+                time.sleep(0.6)  # the back-off is over
+                assert store.get_many(["k1", "k2"]) == [values["k1"], values["k2"]]  # new threads serve
+        hung = [r for r in caplog.records if "the file system hangs" in r.getMessage()]
+        assert hung and all(r.levelno == logging.WARNING for r in hung)
+        assert "answering misses for 0.5s" in hung[0].getMessage()
+        assert store.contains_many(["k1", "k3", "nope"]) == [True, True, False]
+        store.delete_many(["k3"])
+        assert store.get_many(["k3"]) == [None]
+    finally:
+        for _ in range(8):
+            release(fifo)
+        store.close()

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -456,6 +458,37 @@ def test_a_script_that_never_closes_its_engine_keeps_its_saves_and_its_disk_tier
         check_against_oracle(llama, prompts, outs, 3)
         for out, prompt in zip(outs, prompts, strict=True):
             assert out.reused_tokens_by_tier["disk"] == len(prompt) // TPB * TPB
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("load_async", [False, True])
+def test_a_shared_directory_whose_reads_hang_costs_a_bounded_wait_and_stalls_nobody(llama, tmp_path, load_async):
+    """Page files whose reads never return (FIFOs standing in for a hard-mounted network file system
+    whose server died). Before, with ``load_async=False`` the engine's step waited for the read for
+    ever, and every other request with it; with ``load_async=True`` the hung reads kept the store's
+    threads, so loads of sound pages in the same directory each waited the connector's 30 s."""
+    prompts = prompts_for(llama, [100], seed=151)
+    others = prompts_for(llama, [90, 80], seed=152)
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(200 * page_bytes(llama))])
+    store = tmp_path / "store"
+    with LLMEngine(llama, config, connector=FileSystemConnector(store)) as first:
+        first.generate(prompts, SamplingParams(max_tokens=3))
+    fifos = list(store.rglob("*.page"))
+    for path in fifos:
+        path.unlink()
+        os.mkfifo(path, 0o600)
+    connector = FileSystemConnector(store, timeout_s=0.5, retry_after_s=60, load_async=load_async)
+    try:
+        with LLMEngine(llama, config, connector=connector) as eng:
+            t0 = time.monotonic()
+            outs = eng.generate(prompts + others, SamplingParams(max_tokens=3))
+            assert time.monotonic() - t0 < 20
+            check_against_oracle(llama, prompts + others, outs, 3)
+            assert outs[0].reused_tokens_by_tier["connector"] == 0  # recomputed
+    finally:
+        for path in fifos:  # end the reads still waiting
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
 
 def test_generate_returns_once_its_saves_are_written(llama, tmp_path):

@@ -3,7 +3,9 @@
 It stands in for ``concurrent.futures.ThreadPoolExecutor`` where a call may hang for good (a read
 from a dead network mount): the interpreter's exit joins every executor's threads, and so would
 wait for such a call for ever; it never waits for a daemon thread. Whoever needs a call's result
-waits for its future (a save is waited for by the connector's ``close``, and at exit).
+waits for its future (a save is waited for by the connector's ``close``, and at exit). A caller
+that gave up on calls hung that way hands their threads over to them (``abandon``): later calls
+run on new threads.
 """
 
 from __future__ import annotations
@@ -58,6 +60,19 @@ class DaemonPool:
         futures = [self.submit(fn, *args) for args in zip(*iterables, strict=True)]
         return [future.result() for future in futures]
 
+    def abandon(self) -> None:
+        """Leave the running calls (hung, as a read of a dead mount) to their threads, and start afresh:
+        the calls queued and not started are cancelled, and later calls run on new threads. The old
+        threads end as soon as their calls return (if ever); nothing waits for them."""
+        with self._lock:
+            if self._closed:
+                return
+            _cancel_queued(self._calls)
+            self._stop()  # the old threads' end markers, on the old queue
+            self._calls = queue.SimpleQueue()
+            self._threads = []
+            self._stop = weakref.finalize(self, _stop_threads, self._calls, self._threads)
+
     def shutdown(self, wait: bool = False) -> None:
         """Take no more calls. With ``wait``, the calls queued still run, and this returns once every
         call ended; without, the calls not started yet are cancelled and nothing is waited for."""
@@ -65,17 +80,23 @@ class DaemonPool:
             if self._closed:
                 return
             self._closed = True
-            while not wait:
-                try:
-                    call = self._calls.get_nowait()
-                except queue.Empty:
-                    break
-                if call is not None:
-                    call[0].cancel()
+            if not wait:
+                _cancel_queued(self._calls)
             self._stop()  # after the calls queued: each thread ends on its marker
         if wait:
             for thread in self._threads:
                 thread.join()
+
+
+def _cancel_queued(calls: queue.SimpleQueue) -> None:
+    """Cancel every call still queued (end markers included: the caller queues new ones)."""
+    while True:
+        try:
+            call = calls.get_nowait()
+        except queue.Empty:
+            return
+        if call is not None:
+            call[0].cancel()
 
 
 def _stop_threads(calls: queue.SimpleQueue, threads: list[threading.Thread]) -> None:

@@ -29,6 +29,14 @@ whatever the umask (a directory that already exists is left as it is).
 I/O errors (a read-only or full disk, a file-size limit, a path that cannot exist) and damaged
 values are reported as failures and misses, never raised, and logged at WARNING: the first of
 each kind at once, then at most one line per ``warn_interval_s`` (``kvtier.storage.log_limit``).
+
+I/O that hangs (a hard-mounted network file system whose server died) costs a call about
+``timeout_s`` a file at most: the file I/O of every call runs on the store's threads, and a call
+one of whose reads, writes or checks runs ``timeout_s`` past the one before it answers misses
+(failures, for puts), leaves its threads to the hung I/O (``DaemonPool.abandon``) and backs off
+(``store_health``): for ``retry_after_s`` calls answer at once, without touching the file
+system. (Making the directory, at construction, and the budget's eviction scans still run on the
+calling thread.)
 """
 
 from __future__ import annotations
@@ -40,15 +48,18 @@ import logging
 import math
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, TypeVar
 
 from kvtier.connector.block_codec import HEADER_BYTES, Buffer, decode_page, encode_page
 from kvtier.connector.daemon_pool import DaemonPool
 from kvtier.connector.fs_budget import TEMP_SUFFIX, VALUE_SUFFIX, StoreBudget
 from kvtier.connector.store import check_keys, check_sizes
+from kvtier.connector.store_health import ServerHealth
 from kvtier.storage.log_limit import RateLimitedWarning
 from kvtier.storage.page_files import default_io_threads
 
@@ -58,9 +69,13 @@ CREATE_TRIES = 8  # a write makes its fan-out directories again this often when 
 IO_THREADS = default_io_threads()  # the disk tier's default: file I/O and checksums overlap on a few threads
 DEFAULT_MAX_BYTES: Final = 64 << 30
 WARN_INTERVAL_S: Final = 60.0
+IO_TIMEOUT_S: Final = 2.0  # one file's I/O taking this long (after the one before it): the file system hangs
+RETRY_AFTER_S: Final = 30.0  # then calls answer misses this long (a dead mount stays dead for minutes)
+CHECK_CHUNK: Final = 64  # keys a thread checks (``contains_many``) or deletes in one go
 PRIVATE_DIR: Final = 0o700
 PRIVATE_FILE: Final = 0o600
 NO_SPACE: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # a full file system or quota: eviction makes room
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -82,6 +97,8 @@ class FileSystemStore:
         max_bytes: int = DEFAULT_MAX_BYTES,
         *,
         warn_interval_s: float = WARN_INTERVAL_S,
+        timeout_s: float = IO_TIMEOUT_S,
+        retry_after_s: float = RETRY_AFTER_S,
     ) -> None:
         if not isinstance(path, str | os.PathLike) or not os.fspath(path):
             raise TypeError(f"FileSystemStore needs a non-empty path, got {path!r}")
@@ -92,10 +109,15 @@ class FileSystemStore:
         interval = warn_interval_s
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 <= interval < math.inf:
             raise ValueError(f"warn_interval_s must be a finite number >= 0, got {warn_interval_s!r}")
+        for name, value in (("timeout_s", timeout_s), ("retry_after_s", retry_after_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         self.root = Path(path).expanduser()  # ``~/kv``: the user's home, not a directory named ``~``
         kinds = ("read", "verify", "write", "delete")  # each: the first logged at once, then a summary per interval
         self._failures = {kind: RateLimitedWarning(log, f"fs store {self.root}", interval) for kind in kinds}
         self.max_bytes = max_bytes
+        self.timeout_s = float(timeout_s)
+        self._health = ServerHealth(str(self.root), log, float(retry_after_s), interval, kind="fs store")
         try:
             _make_private_dirs(self.root)
         except OSError as exc:
@@ -117,7 +139,9 @@ class FileSystemStore:
         keys = check_keys(keys)
         sizes = check_sizes(expected_sizes, len(keys))
         self._check_open()
-        reads = self._reads.map(self._get_one, keys, sizes)
+        reads = self._io("read", self._reads, self._get_one, keys, sizes)
+        if reads is None:
+            return [None] * len(keys)
         errors = [r.error for r in reads if r.error is not None]
         damaged = sum(r.damaged for r in reads)
         if errors:
@@ -150,33 +174,35 @@ class FileSystemStore:
         second try, or the first.
         """
         self._check_open()
-        pool = self._writes
-        errors = pool.map(self._put_one, keys, blobs)
+        hung = OSError(errno.ETIMEDOUT, "the file system hangs (or has hung lately): not written")
+        errors = self._io("write", self._writes, self._put_one, keys, blobs)
+        if errors is None:
+            return [hung] * len(keys)
         full = [i for i, err in enumerate(errors) if err is not None and err.errno in NO_SPACE]
         if full:
             quota_spent = errno.EDQUOT in {err.errno for err in errors if err is not None}
             retry = [full[j] for j in self._budget.make_room([len(blobs[i]) for i in full], quota_spent)]
-            retried = pool.map(self._put_one, [keys[i] for i in retry], [blobs[i] for i in retry])
-            for i, err in zip(retry, retried, strict=True):
+            retried = self._io(
+                "write", self._writes, self._put_one, [keys[i] for i in retry], [blobs[i] for i in retry]
+            )
+            for i, err in zip(retry, retried or [hung] * len(retry), strict=True):
                 errors[i] = err
         return errors
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Per key whether its file exists (not verified); a hit counts as a use, like a read."""
         self._check_open()
-        return [_touch(self.path_of(key)) for key in check_keys(keys)]
+        paths = [self.path_of(key) for key in check_keys(keys)]
+        chunks = [paths[i : i + CHECK_CHUNK] for i in range(0, len(paths), CHECK_CHUNK)]
+        found = self._io("check", self._reads, _touch_all, chunks)
+        return [False] * len(paths) if found is None else [hit for chunk in found for hit in chunk]
 
     def delete_many(self, keys: Sequence[str]) -> None:
         """Remove the files of ``keys``; missing files are fine, other failures are logged."""
         self._check_open()
-        failed: list[OSError] = []
-        for key in check_keys(keys):
-            try:
-                self.path_of(key).unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                failed.append(exc)
+        paths = [self.path_of(key) for key in check_keys(keys)]
+        chunks = [paths[i : i + CHECK_CHUNK] for i in range(0, len(paths), CHECK_CHUNK)]
+        failed = [exc for chunk in self._io("delete", self._writes, _unlink_all, chunks) or [] for exc in chunk]
         if failed:
             self._failures["delete"](f"{len(failed)} deletes failed: {failed[0]}")
 
@@ -188,6 +214,27 @@ class FileSystemStore:
             self._closed = True
             self._reads.shutdown(wait=True)  # (the calls queued run first: a put_many running meanwhile ends whole)
             self._writes.shutdown(wait=True)
+
+    def _io(self, op: str, pool: DaemonPool, fn: Callable[..., T], *iterables: Iterable[Any]) -> list[T] | None:
+        """``[fn(*args) for args in zip(*iterables)]`` on ``pool``'s threads, or None when the file
+        system is taken as hung: backed off now, or a call still running ``timeout_s`` after the one
+        before it ended (its thread and the pool's others are then left to the hung I/O, the store
+        backs off, and a WARNING says so), or calls cancelled by another caller's giving up."""
+        if not self._health.available():
+            return None
+        futures = [pool.submit(fn, *args) for args in zip(*iterables, strict=True)]
+        for future in futures:  # in the order they run: each waited for at most ``timeout_s`` more
+            try:
+                future.exception(timeout=self.timeout_s)
+            except CancelledError:
+                return None
+            except FutureTimeout:
+                pool.abandon()
+                stalled = TimeoutError(f"a file's I/O took over {self.timeout_s:g} s: the file system hangs")
+                self._health.failed(op, stalled, server_down=True)
+                return None
+        self._health.answered()
+        return [future.result() for future in futures]
 
     def _check_open(self) -> None:
         """``ValueError`` once the store is closed."""
@@ -232,6 +279,23 @@ class FileSystemStore:
                 tmp.unlink()
             return exc
         return None
+
+
+def _touch_all(paths: list[Path]) -> list[bool]:
+    return [_touch(path) for path in paths]
+
+
+def _unlink_all(paths: list[Path]) -> list[OSError]:
+    """Remove these files; the errors (a missing file is none)."""
+    failed = []
+    for path in paths:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            failed.append(exc)
+    return failed
 
 
 def _touch(path: Path) -> bool:

@@ -30,8 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from kvtier.connector.redis_health import ServerHealth
 from kvtier.connector.redis_urls import RedisTarget
+from kvtier.connector.store_health import ServerHealth
 
 FAILED = object()
 """A command's reply when its node was not asked or did not answer (a miss, or a failed put)."""

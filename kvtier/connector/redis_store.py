@@ -9,7 +9,7 @@ framed by ``block_codec`` and verified on every read, so a value that is damaged
 the wrong size is a miss.
 
 A server failure never reaches the caller. A call that cannot connect, times out or loses its
-connection answers misses (or failures, for puts) and starts a back-off (``redis_health``): for
+connection answers misses (or failures, for puts) and starts a back-off (``store_health``): for
 ``retry_after_s`` calls answer misses at once without touching the network, then the next call
 tries again (and the client reconnects; through Sentinel it asks for the primary again, so a
 failover is followed). On a cluster this holds per node: a node that is down costs the misses
@@ -33,9 +33,9 @@ from typing import Any, Protocol, TypeVar
 
 from kvtier.connector.block_codec import Buffer, decode_page, encode_page
 from kvtier.connector.redis_cluster import ClusterTransport
-from kvtier.connector.redis_health import ServerHealth
 from kvtier.connector.redis_urls import RedisTarget, parse_redis_url, redact_url
 from kvtier.connector.store import check_keys, check_sizes
+from kvtier.connector.store_health import ServerHealth
 from kvtier.storage.log_limit import RateLimitedWarning
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,8 @@ import torch
 
 from kvtier.connector.base import ConnectorRequest, KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from kvtier.connector.daemon_pool import DaemonPool
-from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, FileSystemStore
+from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, IO_TIMEOUT_S, FileSystemStore
+from kvtier.connector.fs_store import RETRY_AFTER_S as FS_RETRY_AFTER_S
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RETRY_AFTER_S, SOCKET_TIMEOUT_S, RedisStore
 from kvtier.connector.save_policy import PrefixSightings, SavePolicy
@@ -470,7 +471,9 @@ class FileSystemConnector(StoreConnector):
 
     The directory holds at most about ``max_bytes`` (default ``DEFAULT_MAX_BYTES``, 64 GiB; per
     process sharing it, up to 10% more between eviction passes): past it the least recently
-    used blocks are evicted. ``save_policy``, ``load_async``: see ``StoreConnector``.
+    used blocks are evicted. ``timeout_s`` bounds what file I/O that hangs (a dead network mount)
+    costs a call; then the store is left alone for ``retry_after_s``, its calls answering misses at
+    once (``FileSystemStore``). ``save_policy``, ``load_async``: see ``StoreConnector``.
     """
 
     def __init__(
@@ -480,12 +483,14 @@ class FileSystemConnector(StoreConnector):
         tp_world_size: int = 1,
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        timeout_s: float = IO_TIMEOUT_S,
+        retry_after_s: float = FS_RETRY_AFTER_S,
         save_policy: str | SavePolicy = "all",
         load_async: bool = False,
     ) -> None:
         _check_options(tp_rank, tp_world_size, load_async)  # before the store makes its directory
         policy = SavePolicy.parse(save_policy)  # likewise
-        store = FileSystemStore(path, max_bytes=max_bytes)
+        store = FileSystemStore(path, max_bytes=max_bytes, timeout_s=timeout_s, retry_after_s=retry_after_s)
         super().__init__(store, tp_rank, tp_world_size, save_policy=policy, load_async=load_async)
 
 

@@ -1,6 +1,8 @@
-"""Back-off and rate-limited warnings for one Redis server (or one node of a cluster).
+"""Back-off and rate-limited warnings for what stands behind a store: one Redis server (or one node
+of a cluster), or the file system of a ``FileSystemStore``.
 
-A server that cannot be reached (refused, timed out, connection lost) is left alone for
+A server that cannot be reached (refused, timed out, connection lost), or a file system whose I/O
+hangs, is left alone for
 ``retry_after_s``: calls meanwhile answer misses at once, without touching the network; the
 first call after that tries again. A failure is logged at WARNING at most once per
 ``warn_interval_s``, with a count of the calls answered misses since the last line; the first
@@ -16,10 +18,13 @@ import time
 
 
 class ServerHealth:
-    """Whether to try ``name`` now, and the log lines about its failures."""
+    """Whether to try ``name`` now, and the log lines about its failures (``kind``: "redis store", "fs store")."""
 
-    def __init__(self, name: str, log: logging.Logger, retry_after_s: float, warn_interval_s: float) -> None:
+    def __init__(
+        self, name: str, log: logging.Logger, retry_after_s: float, warn_interval_s: float, kind: str = "redis store"
+    ) -> None:
         self.name = name
+        self.kind = kind
         self._log = log
         self._retry_after_s = retry_after_s
         self._warn_interval_s = warn_interval_s
@@ -43,7 +48,7 @@ class ServerHealth:
             if not self._failing:
                 return
             self._failing = False
-        self._log.info("kvtier redis store %s: the server answers again", self.name)
+        self._log.info("kvtier %s %s: it answers again", self.kind, self.name)
 
     def failed(self, op: str, exc: BaseException, server_down: bool) -> None:
         """``op`` failed with ``exc``; back off if ``server_down``; warn unless warned recently."""
@@ -59,7 +64,8 @@ class ServerHealth:
             unlogged, self._unlogged = self._unlogged, 0
         action = f"answering misses for {self._retry_after_s:g}s, then retrying" if server_down else "answering misses"
         self._log.warning(
-            "kvtier redis store %s: %s failed (%s: %s); %s (%d more calls answered misses since the last warning)",
+            "kvtier %s %s: %s failed (%s: %s); %s (%d more calls answered misses since the last warning)",
+            self.kind,
             self.name,
             op,
             type(exc).__name__,
