@@ -108,6 +108,35 @@ def test_a_password_with_url_delimiters_never_shows(url):
     assert "secret" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:Zx9/Qw7+Lm@127.0.0.1:6420/0",  # a generated base64 secret: '/' unescaped
+        "redis://user:Zx9/Qw7+Lm@127.0.0.1:6420/0",
+        "redis-cluster://:Zx9/Qw7+Lm@127.0.0.1:6420",
+        "redis-sentinel://:Zx9/Qw7+Lm@127.0.0.1:6420/svc",
+        "redis://:p@ss/w0rd@localhost:6379/0",
+        "redis://:Zx9?Qw7@127.0.0.1:6420/0",
+    ],
+)
+def test_no_part_of_a_password_with_an_unescaped_delimiter_shows_and_the_fix_is_named(url):
+    """Before, the parse error's detail showed the part of the password before the '/' ("Port could
+    not be cast to integer value as 'Zx9'"; "the database must be a number, got 'w0rd@...'")."""
+    secret = url.split("://")[1].rpartition("@")[0].partition(":")[2]
+    with pytest.raises(ValueError, match="percent-encode") as info:
+        RedisStore(url)
+    shown = str(info.value)
+    pieces = {secret[i : i + 3] for i in range(len(secret) - 2)}
+    assert not [piece for piece in pieces if piece in shown], shown
+
+
+def test_a_percent_encoded_password_with_delimiters_is_taken():
+    from urllib.parse import quote
+
+    target = parse_redis_url(f"redis-cluster://:{quote('Zx9/Qw7+Lm', safe='')}@127.0.0.1:6420")
+    assert target.password == "Zx9/Qw7+Lm" and target.nodes == (("127.0.0.1", 6420),)
+
+
 def test_nothing_connects_before_the_first_call():
     for url in ("redis-cluster://127.0.0.1:1,127.0.0.1:2", "redis-sentinel://127.0.0.1:1/svc"):
         store = RedisStore(url)

@@ -53,6 +53,12 @@ def parse_redis_url(url: str) -> RedisTarget:
     if not isinstance(url, str):
         raise TypeError(f"the Redis URL must be a str, got {url!r}")
     shown = redact_url(url)
+    _, sep, rest = url.partition("://")
+    if sep and "@" in rest and any(c in rest.rpartition("@")[0] for c in "/?#"):  # before a parse shows a part
+        raise ValueError(
+            f"bad Redis URL {shown}: the user or password (all before the last '@') holds '/', '?' or '#', which "
+            "end a URL's address: percent-encode them (urllib.parse.quote(password, safe=''))"
+        )
     try:
         parts = urlsplit(url)
     except ValueError as exc:
