@@ -115,6 +115,8 @@ class DiskTier:
             )
         if not isinstance(self.path, str | os.PathLike) or not os.fspath(self.path):
             raise TypeError(f"DiskTier.path must be a non-empty path, got {self.path!r}")
+        if "\0" in os.fsdecode(self.path):
+            raise ValueError(f"DiskTier.path holds a NUL byte, which no file name may: {self.path!r}")
         if self.write_behind is not None and not isinstance(self.write_behind, bool):
             raise TypeError(f"DiskTier.write_behind must be True, False or None, got {self.write_behind!r}")
         if not isinstance(self.blocking_writes, bool):

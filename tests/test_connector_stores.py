@@ -485,6 +485,23 @@ def test_fs_store_rejects_bad_arguments(tmp_path):
     store.close()
 
 
+def test_fs_store_at_a_path_that_can_never_be_a_directory_is_refused(tmp_path):
+    """Before, a path that is a regular file (or lies under one) was taken with one WARNING and then
+    missed for ever; a NUL byte raised Python's bare "embedded null byte"."""
+    taken = tmp_path / "taken"
+    taken.write_bytes(b"a file")
+    for path in (taken, taken / "below"):
+        with pytest.raises(ValueError, match=r"FileSystemStore path .* cannot be a directory: .* is a file"):
+            FileSystemStore(path)
+        with pytest.raises(ValueError, match="is a file"):
+            kvtier.connector.FileSystemConnector(path)
+    with pytest.raises(ValueError, match="FileSystemStore path holds a NUL byte"):
+        FileSystemStore(str(tmp_path / "a\0b"))
+    with pytest.raises(ValueError, match=r"DiskTier\.path holds a NUL byte"):
+        kvtier.DiskTier(1 << 20, str(tmp_path / "a\0b"))
+    assert sorted(tmp_path.iterdir()) == [taken] and taken.read_bytes() == b"a file"
+
+
 def hang_reads_of(store: FileSystemStore, key: str) -> Path:
     """Make ``key``'s value a FIFO: opening it to read waits for a writer, as a read of a hard-mounted
     network file system waits for its dead server. Returns its path (``release`` ends the waits)."""

@@ -60,6 +60,7 @@ from kvtier.connector.daemon_pool import DaemonPool
 from kvtier.connector.fs_budget import TEMP_SUFFIX, VALUE_SUFFIX, StoreBudget
 from kvtier.connector.store import check_keys, check_sizes
 from kvtier.connector.store_health import ServerHealth
+from kvtier.storage.disk_dir import check_disk_path
 from kvtier.storage.log_limit import RateLimitedWarning
 from kvtier.storage.page_files import default_io_threads
 
@@ -102,6 +103,8 @@ class FileSystemStore:
     ) -> None:
         if not isinstance(path, str | os.PathLike) or not os.fspath(path):
             raise TypeError(f"FileSystemStore needs a non-empty path, got {path!r}")
+        if "\0" in os.fsdecode(path):
+            raise ValueError(f"the FileSystemStore path holds a NUL byte, which no file name may: {path!r}")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads <= 0:
             raise ValueError(f"io_threads must be a positive int, got {io_threads!r}")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
@@ -113,6 +116,7 @@ class FileSystemStore:
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         self.root = Path(path).expanduser()  # ``~/kv``: the user's home, not a directory named ``~``
+        check_disk_path(self.root, "the FileSystemStore path")
         kinds = ("read", "verify", "write", "delete")  # each: the first logged at once, then a summary per interval
         self._failures = {kind: RateLimitedWarning(log, f"fs store {self.root}", interval) for kind in kinds}
         self.max_bytes = max_bytes

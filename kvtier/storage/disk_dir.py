@@ -61,8 +61,9 @@ _HELD: weakref.WeakValueDictionary[str, DiskDirectory] = weakref.WeakValueDictio
 _LOCK_FDS: set[int] = set()  # the descriptors of the locks this process holds
 
 
-def check_disk_path(path: Path) -> None:
-    """``ValueError`` when ``path`` or one of its parents is a regular file: no directory can be made there."""
+def check_disk_path(path: Path, what: str = "DiskTier path") -> None:
+    """``ValueError`` when ``path`` or one of its parents is a regular file: no directory can be made
+    there (``what``: the argument, as the message names it)."""
     for p in (path, *path.parents):
         try:
             if not p.exists():
@@ -71,8 +72,7 @@ def check_disk_path(path: Path) -> None:
             return
         if not p.is_dir():
             raise ValueError(
-                f"DiskTier path {path} cannot be a directory: {p} is a file; give the disk tier a directory "
-                "(it is created when missing)"
+                f"{what} {path} cannot be a directory: {p} is a file; give a directory (it is created when missing)"
             )
         return
 
