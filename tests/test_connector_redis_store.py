@@ -75,6 +75,25 @@ def test_round_trip(store):
     store.delete_many(keys)
 
 
+def test_a_key_of_another_type_counts_as_absent_and_the_next_save_replaces_it(store, redis_url):
+    """A kvtier key holding a set, list or hash (another tool writing under the prefix): ``MGET``
+    reads it as nil. Before, ``EXISTS`` counted it present, so no save wrote it again: its block
+    missed for good, unlogged."""
+    keys = fresh_keys(3)
+    data = pages(3, 512, seed=4)
+    with redis.Redis.from_url(redis_url) as client:
+        client.sadd(keys[0], "member")
+        client.rpush(keys[1], "item")
+        client.hset(keys[2], "field", "value")
+        assert store.contains_many(keys) == [False] * 3
+        assert store.get_many(keys) == [None] * 3
+        assert store.put_many(list(zip(keys, data, strict=True))) == [True] * 3
+        assert [client.type(key) for key in keys] == [b"string"] * 3
+    assert store.contains_many(keys) == [True] * 3
+    assert store.get_many(keys, [512] * 3) == [p.tobytes() for p in data]
+    store.delete_many(keys)
+
+
 def test_a_batch_of_500_is_one_request(store, redis_url):
     keys = fresh_keys(500)
     data = pages(500, 4096, seed=2)

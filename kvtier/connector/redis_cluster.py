@@ -202,9 +202,9 @@ class ClusterTransport:
         replies = self.run("put", [("SET", key, blob, *expiry) for key, blob in items])
         return [False if reply is FAILED else reply for reply in replies]
 
-    def exists(self, keys: list[str]) -> list[bool]:
-        replies = self.run("contains", [("EXISTS", key) for key in keys])
-        return [isinstance(reply, int) and reply > 0 for reply in replies]
+    def types(self, keys: list[str]) -> list[Any]:
+        """Per key its ``TYPE`` reply (anything else where its node failed)."""
+        return self.run("contains", [("TYPE", key) for key in keys])
 
     def unlink(self, keys: list[str]) -> None:
         self.run("delete", [("UNLINK", key) for key in keys])

@@ -59,7 +59,7 @@ class _Transport(Protocol):
 
     def set(self, items: list[tuple[str, bytes]], ttl_ms: int | None) -> list[Any]: ...
 
-    def exists(self, keys: list[str]) -> list[bool]: ...
+    def types(self, keys: list[str]) -> list[Any]: ...  # per key its TYPE reply (another value where it failed)
 
     def unlink(self, keys: list[str]) -> None: ...
 
@@ -144,7 +144,7 @@ class RedisStore:
         """Per key whether a value exists (not verified); False for every key while its server is down."""
         self._check_open()
         keys = check_keys(keys)
-        return self._transport.exists(keys) if keys else []
+        return [holds_a_value(reply) for reply in self._transport.types(keys)] if keys else []
 
     def delete_many(self, keys: Sequence[str]) -> None:
         """Remove the values of ``keys`` (UNLINK: the server frees them in the background)."""
@@ -221,15 +221,15 @@ class _ServerTransport:
         replies = self._call("put", send)
         return [False] * len(items) if replies is None else replies
 
-    def exists(self, keys: list[str]) -> list[bool]:
+    def types(self, keys: list[str]) -> list[Any]:
         def send() -> list[Any]:
             with self._client.pipeline(transaction=False) as pipe:
                 for key in keys:
-                    pipe.exists(key)
+                    pipe.type(key)
                 return pipe.execute()
 
         replies = self._call("contains", send)
-        return [False] * len(keys) if replies is None else [bool(r) for r in replies]
+        return [None] * len(keys) if replies is None else replies
 
     def unlink(self, keys: list[str]) -> None:
         self._call("delete", lambda: self._client.unlink(*keys))
@@ -250,6 +250,13 @@ class _ServerTransport:
             return None
         self._health.answered()
         return reply
+
+
+def holds_a_value(type_reply: Any) -> bool:
+    """Whether a ``TYPE`` reply names a string, the one type kvtier stores. A key of another type under
+    kvtier's prefix (another tool's list or set) counts as absent, so the next save overwrites it
+    (``SET`` replaces any type); ``EXISTS`` counted it present, and its block missed for good."""
+    return type_reply in (b"string", "string")
 
 
 def _positive(name: str, value: float, zero_ok: bool = False) -> float:
