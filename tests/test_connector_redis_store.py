@@ -231,9 +231,15 @@ def test_password_in_the_url(start_redis, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert wrong.get_many(keys) == [None, None]
     assert store_warnings(caplog) and "wrong-pw" not in caplog.text and "***" in caplog.text
-    assert RedisStore(server.url).get_many(keys) == [None, None]  # no password: refused, not raised
+    caplog.clear()
+    none_given = RedisStore(server.url)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert none_given.get_many(keys) == [None, None]  # no password: refused, not raised
+    # before, only redis-py's "HELLO must be called with the client already authenticated ..."
+    assert "the server asks for a password, and the URL gives none" in store_warnings(caplog)[0]
     store.close()
     wrong.close()
+    none_given.close()
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")

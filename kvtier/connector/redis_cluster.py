@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from kvtier.connector.redis_urls import RedisTarget
+from kvtier.connector.redis_urls import RedisTarget, explained
 from kvtier.connector.store_health import ServerHealth
 
 FAILED = object()
@@ -133,7 +133,7 @@ class ClusterTransport:
             with self._lock:
                 if self._connecting is connecting:
                     self._connecting = None
-            self._discovery.failed("connect", exc, server_down=True)
+            self._discovery.failed("connect", explained(exc), server_down=True)
             return None
         with self._lock:
             self._client, self._connecting = client, None
@@ -176,7 +176,7 @@ class ClusterTransport:
                 replies = pipe.execute(raise_on_error=False)
         except self._errors as exc:
             server_down = isinstance(exc, self._server_errors)
-            health.failed(op, exc, server_down)
+            health.failed(op, explained(exc), server_down)
             if server_down:
                 self._refresh_slots(node.name)
             return [FAILED] * len(commands)

@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 from kvtier.connector.block_codec import Buffer, decode_page, encode_page
 from kvtier.connector.redis_cluster import ClusterTransport
-from kvtier.connector.redis_urls import RedisTarget, parse_redis_url, redact_url
+from kvtier.connector.redis_urls import RedisTarget, explained, parse_redis_url, redact_url
 from kvtier.connector.store import check_keys, check_sizes
 from kvtier.connector.store_health import ServerHealth
 from kvtier.storage.log_limit import RateLimitedWarning
@@ -246,7 +246,7 @@ class _ServerTransport:
         try:
             reply = request()
         except self._errors as exc:
-            self._health.failed(op, exc, server_down=isinstance(exc, self._server_errors))
+            self._health.failed(op, explained(exc), server_down=isinstance(exc, self._server_errors))
             return None
         self._health.answered()
         return reply

@@ -155,3 +155,20 @@ def _addresses(hosts: str, default_port: int, shown: str) -> tuple[tuple[str, in
             port = int(port_text)
         out.append((host, port))
     return tuple(out)
+
+
+_NO_PASSWORD_GIVEN = ("NOAUTH", "Authentication required", "HELLO must be called with the client already authenticated")
+
+
+def explained(exc: BaseException) -> BaseException:
+    """``exc``, or for a server that asks for a password the URL did not give, an exception of its
+    type whose text says so (redis-py's own names the HELLO handshake, not the URL)."""
+    text = str(exc)
+    if not any(sign in text for sign in _NO_PASSWORD_GIVEN):
+        return exc
+    try:
+        return type(exc)(
+            f"the server asks for a password, and the URL gives none: redis://[user]:password@host ({text})"
+        )
+    except Exception:  # an exception type built otherwise: as it is
+        return exc

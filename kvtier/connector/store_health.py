@@ -16,6 +16,8 @@ import math
 import threading
 import time
 
+DETAIL_CHARS = 300  # of a failure's text in a warning (redis-py's can hold its whole connection pool's repr)
+
 
 class ServerHealth:
     """Whether to try ``name`` now, and the log lines about its failures (``kind``: "redis store", "fs store")."""
@@ -69,7 +71,11 @@ class ServerHealth:
             self.name,
             op,
             type(exc).__name__,
-            exc,
+            _shortened(str(exc)),
             action,
             unlogged,
         )
+
+
+def _shortened(text: str) -> str:
+    return text if len(text) <= DETAIL_CHARS else text[:DETAIL_CHARS] + "..."
