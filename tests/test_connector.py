@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -1209,6 +1210,41 @@ class GatedStore(FileSystemStore):
     def put_many(self, items):
         self.gate.wait(timeout=30)
         return super().put_many(items)
+
+
+class LateChecksStore(FileSystemStore):
+    """A real filesystem store whose existence checks answer ``delay_s`` late (a distant or loaded
+    server), counted with the thread each ran on."""
+
+    def __init__(self, path, delay_s: float) -> None:
+        super().__init__(path)
+        self.delay_s = delay_s
+        self.checks_on: list[str] = []
+
+    def contains_many(self, keys):
+        self.checks_on.append(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        return super().contains_many(keys)
+
+
+def test_a_slow_store_stalls_the_engine_only_for_asks_and_says_so(llama, tmp_path, caplog):
+    """A request's end asked the store which of its blocks it lacked on the engine's thread: 8
+    requests whose prefixes were local hits cost 8 round trips there, uncounted in any warning.
+    Now that check runs on the save thread, and a slow call on the engine's thread is logged."""
+    store = LateChecksStore(tmp_path, delay_s=0.15)
+    connector = StoreConnector(store)
+    prompts = prompts_for(llama, [40, 50, 60], seed=31)
+    with caplog.at_level(logging.WARNING, logger="kvtier"), engine(llama, 200, connector) as eng:
+        outs = eng.generate(prompts, SamplingParams(max_tokens=2))
+        check_against_oracle(llama, prompts, outs, 2)
+        engine_thread = threading.current_thread().name
+        asks = store.checks_on.count(engine_thread)
+        assert asks == len(prompts)  # one existence check per ask, none at the ends
+        assert store.checks_on.count(engine_thread) < len(store.checks_on)  # the ends' ran on the save thread
+        assert connector.stats().stall_s < (asks + 1) * 0.15 + 0.5
+        assert len(list(tmp_path.rglob("*.page"))) == sum((len(p) + 1) // TPB for p in prompts)
+    slow = [r.getMessage() for r in caplog.records if "slow store calls" in r.getMessage()]
+    assert slow and "existence check" in slow[0] and "load_async=True" in slow[0]
 
 
 def test_pages_stay_locked_while_a_save_is_in_flight(llama, tmp_path):

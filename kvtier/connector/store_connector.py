@@ -18,9 +18,13 @@
   ``PageCopier`` call per layer group, on the stream ``start_load_kv`` was given) through a host
   staging buffer that the connector keeps across steps (grown when a step needs more).
 - Save: ``request_finished`` lists the request's full blocks that the save policy wants
-  (``SavePolicy``: default all) and the store lacks, and returns True; a background thread
-  copies those pages out and writes them; ``get_finished`` reports the request once they are
-  written, and only then does the engine release its pages.
+  (``SavePolicy``: default all), and returns True; a background thread asks the store which of
+  them it lacks, copies those pages out and writes them; ``get_finished`` reports the request
+  once that is done, and only then does the engine release its pages. (So a store's round trips
+  at a request's end never stall the engine's thread.)
+- A store call on the engine's thread (an ask's existence check, a fetch with
+  ``load_async=False``) that takes ``SLOW_CALL_S`` or more is logged (rate-limited WARNING, the
+  engine's stall so far): a slow store stalls every step that asks it.
 - ``stats()``: what the connector did with its store (``ConnectorStats``); exported to
   Prometheus by ``kvtier.connector.store_metrics``.
 
@@ -33,8 +37,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,9 +62,12 @@ from kvtier.lifecycle import GroupRule
 from kvtier.pages import BAD_PAGE_INDEX
 from kvtier.reuse.block_keys import block_chain
 from kvtier.spec import GroupKind
+from kvtier.storage.log_limit import RateLimitedWarning
 from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
 
 log = logging.getLogger(__name__)
+
+SLOW_CALL_S = 0.1  # a store call this long on the engine's thread is worth a WARNING
 
 
 @dataclass(slots=True)
@@ -140,6 +149,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._closed = False
         self._sightings = PrefixSightings(self.save_policy.max_tracked)
         self._counters = ConnectorCounters()
+        self._slow_calls = RateLimitedWarning(log, "kvtier connector: slow store calls on the engine's thread")
 
     def stats(self) -> ConnectorStats:
         """A snapshot of what this connector did with its store."""
@@ -177,7 +187,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         chain = block_chain(request.prompt_token_ids, request.scope, tpb, full)
         groups = [GroupRule.of(g, tpb) for g in layout.groups if g.kind is not GroupKind.RECURRENT]
         wanted = [(b, g.group_id) for b in range(first, full) for g in groups]
-        with self._counters.stall():
+        with self._engine_waits("existence check", len(wanted)):
             found = self.store.contains_many([keyspace.key(request.scope, chain[b], g) for b, g in wanted])
         present = dict(zip(wanted, found, strict=True))
         usable = len(request.prompt_token_ids) - 1  # the engine computes the last prompt token itself
@@ -199,7 +209,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             needed = _needed(groups, first, end)
             keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
             sizes = [self._page_bytes(g) for _, g in needed]
-            with self._counters.stall():
+            with self._engine_waits("fetch", len(keys)):
                 payloads = self.store.get_many(keys, sizes)
             if len(payloads) != len(needed):  # a store breaking its contract: nothing it gave is trusted
                 payloads = [None] * len(needed)
@@ -351,15 +361,24 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._counters.add(skipped_pages=skipped)
         if not pages:
             return False
-        with self._counters.stall():
-            have = self.store.contains_many([key for key, _, _ in pages])
-        todo = [page for page, present in zip(pages, have, strict=True) if not present]
-        if not todo:
-            return False
         written = self._written_event(layout)
         with self._lock:
-            self._saves[request.request_id] = self._save_pool.submit(self._save, todo, written)
+            self._saves[request.request_id] = self._save_pool.submit(self._save, pages, written)
         return True
+
+    @contextmanager
+    def _engine_waits(self, what: str, keys: int) -> Iterator[None]:
+        """Count the body (a store call on the engine's thread) as stall time; a slow one is logged."""
+        start = time.perf_counter()
+        with self._counters.stall():
+            yield
+        took = time.perf_counter() - start
+        if took >= SLOW_CALL_S:
+            self._slow_calls(
+                f"a {what} of {keys} pages took {took:.2f} s (the engine's stall so far "
+                f"{self._counters.snapshot().stall_s:.1f} s): a slow store stalls every step that asks it; "
+                "load_async=True fetches off the engine's thread"
+            )
 
     @staticmethod
     def _written_event(layout: KvCacheLayout) -> torch.cuda.Event | None:
@@ -380,9 +399,14 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             return [False] * len(chain)
         return [True] * len(chain) if seen is None else [n >= policy.min_seen for n in seen]
 
-    def _save(self, todo: list[tuple[str, int, int]], written: torch.cuda.Event | None) -> None:
-        """Copy the pages out of the cache (the engine keeps them locked meanwhile), once the
-        forwards that wrote them are done (``written``), and write them."""
+    def _save(self, pages: list[tuple[str, int, int]], written: torch.cuda.Event | None) -> None:
+        """Of ``pages`` (key, group, slot), those the store lacks: copy them out of the cache (the
+        engine keeps them locked meanwhile), once the forwards that wrote them are done
+        (``written``), and write them."""
+        have = self.store.contains_many([key for key, _, _ in pages])
+        todo = [page for page, present in zip(pages, have, strict=True) if not present]
+        if not todo:
+            return
         if written is not None:
             written.synchronize()
         items = []
@@ -436,6 +460,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._closed = True
         self._fetch_pool.shutdown()
         self._save_pool.shutdown(wait=True)
+        self._slow_calls.flush()
         running = [fetch for fetch in list(self._fetches) if not fetch.done()]
         if running:
             threading.Thread(

@@ -10,8 +10,8 @@ Pages are (block, layer group) pages; bytes are payload bytes (without the store
 - ``errors``: pages whose save failed, and pages the store listed but could not deliver intact.
 - ``skipped_pages``: pages not saved because of the save policy.
 - ``stall_s``: seconds the engine's thread spent waiting for the store: the existence checks of
-  asks and of finished requests, and, with ``load_async=False`` (the default), the fetch in the
-  ask; asynchronous fetches and saves run on threads of their own and are not counted.
+  asks and, with ``load_async=False`` (the default), the fetch in the ask; asynchronous fetches
+  and saves (with their existence checks) run on threads of their own and are not counted.
 
 Counters only grow; ``snapshot()`` is consistent (taken under one lock), cheap, and thread-safe.
 """
