@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import kvtier
-from kvtier.connector import FileSystemConnector, FileSystemStore, RedisConnector, StoreConnector
+from kvtier.connector import FileSystemConnector, FileSystemStore, RedisConnector, StoreConnector, store_speed
 from kvtier.connector.base import ConnectorRequest
 from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig, connector_driver
 from kvtier.models import build_model
@@ -77,6 +77,9 @@ def engine(model, blocks, connector, host_blocks=0, **scheduler) -> LLMEngine:
     tiers = [kvtier.PrimaryTier(page_bytes(model) * blocks)]
     if host_blocks:
         tiers.append(kvtier.HostTier(page_bytes(model) * host_blocks))
+    # These tests check what the store gives back. A tiny model on the CPU recomputes a short prompt
+    # faster than a store answers, and the connector would then (rightly) not ask: asks are forced.
+    scheduler.setdefault("recompute_when_faster", False)
     return LLMEngine(model, kvtier.CacheConfig(TPB, tiers), SchedulerConfig(**scheduler), connector=connector)
 
 
@@ -170,7 +173,7 @@ def test_a_sliding_window_offer_holds_the_blocks_live_where_the_engine_takes_it(
     expected = model.reference_generate(history, 4)
     fillers = prompts_for(model, [200, 200, 200], seed=9)  # every slot holds other keys before the load
     for conn, cancel in ((RecordingConnector(tmp_path), None), (OffersTheLastToken(tmp_path), (0, 91))):
-        with LLMEngine(model, config, connector=conn) as eng:
+        with LLMEngine(model, config, SchedulerConfig(recompute_when_faster=False), connector=conn) as eng:
             eng.generate(fillers, SamplingParams(max_tokens=1))
             out = eng.generate([history], SamplingParams(max_tokens=4))[0]
         assert out.token_ids == expected
@@ -1245,6 +1248,58 @@ def test_a_slow_store_stalls_the_engine_only_for_asks_and_says_so(llama, tmp_pat
         assert len(list(tmp_path.rglob("*.page"))) == sum((len(p) + 1) // TPB for p in prompts)
     slow = [r.getMessage() for r in caplog.records if "slow store calls" in r.getMessage()]
     assert slow and "existence check" in slow[0] and "load_async=True" in slow[0]
+
+
+class SlowReadsStore(FileSystemStore):
+    """A real filesystem store whose existence checks and fetches answer ``delay_s`` late; ``asks``
+    counts those made on the engine's (this) thread."""
+
+    def __init__(self, path, delay_s: float) -> None:
+        super().__init__(path)
+        self.delay_s = delay_s
+        self.asks = 0
+
+    def _late(self) -> None:
+        self.asks += threading.current_thread() is threading.main_thread()
+        time.sleep(self.delay_s)
+
+    def contains_many(self, keys):
+        self._late()
+        return super().contains_many(keys)
+
+    def get_many(self, keys, expected_sizes=None):
+        self._late()
+        return super().get_many(keys, expected_sizes)
+
+
+def test_a_store_slower_than_recomputing_is_not_asked_and_is_probed_again(llama, tmp_path, monkeypatch, caplog):
+    """With the engine's prefill rate (``recompute_when_faster``, the default), a prompt whose check
+    and fetch are expected to take longer than recomputing it is not asked for. Before, each ask
+    paid the store's round trips whatever they cost: a store 0.4 s away made 16 short requests take
+    24.9 s against 0.04 s without a connector."""
+    prompts = prompts_for(llama, [100, 90, 80, 70, 85], seed=33)
+    seed_store(llama, tmp_path, prompts)
+    prompts, later = prompts[:4], prompts[4]
+    store = SlowReadsStore(tmp_path, delay_s=0.05)
+    connector = StoreConnector(store)
+    with (
+        caplog.at_level(logging.DEBUG, logger="kvtier.connector"),
+        engine(llama, 200, connector, recompute_when_faster=True) as eng,
+    ):
+        first = eng.generate(prompts[:1], SamplingParams(max_tokens=2))  # nothing timed yet: asked
+        assert first[0].reused_tokens_by_tier["connector"] == 96
+        assert store.asks == 2  # a check and a fetch, timed
+        rest = eng.generate(prompts[1:], SamplingParams(max_tokens=2))
+        check_against_oracle(llama, prompts, first + rest, 2)
+        assert store.asks == 2  # 0.1 s of store against a millisecond of recompute: not asked
+        assert all(out.reused_tokens_by_tier["connector"] == 0 for out in rest)
+        assert connector.stats().unasked_tokens == sum(min(len(p) // TPB * TPB, len(p) - 1) for p in prompts[1:])
+        monkeypatch.setattr(store_speed, "PROBE_S", 0.0)  # long enough since the last timed call
+        again = eng.generate([later], SamplingParams(max_tokens=2))
+        assert store.asks == 4 and again[0].reused_tokens_by_tier["connector"] == 80
+        check_against_oracle(llama, [later], again, 2)
+    lines = [r.getMessage() for r in caplog.records if "not asked of the store" in r.getMessage()]
+    assert len(lines) == 3 and "tokens/s" in lines[0]
 
 
 def test_pages_stay_locked_while_a_save_is_in_flight(llama, tmp_path):

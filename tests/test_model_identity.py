@@ -121,7 +121,8 @@ def test_another_checkpoint_never_loads_through_a_connector(tmp_path):
     small = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)])
     with LLMEngine(first, small, connector=FileSystemConnector(tmp_path / "store")) as eng:
         eng.generate(ps, SamplingParams(max_tokens=4))
-    with LLMEngine(second, small, connector=FileSystemConnector(tmp_path / "store")) as eng:
+    forced = SchedulerConfig(recompute_when_faster=False)  # every prompt asked of the store
+    with LLMEngine(second, small, forced, connector=FileSystemConnector(tmp_path / "store")) as eng:
         outs = eng.generate(ps, SamplingParams(max_tokens=4))
     assert sum(o.reused_tokens_by_tier["connector"] for o in outs) == 0
     for prompt, out in zip(ps, outs, strict=True):

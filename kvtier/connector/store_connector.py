@@ -25,6 +25,10 @@
 - A store call on the engine's thread (an ask's existence check, a fetch with
   ``load_async=False``) that takes ``SLOW_CALL_S`` or more is logged (rate-limited WARNING, the
   engine's stall so far): a slow store stalls every step that asks it.
+- Never slower than recomputing: given the engine's prefill rate (``set_prefill_rate``; the
+  reference engine sets it when ``recompute_when_faster``), a prompt is not asked for when the
+  store's measured speed makes its check and fetch slower than recomputing the tokens it could
+  give (``kvtier.connector.store_speed``; counted in ``unasked_tokens``, a DEBUG line each).
 - ``stats()``: what the connector did with its store (``ConnectorStats``); exported to
   Prometheus by ``kvtier.connector.store_metrics``.
 
@@ -36,6 +40,7 @@ nothing and save nothing, and say so once.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -54,6 +59,7 @@ from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RETRY_AFTER_S, SOCKET_TIMEOUT_S, RedisStore
 from kvtier.connector.save_policy import PrefixSightings, SavePolicy
 from kvtier.connector.store import BlockStore
+from kvtier.connector.store_speed import StoreSpeed
 from kvtier.connector.store_stats import ConnectorCounters, ConnectorStats
 from kvtier.copy import PageCopier
 from kvtier.errors import InvariantError
@@ -150,6 +156,18 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._sightings = PrefixSightings(self.save_policy.max_tracked)
         self._counters = ConnectorCounters()
         self._slow_calls = RateLimitedWarning(log, "kvtier connector: slow store calls on the engine's thread")
+        self._speed = StoreSpeed()
+        self._prefill_rate: float | None = None
+
+    def set_prefill_rate(self, tokens_per_second: float | None) -> None:
+        """The engine's prefill rate (None: unknown): from now on prompts whose ask is expected to take
+        longer than recomputing are not asked for (``ValueError`` unless a finite rate > 0 or None)."""
+        if tokens_per_second is not None:
+            rate = float(tokens_per_second)
+            if not math.isfinite(rate) or rate <= 0:
+                raise ValueError(f"the prefill rate must be a finite number > 0 tokens/s, got {tokens_per_second!r}")
+            tokens_per_second = rate
+        self._prefill_rate = tokens_per_second
 
     def stats(self) -> ConnectorStats:
         """A snapshot of what this connector did with its store."""
@@ -184,13 +202,24 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         full = len(request.prompt_token_ids) // tpb
         if full <= first:
             return 0, False
-        chain = block_chain(request.prompt_token_ids, request.scope, tpb, full)
         groups = [GroupRule.of(g, tpb) for g in layout.groups if g.kind is not GroupKind.RECURRENT]
+        usable = len(request.prompt_token_ids) - 1  # the engine computes the last prompt token itself
+        most = min(full * tpb, usable) - num_computed_tokens  # tokens the longest offer could give
+        nbytes = (full - first) * sum(self._page_bytes(g.group_id) for g in groups)
+        if most > 0 and self._speed.faster_to_recompute(most, nbytes, self._prefill_rate):
+            self._counters.add(unasked_tokens=most)
+            log.debug(
+                "kvtier connector: request %s not asked of the store: %d tokens recompute in %.4f s at %.0f tokens/s, "
+                "the store's check and fetch of %d bytes are expected to take %.4f s",
+                request.request_id, most, most / self._prefill_rate, self._prefill_rate, nbytes,
+                self._speed.estimate(nbytes),
+            )  # fmt: skip
+            return 0, False
+        chain = block_chain(request.prompt_token_ids, request.scope, tpb, full)
         wanted = [(b, g.group_id) for b in range(first, full) for g in groups]
         with self._engine_waits("existence check", len(wanted)):
             found = self.store.contains_many([keyspace.key(request.scope, chain[b], g) for b, g in wanted])
         present = dict(zip(wanted, found, strict=True))
-        usable = len(request.prompt_token_ids) - 1  # the engine computes the last prompt token itself
         used = set(_needed(groups, first, min(full * tpb, usable)))  # (a window's stale pages are never saved)
         self._counters.add(missed_pages=sum(not have and page in used for page, have in present.items()))
         end = _best_end(present, groups, first, full, tpb, num_computed_tokens, usable)
@@ -200,7 +229,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             needed = _needed(groups, first, end)
             keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
             sizes = [self._page_bytes(g) for _, g in needed]
-            fetch = self._fetch_pool.submit(self.store.get_many, keys, sizes)
+            fetch = self._fetch_pool.submit(self._timed_fetch, keys, sizes)
             self._fetches.add(fetch)
             fetch.add_done_callback(self._fetches.discard)
             self._staged[request.request_id] = _Staged(num_computed_tokens, needed, fetch, end, True)
@@ -209,7 +238,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             needed = _needed(groups, first, end)
             keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
             sizes = [self._page_bytes(g) for _, g in needed]
-            with self._engine_waits("fetch", len(keys)):
+            with self._engine_waits("fetch", len(keys), sum(sizes)):
                 payloads = self.store.get_many(keys, sizes)
             if len(payloads) != len(needed):  # a store breaking its contract: nothing it gave is trusted
                 payloads = [None] * len(needed)
@@ -366,13 +395,25 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             self._saves[request.request_id] = self._save_pool.submit(self._save, pages, written)
         return True
 
+    def _timed_fetch(self, keys: list[str], sizes: list[int]) -> list[bytes | None]:
+        """``store.get_many`` on a fetch thread, timed (``StoreSpeed``)."""
+        start = time.perf_counter()
+        payloads = self.store.get_many(keys, sizes)
+        self._speed.fetched(time.perf_counter() - start, sum(sizes))
+        return payloads
+
     @contextmanager
-    def _engine_waits(self, what: str, keys: int) -> Iterator[None]:
-        """Count the body (a store call on the engine's thread) as stall time; a slow one is logged."""
+    def _engine_waits(self, what: str, keys: int, nbytes: int = 0) -> Iterator[None]:
+        """Count the body (a store call on the engine's thread: an existence check, or a fetch of
+        ``nbytes``) as stall time and time it for ``StoreSpeed``; a slow one is logged."""
         start = time.perf_counter()
         with self._counters.stall():
             yield
         took = time.perf_counter() - start
+        if nbytes:
+            self._speed.fetched(took, nbytes)
+        else:
+            self._speed.checked(took)
         if took >= SLOW_CALL_S:
             self._slow_calls(
                 f"a {what} of {keys} pages took {took:.2f} s (the engine's stall so far "

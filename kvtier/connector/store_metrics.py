@@ -25,6 +25,7 @@ _METRICS = (
     ("missed_pages", "kvtier_connector_missed_pages", "Pages asked of the store that it did not have or deliver"),
     ("errors", "kvtier_connector_errors", "Pages whose save failed or that the store could not deliver intact"),
     ("skipped_pages", "kvtier_connector_skipped_pages", "Pages the save policy chose not to save"),
+    ("unasked_tokens", "kvtier_connector_unasked_tokens", "Prompt tokens not asked of a store slower than recomputing"),
     ("stall_s", "kvtier_connector_stall_seconds", "Seconds the engine's thread waited for the store"),
 )
 

@@ -9,6 +9,9 @@ Pages are (block, layer group) pages; bytes are payload bytes (without the store
   window's pages stale at the prompt's end are never saved, and never counted).
 - ``errors``: pages whose save failed, and pages the store listed but could not deliver intact.
 - ``skipped_pages``: pages not saved because of the save policy.
+- ``unasked_tokens``: prompt tokens the store was not asked for because, with the engine's
+  prefill rate and the store's measured speed, recomputing them was expected to be faster
+  (``kvtier.connector.store_speed``).
 - ``stall_s``: seconds the engine's thread spent waiting for the store: the existence checks of
   asks and, with ``load_async=False`` (the default), the fetch in the ask; asynchronous fetches
   and saves (with their existence checks) run on threads of their own and are not counted.
@@ -36,6 +39,7 @@ class ConnectorStats:
     missed_pages: int = 0
     errors: int = 0
     skipped_pages: int = 0
+    unasked_tokens: int = 0
     stall_s: float = 0.0
 
 

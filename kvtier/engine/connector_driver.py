@@ -407,6 +407,17 @@ class ConnectorDriver:
             return False
         return True
 
+    def prefill_rate(self, tokens_per_second: float) -> None:
+        """Hand the engine's measured prefill rate to a connector that weighs its store against
+        recomputing (one with ``set_prefill_rate``, as ``StoreConnector``); one that raises is logged."""
+        setter = getattr(self.connector, "set_prefill_rate", None)
+        if setter is None:
+            return
+        try:
+            setter(tokens_per_second)
+        except Exception as exc:
+            self._connector_failed("to take the prefill rate", exc)
+
     def _connector_failed(self, what: str, exc: Exception) -> None:
         """A rate-limited WARNING per kind of failure: a connector failing every step must not flood the log."""
         failures = self._failures.get(what)

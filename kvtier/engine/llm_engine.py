@@ -98,7 +98,7 @@ class LLMEngine(ProcessBound):
             if self.scheduler.config.recompute_when_faster:
                 self.prefill = PrefillMeter(model.device)
                 tokens = min(self.scheduler.config.max_num_tokens, CALIBRATION_TOKENS)
-                self.cache_manager.set_prefill_rate(self.prefill.calibrate(model, tokens))
+                self._set_prefill_rate(self.prefill.calibrate(model, tokens))
         except BaseException:  # e.g. the connector refused the layout: release the disk directory too
             if getattr(self, "connector", None) is not None:
                 self.connector.detach()
@@ -278,7 +278,7 @@ class LLMEngine(ProcessBound):
             self.connector.after_forward(batch)
         now = time.perf_counter()
         if rate is not None:
-            self.cache_manager.set_prefill_rate(rate)
+            self._set_prefill_rate(rate)
         for chunk in batch:
             request = chunk.request
             error = errors.get(request.request_id)
@@ -386,6 +386,12 @@ class LLMEngine(ProcessBound):
         self.scheduler.finish(request, reason, close_cache=not saving)
         self.runner.forget(request)
         self._requests.pop(request.request_id, None)
+
+    def _set_prefill_rate(self, tokens_per_second: float) -> None:
+        """The measured prefill rate, for the cache manager's tiers and the connector's store alike."""
+        self.cache_manager.set_prefill_rate(tokens_per_second)
+        if self.connector is not None:
+            self.connector.prefill_rate(tokens_per_second)
 
     def _fail_unsampled(self, batch: list[ScheduledChunk]) -> None:
         """After a forward that raised: a request whose every token is cached now lost the token
