@@ -1233,7 +1233,8 @@ class LateChecksStore(FileSystemStore):
 def test_a_slow_store_stalls_the_engine_only_for_asks_and_says_so(llama, tmp_path, caplog):
     """A request's end asked the store which of its blocks it lacked on the engine's thread: 8
     requests whose prefixes were local hits cost 8 round trips there, uncounted in any warning.
-    Now that check runs on the save thread, and a slow call on the engine's thread is logged."""
+    Now a save asks (on its own thread) only of blocks its request's ask did not look up, and a
+    slow call on the engine's thread is logged."""
     store = LateChecksStore(tmp_path, delay_s=0.15)
     connector = StoreConnector(store)
     prompts = prompts_for(llama, [40, 50, 60], seed=31)
@@ -1241,13 +1242,29 @@ def test_a_slow_store_stalls_the_engine_only_for_asks_and_says_so(llama, tmp_pat
         outs = eng.generate(prompts, SamplingParams(max_tokens=2))
         check_against_oracle(llama, prompts, outs, 2)
         engine_thread = threading.current_thread().name
-        asks = store.checks_on.count(engine_thread)
-        assert asks == len(prompts)  # one existence check per ask, none at the ends
-        assert store.checks_on.count(engine_thread) < len(store.checks_on)  # the ends' ran on the save thread
+        asks = len(store.checks_on)
+        # one existence check per ask, on the engine's thread; none at the ends: the asks found the
+        # blocks missing, so the saves write them without asking again
+        assert store.checks_on == [engine_thread] * len(prompts)
         assert connector.stats().stall_s < (asks + 1) * 0.15 + 0.5
         assert len(list(tmp_path.rglob("*.page"))) == sum((len(p) + 1) // TPB for p in prompts)
     slow = [r.getMessage() for r in caplog.records if "slow store calls" in r.getMessage()]
     assert slow and "existence check" in slow[0] and "load_async=True" in slow[0]
+
+
+def test_a_prompt_served_whole_from_the_store_costs_no_save(llama, tmp_path):
+    """Its ask read every block intact: nothing to ask or write at its end (before, the end asked
+    the store again for every block, on the engine's thread)."""
+    prompts = prompts_for(llama, [96, 80], seed=35)  # two generated tokens complete no block
+    seed_store(llama, tmp_path, prompts)
+    store = LateChecksStore(tmp_path, delay_s=0.0)
+    connector = StoreConnector(store)
+    with engine(llama, 200, connector) as eng:
+        outs = eng.generate(prompts, SamplingParams(max_tokens=2))
+        check_against_oracle(llama, prompts, outs, 2)
+        assert [out.reused_tokens_by_tier["connector"] for out in outs] == [95, 79]
+    assert store.checks_on == [threading.current_thread().name] * 2  # the asks only
+    assert connector.stats().saved_pages == 0
 
 
 class SlowReadsStore(FileSystemStore):

@@ -18,10 +18,12 @@
   ``PageCopier`` call per layer group, on the stream ``start_load_kv`` was given) through a host
   staging buffer that the connector keeps across steps (grown when a step needs more).
 - Save: ``request_finished`` lists the request's full blocks that the save policy wants
-  (``SavePolicy``: default all), and returns True; a background thread asks the store which of
-  them it lacks, copies those pages out and writes them; ``get_finished`` reports the request
-  once that is done, and only then does the engine release its pages. (So a store's round trips
-  at a request's end never stall the engine's thread.)
+  (``SavePolicy``: default all), less those its ask read intact from the store, and returns
+  True; a background thread asks the store which of them it lacks (not those the ask found
+  missing), copies those pages out and writes them; ``get_finished`` reports the request once
+  that is done, and only then does the engine release its pages. (So a store's round trips at a
+  request's end never stall the engine's thread, and a prompt served whole by a synchronous
+  load costs no save at all.)
 - A store call on the engine's thread (an ask's existence check, a fetch with
   ``load_async=False``) that takes ``SLOW_CALL_S`` or more is logged (rate-limited WARNING, the
   engine's stall so far): a slow store stalls every step that asks it.
@@ -155,8 +157,11 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._closed = False
         self._sightings = PrefixSightings(self.save_policy.max_tracked)
         self._counters = ConnectorCounters()
-        self._slow_calls = RateLimitedWarning(log, "kvtier connector: slow store calls on the engine's thread")
+        self._slow_calls = RateLimitedWarning(log, "connector: slow store calls on the engine's thread")
         self._speed = StoreSpeed()
+        # per request not finished: by key, whether its ask read the value intact (True) or found it
+        # missing (False); a key found but not read is not known (a save asks the store again)
+        self._asked: dict[int, dict[str, bool]] = {}
         self._prefill_rate: float | None = None
 
     def set_prefill_rate(self, tokens_per_second: float | None) -> None:
@@ -217,8 +222,11 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             return 0, False
         chain = block_chain(request.prompt_token_ids, request.scope, tpb, full)
         wanted = [(b, g.group_id) for b in range(first, full) for g in groups]
-        with self._engine_waits("existence check", len(wanted)):
-            found = self.store.contains_many([keyspace.key(request.scope, chain[b], g) for b, g in wanted])
+        asked = [keyspace.key(request.scope, chain[b], g) for b, g in wanted]
+        with self._engine_waits("an existence check", len(wanted)):
+            found = self.store.contains_many(asked)
+        known = {key: False for key, have in zip(asked, found, strict=True) if not have}
+        self._asked[request.request_id] = known
         present = dict(zip(wanted, found, strict=True))
         used = set(_needed(groups, first, min(full * tpb, usable)))  # (a window's stale pages are never saved)
         self._counters.add(missed_pages=sum(not have and page in used for page, have in present.items()))
@@ -238,10 +246,11 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             needed = _needed(groups, first, end)
             keys = [keyspace.key(request.scope, chain[b], g) for b, g in needed]
             sizes = [self._page_bytes(g) for _, g in needed]
-            with self._engine_waits("fetch", len(keys), sum(sizes)):
+            with self._engine_waits("a fetch", len(keys), sum(sizes)):
                 payloads = self.store.get_many(keys, sizes)
             if len(payloads) != len(needed):  # a store breaking its contract: nothing it gave is trusted
                 payloads = [None] * len(needed)
+            known.update((key, payload is not None) for key, payload in zip(keys, payloads, strict=True))
             missing = [needed[i] for i, p in enumerate(payloads) if p is None]
             self._counters.add(missed_pages=len(missing), errors=len(missing))
             if not missing:
@@ -368,6 +377,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
     # -- scheduler + worker: saves ----------------------------------------------------------------
 
     def request_finished(self, request: ConnectorRequest, block_ids_by_layer_group: list[list[int]]) -> bool:
+        asked = self._asked.pop(request.request_id, {})
         if not self._servable:
             return False
         layout, keyspace = self._ready()
@@ -383,10 +393,12 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             for b in range(full):
                 if slots[b] == BAD_PAGE_INDEX:
                     continue
-                if wanted[b]:
-                    pages.append((keyspace.key(request.scope, chain[b], g.group_id), g.group_id, slots[b]))
-                else:
+                if not wanted[b]:
                     skipped += 1
+                    continue
+                key = keyspace.key(request.scope, chain[b], g.group_id)
+                if not asked.get(key, False):  # (one the ask read intact is not written again)
+                    pages.append((key, g.group_id, slots[b], key in asked))
         self._counters.add(skipped_pages=skipped)
         if not pages:
             return False
@@ -440,12 +452,13 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             return [False] * len(chain)
         return [True] * len(chain) if seen is None else [n >= policy.min_seen for n in seen]
 
-    def _save(self, pages: list[tuple[str, int, int]], written: torch.cuda.Event | None) -> None:
-        """Of ``pages`` (key, group, slot), those the store lacks: copy them out of the cache (the
-        engine keeps them locked meanwhile), once the forwards that wrote them are done
-        (``written``), and write them."""
-        have = self.store.contains_many([key for key, _, _ in pages])
-        todo = [page for page, present in zip(pages, have, strict=True) if not present]
+    def _save(self, pages: list[tuple[str, int, int, bool]], written: torch.cuda.Event | None) -> None:
+        """Of ``pages`` (key, group, slot, whether the ask found it missing), those the store lacks
+        (asked now of the others): copy them out of the cache (the engine keeps them locked
+        meanwhile), once the forwards that wrote them are done (``written``), and write them."""
+        unknown = [key for key, _, _, missing in pages if not missing]
+        have = dict(zip(unknown, self.store.contains_many(unknown), strict=True)) if unknown else {}
+        todo = [(key, group, slot) for key, group, slot, _ in pages if not have.get(key, False)]
         if not todo:
             return
         if written is not None:
