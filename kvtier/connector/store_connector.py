@@ -19,11 +19,11 @@
   staging buffer that the connector keeps across steps (grown when a step needs more).
 - Save: ``request_finished`` lists the request's full blocks that the save policy wants
   (``SavePolicy``: default all), less those its ask read intact from the store, and returns
-  True; a background thread asks the store which of them it lacks (not those the ask found
-  missing), copies those pages out and writes them; ``get_finished`` reports the request once
-  that is done, and only then does the engine release its pages. (So a store's round trips at a
-  request's end never stall the engine's thread, and a prompt served whole by a synchronous
-  load costs no save at all.)
+  True; a save thread (``SAVE_THREADS`` of them, so a distant store's round trips overlap) asks
+  the store which of them it lacks (not those the ask found missing), copies those pages out and
+  writes them; ``get_finished`` reports the request once that is done, and only then does the
+  engine release its pages. (So a store's round trips at a request's end never stall the
+  engine's thread, and a prompt served whole by a synchronous load costs no save at all.)
 - A store call on the engine's thread (an ask's existence check, a fetch with
   ``load_async=False``) that takes ``SLOW_CALL_S`` or more is logged (rate-limited WARNING, the
   engine's stall so far): a slow store stalls every step that asks it.
@@ -76,6 +76,7 @@ from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
 log = logging.getLogger(__name__)
 
 SLOW_CALL_S = 0.1  # a store call this long on the engine's thread is worth a WARNING
+SAVE_THREADS = 4  # saves at once: the round trips of a distant store overlap (a store serves several threads)
 
 
 @dataclass(slots=True)
@@ -145,7 +146,9 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._failed_reported: set[int] = set()  # failed loads reported finished, for ``get_failed_loads``
         self._reported: set[int] = set()  # loads reported finished that the engine still asks about
         self._saves: dict[int, Future] = {}
-        self._save_pool = DaemonPool(1, "kvtier-connector-save")  # waited for by close (and at exit, bounded)
+        self._save_pool = DaemonPool(
+            SAVE_THREADS, "kvtier-connector-save"
+        )  # waited for by close (and at exit, bounded)
         self._fetch_pool = DaemonPool(2, "kvtier-connector-fetch")  # the exit never waits for a hung read
         self._fetches: set[Future] = set()  # fetches not over yet
         self._lock = threading.Lock()
