@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import kvtier
-from kvtier.connector import BlockKeyspace, BlockStore, FileSystemStore, decode_page, encode_page
+from kvtier.connector import BlockKeyspace, BlockStore, FileSystemStore, decode_page, encode_page, fs_store
 from kvtier.connector.block_codec import HEADER_BYTES
 from kvtier.reuse.block_keys import block_key, scope_key
 from kvtier.reuse.tokens import encode_tokens
@@ -548,3 +549,70 @@ def test_fs_store_read_that_hangs_costs_a_bounded_wait_then_backs_off(tmp_path, 
         for _ in range(8):
             release(fifo)
         store.close()
+
+
+@pytest.mark.timeout(60)
+def test_fs_store_reads_queued_behind_others_on_a_slow_disk_are_not_taken_for_a_hang(tmp_path, monkeypatch, caplog):
+    """A large fetch on a slow but sound disk (50 ms a file, two threads) while existence checks
+    run: a read waits in the queue far longer than ``timeout_s``. Before, that wait counted as a
+    hang: the call gave up, cancelled the fetch's queued reads and backed the store off for 30 s."""
+    store = FileSystemStore(tmp_path, io_threads=2, timeout_s=0.3)
+    keys = [f"k{i}" for i in range(30)]
+    assert store.put_many([(key, key.encode() * 8) for key in keys]) == [True] * 30
+    slow_read = store._get_one
+
+    def read_slowly(key, size):
+        time.sleep(0.05)
+        return slow_read(key, size)
+
+    monkeypatch.setattr(store, "_get_one", read_slowly)
+    fetched = []
+    with caplog.at_level(logging.WARNING, logger="kvtier.connector.fs_store"):
+        fetch = threading.Thread(target=lambda: fetched.append(store.get_many(keys)))
+        fetch.start()
+        for _ in range(10):
+            assert store.contains_many(keys[:2]) == [True, True]  # never queued behind the reads
+        fetch.join()
+    assert fetched == [[key.encode() * 8 for key in keys]]
+    assert "hangs" not in caplog.text
+    store.close()
+
+
+@pytest.mark.timeout(60)
+def test_fs_store_retries_on_a_directory_that_stays_hung_leave_a_bounded_number_of_threads(tmp_path):
+    """Before, each retry after the back-off left ``io_threads`` more threads in the hung I/O, without
+    bound, until no thread could be started and the store raised."""
+    store = FileSystemStore(tmp_path, io_threads=4, timeout_s=0.05, retry_after_s=0.01)
+    assert store.put_many([(f"k{i}", b"v") for i in range(8)]) == [True] * 8
+    fifos = [hang_reads_of(store, f"k{i}") for i in range(8)]
+    before = threading.active_count()
+    try:
+        for _ in range(20):
+            assert store.get_many([f"k{i}" for i in range(8)]) == [None] * 8
+            time.sleep(0.02)  # past the back-off
+        assert threading.active_count() - before <= fs_store.MAX_HUNG_THREADS + 4
+    finally:
+        for fifo in fifos:
+            release(fifo)
+        store.close()
+
+
+@pytest.mark.timeout(60)
+def test_fs_store_close_while_another_thread_waits_on_a_hung_read_returns(tmp_path):
+    """Before, ``close`` joined the hung thread for ever (the waiting caller's hand-over, after its
+    timeout, did nothing on a closed pool)."""
+    store = FileSystemStore(tmp_path, io_threads=1, timeout_s=0.3)
+    assert store.put_many([("k", b"v")]) == [True]
+    fifo = hang_reads_of(store, "k")
+    got = []
+    try:
+        reader = threading.Thread(target=lambda: got.append(store.get_many(["k"])))
+        reader.start()
+        time.sleep(0.1)  # the read waits on the FIFO
+        t0 = time.monotonic()
+        store.close()
+        assert time.monotonic() - t0 < 2.0
+        reader.join(5)
+        assert got == [[None]]
+    finally:
+        release(fifo)

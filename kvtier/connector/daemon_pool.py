@@ -5,13 +5,16 @@ from a dead network mount): the interpreter's exit joins every executor's thread
 wait for such a call for ever; it never waits for a daemon thread. Whoever needs a call's result
 waits for its future (a save is waited for by the connector's ``close``, and at exit). A caller
 that gave up on calls hung that way hands their threads over to them (``abandon``): later calls
-run on new threads.
+run on new threads. To tell a hung call from one queued behind others' work, a future's
+``started_at`` is set (``time.monotonic()``) when its call starts, and ``last_finished`` says
+when the pool last finished a call.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -35,12 +38,15 @@ class DaemonPool:
         self._name = name
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._finished_at = [time.monotonic()]  # when a call of this generation of threads last ended
+        self._abandoned: list[threading.Thread] = []  # threads left to hung calls, perhaps still alive
         self._lock = threading.Lock()
         self._closed = False
         self._stop = weakref.finalize(self, _stop_threads, self._calls, self._threads)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """A future of ``fn(*args)``, run on one of the pool's threads; ``RuntimeError`` after ``shutdown``."""
+        """A future of ``fn(*args)``, run on one of the pool's threads; ``RuntimeError`` after ``shutdown``
+        (or when no thread can be started)."""
         future: Future = Future()
         with self._lock:
             if self._closed:
@@ -48,7 +54,10 @@ class DaemonPool:
             self._calls.put((future, fn, args))
             if len(self._threads) < self._workers:
                 thread = threading.Thread(
-                    target=_work, args=(self._calls,), name=f"{self._name}-{len(self._threads)}", daemon=True
+                    target=_work,
+                    args=(self._calls, self._finished_at),
+                    name=f"{self._name}-{len(self._threads)}",
+                    daemon=True,
                 )
                 self._threads.append(thread)
                 thread.start()
@@ -60,6 +69,16 @@ class DaemonPool:
         futures = [self.submit(fn, *args) for args in zip(*iterables, strict=True)]
         return [future.result() for future in futures]
 
+    def last_finished(self) -> float:
+        """When a call of the current threads last ended (the pool's start, before any)."""
+        return self._finished_at[0]
+
+    def hung_threads(self) -> int:
+        """Threads handed over to hung calls (``abandon``) that are still alive."""
+        with self._lock:
+            self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
+            return len(self._abandoned)
+
     def abandon(self) -> None:
         """Leave the running calls (hung, as a read of a dead mount) to their threads, and start afresh:
         the calls queued and not started are cancelled, and later calls run on new threads. The old
@@ -69,13 +88,16 @@ class DaemonPool:
                 return
             _cancel_queued(self._calls)
             self._stop()  # the old threads' end markers, on the old queue
+            self._abandoned += self._threads
             self._calls = queue.SimpleQueue()
             self._threads = []
+            self._finished_at = [time.monotonic()]
             self._stop = weakref.finalize(self, _stop_threads, self._calls, self._threads)
 
-    def shutdown(self, wait: bool = False) -> None:
+    def shutdown(self, wait: bool = False, timeout: float | None = None) -> None:
         """Take no more calls. With ``wait``, the calls queued still run, and this returns once every
-        call ended; without, the calls not started yet are cancelled and nothing is waited for."""
+        call ended, or after ``timeout`` seconds (None: no limit; a thread still in a call is left to
+        it); without, the calls not started yet are cancelled and nothing is waited for."""
         with self._lock:
             if self._closed:
                 return
@@ -84,8 +106,9 @@ class DaemonPool:
                 _cancel_queued(self._calls)
             self._stop()  # after the calls queued: each thread ends on its marker
         if wait:
+            deadline = None if timeout is None else time.monotonic() + timeout
             for thread in self._threads:
-                thread.join()
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def _cancel_queued(calls: queue.SimpleQueue) -> None:
@@ -105,18 +128,20 @@ def _stop_threads(calls: queue.SimpleQueue, threads: list[threading.Thread]) -> 
         calls.put(None)
 
 
-def _work(calls: queue.SimpleQueue) -> None:
+def _work(calls: queue.SimpleQueue, finished_at: list[float]) -> None:
     while True:
         call = calls.get()
         if call is None:
             return
         _run(*call)
+        finished_at[0] = time.monotonic()
         del call  # (nothing of a call outlives it while the thread waits: the pool may be dropped)
 
 
 def _run(future: Future, fn: Callable[..., Any], args: tuple) -> None:
     if not future.set_running_or_notify_cancel():
         return
+    future.started_at = time.monotonic()  # type: ignore[attr-defined]
     try:
         result = fn(*args)
     except BaseException as exc:  # handed to the future's reader, as an executor does

@@ -30,13 +30,16 @@ I/O errors (a read-only or full disk, a file-size limit, a path that cannot exis
 values are reported as failures and misses, never raised, and logged at WARNING: the first of
 each kind at once, then at most one line per ``warn_interval_s`` (``kvtier.storage.log_limit``).
 
-I/O that hangs (a hard-mounted network file system whose server died) costs a call about
-``timeout_s`` a file at most: the file I/O of every call runs on the store's threads, and a call
-one of whose reads, writes or checks runs ``timeout_s`` past the one before it answers misses
-(failures, for puts), leaves its threads to the hung I/O (``DaemonPool.abandon``) and backs off
-(``store_health``): for ``retry_after_s`` calls answer at once, without touching the file
-system. (Making the directory, at construction, and the budget's eviction scans still run on the
-calling thread.)
+I/O that hangs (a hard-mounted network file system whose server died) is bounded: the file I/O
+of every call runs on the store's threads (reads, writes and existence checks on pools of their
+own, so a check never queues behind large reads), and a call with a read, write, check or
+delete (64 files a chunk) running ``timeout_s`` without end, or queued while its pool finished
+nothing for ``timeout_s``, answers misses (failures, for puts). Its pool's threads are left to
+the hung I/O (``DaemonPool.abandon``; past ``MAX_HUNG_THREADS`` of them still alive, no call
+tries), and the store backs off (``store_health``): for ``retry_after_s`` calls answer at once,
+without touching the file system. ``close`` waits for a hung thread ``2 * timeout_s`` at most.
+Still on the calling thread, unbounded: making the directory at construction, and the budget's
+eviction scans after writes.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import logging
 import math
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -73,6 +77,7 @@ WARN_INTERVAL_S: Final = 60.0
 IO_TIMEOUT_S: Final = 2.0  # one file's I/O taking this long (after the one before it): the file system hangs
 RETRY_AFTER_S: Final = 30.0  # then calls answer misses this long (a dead mount stays dead for minutes)
 CHECK_CHUNK: Final = 64  # keys a thread checks (``contains_many``) or deletes in one go
+MAX_HUNG_THREADS: Final = 16  # threads left in hung I/O: past this many, calls answer misses without trying
 PRIVATE_DIR: Final = 0o700
 PRIVATE_FILE: Final = 0o600
 NO_SPACE: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # a full file system or quota: eviction makes room
@@ -131,6 +136,7 @@ class FileSystemStore:
         # reads and writes apart: a save never queues behind such a read
         self._reads = DaemonPool(io_threads, "kvtier-fs-store-read")
         self._writes = DaemonPool(io_threads, "kvtier-fs-store-write")
+        self._checks = DaemonPool(io_threads, "kvtier-fs-store-check")  # never queued behind large reads
         self._closed = False
 
     def path_of(self, key: str) -> Path:
@@ -198,7 +204,7 @@ class FileSystemStore:
         self._check_open()
         paths = [self.path_of(key) for key in check_keys(keys)]
         chunks = [paths[i : i + CHECK_CHUNK] for i in range(0, len(paths), CHECK_CHUNK)]
-        found = self._io("check", self._reads, _touch_all, chunks)
+        found = self._io("check", self._checks, _touch_all, chunks)
         return [False] * len(paths) if found is None else [hit for chunk in found for hit in chunk]
 
     def delete_many(self, keys: Sequence[str]) -> None:
@@ -216,27 +222,48 @@ class FileSystemStore:
             failures.flush()
         if not self._closed:
             self._closed = True
-            self._reads.shutdown(wait=True)  # (the calls queued run first: a put_many running meanwhile ends whole)
-            self._writes.shutdown(wait=True)
+            # the calls queued run first (a put_many running meanwhile ends whole); a thread in hung
+            # I/O is left to it after a while, as its caller gives up on it
+            for pool in (self._reads, self._writes, self._checks):
+                pool.shutdown(wait=True, timeout=2 * self.timeout_s)
 
     def _io(self, op: str, pool: DaemonPool, fn: Callable[..., T], *iterables: Iterable[Any]) -> list[T] | None:
         """``[fn(*args) for args in zip(*iterables)]`` on ``pool``'s threads, or None when the file
-        system is taken as hung: backed off now, or a call still running ``timeout_s`` after the one
-        before it ended (its thread and the pool's others are then left to the hung I/O, the store
-        backs off, and a WARNING says so), or calls cancelled by another caller's giving up."""
+        system is taken as hung: backed off now, too many threads still in hung I/O, or a call of
+        these that made no progress for ``timeout_s`` (running that long, or queued while the pool
+        finished nothing): the pool's threads are then left to the hung I/O, the store backs off,
+        and a WARNING says so. None too when another caller's giving up cancelled these calls."""
         if not self._health.available():
             return None
-        futures = [pool.submit(fn, *args) for args in zip(*iterables, strict=True)]
-        for future in futures:  # in the order they run: each waited for at most ``timeout_s`` more
-            try:
-                future.exception(timeout=self.timeout_s)
-            except CancelledError:
-                return None
-            except FutureTimeout:
-                pool.abandon()
-                stalled = TimeoutError(f"a file's I/O took over {self.timeout_s:g} s: the file system hangs")
-                self._health.failed(op, stalled, server_down=True)
-                return None
+        hung = pool.hung_threads()
+        if hung >= MAX_HUNG_THREADS:  # (each retry on a dead mount would leave more)
+            self._health.failed(op, TimeoutError(f"{hung} of its threads are still in I/O that hangs"), True)
+            return None
+        submitted = time.monotonic()
+        try:
+            futures = [pool.submit(fn, *args) for args in zip(*iterables, strict=True)]
+        except RuntimeError as exc:  # no thread could be started
+            self._health.failed(op, exc, server_down=True)
+            return None
+        for future in futures:  # in the order they run
+            while True:
+                started = getattr(future, "started_at", None)
+                since = started if started is not None else max(pool.last_finished(), submitted)
+                idle = time.monotonic() - since  # no progress for so long
+                if idle >= self.timeout_s and not future.done():
+                    pool.abandon()
+                    stalled = TimeoutError(
+                        f"a file's I/O made no progress for {self.timeout_s:g} s: the file system hangs"
+                    )
+                    self._health.failed(op, stalled, server_down=True)
+                    return None
+                try:
+                    future.exception(timeout=self.timeout_s - idle)
+                    break
+                except CancelledError:
+                    return None
+                except FutureTimeout:
+                    continue
         self._health.answered()
         return [future.result() for future in futures]
 

@@ -431,7 +431,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             self._speed.checked(took)
         if took >= SLOW_CALL_S:
             self._slow_calls(
-                f"a {what} of {keys} pages took {took:.2f} s (the engine's stall so far "
+                f"{what} of {keys} pages took {took:.2f} s (the engine's stall so far "
                 f"{self._counters.snapshot().stall_s:.1f} s): a slow store stalls every step that asks it; "
                 "load_async=True fetches off the engine's thread"
             )
