@@ -576,6 +576,27 @@ def test_a_directory_removed_under_its_manager_is_served_read_only_and_left_alon
     again.close()
 
 
+def test_a_relative_directory_is_still_its_managers_after_the_process_changes_directory(tmp_path, monkeypatch):
+    """The check for a removed directory looks at where it was opened: a ``chdir`` after a relative
+    ``DiskTier`` path is no removal (in review, it made the tier read-only and lost the persist)."""
+    monkeypatch.chdir(tmp_path)
+    mgr = manager("kvdisk", primary=4, host=0, disk=40)
+    oracle = PageOracle(mgr)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    prompts = [convo(i, 3 * TPB) + [7] for i in range(4)]
+    for tokens in prompts:
+        prefill(mgr, oracle, tokens)
+    assert mgr._pool.tiers[-1].writable
+    mgr.close()
+    monkeypatch.chdir(tmp_path)
+    again = manager("kvdisk", primary=4, host=0, disk=40)
+    cache = serve(again, prompts[-1] + [1])
+    assert cache.reused_by_tier["disk"] == 3 * TPB
+    cache.close()
+    again.close()
+
+
 def test_a_new_directory_on_a_full_file_system_stores_nothing_and_leaves_nothing_half_made(
     tmp_path, caplog, monkeypatch
 ):

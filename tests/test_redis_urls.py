@@ -130,6 +130,21 @@ def test_no_part_of_a_password_with_an_unescaped_delimiter_shows_and_the_fix_is_
     assert not [piece for piece in pieces if piece in shown], shown
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://host:6379/0?password=p@ss",
+        "unix:///run/redis.sock?password=s3cr@t",
+        "redis://host/0?client_name=svc@pod",
+    ],
+)
+def test_an_at_sign_in_the_query_is_no_password_delimiter(url):
+    """Before, the check for a delimiter in the password took these valid URLs for broken ones, and
+    ``redact_url`` showed the part of a query password after its '@'."""
+    target = parse_redis_url(url)
+    assert ("password" not in url) or (target.shown.endswith("password=***") and "@" not in target.shown)
+
+
 def test_a_percent_encoded_password_with_delimiters_is_taken():
     from urllib.parse import quote
 

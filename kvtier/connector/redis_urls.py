@@ -53,12 +53,53 @@ def parse_redis_url(url: str) -> RedisTarget:
     if not isinstance(url, str):
         raise TypeError(f"the Redis URL must be a str, got {url!r}")
     shown = redact_url(url)
-    _, sep, rest = url.partition("://")
-    if sep and "@" in rest and any(c in rest.rpartition("@")[0] for c in "/?#"):  # before a parse shows a part
-        raise ValueError(
-            f"bad Redis URL {shown}: the user or password (all before the last '@') holds '/', '?' or '#', which "
-            "end a URL's address: percent-encode them (urllib.parse.quote(password, safe=''))"
-        )
+    hidden = _hidden_part(url)
+    if hidden and not _address_before_delimiters(url):  # a password holding '/', '?' or '#' cut the address
+        raise ValueError(f"bad Redis URL {shown}: {_ENCODE_IT}")
+    try:
+        return _parse(url, shown)
+    except ValueError as exc:
+        if hidden and _shares_text(str(exc).removeprefix(f"bad Redis URL {shown}"), hidden):
+            raise ValueError(f"bad Redis URL {shown}: it cannot be read ({_ENCODE_IT})") from None
+        raise
+
+
+_ENCODE_IT = (
+    "a user or password holding '/', '?', '#' or '@' must be percent-encoded (urllib.parse.quote(password, safe=''))"
+)
+
+
+def _hidden_part(url: str) -> str:
+    """The text ``redact_url`` hides as a password (between the user's ':' and the last '@'), or ''."""
+    rest = _QUERY_PASSWORD.sub(r"\1", url.partition("://")[2])
+    userinfo = rest.rpartition("@")[0]
+    return userinfo.partition(":")[2]
+
+
+def _address_before_delimiters(url: str) -> bool:
+    """Whether the URL's authority, up to the first '/', '?' or '#', is ``[userinfo@]`` and host[:port]
+    entries (or empty: a Unix socket). A password holding one of those unescaped cuts it short: what
+    is left (``:Zx9``, ``user:Zx9``) is no address."""
+    rest = url.partition("://")[2]
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    hosts = rest[:cut].rpartition("@")[2]
+    return not hosts or all(_is_address(entry) for entry in hosts.split(","))
+
+
+def _is_address(entry: str) -> bool:
+    if entry.startswith("["):
+        host, bracket, rest = entry[1:].partition("]")
+        return bool(host and bracket) and (not rest or (rest[0] == ":" and rest[1:].isdigit()))
+    host, colon, port = entry.partition(":")
+    return bool(host) and (not colon or port.isdigit())
+
+
+def _shares_text(text: str, secret: str, span: int = 3) -> bool:
+    """Whether ``text`` holds any ``span`` consecutive characters of ``secret`` (all of a shorter one)."""
+    return any(secret[i : i + span] in text for i in range(max(1, len(secret) - span + 1)))
+
+
+def _parse(url: str, shown: str) -> RedisTarget:
     try:
         parts = urlsplit(url)
     except ValueError as exc:
@@ -92,13 +133,14 @@ def redact_url(url: str) -> str:
     the user and password then (hiding more than the password is the safe side), and a
     ``password=`` query argument is hidden too.
     """
+    url = _QUERY_PASSWORD.sub(r"\1***", url)  # first: a query password may hold '@'
     scheme, sep, rest = url.partition("://")
     if sep and "@" in rest:
         userinfo, _, tail = rest.rpartition("@")
         user, colon, _ = userinfo.partition(":")
         if colon:
             url = f"{scheme}://{user}:***@{tail}"
-    return _QUERY_PASSWORD.sub(r"\1***", url)
+    return url
 
 
 def _check_server_url(parts, shown: str) -> None:

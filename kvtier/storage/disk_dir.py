@@ -91,6 +91,7 @@ class DiskDirectory:
         self._lock_fd: int | None = None
         self._finalizer: weakref.finalize | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the directory this manager opened
+        self._where = ""  # its absolute path when opened
         check_disk_path(path)
         try:
             _make_private_dirs(path)
@@ -118,6 +119,7 @@ class DiskDirectory:
             self.secret = self._load_secret()
             st = os.stat(path)
             self._identity = (st.st_dev, st.st_ino)
+            self._where = os.path.abspath(path)  # a relative path stays this one after a chdir
         except OSError as exc:  # reading it, or writing the secret of a new directory (a full file system)
             log.error("kvtier disk tier: cannot use %s (%s); the disk tier stores nothing", path, exc)
             self.writable, self.why_not_writable = False, str(exc)
@@ -213,7 +215,7 @@ class DiskDirectory:
         if self._identity is None:
             return False
         try:
-            st = os.stat(self.path)
+            st = os.stat(self._where)
         except FileNotFoundError:
             return True
         except OSError:  # cannot look (a transient error): taken as still there
