@@ -616,3 +616,36 @@ def test_fs_store_close_while_another_thread_waits_on_a_hung_read_returns(tmp_pa
         assert got == [[None]]
     finally:
         release(fifo)
+
+
+@pytest.mark.timeout(60)
+def test_fs_store_a_caller_on_threads_given_up_already_leaves_the_new_threads_alone(tmp_path, monkeypatch):
+    """Two callers hung on one pool's threads: the first gives them up; when the second gives up
+    later, the pool's new threads are not given up again. Before, that cancelled a third caller's
+    sound reads on the new threads (0 of 20 hits)."""
+    store = FileSystemStore(tmp_path, io_threads=2, timeout_s=0.3, retry_after_s=0.01)
+    keys = [f"k{i}" for i in range(20)]
+    assert all(store.put_many([(key, key.encode() * 8) for key in keys] + [("a", b"x"), ("b", b"y")]))
+    fifos = [hang_reads_of(store, key) for key in ("a", "b")]
+    sound_read = store._get_one
+
+    def read_slowly(key, size):
+        if key in keys:
+            time.sleep(0.05)
+        return sound_read(key, size)
+
+    monkeypatch.setattr(store, "_get_one", read_slowly)
+    try:
+        first = threading.Thread(target=store.get_many, args=(["a"],))
+        first.start()
+        time.sleep(0.1)
+        second = threading.Thread(target=store.get_many, args=(["b"],))
+        second.start()
+        time.sleep(0.25)  # the first gave up at 0.3 s, its back-off is over; the second gives up at 0.4 s
+        assert store.get_many(keys) == [key.encode() * 8 for key in keys]
+        first.join()
+        second.join()
+    finally:
+        for fifo in fifos:
+            release(fifo)
+        store.close()

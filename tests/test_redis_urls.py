@@ -117,6 +117,9 @@ def test_a_password_with_url_delimiters_never_shows(url):
         "redis-sentinel://:Zx9/Qw7+Lm@127.0.0.1:6420/svc",
         "redis://:p@ss/w0rd@localhost:6379/0",
         "redis://:Zx9?Qw7@127.0.0.1:6420/0",
+        "redis://default:2024#Summer@host:6379/0",  # the part before the delimiter looks like host:port
+        "redis://default:1234?x@host:6379/0",
+        "redis://default:12/34@host:6379/0",
     ],
 )
 def test_no_part_of_a_password_with_an_unescaped_delimiter_shows_and_the_fix_is_named(url):
@@ -169,3 +172,18 @@ def test_connector_settings_are_checked():
         RedisConnector("redis://127.0.0.1:1/0", save_policy="hot")
     with pytest.raises(TypeError):
         RedisConnector(None)
+
+
+@pytest.mark.parametrize(
+    ("url", "detail"),
+    [
+        ("redis://:number9@host:6379/x", "the database must be a number, got 'x'"),
+        ("redis://:porter@host:99999/0", "Port out of range"),
+        ("redis://host:63a9/0?client_name=svc@pod", "'63a9'"),
+    ],
+)
+def test_an_ordinary_mistake_keeps_its_own_message(url, detail):
+    """The advice about delimiters in a password replaces only messages that would show part of one."""
+    with pytest.raises(ValueError) as info:
+        parse_redis_url(url)
+    assert detail in str(info.value) and "percent-encoded" not in str(info.value)

@@ -7,7 +7,7 @@ waits for its future (a save is waited for by the connector's ``close``, and at 
 that gave up on calls hung that way hands their threads over to them (``abandon``): later calls
 run on new threads. To tell a hung call from one queued behind others' work, a future's
 ``started_at`` is set (``time.monotonic()``) when its call starts, and ``last_finished`` says
-when the pool last finished a call.
+when the pool last finished a call; its ``generation`` names the threads it was queued for.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class DaemonPool:
         self._threads: list[threading.Thread] = []
         self._finished_at = [time.monotonic()]  # when a call of this generation of threads last ended
         self._abandoned: list[threading.Thread] = []  # threads left to hung calls, perhaps still alive
+        self._generation = 0  # of the current threads: one more at each ``abandon``
         self._lock = threading.Lock()
         self._closed = False
         self._stop = weakref.finalize(self, _stop_threads, self._calls, self._threads)
@@ -51,7 +52,6 @@ class DaemonPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._name}: submit after shutdown")
-            self._calls.put((future, fn, args))
             if len(self._threads) < self._workers:
                 thread = threading.Thread(
                     target=_work,
@@ -59,8 +59,15 @@ class DaemonPool:
                     name=f"{self._name}-{len(self._threads)}",
                     daemon=True,
                 )
-                self._threads.append(thread)
-                thread.start()
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread can be started now: the pool's others run the call
+                    if not self._threads:
+                        raise
+                else:
+                    self._threads.append(thread)
+            future.generation = self._generation  # type: ignore[attr-defined]
+            self._calls.put((future, fn, args))
         return future
 
     def map(self, fn: Callable[..., Any], *iterables: Iterable[Any]) -> list[Any]:
@@ -79,13 +86,16 @@ class DaemonPool:
             self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
             return len(self._abandoned)
 
-    def abandon(self) -> None:
+    def abandon(self, generation: int) -> None:
         """Leave the running calls (hung, as a read of a dead mount) to their threads, and start afresh:
         the calls queued and not started are cancelled, and later calls run on new threads. The old
-        threads end as soon as their calls return (if ever); nothing waits for them."""
+        threads end as soon as their calls return (if ever); nothing waits for them. ``generation``:
+        the ``generation`` of a hung call's future; threads already given up on are not given up
+        on again (which would cancel the calls of the threads that replaced them)."""
         with self._lock:
-            if self._closed:
+            if self._closed or generation != self._generation:
                 return
+            self._generation += 1
             _cancel_queued(self._calls)
             self._stop()  # the old threads' end markers, on the old queue
             self._abandoned += self._threads

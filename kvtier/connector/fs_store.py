@@ -35,8 +35,8 @@ of every call runs on the store's threads (reads, writes and existence checks on
 own, so a check never queues behind large reads), and a call with a read, write, check or
 delete (64 files a chunk) running ``timeout_s`` without end, or queued while its pool finished
 nothing for ``timeout_s``, answers misses (failures, for puts). Its pool's threads are left to
-the hung I/O (``DaemonPool.abandon``; past ``MAX_HUNG_THREADS`` of them still alive, no call
-tries), and the store backs off (``store_health``): for ``retry_after_s`` calls answer at once,
+the hung I/O (``DaemonPool.abandon``; past ``MAX_HUNG_THREADS`` of a pool still alive, no call
+of that pool tries), and the store backs off (``store_health``): for ``retry_after_s`` calls answer at once,
 without touching the file system. ``close`` waits for a hung thread ``2 * timeout_s`` at most.
 Still on the calling thread, unbounded: making the directory at construction, and the budget's
 eviction scans after writes.
@@ -77,7 +77,7 @@ WARN_INTERVAL_S: Final = 60.0
 IO_TIMEOUT_S: Final = 2.0  # one file's I/O taking this long (after the one before it): the file system hangs
 RETRY_AFTER_S: Final = 30.0  # then calls answer misses this long (a dead mount stays dead for minutes)
 CHECK_CHUNK: Final = 64  # keys a thread checks (``contains_many``) or deletes in one go
-MAX_HUNG_THREADS: Final = 16  # threads left in hung I/O: past this many, calls answer misses without trying
+MAX_HUNG_THREADS: Final = 16  # threads of a pool left in hung I/O: past this many, its calls answer misses untried
 PRIVATE_DIR: Final = 0o700
 PRIVATE_FILE: Final = 0o600
 NO_SPACE: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # a full file system or quota: eviction makes room
@@ -224,8 +224,9 @@ class FileSystemStore:
             self._closed = True
             # the calls queued run first (a put_many running meanwhile ends whole); a thread in hung
             # I/O is left to it after a while, as its caller gives up on it
+            deadline = time.monotonic() + 2 * self.timeout_s
             for pool in (self._reads, self._writes, self._checks):
-                pool.shutdown(wait=True, timeout=2 * self.timeout_s)
+                pool.shutdown(wait=True, timeout=max(0.0, deadline - time.monotonic()))
 
     def _io(self, op: str, pool: DaemonPool, fn: Callable[..., T], *iterables: Iterable[Any]) -> list[T] | None:
         """``[fn(*args) for args in zip(*iterables)]`` on ``pool``'s threads, or None when the file
@@ -251,7 +252,7 @@ class FileSystemStore:
                 since = started if started is not None else max(pool.last_finished(), submitted)
                 idle = time.monotonic() - since  # no progress for so long
                 if idle >= self.timeout_s and not future.done():
-                    pool.abandon()
+                    pool.abandon(future.generation)
                     stalled = TimeoutError(
                         f"a file's I/O made no progress for {self.timeout_s:g} s: the file system hangs"
                     )

@@ -53,13 +53,14 @@ def parse_redis_url(url: str) -> RedisTarget:
     if not isinstance(url, str):
         raise TypeError(f"the Redis URL must be a str, got {url!r}")
     shown = redact_url(url)
-    hidden = _hidden_part(url)
-    if hidden and not _address_before_delimiters(url):  # a password holding '/', '?' or '#' cut the address
+    if _password_cut_short(url):  # refused before a parse could read part of the password as an address
         raise ValueError(f"bad Redis URL {shown}: {_ENCODE_IT}")
     try:
         return _parse(url, shown)
     except ValueError as exc:
-        if hidden and _shares_text(str(exc).removeprefix(f"bad Redis URL {shown}"), hidden):
+        password = _authority_password(url)
+        quoted = re.findall(r"'([^']*)'", str(exc).removeprefix(f"bad Redis URL {shown}"))
+        if password and any(_shares_text(value, password) for value in quoted):
             raise ValueError(f"bad Redis URL {shown}: it cannot be read ({_ENCODE_IT})") from None
         raise
 
@@ -69,21 +70,36 @@ _ENCODE_IT = (
 )
 
 
-def _hidden_part(url: str) -> str:
-    """The text ``redact_url`` hides as a password (between the user's ':' and the last '@'), or ''."""
+def _password_cut_short(url: str) -> bool:
+    """Whether a password (text between a ':' and a later '@') holds an unescaped '/', '?' or '#'
+    that cut the URL short: a '#' anywhere (no Redis URL has a fragment), an '@' in the path (a
+    database or service name has none), a query part that is no ``name=value``, or an address cut to
+    no host or port (``:Zx9``, ``user:Zx9``). An '@' inside a query value (``client_name=svc@pod``)
+    is none of these."""
     rest = _QUERY_PASSWORD.sub(r"\1", url.partition("://")[2])
-    userinfo = rest.rpartition("@")[0]
-    return userinfo.partition(":")[2]
+    if not rest.rpartition("@")[0].partition(":")[2]:
+        return False
+    address, path, query = _split(rest)
+    if "#" in rest or "@" in path or any("=" not in part for part in query.split("&") if query):
+        return True
+    if "@" not in address:  # the '@' is in a query value: no password here
+        return False
+    hosts = address.rpartition("@")[2]
+    return not hosts or not all(_is_address(entry) for entry in hosts.split(","))
 
 
-def _address_before_delimiters(url: str) -> bool:
-    """Whether the URL's authority, up to the first '/', '?' or '#', is ``[userinfo@]`` and host[:port]
-    entries (or empty: a Unix socket). A password holding one of those unescaped cuts it short: what
-    is left (``:Zx9``, ``user:Zx9``) is no address."""
-    rest = url.partition("://")[2]
-    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    hosts = rest[:cut].rpartition("@")[2]
-    return not hosts or all(_is_address(entry) for entry in hosts.split(","))
+def _split(rest: str) -> tuple[str, str, str]:
+    """A URL after its ``scheme://``: the address, the path, the query (each '' if absent)."""
+    rest = rest.partition("#")[0]
+    rest, _, query = rest.partition("?")
+    address, slash, path = rest.partition("/")
+    return address, slash + path, query
+
+
+def _authority_password(url: str) -> str:
+    """The password in the URL's address (before its first '/', '?' or '#'), or ''."""
+    address = _split(url.partition("://")[2])[0]
+    return address.rpartition("@")[0].partition(":")[2]
 
 
 def _is_address(entry: str) -> bool:
@@ -94,7 +110,7 @@ def _is_address(entry: str) -> bool:
     return bool(host) and (not colon or port.isdigit())
 
 
-def _shares_text(text: str, secret: str, span: int = 3) -> bool:
+def _shares_text(text: str, secret: str, span: int = 3) -> bool:  # (quoted values of a message)
     """Whether ``text`` holds any ``span`` consecutive characters of ``secret`` (all of a shorter one)."""
     return any(secret[i : i + span] in text for i in range(max(1, len(secret) - span + 1)))
 
