@@ -103,11 +103,18 @@ def _authority_password(url: str) -> str:
 
 
 def _is_address(entry: str) -> bool:
+    parts = _host_and_port(entry)
+    return parts is not None and bool(parts[0]) and (parts[1] is None or parts[1].isdigit())
+
+
+def _host_and_port(entry: str) -> tuple[str, str | None] | None:
+    """A ``host[:port]`` entry (IPv6 in brackets) as (host, port text or None); None when malformed."""
     if entry.startswith("["):
         host, bracket, rest = entry[1:].partition("]")
-        return bool(host and bracket) and (not rest or (rest[0] == ":" and rest[1:].isdigit()))
-    host, colon, port = entry.partition(":")
-    return bool(host) and (not colon or port.isdigit())
+        port_text = rest[1:] if bracket and rest.startswith(":") else None
+        return None if not bracket or (rest and port_text is None) else (host, port_text)
+    host, colon, port_text = entry.partition(":")
+    return host, (port_text if colon else None)
 
 
 def _shares_text(text: str, secret: str, span: int = 3) -> bool:  # (quoted values of a message)
@@ -196,14 +203,10 @@ def _addresses(hosts: str, default_port: int, shown: str) -> tuple[tuple[str, in
     """``host[:port]`` entries separated by commas (IPv6 in brackets), each checked."""
     out = []
     for entry in hosts.split(","):
-        if entry.startswith("["):
-            host, bracket, rest = entry[1:].partition("]")
-            port_text = rest[1:] if bracket and rest.startswith(":") else None
-            if not bracket or (rest and port_text is None):
-                raise ValueError(f"bad Redis URL {shown}: bad address {entry!r}")
-        else:
-            host, colon, port_text = entry.partition(":")
-            port_text = port_text if colon else None
+        parts = _host_and_port(entry)
+        if parts is None:
+            raise ValueError(f"bad Redis URL {shown}: bad address {entry!r}")
+        host, port_text = parts
         if not host:
             raise ValueError(f"bad Redis URL {shown}: an empty host in {hosts!r}")
         port = default_port
