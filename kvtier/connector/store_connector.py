@@ -422,9 +422,11 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         """Count the body (a store call on the engine's thread: an existence check, or a fetch of
         ``nbytes``) as stall time and time it for ``StoreSpeed``; a slow one is logged."""
         start = time.perf_counter()
-        with self._counters.stall():
+        try:
             yield
-        took = time.perf_counter() - start
+        finally:
+            took = time.perf_counter() - start
+            self._counters.add(stall_s=took)
         if nbytes:
             self._speed.fetched(took, nbytes)
         else:

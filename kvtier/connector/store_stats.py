@@ -22,9 +22,6 @@ Counters only grow; ``snapshot()`` is consistent (taken under one lock), cheap, 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
 
@@ -60,15 +57,6 @@ class ConnectorCounters:
                 if name not in COUNTERS:
                     raise KeyError(f"no connector counter {name!r}")
                 setattr(self._stats, name, getattr(self._stats, name) + amount)
-
-    @contextmanager
-    def stall(self) -> Iterator[None]:
-        """Count the time the body takes as engine stall time."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(stall_s=time.perf_counter() - start)
 
     def snapshot(self) -> ConnectorStats:
         with self._lock:
