@@ -41,8 +41,8 @@ def stale_tables(model: torch.nn.Module) -> str | None:
 
 
 def _implied(module: torch.nn.Module, rope_type: str) -> tuple[torch.Tensor, float] | None:
-    """The inverse frequencies and scaling ``module``'s configuration names now (on the CPU), or None
-    where transformers' functions cannot tell."""
+    """The inverse frequencies and scaling ``module``'s configuration names now (on the CPU, whatever
+    ``torch.set_default_device`` says), or None where transformers' functions cannot tell."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     # as transformers initialises them: the module's own function for its type (``default``, and
@@ -51,7 +51,8 @@ def _implied(module: torch.nn.Module, rope_type: str) -> tuple[torch.Tensor, flo
     if function is None:
         return None
     try:
-        frequencies, scaling = function(module.config)
+        with torch.device("cpu"):  # the functions make their tensors on the default device
+            frequencies, scaling = function(module.config)
     except Exception:  # (a configuration these functions do not read: the module's own business)
         return None
     return (frequencies, scaling) if isinstance(frequencies, torch.Tensor) else None

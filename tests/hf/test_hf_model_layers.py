@@ -90,6 +90,21 @@ def test_a_configuration_edited_after_the_model_was_built_names_the_tables_it_co
     assert read_model(edited).spec.model_id != read_model(for_real).spec.model_id
 
 
+def test_the_tables_are_compared_on_the_cpu_whatever_the_default_device():
+    """A script that sets a default device (CUDA on a GPU; the meta device stands in here) before
+    building the cache: transformers' rotary functions make their tables there, and comparing them
+    with the CPU copy of the built ones raised before."""
+    model, edited = tiny_model("llama"), tiny_model("llama")
+    edited.config.rope_parameters["rope_theta"] = 100.0
+    expected = read_model(model).spec.model_id, read_model(edited).spec.model_id
+    torch.set_default_device("meta")
+    try:
+        assert (read_model(model).spec.model_id, read_model(edited).spec.model_id) == expected
+    finally:
+        torch.set_default_device(None)
+    assert "+rotary-" in expected[1]
+
+
 def test_an_encoder_decoder_model_is_refused():
     config = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
     model = transformers.T5ForConditionalGeneration(config)
