@@ -38,6 +38,13 @@ def value_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*.page"))
 
 
+def put(store: FileSystemStore, items: list) -> list[bool]:
+    """``put_many``, then the eviction pass it may have started (in the background) waited for."""
+    stored = store.put_many(items)
+    assert store.wait_for_budget(10)
+    return stored
+
+
 def present(store: FileSystemStore, keys: list[str]) -> list[bool]:
     """Which keys still have a file (without touching them, unlike ``contains_many``)."""
     return [store.path_of(k).exists() for k in keys]
@@ -48,7 +55,7 @@ def test_the_directory_stays_within_the_budget(tmp_path):
     store = FileSystemStore(tmp_path, max_bytes=budget)
     batches = [[f"block/{b}/{i}" for i in range(7)] for b in range(24)]
     for batch in batches:
-        assert store.put_many([(k, page_for(k)) for k in batch]) == [True] * len(batch)
+        assert put(store, [(k, page_for(k)) for k in batch]) == [True] * len(batch)
         assert value_bytes(tmp_path) <= budget
         time.sleep(TICK_S)  # batches in order of time
     kept = [
@@ -74,7 +81,7 @@ def test_fan_out_directories_go_as_eviction_empties_them(tmp_path):
     keys = [f"block/{i}" for i in range(600)]
     for start in range(0, len(keys), 10):
         batch = keys[start : start + 10]
-        assert store.put_many([(k, page_for(k)) for k in batch]) == [True] * len(batch)
+        assert put(store, [(k, page_for(k)) for k in batch]) == [True] * len(batch)
     kept = [k for k, there in zip(keys, present(store, keys), strict=True) if there]
     leaves = [d for d in tmp_path.glob("*/*") if d.is_dir()]
     assert 0 < len(kept) <= 20 and len(leaves) <= len(kept)
@@ -116,7 +123,7 @@ def test_a_store_dropped_without_close_stops_its_threads(tmp_path):
     before = store_threads()
     for i in range(10):
         store = FileSystemStore(tmp_path / str(i), max_bytes=1 << 20, io_threads=2)
-        assert store.put_many([("k", page_for("k"))]) == [True]
+        assert put(store, [("k", page_for("k"))]) == [True]
         assert store.get_many(["k"], [PAYLOAD]) == [page_for("k").tobytes()]
         del store
     gc.collect()
@@ -126,6 +133,76 @@ def test_a_store_dropped_without_close_stops_its_threads(tmp_path):
     assert store_threads() == before
 
 
+def slow_listing(monkeypatch, seconds: float, gate: threading.Event | None = None) -> None:
+    """Directory listings of the budget's scans (not the store's own reads and writes) that each take
+    ``seconds`` (a large directory, a network file system), or wait for ``gate`` (one that hangs)."""
+    entries = fs_budget._entries
+
+    def listing(path):
+        if gate is not None:
+            gate.wait()
+        time.sleep(seconds)
+        return entries(path)
+
+    monkeypatch.setattr(fs_budget, "_entries", listing)
+
+
+def test_a_put_never_waits_for_the_budgets_scan(tmp_path, monkeypatch):
+    """The scan of a pass (1 s per 200,000 values on a local disk) runs on the budget's thread: a put
+    past the budget returns at once, and the pass still brings the directory within the budget.
+    Before, the put (and a ``generate`` waiting for its save) waited for the whole scan."""
+    budget = 30 * VALUE_BYTES
+    store = FileSystemStore(tmp_path, max_bytes=budget)
+    keys = [f"block/{i}" for i in range(40)]
+    assert put(store, [(k, page_for(k)) for k in keys[:20]]) == [True] * 20
+    slow_listing(monkeypatch, 0.05)  # about 20 listings a scan: a scan takes about a second
+    started = time.monotonic()
+    assert store.put_many([(k, page_for(k)) for k in keys[20:]]) == [True] * 20
+    assert time.monotonic() - started < 0.5
+    assert value_bytes(tmp_path) > budget  # the pass is still scanning
+    assert store.wait_for_budget(30)
+    assert 0.8 * budget <= value_bytes(tmp_path) <= budget
+    store.close()
+
+
+def test_a_full_file_system_whose_scan_hangs_fails_the_writes_in_bounded_time(tmp_path, monkeypatch, caplog):
+    """ENOSPC, and the scan that would make room hangs (a network mount that died meanwhile): the
+    writes that found no space fail after ``timeout_s`` with a WARNING, a later full write does not
+    start a second pass behind the hung one, and ``close`` returns. Before, the writer waited for the
+    scan for ever."""
+    disk = SmallDisk(tmp_path, 4 * VALUE_BYTES, errno.ENOSPC)
+    monkeypatch.setattr(fs_store, "open", disk.open, raising=False)
+    store = FileSystemStore(tmp_path, timeout_s=0.3)
+    assert put(store, [(f"a/{i}", page_for(f"a/{i}")) for i in range(4)]) == [True] * 4
+    gate = threading.Event()
+    slow_listing(monkeypatch, 0.0, gate)
+    try:
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="kvtier.connector.fs_budget"):
+            assert store.put_many([("b", page_for("b"))]) == [False]
+        assert time.monotonic() - started < 3
+        assert "hangs" in caplog.text
+        started = time.monotonic()
+        assert store.put_many([("c", page_for("c"))]) == [False]  # the hung pass is not queued behind
+        assert time.monotonic() - started < 1
+        assert not store.wait_for_budget(0.1)
+        started = time.monotonic()
+        store.close()
+        assert time.monotonic() - started < 3
+    finally:
+        gate.set()
+
+
+def test_close_stops_a_pass_between_two_directories(tmp_path, monkeypatch):
+    store = FileSystemStore(tmp_path, max_bytes=10 * VALUE_BYTES)
+    assert put(store, [(f"a/{i}", page_for(f"a/{i}")) for i in range(8)]) == [True] * 8
+    slow_listing(monkeypatch, 0.2)
+    assert store.put_many([(f"b/{i}", page_for(f"b/{i}")) for i in range(8)]) == [True] * 8
+    started = time.monotonic()
+    store.close()
+    assert time.monotonic() - started < 1.5  # (a whole scan: about 30 listings, 6 s)
+
+
 def test_reads_and_lookups_keep_a_value(tmp_path):
     budget = 30 * VALUE_BYTES
     store = FileSystemStore(tmp_path, max_bytes=budget)
@@ -133,13 +210,13 @@ def test_reads_and_lookups_keep_a_value(tmp_path):
     read_again = [f"read/{i}" for i in range(10)]
     asked_again = [f"asked/{i}" for i in range(5)]
     for batch in (old, read_again, asked_again):
-        assert all(store.put_many([(k, page_for(k)) for k in batch]))
+        assert all(put(store, [(k, page_for(k)) for k in batch]))
         time.sleep(TICK_S)
     assert store.get_many(read_again, [PAYLOAD] * 10) == [page_for(k).tobytes() for k in read_again]
     assert store.contains_many(asked_again) == [True] * 5
     time.sleep(TICK_S)
     new = [f"new/{i}" for i in range(6)]  # 31 values: over the budget, one pass down to 27
-    assert all(store.put_many([(k, page_for(k)) for k in new]))
+    assert all(put(store, [(k, page_for(k)) for k in new]))
     assert sum(present(store, old)) == 6  # 4 of the least recently used went, and only those
     assert all(present(store, read_again + asked_again + new))
     store.close()
@@ -150,14 +227,14 @@ def test_values_stamped_while_the_clock_was_ahead_go_first_once_it_is_set_back(t
     back were evicted first, for as long as the clock's offset lasted."""
     store = FileSystemStore(tmp_path, max_bytes=10 * VALUE_BYTES)
     ahead = [f"ahead/{i}" for i in range(6)]
-    assert all(store.put_many([(k, page_for(k)) for k in ahead]))
+    assert all(put(store, [(k, page_for(k)) for k in ahead]))
     future = time.time() + 3600
     for k in ahead:
         os.utime(store.path_of(k), (future, future))
     assert store.get_many(ahead[:1], [PAYLOAD]) == [page_for(ahead[0]).tobytes()]  # used now
     new = [f"new/{i}" for i in range(6)]
     for k in new:
-        assert store.put_many([(k, page_for(k))])
+        assert put(store, [(k, page_for(k))])
     assert all(present(store, new + ahead[:1]))
     assert sum(present(store, ahead[1:])) < 5
     store.close()
@@ -168,17 +245,17 @@ def test_values_of_a_host_whose_clock_runs_a_little_ahead_are_as_recent_as_their
     are the newest, not the oldest (an early cut of the clock rule evicted them first)."""
     store = FileSystemStore(tmp_path, max_bytes=10 * VALUE_BYTES)
     unused = [f"unused/{i}" for i in range(5)]
-    assert all(store.put_many([(k, page_for(k)) for k in unused]))
+    assert all(put(store, [(k, page_for(k)) for k in unused]))
     an_hour_ago = time.time() - 3600
     for k in unused:
         os.utime(store.path_of(k), (an_hour_ago, an_hour_ago))
     fresh = [f"fresh/{i}" for i in range(4)]  # from the host ahead
-    assert all(store.put_many([(k, page_for(k)) for k in fresh]))
+    assert all(put(store, [(k, page_for(k)) for k in fresh]))
     ahead = time.time() + 2
     for k in fresh:
         os.utime(store.path_of(k), (ahead, ahead))
     more = [f"more/{i}" for i in range(3)]  # 12 values: over the budget
-    assert all(store.put_many([(k, page_for(k)) for k in more]))
+    assert all(put(store, [(k, page_for(k)) for k in more]))
     assert all(present(store, fresh + more))
     assert not all(present(store, unused))
     store.close()
@@ -187,8 +264,8 @@ def test_values_of_a_host_whose_clock_runs_a_little_ahead_are_as_recent_as_their
 def test_a_value_larger_than_the_budget_is_not_stored(tmp_path, caplog):
     store = FileSystemStore(tmp_path, max_bytes=3 * VALUE_BYTES)
     small = [f"small/{i}" for i in range(3)]
-    assert all(store.put_many([(k, page_for(k)) for k in small]))
-    assert store.put_many([("huge", page_for("huge", 4 * PAYLOAD)), ("small/3", page_for("small/3"))]) == [
+    assert all(put(store, [(k, page_for(k)) for k in small]))
+    assert put(store, [("huge", page_for("huge", 4 * PAYLOAD)), ("small/3", page_for("small/3"))]) == [
         False,
         True,
     ]
@@ -202,11 +279,11 @@ def test_a_new_store_counts_what_is_already_there(tmp_path):
     first = FileSystemStore(tmp_path)
     keys = [f"k/{i}" for i in range(40)]
     for k in keys:  # one by one, so their times are in order
-        assert first.put_many([(k, page_for(k))]) == [True]
+        assert put(first, [(k, page_for(k))]) == [True]
     first.close()
     time.sleep(TICK_S)
     smaller = FileSystemStore(tmp_path, max_bytes=20 * VALUE_BYTES)
-    assert smaller.put_many([("last", page_for("last"))]) == [True]
+    assert put(smaller, [("last", page_for("last"))]) == [True]
     assert value_bytes(tmp_path) <= 20 * VALUE_BYTES
     assert present(smaller, ["last"]) == [True]
     smaller.close()
@@ -214,7 +291,7 @@ def test_a_new_store_counts_what_is_already_there(tmp_path):
 
 def test_stale_temporary_files_are_removed_fresh_ones_kept(tmp_path):
     store = FileSystemStore(tmp_path, max_bytes=5 * VALUE_BYTES)
-    assert store.put_many([("a", page_for("a"))]) == [True]
+    assert put(store, [("a", page_for("a"))]) == [True]
     leaf = store.path_of("a").parent
     stale, fresh = leaf / ".x.page.1.aaaaaaaa.tmp", leaf / ".y.page.2.bbbbbbbb.tmp"
     for path in (stale, fresh):
@@ -222,7 +299,7 @@ def test_stale_temporary_files_are_removed_fresh_ones_kept(tmp_path):
     old = time.time() - STALE_TEMP_S - 60
     os.utime(stale, (old, old))
     for i in range(6):  # over the budget: a pass scans the directory
-        assert store.put_many([(f"b/{i}", page_for(f"b/{i}"))]) == [True]
+        assert put(store, [(f"b/{i}", page_for(f"b/{i}"))]) == [True]
     assert not stale.exists() and fresh.exists()
     store.close()
 
@@ -233,7 +310,7 @@ def test_files_outside_the_store_layout_are_left_alone(tmp_path):
     (tmp_path / "zz" / "other.page").write_bytes(b"y" * 10 * VALUE_BYTES)
     store = FileSystemStore(tmp_path, max_bytes=5 * VALUE_BYTES)
     for i in range(10):
-        assert store.put_many([(f"k/{i}", page_for(f"k/{i}"))]) == [True]
+        assert put(store, [(f"k/{i}", page_for(f"k/{i}"))]) == [True]
     assert (tmp_path / "notes.txt").exists() and (tmp_path / "zz" / "other.page").exists()
     store.close()
 
@@ -274,7 +351,7 @@ def write_past_a_full_disk(store: FileSystemStore, batches: list[list[str]], siz
     every put is stored, the newest values read back whole, the oldest are gone, and every read
     is its key's value or a miss."""
     for batch in batches:
-        assert store.put_many([(k, page_for(k, size)) for k in batch]) == [True] * len(batch)
+        assert put(store, [(k, page_for(k, size)) for k in batch]) == [True] * len(batch)
         time.sleep(TICK_S)
     keys = [k for batch in batches for k in batch]
     got = store.get_many(keys, [size] * len(keys))
@@ -304,7 +381,7 @@ def test_a_full_file_system_drops_stale_temporary_files(tmp_path, monkeypatch):
     stale.write_bytes(b"half a value" * (disk.size // 12))
     old = time.time() - STALE_TEMP_S - 60
     os.utime(stale, (old, old))
-    assert store.put_many([("a", page_for("a"))]) == [True]
+    assert put(store, [("a", page_for("a"))]) == [True]
     assert not stale.exists()
     assert store.get_many(["a"], [PAYLOAD]) == [page_for("a").tobytes()]
     store.close()
@@ -327,15 +404,15 @@ def test_a_value_larger_than_the_file_system_or_quota_evicts_nothing(tmp_path, m
     store = FileSystemStore(tmp_path)
     kept = [f"old/{i}" for i in range(10)]
     for key in kept:
-        assert store.put_many([(key, page_for(key))]) == [True]
+        assert put(store, [(key, page_for(key))]) == [True]
         time.sleep(TICK_S)
     huge = page_for("huge", 13 * VALUE_BYTES)
-    assert store.put_many([("huge", huge)]) == [False]
+    assert put(store, [("huge", huge)]) == [False]
     assert store.get_many(kept, [PAYLOAD] * len(kept)) == [page_for(k).tobytes() for k in kept]
     time.sleep(TICK_S)  # the reads above run on several threads, in no set order: read the last again
     assert store.get_many(kept[-1:], [PAYLOAD]) == [page_for(kept[-1]).tobytes()]
     new = [f"new/{i}" for i in range(4)]
-    assert store.put_many([("huge", huge)] + [(k, page_for(k)) for k in new]) == [False] + [True] * len(new)
+    assert put(store, [("huge", huge)] + [(k, page_for(k)) for k in new]) == [False] + [True] * len(new)
     assert store.get_many(new, [PAYLOAD] * len(new)) == [page_for(k).tobytes() for k in new]
     left = store.get_many(kept, [PAYLOAD] * len(kept))
     assert 0 < sum(v is not None for v in left) < len(kept)
@@ -382,12 +459,12 @@ def test_a_value_larger_than_the_file_system_leaves_the_store_whole(small_file_s
     values of the same call that can fit are stored as on any full file system."""
     store = FileSystemStore(small_file_system / "kv")
     kept = [f"old/{i}" for i in range(20)]  # 320 KB of the 512 KiB
-    assert store.put_many([(k, page_for(k, 16_000)) for k in kept]) == [True] * len(kept)
+    assert put(store, [(k, page_for(k, 16_000)) for k in kept]) == [True] * len(kept)
     huge = page_for("huge", 600_000)
-    assert store.put_many([("huge", huge)]) == [False]
+    assert put(store, [("huge", huge)]) == [False]
     assert store.get_many(kept, [16_000] * len(kept)) == [page_for(k, 16_000).tobytes() for k in kept]
     new = [f"new/{i}" for i in range(16)]  # more than the file system has left
-    assert store.put_many([("huge", huge)] + [(k, page_for(k, 16_000)) for k in new]) == [False] + [True] * len(new)
+    assert put(store, [("huge", huge)] + [(k, page_for(k, 16_000)) for k in new]) == [False] + [True] * len(new)
     assert store.get_many(new, [16_000] * len(new)) == [page_for(k, 16_000).tobytes() for k in new]
     left = store.get_many(kept, [16_000] * len(kept))
     assert 0 < sum(v is not None for v in left) < len(kept)  # room made for the new values only
@@ -409,7 +486,7 @@ sys.stdin.readline()
 hits = misses = 0
 for i in range(150):
     batch = [f"{name}/{i}/{j}" for j in range(4)]
-    assert all(store.put_many([(k, page_for(k)) for k in batch]))
+    assert all(store.put_many([(k, page_for(k)) for k in batch]))  # passes run in the background
     wanted = [f"{who}/{n}/{j}" for who in (name, other) for n in range(max(0, i - 6), i) for j in range(4)]
     for key, got in zip(wanted, store.get_many(wanted, [PAYLOAD] * len(wanted))):
         if got is None:
@@ -454,7 +531,7 @@ def test_everything_the_store_creates_is_private(tmp_path):
     try:
         root = tmp_path / "made" / "for" / "kv"
         store = FileSystemStore(root, max_bytes=1 << 20)
-        assert store.put_many([(f"k{i}", page_for(f"k{i}")) for i in range(20)]) == [True] * 20
+        assert put(store, [(f"k{i}", page_for(f"k{i}")) for i in range(20)]) == [True] * 20
     finally:
         os.umask(old_umask)
     made = [tmp_path / "made", tmp_path / "made" / "for", root]
@@ -471,7 +548,7 @@ def test_an_existing_directory_keeps_its_mode(tmp_path):
     shared.mkdir()
     os.chmod(shared, 0o750)
     store = FileSystemStore(shared, max_bytes=1 << 20)
-    assert store.put_many([("k", page_for("k"))]) == [True]
+    assert put(store, [("k", page_for("k"))]) == [True]
     assert stat.S_IMODE(shared.stat().st_mode) == 0o750
     assert stat.S_IMODE(store.path_of("k").stat().st_mode) == 0o600
     store.close()

@@ -14,10 +14,14 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
+
+from kvtier.connector.daemon_pool import DaemonPool
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +30,7 @@ TEMP_SUFFIX: Final = ".tmp"
 EVICT_TO: Final = 0.9  # an eviction pass leaves at most this share of the budget
 STALE_TEMP_S: Final = 600.0  # a temporary file this old was left by a killed writer
 FUTURE_STAMP_S: Final = 300.0  # a value stamped further ahead was written before the clock went back
+PROGRESS_TIMEOUT_S: Final = 2.0  # ``make_room`` gives up on passes that neither scan nor remove for this long
 _HEX: Final = frozenset("0123456789abcdef")
 
 
@@ -54,58 +59,154 @@ class StoreBudget:
     writes then fail for want of space, and ``make_room`` runs a pass sized by the bytes the scan
     finds and the writes that failed instead. Passes of several processes may overlap: each only
     removes files, and one already gone is fine.
+
+    Passes run on a thread of their own, one at a time, never on a writer's: a scan of a large
+    directory takes about a second per 200,000 values on a local disk, far more over a network,
+    and a writer (a save ``generate`` waits for) would wait for it. ``add`` starts a pass and
+    returns at once. ``make_room`` waits for its pass while passes make progress (a directory
+    scanned or a value removed at least every ``timeout_s``), else answers that no room was made:
+    a pass on a file system that hangs holds only its thread, and no other pass starts behind it
+    until it ends. ``close`` stops a pass between two files.
     """
 
-    def __init__(self, root: Path, max_bytes: int) -> None:
+    def __init__(self, root: Path, max_bytes: int, timeout_s: float = PROGRESS_TIMEOUT_S) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._used: int | None = None  # None until the first write scans the directory
+        self._used: int | None = None  # None until the first pass has counted the directory
+        self._added = 0  # bytes written since the running (or last) pass began
+        self._worker = DaemonPool(1, "kvtier-fs-store-budget")
+        self._counting: Future | None = None  # the last pass ``add`` started
+        self._making_room: Future | None = None  # the last pass ``make_room`` started
+        self._progress = time.monotonic()  # when a pass last scanned a directory or removed a value
+        self._closed = False
 
     def add(self, written: int) -> None:
-        """Count ``written`` new bytes; evict when the directory is estimated past the budget."""
+        """Count ``written`` new bytes; past the budget (or before the first count), start a pass
+        unless one runs. Never waits for I/O."""
         if not written:
             return
         with self._lock:
-            if self._used is None:
-                self._used = sum(v.size for v in self.scan())  # what was just written included
-            else:
+            self._added += written
+            if self._used is not None:
                 self._used += written
-            if self._used > self.max_bytes:
-                self._used = self.evict(self.scan(), int(self.max_bytes * EVICT_TO))
+            over = self._used is None or self._used > self.max_bytes
+            if over and (self._counting is None or self._counting.done()):
+                self._counting = self._start(self._count_and_evict)
 
     def make_room(self, sizes: list[int], quota_spent: bool = False) -> list[int]:
         """After writes of ``sizes`` bytes each found no space: the indices, ascending, of those that
-        removing values can make room for, and remove the least recently used values until at most
-        ``EVICT_TO`` of the value bytes there are left and at least those writes' bytes are gone.
+        removing values made room for (none when the pass made no progress for ``timeout_s``, or an
+        earlier such pass has not ended), once the least recently used values are removed until at
+        most ``EVICT_TO`` of the value bytes there are left and at least those writes' bytes are gone.
 
         The room is the blocks the values take plus the space the file system still has free, none
         when a quota is spent (``quota_spent``: a quota is not in ``statvfs``); writes are taken
         smallest first, in whole blocks, while they fit. A write that could not fit even in
         an emptied store removes nothing for itself."""
         with self._lock:
-            values = self.scan()
-            present = sum(v.size for v in values)
-            free, block = _space(self.root)
-            room = sum(_in_blocks(v.size, block) for v in values) + (0 if quota_spent else free)
-            taken: list[int] = []
-            needed = held = 0  # the taken writes' bytes, and the blocks they take
-            for i in sorted(range(len(sizes)), key=sizes.__getitem__):
-                blocks = _in_blocks(sizes[i], block)
-                if held + blocks > room:
-                    break
-                taken.append(i)
-                needed += sizes[i]
-                held += blocks
-            if taken:
-                self._used = self.evict(values, max(0, min(int(present * EVICT_TO), present - needed)))
-            return sorted(taken)
+            if self._making_room is not None and not self._making_room.done():
+                return []  # an earlier pass still runs: it was given up on, its file system hangs
+            future = self._making_room = self._start(self._room_for, sizes, quota_spent)
+        return [] if future is None else self._wait(future)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until the passes started so far have ended; False after ``timeout_s`` (None: no limit)."""
+        try:
+            marker = self._worker.submit(_nothing)
+        except RuntimeError:  # closed: no pass starts any more, a running one stops at its next file
+            return True
+        try:
+            marker.result(timeout=timeout_s)
+        except FutureTimeout:
+            marker.cancel()  # (not left queued behind a pass that hangs)
+            return False
+        return True
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the running pass between two files and take no more; wait for its thread at most ``timeout_s``."""
+        self._closed = True
+        self._worker.shutdown(wait=True, timeout=timeout_s)
+
+    def _start(self, fn: Callable[..., Any], *args: Any) -> Future | None:
+        """``fn(*args)`` queued on the passes' thread (the caller holds the lock), or None once closed."""
+        if self._closed:
+            return None
+        if all(f is None or f.done() for f in (self._counting, self._making_room)):
+            self._progress = time.monotonic()  # nothing runs: the wait starts now
+        try:
+            future = self._worker.submit(fn, *args)
+        except RuntimeError:  # closed meanwhile, or no thread can be started: no pass this time
+            return None
+        future.add_done_callback(self._report)
+        return future
+
+    def _report(self, future: Future) -> None:
+        """Log a pass that raised (nobody else reads an ``add`` pass's future)."""
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("kvtier fs store: an eviction pass under %s failed: %r", self.root, future.exception())
+
+    def _wait(self, future: Future) -> list[int]:
+        """``future``'s result while passes make progress; [] when none was made for ``timeout_s``."""
+        while True:
+            idle = time.monotonic() - self._progress
+            try:
+                return future.result(timeout=max(0.0, self.timeout_s - idle))
+            except FutureTimeout:
+                if time.monotonic() - self._progress >= self.timeout_s:
+                    log.warning(
+                        "kvtier fs store: no value could be removed under %s for %g s (the file system "
+                        "hangs?); the writes that found it full are not tried again",
+                        self.root,
+                        self.timeout_s,
+                    )
+                    return []
+            except Exception:  # cancelled by ``close``, or the pass failed (``_report`` logged it)
+                return []
+
+    def _count_and_evict(self) -> None:
+        """A pass of ``add``: count the directory's values, evict past the budget."""
+        with self._lock:
+            self._added = 0
+        values = self.scan()
+        used = sum(v.size for v in values)
+        if used > self.max_bytes:
+            used = self.evict(values, int(self.max_bytes * EVICT_TO))
+        with self._lock:
+            self._used = used + self._added
+
+    def _room_for(self, sizes: list[int], quota_spent: bool) -> list[int]:
+        """A pass of ``make_room``."""
+        with self._lock:
+            self._added = 0
+        values = self.scan()
+        present = sum(v.size for v in values)
+        free, block = _space(self.root)
+        room = sum(_in_blocks(v.size, block) for v in values) + (0 if quota_spent else free)
+        taken: list[int] = []
+        needed = held = 0  # the taken writes' bytes, and the blocks they take
+        for i in sorted(range(len(sizes)), key=sizes.__getitem__):
+            blocks = _in_blocks(sizes[i], block)
+            if held + blocks > room:
+                break
+            taken.append(i)
+            needed += sizes[i]
+            held += blocks
+        if taken:
+            left = self.evict(values, max(0, min(int(present * EVICT_TO), present - needed)))
+            with self._lock:
+                self._used = left + self._added
+        return sorted(taken)
 
     def scan(self) -> list[_Value]:
         """Every value file under the root; temporary files older than ``STALE_TEMP_S`` are removed."""
         values = []
         stale_before = time.time_ns() - int(STALE_TEMP_S * 1e9)
         for leaf in self._leaf_dirs():
+            if self._closed:
+                break  # (a pass cut short by ``close``: what it found so far)
+            self._progress = time.monotonic()
             for entry in _entries(leaf):
                 try:
                     st = entry.stat(follow_symlinks=False)
@@ -133,8 +234,9 @@ class StoreBudget:
         removed = 0
         emptied: set[str] = set()  # leaf directories a value was removed from
         for value in values:
-            if left <= target:
+            if left <= target or self._closed:
                 break
+            self._progress = time.monotonic()
             try:
                 if os.stat(value.path).st_mtime_ns != value.mtime_ns:
                     continue  # read or rewritten since the scan: recently used after all
@@ -163,6 +265,10 @@ class StoreBudget:
         for top in _entries(self.root):
             if _is_fan_out(top):
                 yield from (leaf.path for leaf in _entries(top.path) if _is_fan_out(leaf))
+
+
+def _nothing() -> None:
+    """A call that marks its place in the passes' queue (``StoreBudget.wait``)."""
 
 
 def _entries(path: str | Path) -> list[os.DirEntry]:

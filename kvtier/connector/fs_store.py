@@ -15,13 +15,15 @@ Values are framed by ``block_codec`` and verified on every read. There is no fsy
 a cache, and a value torn by a power loss fails its checksum and reads as a miss.
 
 The directory holds at most about ``max_bytes`` of values (default ``DEFAULT_MAX_BYTES``, 64 GiB):
-past it the least recently used values are removed (``kvtier.connector.fs_budget``). A value's last use is its
+past it a pass on a thread of its own removes the least recently used values
+(``kvtier.connector.fs_budget``; ``wait_for_budget`` waits for it). A value's last use is its
 file's modification time: set by the write, refreshed by every read and every ``contains_many``
 hit. Removal is an ``unlink``, so a reader in another process that has the file open still reads
 the whole value and a later one misses: never a torn value. A file system that fills before the
 budget does (writes fail with ``ENOSPC`` or ``EDQUOT``) also has its least recently used values
-removed, to make room for the writes that failed, which are tried once more; a value that could
-not fit even in an emptied store removes nothing and is not stored.
+removed, to make room for the writes that failed, which are tried once more (the write waits for
+that pass while it makes progress); a value that could not fit even in an emptied store removes
+nothing and is not stored.
 
 Everything the store creates is private to the user: directories 0700, files 0600, set exactly
 whatever the umask (a directory that already exists is left as it is).
@@ -38,8 +40,7 @@ nothing for ``timeout_s``, answers misses (failures, for puts). Its pool's threa
 the hung I/O (``DaemonPool.abandon``; past ``MAX_HUNG_THREADS`` of a pool still alive, no call
 of that pool tries), and the store backs off (``store_health``): for ``retry_after_s`` calls answer at once,
 without touching the file system. ``close`` waits for a hung thread ``2 * timeout_s`` at most.
-Still on the calling thread, unbounded: making the directory at construction, and the budget's
-eviction scans after writes.
+Still on the calling thread, unbounded: making the directory at construction.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class FileSystemStore:
             _make_private_dirs(self.root)
         except OSError as exc:
             log.warning("kvtier fs store: cannot create %s (%s); every put will fail", self.root, exc)
-        self._budget = StoreBudget(self.root, max_bytes)
+        self._budget = StoreBudget(self.root, max_bytes, self.timeout_s)
         # daemon threads: the interpreter's exit never waits for a read hung on a dead network mount;
         # reads and writes apart: a save never queues behind such a read
         self._reads = DaemonPool(io_threads, "kvtier-fs-store-read")
@@ -163,8 +164,9 @@ class FileSystemStore:
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store each payload under its key, atomically; per item True if it was stored.
 
-        A value larger than the whole budget is not stored. Past the budget, or when the file system
-        is full, the least recently used values are evicted before this returns (on the calling thread).
+        A value larger than the whole budget is not stored. Past the budget, the least recently used
+        values are evicted in the background; when the file system is full, this waits for the
+        eviction (while it makes progress) and tries the failed writes once more.
         """
         items = list(items)
         keys = check_keys([key for key, _ in items])
@@ -216,8 +218,13 @@ class FileSystemStore:
         if failed:
             self._failures["delete"](f"{len(failed)} deletes failed: {failed[0]}")
 
+    def wait_for_budget(self, timeout_s: float | None = None) -> bool:
+        """Wait until the budget's eviction passes started so far have ended (the directory is then
+        within the budget, as far as this process knows); False after ``timeout_s`` (None: no limit)."""
+        return self._budget.wait(timeout_s)
+
     def close(self) -> None:
-        """Stop the I/O threads. Idempotent."""
+        """Stop the I/O threads (an eviction pass between two files). Idempotent."""
         for failures in self._failures.values():
             failures.flush()
         if not self._closed:
@@ -227,6 +234,7 @@ class FileSystemStore:
             deadline = time.monotonic() + 2 * self.timeout_s
             for pool in (self._reads, self._writes, self._checks):
                 pool.shutdown(wait=True, timeout=max(0.0, deadline - time.monotonic()))
+            self._budget.close(timeout_s=max(0.0, deadline - time.monotonic()))
 
     def _io(self, op: str, pool: DaemonPool, fn: Callable[..., T], *iterables: Iterable[Any]) -> list[T] | None:
         """``[fn(*args) for args in zip(*iterables)]`` on ``pool``'s threads, or None when the file
