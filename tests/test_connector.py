@@ -474,9 +474,9 @@ class SavesLate(LoadsLate):
         super().__init__(path, save_policy="priority>=10")
         self.gate = threading.Event()
 
-    def _save(self, todo, written) -> None:
+    def _save_batch(self, saves) -> None:
         self.gate.wait(timeout=30)
-        super()._save(todo, written)
+        super()._save_batch(saves)
 
 
 def test_the_save_of_a_request_whose_load_was_given_up_keeps_its_pages_past_the_loads_report(
@@ -805,9 +805,9 @@ class LoadsAfterAWhile(HoldsReports):
         super().__init__(path)
         self.asked: dict[int, float] = {}
 
-    def _save(self, todo, written) -> None:
+    def _save_batch(self, saves) -> None:
         time.sleep(0.05)
-        super()._save(todo, written)
+        super()._save_batch(saves)
 
     def ready(self, request_id: int) -> bool:
         now = time.monotonic()
@@ -1388,3 +1388,39 @@ def test_lower_tiers_keep_working_with_a_connector(llama, tmp_path):
         stats = eng.cache_manager.stats()
         assert stats.demotions > 0 and stats.hit_tokens["host"] > 0
         eng.cache_manager.check_invariants()
+
+
+class SlowWritesStore(FileSystemStore):
+    """A real filesystem store whose writes answer 0.2 s late (a distant store); ``puts`` lists the
+    keys of each write call."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.puts: list[list[str]] = []
+
+    def put_many(self, items):
+        items = list(items)
+        self.puts.append([key for key, _ in items])
+        time.sleep(0.2)
+        return super().put_many(items)
+
+
+def test_saves_of_requests_that_finish_together_are_written_in_batches(llama, tmp_path):
+    """Eight requests sharing a two-block prefix finish in one step over a store 0.2 s away: their
+    saves are written in a few calls, not one each, the shared blocks once, and every block reads
+    back for a new engine. Before, each request's save made its own calls (a store 0.4 s away: 16
+    requests took 6.5 s, of which about 4 s of saves)."""
+    shared = prompts_for(llama, [32], seed=41)[0]
+    prompts = [shared + tail for tail in prompts_for(llama, [40] * 8, seed=42)]
+    store = SlowWritesStore(tmp_path)
+    connector = StoreConnector(store)
+    with engine(llama, 400, connector) as eng:
+        check_against_oracle(llama, prompts, eng.generate(prompts, SamplingParams(max_tokens=1)), 1)
+    written = [key for call in store.puts for key in call]
+    assert len(store.puts) < len(prompts)
+    assert len(written) == len(set(written)) == 2 + 8 * 2  # (72 tokens: four full blocks a prompt)
+    assert connector.stats().saved_pages == len(written)
+    with engine(llama, 400, FileSystemConnector(tmp_path)) as warm:
+        outs = warm.generate(prompts, SamplingParams(max_tokens=1))
+        check_against_oracle(llama, prompts, outs, 1)
+        assert [out.reused_tokens_by_tier.get("connector", 0) for out in outs] == [64] * len(prompts)

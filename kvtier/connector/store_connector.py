@@ -19,10 +19,11 @@
   staging buffer that the connector keeps across steps (grown when a step needs more).
 - Save: ``request_finished`` lists the request's full blocks that the save policy wants
   (``SavePolicy``: default all), less those its ask read intact from the store, and returns
-  True; a save thread (``SAVE_THREADS`` of them, so a distant store's round trips overlap) asks
-  the store which of them it lacks (not those the ask found missing), copies those pages out and
-  writes them; ``get_finished`` reports the request once that is done, and only then does the
-  engine release its pages. (So a store's round trips at a request's end never stall the
+  True; a save thread (``SAVE_THREADS`` of them, so a distant store's round trips overlap) takes
+  the saves queued by then as one batch (``kvtier.connector.save_batches``), asks the store which
+  of their blocks it lacks (not those the asks found missing), copies those pages out and writes
+  them in one call; ``get_finished`` reports each request once its batch is written, and only
+  then does the engine release its pages. (So a store's round trips at a request's end never stall the
   engine's thread, and a prompt served whole by a synchronous load costs no save at all.)
 - A store call on the engine's thread (an ask's existence check, a fetch with
   ``load_async=False``) that takes ``SLOW_CALL_S`` or more is logged (rate-limited WARNING, the
@@ -59,6 +60,7 @@ from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, IO_TIMEOUT_S, FileSyste
 from kvtier.connector.fs_store import RETRY_AFTER_S as FS_RETRY_AFTER_S
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RETRY_AFTER_S, SOCKET_TIMEOUT_S, RedisStore
+from kvtier.connector.save_batches import Save, SaveBatches
 from kvtier.connector.save_policy import PrefixSightings, SavePolicy
 from kvtier.connector.store import BlockStore
 from kvtier.connector.store_speed import StoreSpeed
@@ -146,8 +148,9 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._failed_reported: set[int] = set()  # failed loads reported finished, for ``get_failed_loads``
         self._reported: set[int] = set()  # loads reported finished that the engine still asks about
         self._saves: dict[int, Future] = {}
-        self._save_pool = DaemonPool(
-            SAVE_THREADS, "kvtier-connector-save"
+        self._writing: set[str] = set()  # keys a save batch is writing now
+        self._save_batches = SaveBatches(
+            SAVE_THREADS, "kvtier-connector-save", self._save_batch
         )  # waited for by close (and at exit, bounded)
         self._fetch_pool = DaemonPool(2, "kvtier-connector-fetch")  # the exit never waits for a hung read
         self._fetches: set[Future] = set()  # fetches not over yet
@@ -390,7 +393,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             return False
         chain = block_chain(request.all_token_ids, request.scope, tpb, full)
         wanted = self._blocks_to_save(request, chain)
-        pages, skipped = [], 0
+        pages, skipped, nbytes = [], 0, 0
         for g in (g for g in layout.groups if g.kind is not GroupKind.RECURRENT):
             slots = block_ids_by_layer_group[g.group_id]
             for b in range(full):
@@ -402,12 +405,13 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
                 key = keyspace.key(request.scope, chain[b], g.group_id)
                 if not asked.get(key, False):  # (one the ask read intact is not written again)
                     pages.append((key, g.group_id, slots[b], key in asked))
+                    nbytes += self._page_bytes(g.group_id)
         self._counters.add(skipped_pages=skipped)
         if not pages:
             return False
         written = self._written_event(layout)
         with self._lock:
-            self._saves[request.request_id] = self._save_pool.submit(self._save, pages, written)
+            self._saves[request.request_id] = self._save_batches.submit(pages, written, nbytes)
         return True
 
     def _timed_fetch(self, keys: list[str], sizes: list[int]) -> list[bytes | None]:
@@ -457,17 +461,36 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             return [False] * len(chain)
         return [True] * len(chain) if seen is None else [n >= policy.min_seen for n in seen]
 
-    def _save(self, pages: list[tuple[str, int, int, bool]], written: torch.cuda.Event | None) -> None:
-        """Of ``pages`` (key, group, slot, whether the ask found it missing), those the store lacks
-        (asked now of the others): copy them out of the cache (the engine keeps them locked
-        meanwhile), once the forwards that wrote them are done (``written``), and write them."""
-        unknown = [key for key, _, _, missing in pages if not missing]
+    def _save_batch(self, saves: list[Save]) -> None:
+        """Of the saves' pages (a key several hold, once), those the store lacks (asked now of those
+        no ask found missing): copy them out of the cache (the engine keeps them locked meanwhile),
+        once the forwards that wrote them are done (``written``), and write them in one call."""
+        pages: dict[str, tuple[int, int, bool]] = {}
+        for save in saves:
+            for key, group, slot, missing in save.pages:
+                known = pages.get(key)
+                if known is None or (missing and not known[2]):
+                    pages[key] = (group, slot, missing)
+        with self._lock:  # keys another batch is writing now are left to it
+            for key in self._writing.intersection(pages):
+                del pages[key]
+            self._writing.update(pages)
+        try:
+            self._write_missing(pages, [save.written for save in saves if save.written is not None])
+        finally:
+            with self._lock:
+                self._writing.difference_update(pages)
+
+    def _write_missing(self, pages: dict[str, tuple[int, int, bool]], written: list[torch.cuda.Event]) -> None:
+        """``_save_batch`` for its pages by key (group, slot, whether an ask found the key missing),
+        once the events ``written`` are done."""
+        unknown = [key for key, (_, _, missing) in pages.items() if not missing]
         have = dict(zip(unknown, self.store.contains_many(unknown), strict=True)) if unknown else {}
-        todo = [(key, group, slot) for key, group, slot, _ in pages if not have.get(key, False)]
+        todo = [(key, group, slot) for key, (group, slot, _) in pages.items() if not have.get(key, False)]
         if not todo:
             return
-        if written is not None:
-            written.synchronize()
+        for event in written:
+            event.synchronize()
         items = []
         for key, group, slot in todo:
             page = self._group(group).regions[0].as_tensor()[slot]
@@ -518,7 +541,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         read holds that thread, never the caller)."""
         self._closed = True
         self._fetch_pool.shutdown()
-        self._save_pool.shutdown(wait=True)
+        self._save_batches.shutdown()
         self._slow_calls.flush()
         running = [fetch for fetch in list(self._fetches) if not fetch.done()]
         if running:
