@@ -3,6 +3,8 @@ holds, checked without a file lookup per block for a prompt the store has never 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -86,3 +88,32 @@ def test_a_store_url_of_another_scheme_is_refused_without_its_password():
     with pytest.raises(ValueError, match="must start with one of") as refused:
         open_store("redis+tls://kv:s3cret@cache:6379/0")
     assert "s3cret" not in str(refused.value) and "kv:***@cache" in str(refused.value)
+
+
+class SlowStore(CountingStore):
+    """A real shared-directory store whose checks and reads answer 50 ms late (a distant store)."""
+
+    def contains_many(self, keys):
+        time.sleep(0.05)
+        return super().contains_many(keys)
+
+    def get_many(self, keys, expected_sizes=None):
+        time.sleep(0.05)
+        return super().get_many(keys, expected_sizes)
+
+
+def test_checks_and_fetches_are_timed_and_weighed_against_recomputing(tmp_path):
+    store = SlowStore(str(tmp_path / "store"))
+    hosts = [torch.randint(1, 255, (8 * page,), dtype=torch.uint8) for page in PAGES]
+    tier = StoreTier(store, BlockKeyspace("ab12", TPB), hosts, PAGES)
+    chain = BlockChain(ReuseScope())
+    keys = chain.upto(list(range(1, 8 * TPB + 1)), TPB, 8)
+    tier.put(chain, keys, [np.arange(8, dtype=np.int64)] * len(PAGES)).result()
+    assert not tier.faster_to_recompute(8, TPB, 1e6)  # nothing timed yet: asked
+    assert tier.present(chain, keys) == 8
+    assert not tier.faster_to_recompute(8, TPB, 1e6)  # a check timed, no fetch yet
+    assert len(tier.fetch(chain, keys).result()) == 8
+    assert tier.faster_to_recompute(8, TPB, 1e6)  # 32 tokens in 32 us against about 0.1 s
+    assert not tier.faster_to_recompute(8, TPB, 10.0)  # 3.2 s to recompute: asked
+    assert not tier.faster_to_recompute(8, TPB, None)  # no rate: asked
+    tier.close()

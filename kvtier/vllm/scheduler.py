@@ -144,6 +144,7 @@ class KVTierScheduler:
             rate = self.manager.remembered_prefill_rate
         if rate is not None:
             self.manager.set_prefill_rate(rate)
+        self._prefill_rate = rate  # what the disk and the store are weighed against (None: not weighed)
         self._leases: dict[str, Lease] = {}
         self._requests: dict[str, Request] = {}
         self._jobs: dict[int, tuple[Lease | None, Direction]] = {}
@@ -192,7 +193,14 @@ class KVTierScheduler:
                 if bound is not None:
                     limit = min(limit, bound // self._tpb)
                 keys = chain.upto(tokens, self._tpb, limit)[lease.matched // self._tpb :]
-                lease.store_blocks = self._store.present(chain, keys)
+                if keys and self._store.faster_to_recompute(len(keys), self._tpb, self._prefill_rate):
+                    log.debug(
+                        "kvtier.vllm: request %s: %d tokens past the local match recomputed without asking the "
+                        "store (its check and fetch are expected to take longer at %.0f tokens/s)",
+                        rid, len(keys) * self._tpb, self._prefill_rate,
+                    )  # fmt: skip
+                else:
+                    lease.store_blocks = self._store.present(chain, keys)
                 if lease.matched + lease.store_blocks * self._tpb <= num_computed_tokens:
                     lease.store_blocks = 0  # vLLM has them itself: not worth a wait
                 if lease.store_blocks:
@@ -442,6 +450,7 @@ class KVTierScheduler:
             return
         if self._measure_prefill and worker_meta.prefill_rate is not None:
             self.manager.set_prefill_rate(worker_meta.prefill_rate)
+            self._prefill_rate = worker_meta.prefill_rate
         for job_id, ok in worker_meta.done.items():
             lease, direction = self._jobs.pop(job_id, (None, Direction.LOAD))
             if lease is None:

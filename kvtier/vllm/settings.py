@@ -25,7 +25,10 @@ Keys of ``kv_connector_extra_config``:
   followed by the next while each brings more.
 - ``recompute_when_faster`` (bool, default False): a request reads from disk only the blocks whose
   read (at the disk's speed, measured on the connector's own reads and kept in the disk directory
-  across restarts) beats recomputing them, and recomputes the rest without waiting for the disk.
+  across restarts) beats recomputing them, and recomputes the rest without waiting for the disk;
+  with a store (``store_url``), a prompt whose existence check and fetch (timed on the store's
+  own calls) are expected to take longer than recomputing what the store could give is not asked
+  for (a DEBUG line; one ask is still made 10 s after the store's last timed call).
   Off, every cached block is read: a wait costs only the request, a recompute costs every request
   the GPU's time.
 - ``prefill_tokens_per_s`` (float > 0 or None, default None): the prefill rate to weigh with. None:

@@ -7,7 +7,9 @@ checksums every value (``kvtier.connector.store``): a missing, damaged or foreig
 miss, and a store that is down, slow or full answers misses within its timeout, never raises.
 
 - ``present``: how many consecutive blocks the store holds whole: a batched existence check of
-  the first ``FIRST_PROBE`` blocks, then, if the store holds them all, one of the rest. A prompt
+  the first ``FIRST_PROBE`` blocks, then, if the store holds them all, one of the rest. Checks and
+  fetches are timed (``StoreSpeed``): ``faster_to_recompute`` tells when asking the store for a
+  prefix is expected to take longer than recomputing it. A prompt
   the store has never seen (most of them) costs one small check, not one per block: on a shared
   directory each check is a file's metadata round trip (a network one over NFS).
 - ``fetch``: the verified payloads of blocks, read on a background thread; the run stops at the
@@ -20,6 +22,7 @@ miss, and a store that is down, slow or full answers misses within its timeout, 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlparse
@@ -33,6 +36,7 @@ from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RedisStore
 from kvtier.connector.redis_urls import redact_url
 from kvtier.connector.store import BlockStore
+from kvtier.connector.store_speed import StoreSpeed
 from kvtier.reuse.block_keys import chain_from, scope_key
 
 REDIS_SCHEMES = ("redis", "rediss", "redis-cluster", "redis-sentinel")
@@ -102,11 +106,18 @@ class StoreTier:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-read")
         self._placer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-place")
+        self.speed = StoreSpeed()
 
     def keys(self, chain: BlockChain, blocks: Sequence[bytes]) -> list[str]:
         """Per block, per group, the store key (block-major)."""
         groups = range(len(self._page_bytes))
         return [self.keyspace.key(chain.scope, key, g) for key in blocks for g in groups]
+
+    def faster_to_recompute(self, blocks: int, tokens_per_block: int, prefill_tokens_per_s: float | None) -> bool:
+        """Whether recomputing ``blocks`` blocks at ``prefill_tokens_per_s`` is expected to beat checking
+        and fetching them (``StoreSpeed.faster_to_recompute``; False while either is unknown)."""
+        nbytes = blocks * sum(self._page_bytes)
+        return self.speed.faster_to_recompute(blocks * tokens_per_block, nbytes, prefill_tokens_per_s)
 
     def present(self, chain: BlockChain, blocks: Sequence[bytes]) -> int:
         """How many of ``blocks``, from the first, the store holds for every group (the first
@@ -120,7 +131,9 @@ class StoreTier:
         """How many of ``blocks``, from the first, the store holds for every group: one batched check."""
         if not blocks:
             return 0
+        start = time.perf_counter()
         found = self.store.contains_many(self.keys(chain, blocks))
+        self.speed.checked(time.perf_counter() - start)
         per_block = np.array(found, dtype=bool).reshape(len(blocks), -1).all(axis=1)
         return len(blocks) if per_block.all() else int(np.argmin(per_block))
 
@@ -133,7 +146,9 @@ class StoreTier:
         return self._reader.submit(self._read, self.keys(chain, blocks), sizes, groups)
 
     def _read(self, keys: list[str], sizes: list[int], groups: int) -> list[list[bytes]]:
+        start = time.perf_counter()
         payloads = self.store.get_many(keys, sizes)
+        self.speed.fetched(time.perf_counter() - start, sum(sizes))
         run: list[list[bytes]] = []
         for i in range(0, len(payloads), groups):
             row = payloads[i : i + groups]

@@ -28,8 +28,8 @@ from tests.vllm.harness import BLOCK, Engine, MiB, attention_spec, kv_cache_conf
 _created: list[Engine] = []
 
 
-def engine(tmp_path: Path, store_url: str, name: str) -> Engine:
-    config = vllm_config(tmp_path, {"host_bytes": 4 * MiB, "store_url": store_url}, name="model")
+def engine(tmp_path: Path, store_url: str, name: str, **extra) -> Engine:
+    config = vllm_config(tmp_path, {"host_bytes": 4 * MiB, "store_url": store_url, **extra}, name="model")
     config.kv_transfer_config.engine_id = name
     e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 64))
     _created.append(e)
@@ -134,6 +134,40 @@ def test_a_request_for_prompt_logprobs_asks_the_store_nothing(tmp_path, file_url
     assert first_computed(second, "r3") == 112 and asked  # r2's own blocks went to host memory
     second.assert_no_leaks()
     second.shutdown()
+
+
+def test_recompute_when_faster_stops_asking_a_store_slower_than_recomputing(tmp_path, file_url, monkeypatch):
+    """With ``recompute_when_faster`` and a fast prefill: once a check and a fetch of a store 0.2 s
+    away were timed, a prompt the store holds is recomputed without asking it (no check on vLLM's
+    scheduler thread). Before, every new prompt's ask paid the store's round trip there."""
+    first, second_prompt = prompt(24, 120), prompt(25, 120)
+    save_through(tmp_path, file_url, first)
+    save_through(tmp_path, file_url, second_prompt)
+    asked = []
+    present = StoreTier.present
+
+    def slow(self, chain, keys):
+        asked.append(len(keys))
+        time.sleep(0.2)
+        return present(self, chain, keys)
+
+    read = StoreTier._read
+
+    def slow_read(self, keys, sizes, groups):
+        time.sleep(0.2)
+        return read(self, keys, sizes, groups)
+
+    monkeypatch.setattr(StoreTier, "present", slow)
+    monkeypatch.setattr(StoreTier, "_read", slow_read)
+    e = engine(tmp_path, file_url, "weighed", recompute_when_faster=True, prefill_tokens_per_s=1e6)
+    e.add("r1", [*first, 1], max_tokens=2)
+    e.run()
+    assert first_computed(e, "r1") == 112 and len(asked) == 1  # unknown speed: asked, loaded
+    e.add("r2", [*second_prompt, 1], max_tokens=2)
+    e.run()
+    assert first_computed(e, "r2") == 0 and len(asked) == 1  # 112 tokens recompute in 0.1 ms
+    e.assert_no_leaks()
+    e.shutdown()
 
 
 def test_a_fetch_from_the_store_runs_while_the_others_do(tmp_path, file_url, monkeypatch):
