@@ -194,13 +194,15 @@ def test_a_full_file_system_whose_scan_hangs_fails_the_writes_in_bounded_time(tm
 
 
 def test_close_stops_a_pass_between_two_directories(tmp_path, monkeypatch):
-    store = FileSystemStore(tmp_path, max_bytes=10 * VALUE_BYTES)
+    """``close`` lets a pass run until its deadline (``2 * timeout_s``), then stops it between two
+    directories; a whole scan here takes about 6 s."""
+    store = FileSystemStore(tmp_path, max_bytes=10 * VALUE_BYTES, timeout_s=0.3)
     assert put(store, [(f"a/{i}", page_for(f"a/{i}")) for i in range(8)]) == [True] * 8
     slow_listing(monkeypatch, 0.2)
     assert store.put_many([(f"b/{i}", page_for(f"b/{i}")) for i in range(8)]) == [True] * 8
     started = time.monotonic()
     store.close()
-    assert time.monotonic() - started < 1.5  # (a whole scan: about 30 listings, 6 s)
+    assert time.monotonic() - started < 1.5
 
 
 def test_reads_and_lookups_keep_a_value(tmp_path):

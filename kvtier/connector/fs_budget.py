@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,10 +63,13 @@ class StoreBudget:
     Passes run on a thread of their own, one at a time, never on a writer's: a scan of a large
     directory takes about a second per 200,000 values on a local disk, far more over a network,
     and a writer (a save ``generate`` waits for) would wait for it. ``add`` starts a pass and
-    returns at once. ``make_room`` waits for its pass while passes make progress (a directory
-    scanned or a value removed at least every ``timeout_s``), else answers that no room was made:
-    a pass on a file system that hangs holds only its thread, and no other pass starts behind it
-    until it ends. ``close`` stops a pass between two files.
+    returns at once (it waits only for writes that outpace the passes). ``make_room`` waits for its
+    pass while passes make progress (a directory scanned or a value removed at least every
+    ``timeout_s``), else answers that no room was made: a pass on a file system that hangs holds
+    only its thread, and no other pass starts behind it until it ends. ``close`` lets the passes
+    started end (within its timeout), then stops one between two files. A process that exits
+    without ``close`` may leave its last pass undone: the directory stays over the budget by what it
+    wrote since its last pass (at most about ``1 - EVICT_TO`` of it) until another writer's pass.
     """
 
     def __init__(self, root: Path, max_bytes: int, timeout_s: float = PROGRESS_TIMEOUT_S) -> None:
@@ -79,21 +82,29 @@ class StoreBudget:
         self._worker = DaemonPool(1, "kvtier-fs-store-budget")
         self._counting: Future | None = None  # the last pass ``add`` started
         self._making_room: Future | None = None  # the last pass ``make_room`` started
+        self._given_up: Future | None = None  # a pass ``add`` waited for in vain (it is not waited for again)
         self._progress = time.monotonic()  # when a pass last scanned a directory or removed a value
         self._closed = False
 
     def add(self, written: int) -> None:
         """Count ``written`` new bytes; past the budget (or before the first count), start a pass
-        unless one runs. Never waits for I/O."""
+        unless one runs. Waits only when the estimate is more than ``1 - EVICT_TO`` of the budget
+        over it while a pass runs (writes outpacing the passes): for that pass, while it makes
+        progress (not again for a pass given up on)."""
         if not written:
             return
         with self._lock:
             self._added += written
             if self._used is not None:
                 self._used += written
+            running = self._counting
             over = self._used is None or self._used > self.max_bytes
-            if over and (self._counting is None or self._counting.done()):
+            if over and (running is None or running.done()):
                 self._counting = self._start(self._count_and_evict)
+                return
+            far_over = self._used is not None and self._used > self.max_bytes * (2 - EVICT_TO)
+        if far_over and running is not None and running is not self._given_up and not self._ended(running):
+            self._given_up = running
 
     def make_room(self, sizes: list[int], quota_spent: bool = False) -> list[int]:
         """After writes of ``sizes`` bytes each found no space: the indices, ascending, of those that
@@ -109,7 +120,12 @@ class StoreBudget:
             if self._making_room is not None and not self._making_room.done():
                 return []  # an earlier pass still runs: it was given up on, its file system hangs
             future = self._making_room = self._start(self._room_for, sizes, quota_spent)
-        return [] if future is None else self._wait(future)
+        if future is None or not self._ended(future):
+            return []
+        try:
+            return future.result()
+        except Exception:  # cancelled by ``close``, or the pass failed (``_report`` logged it)
+            return []
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until the passes started so far have ended; False after ``timeout_s`` (None: no limit)."""
@@ -125,9 +141,10 @@ class StoreBudget:
         return True
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Stop the running pass between two files and take no more; wait for its thread at most ``timeout_s``."""
-        self._closed = True
+        """Take no more passes; let those started end within ``timeout_s`` (None: no limit), then
+        stop one still running between two files."""
         self._worker.shutdown(wait=True, timeout=timeout_s)
+        self._closed = True
 
     def _start(self, fn: Callable[..., Any], *args: Any) -> Future | None:
         """``fn(*args)`` queued on the passes' thread (the caller holds the lock), or None once closed."""
@@ -147,23 +164,24 @@ class StoreBudget:
         if not future.cancelled() and future.exception() is not None:
             log.warning("kvtier fs store: an eviction pass under %s failed: %r", self.root, future.exception())
 
-    def _wait(self, future: Future) -> list[int]:
-        """``future``'s result while passes make progress; [] when none was made for ``timeout_s``."""
+    def _ended(self, future: Future) -> bool:
+        """Wait for a pass while passes make progress; False (and a WARNING) once none was made for ``timeout_s``."""
         while True:
             idle = time.monotonic() - self._progress
             try:
-                return future.result(timeout=max(0.0, self.timeout_s - idle))
+                future.exception(timeout=max(0.0, self.timeout_s - idle))
+                return True
             except FutureTimeout:
                 if time.monotonic() - self._progress >= self.timeout_s:
                     log.warning(
-                        "kvtier fs store: no value could be removed under %s for %g s (the file system "
-                        "hangs?); the writes that found it full are not tried again",
+                        "kvtier fs store: an eviction pass under %s made no progress for %g s (the file "
+                        "system hangs?); writes go on without it (those that found the disk full fail)",
                         self.root,
                         self.timeout_s,
                     )
-                    return []
-            except Exception:  # cancelled by ``close``, or the pass failed (``_report`` logged it)
-                return []
+                    return False
+            except CancelledError:
+                return True
 
     def _count_and_evict(self) -> None:
         """A pass of ``add``: count the directory's values, evict past the budget."""
