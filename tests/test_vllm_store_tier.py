@@ -117,3 +117,45 @@ def test_checks_and_fetches_are_timed_and_weighed_against_recomputing(tmp_path):
     assert not tier.faster_to_recompute(8, TPB, 10.0)  # 3.2 s to recompute: asked
     assert not tier.faster_to_recompute(8, TPB, None)  # no rate: asked
     tier.close()
+
+
+class SlowWritesStore(CountingStore):
+    """A real shared-directory store whose writes answer 0.2 s late; ``writes`` counts its write calls."""
+
+    writes = 0
+
+    def put_many(self, items):
+        self.writes += 1
+        time.sleep(0.2)
+        return super().put_many(items)
+
+
+def test_puts_queued_behind_a_write_go_together_in_the_next(tmp_path):
+    """Six requests' write-throughs queued at once cost one or two writes, not six (the block they
+    all share is written once), and every page reads back. Before, each put
+    made its own check and write, one after the other: over a distant store they piled up, each
+    holding its host pages."""
+    store = SlowWritesStore(str(tmp_path / "store"))
+    hosts = [torch.randint(1, 255, (16 * page,), dtype=torch.uint8) for page in PAGES]
+    tier = StoreTier(store, BlockKeyspace("ab12", TPB), hosts, PAGES)
+    rng = np.random.default_rng(6)
+    shared = rng.integers(1, 50_000, TPB).tolist()
+    chains, keys = [], []
+    for _ in range(6):
+        chain = BlockChain(ReuseScope())
+        chains.append(chain)
+        keys.append(chain.upto(shared + rng.integers(1, 50_000, TPB).tolist(), TPB, 2))
+    slots = [[np.array([0, 1 + r], dtype=np.int64)] * len(PAGES) for r in range(6)]
+    futures = [tier.put(chain, k, s) for chain, k, s in zip(chains, keys, slots, strict=True)]
+    for future in futures:
+        future.result()
+    assert store.writes <= 2
+    fetched = [tier.fetch(chain, k).result() for chain, k in zip(chains, keys, strict=True)]
+    for r, run in enumerate(fetched):
+        assert len(run) == 2
+        for b, row in enumerate(run):
+            for g, page in enumerate(PAGES):
+                slot = int(slots[r][g][b])
+                assert row[g] == hosts[g][slot * page : (slot + 1) * page].numpy().tobytes()
+    assert len(list((tmp_path / "store").rglob("*.page"))) == (1 + 6) * len(PAGES)
+    tier.close()

@@ -1,8 +1,8 @@
-"""Saves of finished requests, written to a store in batches.
+"""Saves of pages to a store (a finished request's, a vLLM write-through), written in batches.
 
 A store call costs a round trip whatever it carries: over a distant store (a Redis 0.4 s away)
 sixteen requests' saves of one check and one write each took seconds, request after request.
-Here a finished request queues its save, and a save thread that becomes free takes every save
+Here each save is queued, and a save thread that becomes free takes every save
 queued by then (up to ``MAX_BATCH_BYTES`` of pages, at least one save) and hands them to
 ``write`` as one batch: one existence check and one write for all of them, a block that several
 requests share written once. While a batch is in flight the next ones gather, so the saves of a
@@ -28,9 +28,9 @@ MAX_BATCH_BYTES: Final = 256 << 20  # pages a batch copies out of the cache at m
 
 @dataclass(slots=True)
 class Save:
-    """One finished request's pages to save, as ``(key, group, slot, missing)`` (``missing``: its ask
+    """One request's pages to save, as ``(key, group, slot, missing)`` (``missing``: its ask
     found the key missing from the store), the event after the forwards that wrote them (None off
-    CUDA), their bytes, and the future ``get_finished`` waits on."""
+    CUDA), their bytes, and the future its caller waits on."""
 
     pages: list[tuple[str, int, int, bool]]
     written: Any

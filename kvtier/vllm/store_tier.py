@@ -16,7 +16,9 @@ miss, and a store that is down, slow or full answers misses within its timeout, 
   first miss. ``place`` then writes them into host pages, on another background thread: the
   caller keeps the pages locked and reads nothing of them until the returned future is done.
 - ``put``: pages written on a background thread, skipping keys the store has; the caller keeps
-  the pages unchanged (locked) until the returned future is done.
+  the pages unchanged (locked) until the returned future is done. The puts queued while a write
+  is in flight go together in the next (``kvtier.connector.save_batches``): one existence check
+  and one write for all of them, so a distant store's round trips do not pile up per save.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvtier.connector.fs_store import FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
 from kvtier.connector.redis_store import RedisStore
 from kvtier.connector.redis_urls import redact_url
+from kvtier.connector.save_batches import Save, SaveBatches
 from kvtier.connector.store import BlockStore
 from kvtier.connector.store_speed import StoreSpeed
 from kvtier.reuse.block_keys import chain_from, scope_key
@@ -103,7 +106,7 @@ class StoreTier:
         self.keyspace = keyspace
         self._hosts = [buffer.numpy() for buffer in host_buffers]
         self._page_bytes = list(page_bytes)
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store")
+        self._writer = SaveBatches(1, "kvtier-vllm-store", self._write_batch)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-read")
         self._placer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-place")
         self.speed = StoreSpeed()
@@ -170,15 +173,16 @@ class StoreTier:
 
     def put(self, chain: BlockChain, blocks: Sequence[bytes], slots: Sequence[np.ndarray]) -> Future:
         """Write host pages ``slots[g][i]`` under ``blocks``' keys, in the background (keys present are skipped)."""
-        keys = self.keys(chain, blocks)
-        groups = len(self._page_bytes)
-        pages = [(g, int(slots[g][i])) for i in range(len(blocks)) for g in range(groups)]
-        return self._writer.submit(self._write, keys, pages)
+        keys = iter(self.keys(chain, blocks))
+        groups = range(len(self._page_bytes))
+        pages = [(next(keys), g, int(slots[g][i]), False) for i in range(len(blocks)) for g in groups]
+        return self._writer.submit(pages, None, len(blocks) * sum(self._page_bytes))
 
-    def _write(self, keys: list[str], pages: list[tuple[int, int]]) -> None:
-        have = self.store.contains_many(keys)
+    def _write_batch(self, saves: list[Save]) -> None:
+        """The pages of the puts in ``saves`` (a key several hold, once) that the store lacks, in one write."""
+        pages = {key: (g, slot) for save in saves for key, g, slot, _ in save.pages}
         items = []
-        for key, (g, slot), present in zip(keys, pages, have, strict=True):
+        for (key, (g, slot)), present in zip(pages.items(), self.store.contains_many(list(pages)), strict=True):
             if not present:
                 page = self._page_bytes[g]
                 items.append((key, self._hosts[g][slot * page : (slot + 1) * page]))
@@ -189,5 +193,5 @@ class StoreTier:
         """Finish the reads, placements and writes in flight, then close the store."""
         self._reader.shutdown(wait=True)
         self._placer.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
+        self._writer.shutdown()
         self.store.close()
