@@ -205,6 +205,9 @@ def test_a_full_file_system_whose_scan_hangs_fails_the_writes_in_bounded_time(tm
     assert put(store, [(f"a/{i}", page_for(f"a/{i}")) for i in range(4)]) == [True] * 4
     gate = threading.Event()
     slow_listing(monkeypatch, 0.0, gate)
+    passes = []
+    room_for = StoreBudget._room_for
+    monkeypatch.setattr(StoreBudget, "_room_for", lambda self, *args: passes.append(1) or room_for(self, *args))
     try:
         started = time.monotonic()
         with caplog.at_level("WARNING", logger="kvtier.connector.fs_budget"):
@@ -212,7 +215,7 @@ def test_a_full_file_system_whose_scan_hangs_fails_the_writes_in_bounded_time(tm
         assert time.monotonic() - started < 3
         assert "hangs" in caplog.text
         started = time.monotonic()
-        assert store.put_many([("c", page_for("c"))]) == [False]  # the hung pass is not queued behind
+        assert store.put_many([("c", page_for("c"))]) == [False]
         assert time.monotonic() - started < 1
         assert not store.wait_for_budget(0.1)
         started = time.monotonic()
@@ -220,6 +223,34 @@ def test_a_full_file_system_whose_scan_hangs_fails_the_writes_in_bounded_time(tm
         assert time.monotonic() - started < 3
     finally:
         gate.set()
+    time.sleep(0.2)  # (a pass queued behind the hung one would run now)
+    assert passes == [1]  # no second pass was queued behind the hung one
+
+
+def test_writes_that_find_the_disk_full_at_once_each_get_their_room(tmp_path, monkeypatch):
+    """Two save threads' writes find the file system full at once while eviction passes take a
+    while: each waits for its own pass and is tried again. Before, the second caller got no room
+    (its writes failed) because the first one's pass was still running."""
+    disk = SmallDisk(tmp_path, 20 * VALUE_BYTES, errno.ENOSPC)
+    monkeypatch.setattr(fs_store, "open", disk.open, raising=False)
+    store = FileSystemStore(tmp_path)
+    assert put(store, [(f"old/{i}", page_for(f"old/{i}")) for i in range(20)]) == [True] * 20
+    slow_listing(monkeypatch, 0.02)
+    stored: dict[str, list[bool]] = {}
+
+    def write(name: str, delay: float) -> None:
+        time.sleep(delay)
+        stored[name] = store.put_many([(f"{name}/{i}", page_for(f"{name}/{i}")) for i in range(2)])
+
+    writers = [threading.Thread(target=write, args=args) for args in (("a", 0.0), ("b", 0.05))]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(30)
+    assert stored == {"a": [True, True], "b": [True, True]}
+    keys = [f"{name}/{i}" for name in "ab" for i in range(2)]
+    assert store.get_many(keys, [PAYLOAD] * 4) == [page_for(k).tobytes() for k in keys]
+    store.close()
 
 
 def test_close_stops_a_pass_between_two_directories(tmp_path, monkeypatch):
@@ -227,11 +258,22 @@ def test_close_stops_a_pass_between_two_directories(tmp_path, monkeypatch):
     directories; a whole scan here takes about 6 s."""
     store = FileSystemStore(tmp_path, max_bytes=10 * VALUE_BYTES, timeout_s=0.3)
     assert put(store, [(f"a/{i}", page_for(f"a/{i}")) for i in range(8)]) == [True] * 8
-    slow_listing(monkeypatch, 0.2)
+    listed: list[float] = []
+    entries = fs_budget._entries
+
+    def listing(path):
+        listed.append(time.monotonic())
+        time.sleep(0.2)
+        return entries(path)
+
+    monkeypatch.setattr(fs_budget, "_entries", listing)
     assert store.put_many([(f"b/{i}", page_for(f"b/{i}")) for i in range(8)]) == [True] * 8
     started = time.monotonic()
     store.close()
-    assert time.monotonic() - started < 1.5
+    closed = time.monotonic()
+    assert closed - started < 1.5
+    time.sleep(0.6)
+    assert [t for t in listed if t > closed] == []  # (the listing under way when it closed ends; no other starts)
 
 
 def test_reads_and_lookups_keep_a_value(tmp_path):

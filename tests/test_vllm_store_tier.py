@@ -3,7 +3,11 @@ holds, checked without a file lookup per block for a prompt the store has never 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -159,3 +163,31 @@ def test_puts_queued_behind_a_write_go_together_in_the_next(tmp_path):
                 assert row[g] == hosts[g][slot * page : (slot + 1) * page].numpy().tobytes()
     assert len(list((tmp_path / "store").rglob("*.page"))) == (1 + 6) * len(PAGES)
     tier.close()
+
+
+EXITS_WITHOUT_CLOSE = """
+import sys, time
+import numpy as np, torch
+from kvtier.config import ReuseScope
+from kvtier.connector.fs_store import FileSystemStore
+from kvtier.connector.keys import BlockKeyspace
+from kvtier.vllm.store_tier import BlockChain, StoreTier
+
+class SlowWrites(FileSystemStore):
+    def put_many(self, items):
+        time.sleep(0.3)
+        return super().put_many(items)
+
+tier = StoreTier(SlowWrites(sys.argv[1]), BlockKeyspace("ab12", 4), [torch.ones(4 * 64, dtype=torch.uint8)], [64])
+chain = BlockChain(ReuseScope())
+tier.put(chain, chain.upto(list(range(1, 17)), 4, 4), [np.arange(4, dtype=np.int64)])
+"""
+
+
+def test_a_process_that_exits_without_closing_still_writes_its_queued_puts(tmp_path):
+    """The writer is a daemon thread (an exit never hangs on a dead store), so the exit waits for the
+    puts queued (at most ``EXIT_WAIT_S``). Before, those writes were dropped."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_CLOSE, str(tmp_path)], env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert len(list(tmp_path.rglob("*.page"))) == 4

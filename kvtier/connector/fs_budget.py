@@ -81,8 +81,8 @@ class StoreBudget:
         self._added = 0  # bytes written since the running (or last) pass began
         self._worker = DaemonPool(1, "kvtier-fs-store-budget")
         self._counting: Future | None = None  # the last pass ``add`` started
-        self._making_room: Future | None = None  # the last pass ``make_room`` started
-        self._given_up: Future | None = None  # a pass ``add`` waited for in vain (it is not waited for again)
+        self._passes: list[Future] = []  # passes started and perhaps not ended
+        self._hung: Future | None = None  # a pass waited for in vain (not waited for again; none queued behind it)
         self._progress = time.monotonic()  # when a pass last scanned a directory or removed a value
         self._closed = False
 
@@ -103,24 +103,28 @@ class StoreBudget:
                 self._counting = self._start(self._count_and_evict)
                 return
             far_over = self._used is not None and self._used > self.max_bytes * (2 - EVICT_TO)
-        if far_over and running is not None and running is not self._given_up and not self._ended(running):
-            self._given_up = running
+        if far_over and running is not None and running is not self._hung and not self._ended(running):
+            self._hung = running
 
     def make_room(self, sizes: list[int], quota_spent: bool = False) -> list[int]:
         """After writes of ``sizes`` bytes each found no space: the indices, ascending, of those that
-        removing values made room for (none when the pass made no progress for ``timeout_s``, or an
-        earlier such pass has not ended), once the least recently used values are removed until at
+        removing values made room for (none when the passes made no progress for ``timeout_s``, or a
+        pass given up on so has not ended), once the least recently used values are removed until at
         most ``EVICT_TO`` of the value bytes there are left and at least those writes' bytes are gone.
+        Concurrent callers' passes run one after the other.
 
         The room is the blocks the values take plus the space the file system still has free, none
         when a quota is spent (``quota_spent``: a quota is not in ``statvfs``); writes are taken
         smallest first, in whole blocks, while they fit. A write that could not fit even in
         an emptied store removes nothing for itself."""
         with self._lock:
-            if self._making_room is not None and not self._making_room.done():
-                return []  # an earlier pass still runs: it was given up on, its file system hangs
-            future = self._making_room = self._start(self._room_for, sizes, quota_spent)
-        if future is None or not self._ended(future):
+            if self._hung is not None and not self._hung.done():
+                return []  # a pass given up on still runs: its file system hangs
+            future = self._start(self._room_for, sizes, quota_spent)
+        if future is None:
+            return []
+        if not self._ended(future):
+            self._hung = future
             return []
         try:
             return future.result()
@@ -150,13 +154,15 @@ class StoreBudget:
         """``fn(*args)`` queued on the passes' thread (the caller holds the lock), or None once closed."""
         if self._closed:
             return None
-        if all(f is None or f.done() for f in (self._counting, self._making_room)):
+        self._passes = [f for f in self._passes if not f.done()]
+        if not self._passes:
             self._progress = time.monotonic()  # nothing runs: the wait starts now
         try:
             future = self._worker.submit(fn, *args)
         except RuntimeError:  # closed meanwhile, or no thread can be started: no pass this time
             return None
         future.add_done_callback(self._report)
+        self._passes.append(future)
         return future
 
     def _report(self, future: Future) -> None:
@@ -185,9 +191,9 @@ class StoreBudget:
 
     def _count_and_evict(self) -> None:
         """A pass of ``add``: count the directory's values, evict past the budget."""
-        with self._lock:
-            self._added = 0
         values = self.scan()
+        with self._lock:
+            self._added = 0  # (written during the scan: taken as seen by it)
         used = sum(v.size for v in values)
         if used > self.max_bytes:
             used = self.evict(values, int(self.max_bytes * EVICT_TO))
@@ -196,9 +202,9 @@ class StoreBudget:
 
     def _room_for(self, sizes: list[int], quota_spent: bool) -> list[int]:
         """A pass of ``make_room``."""
-        with self._lock:
-            self._added = 0
         values = self.scan()
+        with self._lock:
+            self._added = 0  # (written during the scan: taken as seen by it)
         present = sum(v.size for v in values)
         free, block = _space(self.root)
         room = sum(_in_blocks(v.size, block) for v in values) + (0 if quota_spent else free)
@@ -279,9 +285,10 @@ class StoreBudget:
         return left
 
     def _leaf_dirs(self) -> Iterator[str]:
-        """The fan-out directories ``<root>/<xx>/<yy>`` (other entries under the root are not the store's)."""
+        """The fan-out directories ``<root>/<xx>/<yy>`` (other entries under the root are not the store's);
+        none listed once closed."""
         for top in _entries(self.root):
-            if _is_fan_out(top):
+            if _is_fan_out(top) and not self._closed:
                 yield from (leaf.path for leaf in _entries(top.path) if _is_fan_out(leaf))
 
 

@@ -9,8 +9,9 @@ requests share written once. While a batch is in flight the next ones gather, so
 busy engine cost a few round trips, not a few per request.
 
 Invariant: every save's future ends done (a result, or the batch's exception) once a thread has
-taken it, and every save queued is followed in the pool's queue by a drain of its own, so none is
-left behind (``shutdown`` runs the drains queued).
+taken it (it is running meanwhile: a cancel then fails), and every save queued is followed in the
+pool's queue by a drain of its own, so none is left behind (``shutdown`` runs the drains queued);
+a save that ``submit`` refused is not queued.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvtier.connector.daemon_pool import DaemonPool
 MAX_BATCH_BYTES: Final = 256 << 20  # pages a batch copies out of the cache at most (one save may be larger)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Save:
     """One request's pages to save, as ``(key, group, slot, missing)`` (``missing``: its ask
     found the key missing from the store), the event after the forwards that wrote them (None off
@@ -52,12 +53,17 @@ class SaveBatches:
         save = Save(pages, written, nbytes)
         with self._lock:
             self._queued.append(save)
-        self._pool.submit(self._drain)
+        try:
+            self._pool.submit(self._drain)
+        except RuntimeError:  # shut down: the save is not taken (nor left for a drain queued before)
+            with self._lock:
+                self._queued = [queued for queued in self._queued if queued is not save]
+            raise
         return save.done
 
-    def shutdown(self) -> None:
-        """Take no more saves and wait until those queued are written."""
-        self._pool.shutdown(wait=True)
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Take no more saves and wait until those queued are written (at most ``timeout_s``; None: no limit)."""
+        self._pool.shutdown(wait=True, timeout=timeout_s)
 
     def _drain(self) -> None:
         """Write the saves queued now, oldest first, as one batch (nothing when others took them)."""
@@ -69,6 +75,7 @@ class SaveBatches:
                 taken += 1
                 nbytes += save.nbytes
             batch, self._queued = self._queued[:taken], self._queued[taken:]
+        batch = [save for save in batch if save.done.set_running_or_notify_cancel()]  # (a cancelled one is not written)
         if not batch:
             return
         try:

@@ -50,7 +50,7 @@ import secrets
 import time
 from array import array
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -467,8 +467,7 @@ class KVTierScheduler:
 
     def wait_for_store_writes(self) -> None:
         """Block until every store write in flight is done, and let its lease go of the pages."""
-        for future, _ in self._puts:
-            future.exception()  # waits; a failed write is a later miss, the store has logged it
+        wait([future for future, _ in self._puts])  # a failed write is a later miss (``_reap_puts`` logs it)
         self._reap_puts()
 
     def _reap_puts(self) -> None:
@@ -476,6 +475,8 @@ class KVTierScheduler:
         running = []
         for future, lease in self._puts:
             if future.done():
+                if future.exception() is not None:  # (a store's own failures are misses it has logged)
+                    log.warning("kvtier.vllm: writing pages through to the store failed: %r", future.exception())
                 lease.put_done()
             else:
                 running.append((future, lease))

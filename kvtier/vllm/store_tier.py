@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlparse
@@ -44,6 +45,7 @@ from kvtier.reuse.block_keys import chain_from, scope_key
 
 REDIS_SCHEMES = ("redis", "rediss", "redis-cluster", "redis-sentinel")
 FIRST_PROBE = 8  # blocks checked before the rest of a request's blocks are
+EXIT_WAIT_S = 30.0  # at the exit of a process that did not close: the writes queued, waited for this long
 
 
 def check_store_url(url: str) -> None:
@@ -107,6 +109,8 @@ class StoreTier:
         self._hosts = [buffer.numpy() for buffer in host_buffers]
         self._page_bytes = list(page_bytes)
         self._writer = SaveBatches(1, "kvtier-vllm-store", self._write_batch)
+        # a process that exits without closing still writes what it queued (its thread is a daemon)
+        self._flush_at_exit = weakref.finalize(self, self._writer.shutdown, EXIT_WAIT_S)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-read")
         self._placer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-place")
         self.speed = StoreSpeed()
@@ -193,5 +197,6 @@ class StoreTier:
         """Finish the reads, placements and writes in flight, then close the store."""
         self._reader.shutdown(wait=True)
         self._placer.shutdown(wait=True)
+        self._flush_at_exit.detach()
         self._writer.shutdown()
         self.store.close()
