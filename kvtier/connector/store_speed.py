@@ -8,7 +8,10 @@ check's latency is taken off) and, given the engine's prefill rate, tells whethe
 ``tokens`` tokens in ``nbytes`` bytes is expected to take longer than recomputing them
 (``faster_to_recompute``).
 
-Until it has timed a check and a fetch, or without a prefill rate, every ask is made. While
+Until it has timed a check, or without a prefill rate, every ask is made. Before a fetch was
+timed, an ask is taken to cost at least the check's two round trips (the check, and the fetch's
+latency): a store whose check alone is slower than recomputing is not asked again while the
+first fetch is still on its way (an asynchronous load keeps the engine asking others meanwhile). While
 asks are skipped, one is still made once ``PROBE_S`` has passed since the last timed call, so a
 store that recovers is used again. Thread-safe: fetches may be timed on the connector's threads.
 """
@@ -51,11 +54,13 @@ class StoreSpeed:
             self._timed_at = self._clock()
 
     def estimate(self, nbytes: int) -> float | None:
-        """Seconds expected for a check and a fetch of ``nbytes`` bytes; None until both were timed."""
+        """Seconds expected for a check and a fetch of ``nbytes`` bytes (until a fetch was timed, the
+        two round trips alone: a lower bound); None until a check was timed."""
         with self._lock:
-            if self._check_s is None or self._fetch_bytes_per_s is None:
+            if self._check_s is None:
                 return None
-            return 2 * self._check_s + nbytes / self._fetch_bytes_per_s
+            transfer = 0.0 if self._fetch_bytes_per_s is None else nbytes / self._fetch_bytes_per_s
+            return 2 * self._check_s + transfer
 
     def faster_to_recompute(self, tokens: int, nbytes: int, prefill_tokens_per_s: float | None) -> bool:
         """Whether recomputing ``tokens`` at ``prefill_tokens_per_s`` is expected to be faster than
