@@ -78,7 +78,7 @@ class StoreBudget:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._used: int | None = None  # None until the first pass has counted the directory
-        self._added = 0  # bytes written since the running (or last) pass began
+        self._added = 0  # bytes written since the running (or last) pass ended its scan
         self._worker = DaemonPool(1, "kvtier-fs-store-budget")
         self._counting: Future | None = None  # the last pass ``add`` started
         self._passes: list[Future] = []  # passes started and perhaps not ended

@@ -396,6 +396,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         pages, skipped, nbytes = [], 0, 0
         for g in (g for g in layout.groups if g.kind is not GroupKind.RECURRENT):
             slots = block_ids_by_layer_group[g.group_id]
+            page_bytes = self._page_bytes(g.group_id)
             for b in range(full):
                 if slots[b] == BAD_PAGE_INDEX:
                     continue
@@ -405,7 +406,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
                 key = keyspace.key(request.scope, chain[b], g.group_id)
                 if not asked.get(key, False):  # (one the ask read intact is not written again)
                     pages.append((key, g.group_id, slots[b], key in asked))
-                    nbytes += self._page_bytes(g.group_id)
+                    nbytes += page_bytes
         self._counters.add(skipped_pages=skipped)
         if not pages:
             return False
