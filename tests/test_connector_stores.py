@@ -519,6 +519,29 @@ def release(fifo: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_fs_store_built_over_a_mount_that_hangs_returns_backed_off(tmp_path, monkeypatch, caplog):
+    """Making the store's directory hangs (a mount whose server died before the engine started):
+    the construction returns after ``timeout_s`` and the store answers misses and failures at once.
+    Before, building the connector (and the engine) waited for ever."""
+    gate = threading.Event()
+    make = fs_store._make_private_dirs
+    monkeypatch.setattr(fs_store, "_make_private_dirs", lambda path: gate.wait() or make(path))
+    try:
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="kvtier.connector.fs_store"):
+            store = FileSystemStore(tmp_path / "store", timeout_s=0.3, retry_after_s=30)
+        assert time.monotonic() - started < 2
+        assert "hang" in caplog.text
+        started = time.monotonic()
+        assert store.put_many([("k", np.ones(8, np.uint8))]) == [False]
+        assert store.get_many(["k"]) == [None] and store.contains_many(["k"]) == [False]
+        assert time.monotonic() - started < 0.5
+        store.close()
+    finally:
+        gate.set()
+
+
+@pytest.mark.timeout(60)
 def test_fs_store_read_that_hangs_costs_a_bounded_wait_then_backs_off(tmp_path, caplog):
     """Before, ``get_many`` waited for a hung read for ever, on the engine's thread (no timeout),
     and hung reads kept the store's threads, so later reads of sound values queued behind them."""

@@ -40,7 +40,8 @@ nothing for ``timeout_s``, answers misses (failures, for puts). Its pool's threa
 the hung I/O (``DaemonPool.abandon``; past ``MAX_HUNG_THREADS`` of a pool still alive, no call
 of that pool tries), and the store backs off (``store_health``): for ``retry_after_s`` calls answer at once,
 without touching the file system. ``close`` waits for a hung thread ``2 * timeout_s`` at most.
-Still on the calling thread, unbounded: making the directory at construction.
+Making the directory at construction is bounded the same way: a store built over a mount that
+hangs already returns after ``timeout_s``, backed off.
 """
 
 from __future__ import annotations
@@ -122,23 +123,22 @@ class FileSystemStore:
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         self.root = Path(path).expanduser()  # ``~/kv``: the user's home, not a directory named ``~``
-        check_disk_path(self.root, "the FileSystemStore path")
         kinds = ("read", "verify", "write", "delete")  # each: the first logged at once, then a summary per interval
         self._failures = {kind: RateLimitedWarning(log, f"fs store {self.root}", interval) for kind in kinds}
         self.max_bytes = max_bytes
         self.timeout_s = float(timeout_s)
         self._health = ServerHealth(str(self.root), log, float(retry_after_s), interval, kind="fs store")
-        try:
-            _make_private_dirs(self.root)
-        except OSError as exc:
-            log.warning("kvtier fs store: cannot create %s (%s); every put will fail", self.root, exc)
-        self._budget = StoreBudget(self.root, max_bytes, self.timeout_s)
         # daemon threads: the interpreter's exit never waits for a read hung on a dead network mount;
         # reads and writes apart: a save never queues behind such a read
         self._reads = DaemonPool(io_threads, "kvtier-fs-store-read")
         self._writes = DaemonPool(io_threads, "kvtier-fs-store-write")
         self._checks = DaemonPool(io_threads, "kvtier-fs-store-check")  # never queued behind large reads
         self._closed = False
+        try:  # (a mount that hangs already: the store starts backed off, as after a hung call)
+            self._io("create", self._writes, _make_root, [self.root])
+        except OSError as exc:
+            log.warning("kvtier fs store: cannot create %s (%s); every put will fail", self.root, exc)
+        self._budget = StoreBudget(self.root, max_bytes, self.timeout_s)
 
     def path_of(self, key: str) -> Path:
         """The file that holds the value of ``key``."""
@@ -365,6 +365,12 @@ def _create(tmp: Path) -> int:
     with contextlib.suppress(OSError):  # the mode asked for is already no wider; make it exact
         os.fchmod(fd, PRIVATE_FILE)
     return fd
+
+
+def _make_root(root: Path) -> None:
+    """``check_disk_path`` (``ValueError`` for a path under a regular file), then the directory made."""
+    check_disk_path(root, "the FileSystemStore path")
+    _make_private_dirs(root)
 
 
 def _make_private_dirs(path: Path) -> None:
