@@ -45,6 +45,7 @@ class SaveBatches:
     def __init__(self, threads: int, name: str, write: Callable[[list[Save]], None]) -> None:
         self._write = write
         self._queued: list[Save] = []
+        self._closed = False
         self._lock = threading.Lock()
         self._pool = DaemonPool(threads, name)
 
@@ -52,17 +53,22 @@ class SaveBatches:
         """Queue a request's save; its future ends when the batch that took it is written."""
         save = Save(pages, written, nbytes)
         with self._lock:
+            if self._closed:
+                raise RuntimeError("save batches: submit after shutdown")
             self._queued.append(save)
         try:
             self._pool.submit(self._drain)
-        except RuntimeError:  # shut down: the save is not taken (nor left for a drain queued before)
+        except RuntimeError:  # no thread could be started: not taken, unless a drain took it meanwhile
             with self._lock:
-                self._queued = [queued for queued in self._queued if queued is not save]
-            raise
+                if save in self._queued:
+                    self._queued.remove(save)
+                    raise
         return save.done
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Take no more saves and wait until those queued are written (at most ``timeout_s``; None: no limit)."""
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=True, timeout=timeout_s)
 
     def _drain(self) -> None:
