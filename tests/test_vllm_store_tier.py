@@ -3,6 +3,7 @@ holds, checked without a file lookup per block for a prompt the store has never 
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvtier.vllm.store_tier as store_tier_module
 from kvtier.config import ReuseScope
 from kvtier.connector.fs_store import FileSystemStore
 from kvtier.connector.keys import BlockKeyspace
@@ -106,7 +108,9 @@ class SlowStore(CountingStore):
         return super().get_many(keys, expected_sizes)
 
 
-def test_checks_and_fetches_are_timed_and_weighed_against_recomputing(tmp_path):
+def test_checks_and_fetches_are_timed_and_weighed_against_recomputing(tmp_path, monkeypatch, caplog):
+    """A slow check is also a WARNING: it runs on vLLM's scheduler thread, which waits for it."""
+    monkeypatch.setattr(store_tier_module, "SLOW_CALL_S", 0.04)  # the store answers 50 ms late
     store = SlowStore(str(tmp_path / "store"))
     hosts = [torch.randint(1, 255, (8 * page,), dtype=torch.uint8) for page in PAGES]
     tier = StoreTier(store, BlockKeyspace("ab12", TPB), hosts, PAGES)
@@ -114,7 +118,9 @@ def test_checks_and_fetches_are_timed_and_weighed_against_recomputing(tmp_path):
     keys = chain.upto(list(range(1, 8 * TPB + 1)), TPB, 8)
     tier.put(chain, keys, [np.arange(8, dtype=np.int64)] * len(PAGES)).result()
     assert not tier.faster_to_recompute(8, TPB, 1e6)  # nothing timed yet: asked
-    assert tier.present(chain, keys) == 8
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm.store_tier"):
+        assert tier.present(chain, keys) == 8
+    assert "scheduler thread" in caplog.text and "recompute_when_faster=True" in caplog.text
     assert tier.faster_to_recompute(8, TPB, 1e6)  # 32 tokens in 32 us against two 50 ms round trips
     assert len(tier.fetch(chain, keys).result()) == 8
     assert tier.faster_to_recompute(8, TPB, 1e6)  # and against about 0.1 s once a fetch was timed

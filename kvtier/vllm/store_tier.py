@@ -9,7 +9,8 @@ miss, and a store that is down, slow or full answers misses within its timeout, 
 - ``present``: how many consecutive blocks the store holds whole: a batched existence check of
   the first ``FIRST_PROBE`` blocks, then, if the store holds them all, one of the rest. Checks and
   fetches are timed (``StoreSpeed``): ``faster_to_recompute`` tells when asking the store for a
-  prefix is expected to take longer than recomputing it. A prompt
+  prefix is expected to take longer than recomputing it; a check of ``SLOW_CALL_S`` or more (on
+  vLLM's scheduler thread, which waits for it) is a rate-limited WARNING. A prompt
   the store has never seen (most of them) costs one small check, not one per block: on a shared
   directory each check is a file's metadata round trip (a network one over NFS).
 - ``fetch``: the verified payloads of blocks, read on a background thread; the run stops at the
@@ -23,6 +24,7 @@ miss, and a store that is down, slow or full answers misses within its timeout, 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -40,8 +42,12 @@ from kvtier.connector.redis_store import RedisStore
 from kvtier.connector.redis_urls import redact_url
 from kvtier.connector.save_batches import Save, SaveBatches
 from kvtier.connector.store import BlockStore
+from kvtier.connector.store_connector import SLOW_CALL_S
 from kvtier.connector.store_speed import StoreSpeed
 from kvtier.reuse.block_keys import chain_from, scope_key
+from kvtier.storage.log_limit import RateLimitedWarning
+
+log = logging.getLogger(__name__)
 
 REDIS_SCHEMES = ("redis", "rediss", "redis-cluster", "redis-sentinel")
 FIRST_PROBE = 8  # blocks checked before the rest of a request's blocks are
@@ -114,6 +120,7 @@ class StoreTier:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-read")
         self._placer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-store-place")
         self.speed = StoreSpeed()
+        self._slow_checks = RateLimitedWarning(log, "kvtier.vllm: slow store checks")
 
     def keys(self, chain: BlockChain, blocks: Sequence[bytes]) -> list[str]:
         """Per block, per group, the store key (block-major)."""
@@ -140,7 +147,13 @@ class StoreTier:
             return 0
         start = time.perf_counter()
         found = self.store.contains_many(self.keys(chain, blocks))
-        self.speed.checked(time.perf_counter() - start)
+        took = time.perf_counter() - start
+        self.speed.checked(took)
+        if took >= SLOW_CALL_S:
+            self._slow_checks(
+                f"an existence check of {len(blocks)} blocks took {took:.2f} s on vLLM's scheduler thread, which "
+                "waits for it; recompute_when_faster=True stops asking a store slower than recomputing"
+            )
         per_block = np.array(found, dtype=bool).reshape(len(blocks), -1).all(axis=1)
         return len(blocks) if per_block.all() else int(np.argmin(per_block))
 
