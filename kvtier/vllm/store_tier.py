@@ -129,7 +129,7 @@ class StoreTier:
 
     def faster_to_recompute(self, blocks: int, tokens_per_block: int, prefill_tokens_per_s: float | None) -> bool:
         """Whether recomputing ``blocks`` blocks at ``prefill_tokens_per_s`` is expected to beat checking
-        and fetching them (``StoreSpeed.faster_to_recompute``; False while either is unknown)."""
+        and fetching them (``StoreSpeed.faster_to_recompute``; False until a check was timed, or without a rate)."""
         nbytes = blocks * sum(self._page_bytes)
         return self.speed.faster_to_recompute(blocks * tokens_per_block, nbytes, prefill_tokens_per_s)
 
