@@ -108,8 +108,8 @@ class StoreBudget:
 
     def make_room(self, sizes: list[int], quota_spent: bool = False) -> list[int]:
         """After writes of ``sizes`` bytes each found no space: the indices, ascending, of those that
-        removing values made room for (none when the passes made no progress for ``timeout_s``, or a
-        pass given up on so has not ended), once the least recently used values are removed until at
+        removing values made room for (none when the passes made no progress for ``timeout_s``, or
+        while a pass given up on that way still runs), once the least recently used values are removed until at
         most ``EVICT_TO`` of the value bytes there are left and at least those writes' bytes are gone.
         Concurrent callers' passes run one after the other.
 
@@ -191,9 +191,7 @@ class StoreBudget:
 
     def _count_and_evict(self) -> None:
         """A pass of ``add``: count the directory's values, evict past the budget."""
-        values = self.scan()
-        with self._lock:
-            self._added = 0  # (written during the scan: taken as seen by it)
+        values = self._scan_afresh()
         used = sum(v.size for v in values)
         if used > self.max_bytes:
             used = self.evict(values, int(self.max_bytes * EVICT_TO))
@@ -202,9 +200,7 @@ class StoreBudget:
 
     def _room_for(self, sizes: list[int], quota_spent: bool) -> list[int]:
         """A pass of ``make_room``."""
-        values = self.scan()
-        with self._lock:
-            self._added = 0  # (written during the scan: taken as seen by it)
+        values = self._scan_afresh()
         present = sum(v.size for v in values)
         free, block = _space(self.root)
         room = sum(_in_blocks(v.size, block) for v in values) + (0 if quota_spent else free)
@@ -222,6 +218,13 @@ class StoreBudget:
             with self._lock:
                 self._used = left + self._added
         return sorted(taken)
+
+    def _scan_afresh(self) -> list[_Value]:
+        """``scan`` for a pass: the bytes written meanwhile are taken as seen by it (``_added`` restarts)."""
+        values = self.scan()
+        with self._lock:
+            self._added = 0
+        return values
 
     def scan(self) -> list[_Value]:
         """Every value file under the root; temporary files older than ``STALE_TEMP_S`` are removed."""
