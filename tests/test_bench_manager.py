@@ -11,6 +11,7 @@ from kvtier.cli import main
 from kvtier.cli.bench_manager import TPB, KvtierCachedPrompt, KvtierDecode, Pressure, PressureResume
 from kvtier.copy import copier
 from kvtier.copy.runs import build_runs
+from kvtier.tiering import mover
 
 TINY = ["bench", "manager", "--steps", "20", "--prompt-tokens", "160", "--repeats", "3", "--pressure-repeats", "1"]
 
@@ -34,7 +35,7 @@ def test_kvtier_figures_and_round_trips_without_the_comparison(capsys, tmp_path)
     for figures in pressure.values():
         assert 0 < figures["min"] <= figures["median"] <= figures["max"]
         assert figures["promotions"] == figures["demotions"] == 2048
-        assert figures["drops"] == 512  # the swap's head start: the host keeps its other pages
+        assert figures["drops"] == 0  # the victims wait in the swap scratch: the host keeps every other page
     assert "resume of a 2,048-page prefix from host, both tiers full, write-through off, cpu, host ms" in out
     assert "prefetch of a 2,048-page prefix from host, both tiers full, write-through off, cpu, host ms" in out
     assert results["pressure_device"] == "cpu"
@@ -104,7 +105,7 @@ def test_the_resume_under_pressure_finds_both_tiers_full_and_the_prefix_in_host_
             run = side.once()
             assert run["seconds"] > 0
             assert run["promotions"] == run["demotions"] == 32
-            assert run["drops"] == 8  # the swap's head start
+            assert run["drops"] == 0  # the victims wait in the swap scratch: no head start
             side.manager.check_invariants()
             with pytest.raises(RuntimeError, match=r"not full|not found in host memory"):
                 side.once()  # the prefix is in the primary tier now
@@ -118,7 +119,7 @@ def test_the_prefetch_under_pressure_swaps_the_prefix_up_as_a_resume_does():
     try:
         run = side.once(prefetch=True)
         assert run["seconds"] > 0
-        assert run["promotions"] == run["demotions"] == 32 and run["drops"] == 8
+        assert run["promotions"] == run["demotions"] == 32 and run["drops"] == 0
         side.manager.check_invariants()
         with pytest.raises(RuntimeError, match=r"not full|prefetch under pressure failed"):
             side.once(prefetch=True)  # nothing left to promote
@@ -126,12 +127,16 @@ def test_the_prefetch_under_pressure_swaps_the_prefix_up_as_a_resume_does():
         side.close()
 
 
-def test_a_used_manager_still_copies_runs_of_slots(monkeypatch):
+@pytest.mark.parametrize("scratch", [True, False])
+def test_a_used_manager_still_copies_runs_of_slots(monkeypatch, scratch):
     """Pages and slots are paired in slot order: after a first swap has mixed up which slots hold
     what, the demotions that push the prefix back down and a second swap still copy a few runs of
-    slots (one copy each), as the first swap does."""
+    slots (one copy each), as the first swap does; through the swap scratch or with a head start."""
+    if not scratch:
+        monkeypatch.setattr(mover, "SWAP_SCRATCH_BYTES", 0)
     sizes = Pressure(prefix_blocks=64, primary_pages=96, host_pages=256, prompts=4, prompt_blocks=32, filler_blocks=64)
     side = PressureResume(False, sizes)
+    copies = 192 if scratch else 128  # each victim into the scratch and out of it, each promoted page up
     runs_per_call: list[tuple[int, int]] = []
 
     def counting(pairs, *args, **kwargs):
@@ -144,7 +149,7 @@ def test_a_used_manager_still_copies_runs_of_slots(monkeypatch):
         for _ in range(3):
             runs_per_call.clear()
             assert side.once()["promotions"] == 64
-            assert sum(pages for pages, _ in runs_per_call) == 128  # every page copied once, down or up
+            assert sum(pages for pages, _ in runs_per_call) == copies  # no page copied more often
             assert max(runs for _, runs in runs_per_call) <= 2, runs_per_call
             runs_per_call.clear()
             side.push_prefix_down()

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 import kvtier
+from kvtier.tiering import mover
 from tests.kvdata import PageOracle, small_spec
 
 TPB = 4
@@ -275,15 +276,21 @@ def test_primary_only(kind):
     m.TestCase().runTest()
 
 
+@pytest.mark.parametrize("scratch", [True, False], ids=["swap scratch", "head start"])
 @pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])
-def test_primary_and_host(kind):
+def test_primary_and_host(kind, scratch, monkeypatch):
+    if not scratch:
+        monkeypatch.setattr(mover, "SWAP_SCRATCH_BYTES", 0)
     m = machine(kind, {"primary": 10, "host": 12})
     m.TestCase.settings = SETTINGS
     m.TestCase().runTest()
 
 
+@pytest.mark.parametrize("scratch", [True, False], ids=["swap scratch", "head start"])
 @pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])
-def test_three_tiers(kind):
+def test_three_tiers(kind, scratch, monkeypatch):
+    if not scratch:
+        monkeypatch.setattr(mover, "SWAP_SCRATCH_BYTES", 0)
     m = machine(kind, {"primary": 8, "host": 6, "disk": 20})
     m.TestCase.settings = SETTINGS
     m.TestCase().runTest()

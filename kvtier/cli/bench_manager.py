@@ -13,7 +13,7 @@
    write-through on and off: ``resume`` of a cache whose 2,048-block prefix is in host memory
    while the primary tier (3,072 pages) is full of other requests' published pages and the host
    tier (8,192 pages) is full as well, so every victim goes down, swapping places with the
-   prefix (only the swap's head start drops old host pages); and ``prefetch`` of the same prefix
+   prefix (through the mover's swap scratch: no old host page is dropped); and ``prefetch`` of the same prefix
    in the same state (write-through off). 4 KiB pages on ``--pressure-device`` (default cpu,
    where the copies themselves are part of the figure; on cuda they run on the device after the
    call returns, so the figure is the host's planning and copy submission). Each of
@@ -325,8 +325,9 @@ class PressureResume:
     Filler prompts fill the primary and host tiers first; the prefix is published, then
     ``prompts`` prompts of random tokens (``maintain()`` after each) push it down to host memory,
     the most recent pages there. Resuming it demotes as many primary pages (the least recently
-    used), which swap places with it: only the swap's head start (a quarter of them) drops old
-    host pages to make room. ``push_prefix_down()`` brings the same state back after a call.
+    used), which swap places with it through the mover's swap scratch (8 MiB of victims): no old
+    host page is dropped to make room (without the scratch, the swap's head start, a quarter of
+    them, would be). ``push_prefix_down()`` brings the same state back after a call.
     """
 
     def __init__(self, write_through: bool, sizes: Pressure = Pressure(), seed: int = 0, device: str = "cpu") -> None:

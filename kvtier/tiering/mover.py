@@ -52,6 +52,7 @@ from kvtier.storage.pinned import HostBuffer, allocate_host_buffer
 from kvtier.tiering.duplex import NO_WAIT, READY, schedule
 from kvtier.tiering.load_cost import LoadCost
 from kvtier.tiering.plan import MovePlan
+from kvtier.tiering.swap_scratch import SWAP_SCRATCH_BYTES, ScratchSwap, SwapScratch, through_scratch
 from kvtier.tiering.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class Mover:
         self._active: dict[torch.cuda.Stream, int] = {}  # the streams of active caches: how many on each
         self._let_go: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # recorded as a cache let go there, until done
         self._staging: HostBuffer | None = None
+        self.scratch = SwapScratch(device, _scratch_limit(tiers))
 
     def run(
         self, plan: MovePlan, stream: torch.cuda.Stream | None = None, background: bool = False, shared: bool = False
@@ -213,6 +215,10 @@ class Mover:
         _, lower, group = down
         up = (lower, 0, group)
         page_bytes = self.tiers[0].storage.page_bytes[group]
+        swap = through_scratch(down_pairs, up_pairs)
+        if swap is not None and swap.parked <= self.scratch.pages(page_bytes):
+            self._swap_through_scratch(down, swap, stream)
+            return
         order = schedule(down_pairs, up_pairs, page_bytes, overlap=stream is not None)
         if stream is None:
             steps = [(up, order.ready)]
@@ -242,6 +248,19 @@ class Mover:
                 up_done[k] = _recorded(up_stream)
         stream.wait_stream(down_stream)
         stream.wait_stream(up_stream)
+
+    def _swap_through_scratch(self, down: tuple[int, int, int], swap: ScratchSwap, stream) -> None:
+        """The copies of ``swap``, in its order, on ``stream`` (``kvtier.tiering.swap_scratch``)."""
+        _, lower, group = down
+        primary, below = self.tiers[0], self.tiers[lower]
+        page_bytes = primary.storage.page_bytes[group]
+        scratch = self.scratch.buffer
+        self.copier.copy(primary.storage.buffers[group], scratch, swap.park, page_bytes, stream)
+        if len(swap.direct):
+            self._copy_edge(down, swap.direct, stream)
+        self._copy_edge((lower, 0, group), swap.up, stream)
+        path = self.copier.copy(scratch, below.storage.buffers[group], swap.unpark, page_bytes, stream)
+        self.counters.add_copy(primary.name, below.name, path, swap.parked * page_bytes)
 
     def _duplex_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if self._two_way is None:
@@ -390,15 +409,28 @@ class Mover:
         return self._staging.tensor[:nbytes]
 
     def close(self) -> None:
-        """Release the staging buffer (after every copy finished)."""
+        """Release the staging buffer and the swap scratch (after every copy finished)."""
+        if self.device.type == "cuda" and (self._staging is not None or self.scratch.allocated):
+            torch.cuda.synchronize(self.device)
         if self._staging is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
             self._staging.release()
             self._staging = None
+        self.scratch.release()
 
 
 Edge = tuple[int, int, int]  # (source tier, destination tier, layer group)
+
+
+def _scratch_limit(tiers: list[Tier]) -> int:
+    """The swap scratch's size: ``SWAP_SCRATCH_BYTES``, at most the primary tier's largest group
+    (no swap has more victims); none without a memory tier below the primary one to swap with."""
+    if len(tiers) < 2 or tiers[1].is_disk:
+        return 0
+    storage = tiers[0].storage
+    largest = max(
+        slots.num_slots * page_bytes for slots, page_bytes in zip(storage.slots, storage.page_bytes, strict=True)
+    )
+    return min(SWAP_SCRATCH_BYTES, largest)
 
 
 def edge_order(edges: Iterable[Edge], two_way: set[int]) -> tuple[list[Edge], list[Edge], list[Edge]]:

@@ -92,6 +92,7 @@ def test_duplex_resume_is_exact(tmp_path, monkeypatch, min_part_mib, several_par
 def test_swap_resume_is_exact(tmp_path, monkeypatch, min_part_mib):
     """The host tier is full: victims land in the slots the resumed pages leave, byte for byte."""
     monkeypatch.setattr(duplex, "DUPLEX_MIN_PART_BYTES", min_part_mib << 20)
+    monkeypatch.setattr(mover, "SWAP_SCRATCH_BYTES", 0)  # the head start (the scratch: the test below)
     schedules = []
     real = mover.schedule
     monkeypatch.setattr(mover, "schedule", lambda *a, **k: schedules.append(real(*a, **k)) or schedules[-1])
@@ -106,6 +107,26 @@ def test_swap_resume_is_exact(tmp_path, monkeypatch, min_part_mib):
         assert swaps and len(swaps[0].parts) > 1
         if min_part_mib == 2:  # each part's demotion runs beside an earlier part's promotion
             assert all(p.after_up <= k - 2 for k, p in enumerate(swaps[0].parts))
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_swap_resume_through_the_scratch_is_exact(tmp_path, monkeypatch):
+    """The same swaps with a scratch that holds their victims: parked on the device, then landed in
+    the slots the resumed pages leave, byte for byte, and no host page dropped for a head start."""
+    monkeypatch.setattr(mover, "SWAP_SCRATCH_BYTES", 128 << 20)
+    through = []
+    real = mover.Mover._swap_through_scratch
+    monkeypatch.setattr(mover.Mover, "_swap_through_scratch", lambda self, *a: through.append(a[1]) or real(self, *a))
+    mgr, oracle = big_manager(tmp_path, primary=24, host=24, write_through=False)
+    for round_ in range(4):
+        kept = prompt(round_, 20)
+        serve(mgr, oracle, kept)
+        serve(mgr, oracle, prompt(60 + round_, 22))
+        through.clear()
+        drops = mgr.stats().drops
+        assert serve(mgr, oracle, kept + [2]) == 20 * TPB
+        assert through and through[0].parked > 0 and mgr.stats().drops == drops
     mgr.check_invariants()
     mgr.close()
 

@@ -1,0 +1,126 @@
+"""Swaps through the mover's scratch memory (``kvtier.tiering.swap_scratch``).
+
+The copies of a ``ScratchSwap``, run in their order on one stream, must leave every victim in its
+lower slot and every promoted page in its primary slot, whatever the mix of victims that land in
+free slots and victims that land in slots promoted pages leave. The scratch itself is allocated
+when a swap first asks for it, and a failed allocation leaves swaps to their head start.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvtier
+from kvtier.tiering import mover
+from kvtier.tiering.swap_scratch import SwapScratch, through_scratch
+from tests.kvdata import PageOracle, small_spec
+from tests.test_duplex import swap_pairs
+from tests.test_tiers import TPB, convo, page_demand, prefill
+
+
+def run_through_scratch(swap, down: np.ndarray, up: np.ndarray) -> None:
+    """Copy page names through both tiers and the scratch in the swap's order; every page must end
+    where its pair says, and no slot is read after this swap wrote it."""
+    places = {"primary": {}, "lower": {}, "scratch": {}}
+    for s, _ in down.tolist():
+        places["primary"][s] = ("victim", s)
+    for s, _ in up.tolist():
+        places["lower"][s] = ("leaving", s)
+    written = set()
+    steps = [
+        (swap.park, "primary", "scratch"),
+        (swap.direct, "primary", "lower"),
+        (swap.up, "lower", "primary"),
+        (swap.unpark, "scratch", "lower"),
+    ]
+    for pairs, src, dst in steps:
+        for s, d in pairs.tolist():
+            assert (src, s) not in written or src == "scratch", (src, s)  # read before it is written
+            places[dst][d] = places[src][s]
+            written.add((dst, d))
+    for s, d in down.tolist():
+        assert places["lower"][d] == ("victim", s)
+    for s, d in up.tolist():
+        assert places["primary"][d] == ("leaving", s)
+    assert sorted(swap.park[:, 1].tolist()) == list(range(swap.parked))  # scratch slots 0, 1, ...
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 60),
+    st.integers(0, 60),
+    st.integers(0, 20),
+    st.integers(0, 20),
+    st.integers(0, 30),
+    st.integers(0, 2**32 - 1),
+)
+def test_a_swap_through_the_scratch_leaves_every_page_where_it_belongs(n, m, free_up, free_down, lag, seed):
+    if m - min(m, free_up) > n:  # the planner never promotes more pages into victims' slots than there are
+        m = n + min(m, free_up)
+    down, up = swap_pairs(n, m, free_up, free_down, lag, np.random.default_rng(seed))
+    swap = through_scratch(down, up)
+    chained = int(np.isin(down[:, 1], up[:, 0]).sum())
+    if not chained:
+        assert swap is None  # a race without a swap: ``duplex.schedule`` cuts it
+        return
+    assert swap.parked == chained and len(swap.direct) == n - chained
+    run_through_scratch(swap, down, up)
+
+
+def test_the_scratch_is_allocated_when_a_swap_first_asks_and_holds_whole_pages():
+    scratch = SwapScratch(torch.device("cpu"), 10_000)
+    assert not scratch.allocated
+    assert scratch.pages(4096) == 2 and scratch.allocated and scratch.buffer.numel() == 10_000
+    assert scratch.pages(20_000) == 0  # a page larger than the scratch: the swap takes its head start
+    scratch.release()
+    assert not scratch.allocated and SwapScratch(torch.device("cpu"), 0).pages(16) == 0
+
+
+def test_a_scratch_that_cannot_be_allocated_leaves_swaps_their_head_start(caplog):
+    scratch = SwapScratch(torch.device("cpu"), 1 << 62)  # more than any machine has
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiering.swap_scratch"):
+        assert scratch.pages(4096) == 0 and scratch.pages(4096) == 0
+    assert len(caplog.records) == 1 and "head start" in caplog.text and not scratch.allocated
+
+
+def test_a_swap_with_more_victims_than_promoted_pages_parks_only_the_chained_ones():
+    """A resume that reuses part of a block copies that block's page into a new one: it demotes a
+    victim more than the pages it promotes make room for. That one lands in a slot freed below;
+    the others wait in the scratch for the slots the promoted pages leave. Every page comes back
+    byte for byte."""
+    spec = small_spec("llama")
+    d = page_demand(spec)
+    tiers = [kvtier.PrimaryTier(int(d * 24) + 1), kvtier.HostTier(int(d * 24) + 1, write_through=False)]
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers))
+    oracle = PageOracle(mgr)
+    talks = [convo(i, 48) for i in range(6)]
+    for tokens in talks:
+        prefill(mgr, oracle, tokens)
+    swaps = []
+    real = mover.Mover._swap_through_scratch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            mover.Mover,
+            "_swap_through_scratch",
+            lambda self, down, swap, s: swaps.append(swap) or real(self, down, swap, s),
+        )
+        tokens = talks[2][:46] + [7]  # 11 whole blocks and half of the 12th
+        cache = mgr.create_cache(tokens)
+        assert cache.reused_by_tier.get("host") == 46
+        assert cache.resume()
+    assert len(swaps) == 1 and swaps[0].parked == 11 and len(swaps[0].direct) == 1 and len(swaps[0].up) == 12
+    oracle.check(cache, tokens)
+    cache.close()
+    mgr.check_invariants()
+    for i in (3, 4, 5):
+        again = mgr.create_cache(talks[i] + [7])
+        assert again.resume()
+        oracle.check(again, talks[i] + [7])
+        again.close()
+    mgr.close()
