@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.copy import PageCopier
+from kvtier.copy.copy_request import _scan
 from kvtier.copy.cpu import LOOP_MIN_PAGE_BYTES
 
 
@@ -171,3 +172,22 @@ def test_a_slot_past_int64_is_out_of_range():
     with pytest.raises(ValueError, match="out of range"):
         pairs = np.array([[2**64 - 1, 0]], dtype=np.uint64)
         PageCopier("cpu").copy(torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8), pairs, 8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(17, 300), st.sampled_from(["rising", "falling", "shuffled", "repeated"]), st.integers(0, 2**32 - 1))
+def test_the_scan_of_a_large_call_finds_its_extremes_and_repeats_in_any_order(n, order, seed):
+    """A call of more pairs than the small-call check takes: the scan (no sort when the destination
+    slots rise or fall at every step) answers as a sort of both columns would."""
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 10_000, n)
+    dst = np.sort(rng.choice(10_000, n, replace=False))
+    if order == "falling":
+        dst = dst[::-1]
+    elif order == "shuffled":
+        dst = rng.permutation(dst)
+    elif order == "repeated":
+        dst[rng.integers(1, n)] = dst[0]
+    table = np.ascontiguousarray(np.stack([src, dst], axis=1), dtype=np.int64)
+    low = min(int(src.min()), int(dst.min()))
+    assert _scan(table) == (low, int(src.max()), int(dst.max()), order == "repeated")

@@ -112,8 +112,15 @@ def _scan_small(table: np.ndarray) -> tuple[int, int, int, bool]:
 def _scan(table: np.ndarray) -> tuple[int, int, int, bool]:
     """(lowest slot, highest source slot, highest destination slot, a destination slot repeated).
 
-    One sort of both columns answers all four (a repeat sits beside its twin once sorted).
+    Destination slots that rise or fall at every step (the planner pairs slots in slot order) are
+    distinct, their ends the extremes. Otherwise one sort of both columns answers all four (a
+    repeat sits beside its twin once sorted).
     """
+    src, dst = table[:, 0], table[:, 1]
+    rising = bool((dst[1:] > dst[:-1]).all())
+    if rising or bool((dst[1:] < dst[:-1]).all()):
+        low, top = (int(dst[0]), int(dst[-1])) if rising else (int(dst[-1]), int(dst[0]))
+        return min(int(src.min()), low), int(src.max()), top, False
     ordered = np.sort(table.T)  # row 0: the source slots, row 1: the destination slots, each ascending
     src, dst = ordered[0], ordered[1]
     return int(min(src[0], dst[0])), int(src[-1]), int(dst[-1]), bool((dst[1:] == dst[:-1]).any())
