@@ -87,10 +87,11 @@ class EvictionIndex:
         self.additions += 1
         levels = self._levels
         priorities = {page.priority for page in pages}
-        if redundant or len(priorities) == 1:  # one level: appended in one call
+        if redundant or len(priorities) == 1:  # one level
             level = levels[0 if redundant else pages[0].priority + 1]
             before = len(level)
-            level.update(dict.fromkeys(pages))
+            for page in pages:  # (cheaper than ``update(dict.fromkeys(pages))``, which builds a dict first)
+                level[page] = None
             self._size += len(level) - before
             return
         before = sum(len(levels[p + 1]) for p in priorities)
