@@ -377,6 +377,29 @@ def test_suspended_pages_are_never_dropped_and_room_fails_cleanly(tmp_path):
     mgr.close()
 
 
+def test_two_suspended_caches_that_fill_both_tiers_take_turns(tmp_path, swap_way):
+    """No disk: one suspended cache fills the primary tier, another the host tier. Resuming either
+    swaps them through the swap scratch, with no free slot anywhere; without the scratch a swap
+    needs one free host slot for its head start, and the resume fails cleanly (nothing moved)."""
+    mgr = manager(tmp_path, primary=6, host=6, disk=0)
+    oracle = PageOracle(mgr)
+    kept = [prefill(mgr, oracle, convo(i), keep=True) for i in range(2)]
+    assert all(t.pages_used == t.pages_total for t in mgr.stats().tiers.values())
+    if swap_way == "head start":
+        assert not kept[0].resume()
+        assert kept[1].resume()  # its pages are still in the primary tier
+        oracle.check(kept[1], convo(1))
+    else:
+        for turn in range(4):
+            cache = kept[turn % 2]
+            assert cache.resume()
+            oracle.check(cache, convo(turn % 2))
+            cache.suspend()
+    assert mgr.stats().drops == 0
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_prefetch_promotes_a_prefix_toward_primary(tmp_path):
     mgr = manager(tmp_path, primary=8, host=8, disk=32)
     oracle = PageOracle(mgr)
