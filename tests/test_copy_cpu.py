@@ -191,3 +191,29 @@ def test_the_scan_of_a_large_call_finds_its_extremes_and_repeats_in_any_order(n,
     table = np.ascontiguousarray(np.stack([src, dst], axis=1), dtype=np.int64)
     low = min(int(src.min()), int(dst.min()))
     assert _scan(table) == (low, int(src.max()), int(dst.max()), order == "repeated")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    page=st.sampled_from([16, 4096]),
+    side=st.sampled_from(["src", "dst"]),
+    n=st.integers(1, 40),
+    same_buffer=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_consecutive_slots_on_one_side_copy_as_the_reference(page, side, n, same_buffer, seed) -> None:
+    """Calls whose source or destination slots run consecutively (gathered or scattered in place)
+    copy what a page-by-page reference copies, also within one buffer."""
+    rng = np.random.default_rng(seed)
+    slots = 4 * n + 8
+    start = int(rng.integers(0, slots - 2 * n))  # a run of n slots, and n others outside it
+    run = np.arange(start, start + n)
+    others = rng.permutation(np.setdiff1d(np.arange(slots), run))[:n]
+    sources, destinations = (run, others) if side == "src" else (others, run)
+    src = filled(slots, page, seed=seed % 1000)
+    dst = src if same_buffer else filled(slots, page, seed=seed % 1000 + 1)
+    expected = dst.clone()
+    for s, d in zip(sources.tolist(), destinations.tolist(), strict=True):
+        expected[d * page : (d + 1) * page] = src[s * page : (s + 1) * page].clone()
+    PageCopier("cpu").copy(src, dst, np.stack([sources, destinations], axis=1), page)
+    assert torch.equal(dst, expected)
