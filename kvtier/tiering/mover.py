@@ -24,7 +24,8 @@ When a plan demotes primary pages to host memory and promotes others into their 
 GPU), both directions of the link run at once: the demotion in parts on a stream of its own,
 each part's promotions, on another, starting as soon as it has vacated their slots; in a swap,
 a part's victims land in host slots once the promotions that vacate them have been read
-(``_duplex``, ``kvtier.tiering.duplex``). Without CUDA the same parts run in turn.
+(``_duplex``, ``kvtier.tiering.duplex``). Without CUDA the same parts run in turn. A swap whose
+victims fit in the swap scratch runs in turn through it instead (``kvtier.tiering.swap_scratch``).
 
 Disk pages travel through host memory: read straight into a CPU destination buffer, or into a
 pinned staging buffer and copied from there to the GPU part by part, each part's copy running
@@ -210,7 +211,8 @@ class Mover:
         default stream, which would order the two directions one after the other): each part's
         promotions start as soon as its demotion has been read out, and a part's demotion that
         lands in slots promoted pages vacate (a swap) starts once those were read. Without CUDA
-        the parts run one copy after another, in the same order.
+        the parts run one copy after another, in the same order. A swap whose chained victims fit
+        in the swap scratch goes through it instead (``_swap_through_scratch``).
         """
         _, lower, group = down
         up = (lower, 0, group)
