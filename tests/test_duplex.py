@@ -97,16 +97,14 @@ def same_pairs(parts: list[np.ndarray], pairs: np.ndarray) -> bool:
     return sorted(map(tuple, np.concatenate(parts).tolist())) == sorted(map(tuple, pairs.tolist()))
 
 
+def swap_shapes(least_lag: int) -> tuple:
+    """Strategies for ``swap_pairs``' sizes: victims, promoted pages, free slots up and down, the
+    head start (at least ``least_lag``)."""
+    return st.integers(1, 60), st.integers(0, 60), st.integers(0, 20), st.integers(0, 20), st.integers(least_lag, 30)
+
+
 @settings(max_examples=300, deadline=None)
-@given(
-    st.integers(1, 60),
-    st.integers(0, 60),
-    st.integers(0, 20),
-    st.integers(0, 20),
-    st.integers(1, 30),
-    st.sampled_from([PAGE, 2 << 20]),
-    st.integers(0, 2**32 - 1),
-)
+@given(*swap_shapes(1), st.sampled_from([PAGE, 2 << 20]), st.integers(0, 2**32 - 1))
 def test_swaps_run_in_an_order_that_reads_every_slot_first(n, m, free_up, free_down, lag, page, seed):
     if m - min(m, free_up) > n:  # the planner never promotes more pages into victims' slots than there are
         m = n + min(m, free_up)

@@ -20,7 +20,7 @@ import kvtier
 from kvtier.tiering import mover
 from kvtier.tiering.swap_scratch import SwapScratch, through_scratch
 from tests.kvdata import PageOracle, small_spec
-from tests.test_duplex import swap_pairs
+from tests.test_duplex import swap_pairs, swap_shapes
 from tests.test_tiers import TPB, convo, page_demand, prefill
 
 
@@ -52,14 +52,7 @@ def run_through_scratch(swap, down: np.ndarray, up: np.ndarray) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    st.integers(1, 60),
-    st.integers(0, 60),
-    st.integers(0, 20),
-    st.integers(0, 20),
-    st.integers(0, 30),
-    st.integers(0, 2**32 - 1),
-)
+@given(*swap_shapes(0), st.integers(0, 2**32 - 1))
 def test_a_swap_through_the_scratch_leaves_every_page_where_it_belongs(n, m, free_up, free_down, lag, seed):
     if m - min(m, free_up) > n:  # the planner never promotes more pages into victims' slots than there are
         m = n + min(m, free_up)

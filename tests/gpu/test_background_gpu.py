@@ -88,6 +88,16 @@ def test_duplex_resume_is_exact(tmp_path, monkeypatch, min_part_mib, several_par
     mgr.close()
 
 
+def pushed_down(mgr, oracle):
+    """Four rounds, each a 20-block prompt that a longer one pushes down to the full host tier;
+    yields it, for the caller to resume (its pages swap places with the primary tier's)."""
+    for round_ in range(4):
+        kept = prompt(round_, 20)
+        serve(mgr, oracle, kept)
+        serve(mgr, oracle, prompt(60 + round_, 22))
+        yield kept
+
+
 @pytest.mark.parametrize("min_part_mib", [2, 32])  # both directions at once in parts, or in turn
 def test_swap_resume_is_exact(tmp_path, monkeypatch, min_part_mib):
     """The host tier is full: victims land in the slots the resumed pages leave, byte for byte."""
@@ -97,10 +107,7 @@ def test_swap_resume_is_exact(tmp_path, monkeypatch, min_part_mib):
     real = mover.schedule
     monkeypatch.setattr(mover, "schedule", lambda *a, **k: schedules.append(real(*a, **k)) or schedules[-1])
     mgr, oracle = big_manager(tmp_path, primary=24, host=24, write_through=False)
-    for round_ in range(4):
-        kept = prompt(round_, 20)
-        serve(mgr, oracle, kept)
-        serve(mgr, oracle, prompt(60 + round_, 22))
+    for kept in pushed_down(mgr, oracle):
         schedules.clear()
         assert serve(mgr, oracle, kept + [2]) == 20 * TPB
         swaps = [s for s in schedules if s.swaps]
@@ -119,10 +126,7 @@ def test_swap_resume_through_the_scratch_is_exact(tmp_path, monkeypatch):
     real = mover.Mover._swap_through_scratch
     monkeypatch.setattr(mover.Mover, "_swap_through_scratch", lambda self, *a: through.append(a[1]) or real(self, *a))
     mgr, oracle = big_manager(tmp_path, primary=24, host=24, write_through=False)
-    for round_ in range(4):
-        kept = prompt(round_, 20)
-        serve(mgr, oracle, kept)
-        serve(mgr, oracle, prompt(60 + round_, 22))
+    for kept in pushed_down(mgr, oracle):
         through.clear()
         drops = mgr.stats().drops
         assert serve(mgr, oracle, kept + [2]) == 20 * TPB
