@@ -92,7 +92,7 @@ class PagePool:
         disk_writes = None
         if disk is not None and disk_config is not None:
             disk_writes = DiskWritePlanner(self.residency, disk, self.mover, disk_config.blocking_writes)
-        self.planner = MovePlanner(self.tiers, self.residency, self.counters, disk_writes, self.mover.scratch.pages)
+        self.planner = MovePlanner(self.tiers, self.residency, self.counters, disk_writes, self.mover.scratch)
         host_config = next((t for t in config.tiers if isinstance(t, HostTier)), None)
         self.background = BackgroundWork(
             self.tiers,

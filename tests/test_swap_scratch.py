@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtier
-from kvtier.tiering import mover
+from kvtier.tiering import duplex, mover
 from kvtier.tiering.swap_scratch import SwapScratch, through_scratch
 from tests.kvdata import PageOracle, small_spec
 from tests.test_duplex import swap_pairs, swap_shapes
-from tests.test_tiers import TPB, convo, page_demand, prefill
+from tests.test_tiers import TPB, convo, full_tiers, page_demand, prefill
 
 
 def run_through_scratch(swap, down: np.ndarray, up: np.ndarray) -> None:
@@ -66,11 +66,11 @@ def test_a_swap_through_the_scratch_leaves_every_page_where_it_belongs(n, m, fre
     run_through_scratch(swap, down, up)
 
 
-def test_the_scratch_is_allocated_when_a_swap_first_asks_and_holds_whole_pages():
+def test_the_scratch_holds_whole_pages_and_is_allocated_when_first_needed():
     scratch = SwapScratch(torch.device("cpu"), 10_000)
-    assert not scratch.allocated
-    assert scratch.pages(4096) == 2 and scratch.allocated and scratch.buffer.numel() == 10_000
+    assert scratch.pages(4096) == 2 and not scratch.allocated  # sizing allocates nothing
     assert scratch.pages(20_000) == 0  # a page larger than the scratch: the swap takes its head start
+    assert scratch.allocate() and scratch.allocated and scratch.buffer.numel() == 10_000
     scratch.release()
     assert not scratch.allocated and SwapScratch(torch.device("cpu"), 0).pages(16) == 0
 
@@ -78,8 +78,57 @@ def test_the_scratch_is_allocated_when_a_swap_first_asks_and_holds_whole_pages()
 def test_a_scratch_that_cannot_be_allocated_leaves_swaps_their_head_start(caplog):
     scratch = SwapScratch(torch.device("cpu"), 1 << 62)  # more than any machine has
     with caplog.at_level(logging.WARNING, logger="kvtier.tiering.swap_scratch"):
-        assert scratch.pages(4096) == 0 and scratch.pages(4096) == 0
+        assert not scratch.allocate() and not scratch.allocate()
     assert len(caplog.records) == 1 and "head start" in caplog.text and not scratch.allocated
+    assert scratch.pages(4096) == 0
+
+
+def scratch_of(pages: int, monkeypatch) -> None:
+    """Managers built from now on get a swap scratch of ``pages`` pages of the llama spec."""
+    probe = kvtier.KVCacheManager(small_spec("llama"), kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
+    monkeypatch.setattr(mover, "SWAP_SCRATCH_BYTES", pages * probe.page_bytes(0))
+    probe.close()
+
+
+def resume_counting(cache) -> list:
+    """Resume ``cache``; the swaps the mover took through its scratch."""
+    swaps = []
+    real = mover.Mover._swap_through_scratch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mover.Mover, "_swap_through_scratch", lambda self, d, w, s: swaps.append(w) or real(self, d, w, s))
+        assert cache.resume()
+    return swaps
+
+
+def test_a_swap_larger_than_the_scratch_allocates_none_and_takes_its_head_start(monkeypatch):
+    scratch_of(2, monkeypatch)  # 12 victims: 10 would take a head start, more than the usual 3
+    mgr, oracle, talks = full_tiers("llama", write_through=False)
+    cache = mgr.create_cache(talks[2] + [7])
+    drops = mgr.stats().drops
+    assert not resume_counting(cache) and not mgr._pool.mover.scratch.allocated
+    assert mgr.stats().drops - drops == duplex.swap_lag(12, mgr.page_bytes(0)) == 3
+    oracle.check(cache, talks[2] + [7])
+    mgr.close()
+
+
+def test_a_swap_a_little_larger_than_the_scratch_parks_what_it_holds(monkeypatch):
+    """12 victims, a scratch of 10 pages: a head start of 2 (not the usual 3), 10 parked."""
+    scratch_of(10, monkeypatch)
+    mgr, oracle, talks = full_tiers("llama", write_through=False)
+    cache = mgr.create_cache(talks[2] + [7])
+    drops = mgr.stats().drops
+    swaps = resume_counting(cache)
+    assert len(swaps) == 1 and swaps[0].parked == 10 and len(swaps[0].direct) == 2
+    assert mgr.stats().drops - drops == 2
+    oracle.check(cache, talks[2] + [7])
+    cache.close()
+    for i in (3, 4, 5):
+        again = mgr.create_cache(talks[i] + [7])
+        assert again.resume()
+        oracle.check(again, talks[i] + [7])
+        again.close()
+    mgr.check_invariants()
+    mgr.close()
 
 
 def test_a_swap_with_more_victims_than_promoted_pages_parks_only_the_chained_ones():

@@ -82,7 +82,7 @@ class Mover:
         self._active: dict[torch.cuda.Stream, int] = {}  # the streams of active caches: how many on each
         self._let_go: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # recorded as a cache let go there, until done
         self._staging: HostBuffer | None = None
-        self.scratch = SwapScratch(device, _scratch_limit(tiers))
+        self.scratch = SwapScratch(self.copier.device, _scratch_limit(tiers))  # (cuda:N, not cuda)
 
     def run(
         self, plan: MovePlan, stream: torch.cuda.Stream | None = None, background: bool = False, shared: bool = False
@@ -218,7 +218,7 @@ class Mover:
         up = (lower, 0, group)
         page_bytes = self.tiers[0].storage.page_bytes[group]
         swap = through_scratch(down_pairs, up_pairs)
-        if swap is not None and swap.parked <= self.scratch.pages(page_bytes):
+        if swap is not None and self.scratch.allocated and swap.parked <= self.scratch.pages(page_bytes):
             self._swap_through_scratch(down, swap, stream)
             return
         order = schedule(down_pairs, up_pairs, page_bytes, overlap=stream is not None)

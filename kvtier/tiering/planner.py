@@ -19,7 +19,6 @@ promoted from disk (or, with write-through, from host memory) leaves its bytes t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from itertools import chain, compress, groupby
 from operator import attrgetter
 
@@ -30,13 +29,14 @@ from kvtier.tiering.disk_writes import DiskWritePlanner
 from kvtier.tiering.duplex import swap_lag
 from kvtier.tiering.plan import MovePlan
 from kvtier.tiering.residency import PRIMARY, Residency
+from kvtier.tiering.swap_scratch import SwapScratch
 from kvtier.tiering.tier import Tier
 
 
 class MovePlanner:
     """Plans moves between the tiers; ``disk_writes`` lands demotions on the disk tier (None: no disk);
-    ``scratch_pages(page_bytes)``: how many victims of a swap the mover can take through its swap
-    scratch (``kvtier.tiering.swap_scratch``), without a head start."""
+    ``scratch``: the mover's swap scratch, where a swap's victims may wait instead of taking a head
+    start (``kvtier.tiering.swap_scratch``)."""
 
     def __init__(
         self,
@@ -44,13 +44,13 @@ class MovePlanner:
         residency: Residency,
         counters: Counters,
         disk_writes: DiskWritePlanner | None,
-        scratch_pages: Callable[[int], int],
+        scratch: SwapScratch,
     ) -> None:
         self.tiers = tiers
         self.residency = residency
         self.counters = counters
         self.disk_writes = disk_writes
-        self.scratch_pages = scratch_pages
+        self.scratch = scratch
 
     def make_room(
         self, tier_index: int, group: int, count: int, plan: MovePlan, leaving: list[Page] | None = None
@@ -124,9 +124,10 @@ class MovePlanner:
         leaving pages bound for free primary slots; then victim ``seeds + donors + j`` in the slot
         of the leaving page that takes victim ``j``'s slot. So a victim waits only for a promotion
         that waits for an earlier victim, an order the mover's parts follow
-        (``kvtier.tiering.duplex``). Victims that fit in the mover's swap scratch
-        (``scratch_pages``) need no head start: they wait there (``kvtier.tiering.swap_scratch``),
-        and no page below is dropped for them. Leaving pages' slots that no victim takes are left as
+        (``kvtier.tiering.duplex``). Victims that the mover's swap scratch holds need no head
+        start: they wait there (``kvtier.tiering.swap_scratch``), and no page below is dropped for
+        them; the head start shrinks to the victims it cannot hold when that is less than
+        ``swap_lag``. Leaving pages' slots that no victim takes are left as
         ``_move_up`` leaves them. Slots handed over count as freed (``count_as_freed``): a disk
         write-behind batch that read one must not land what it read as the new holder's bytes.
         """
@@ -136,7 +137,10 @@ class MovePlanner:
         up_slots, down_slots = primary.storage.slots[group], lower.storage.slots[group]
         ready = min(m, up_slots.num_free)  # leaving pages that go to free primary slots: no wait
         page_bytes = primary.storage.page_bytes[group]
-        lag = 0 if n <= self.scratch_pages(page_bytes) else min(n, swap_lag(n, page_bytes))
+        lag = min(n, swap_lag(n, page_bytes))
+        unparked = max(0, n - self.scratch.pages(page_bytes))  # victims the scratch cannot hold
+        if unparked < lag and self.scratch.allocate():
+            lag = unparked
         have = min(n, down_slots.num_free)  # victims that land in slots free below, then
         donors = min(ready, n - have)  # in the slots of leaving pages bound for free slots, then
         least = n - have - donors - min(n - have - donors, m - ready)  # in slots freed below for them,

@@ -9,10 +9,12 @@ to device), promotes the pages, then copies the victims from the scratch to the 
 promoted pages left (``ScratchSwap``; one part each way, as any move of at most
 ``DUPLEX_MIN_PART_BYTES`` runs).
 
-The buffer is allocated at the first swap that asks for it, at most ``SWAP_SCRATCH_BYTES``, never
-more than the primary tier's largest group (no swap has more victims); when that allocation
-fails, swaps keep their head start. Plans reuse it one after another: each plan's copies start
-after the previous plan's (``Mover``'s chain of events).
+A swap with more victims than the scratch holds parks as many as it can and takes a head start
+for the rest, when that is smaller than its usual one (``MovePlanner._swap``). The buffer is
+allocated by the first swap that parks victims, at most ``SWAP_SCRATCH_BYTES``, never more than
+the primary tier's largest group (no swap has more victims); when that allocation fails, swaps
+keep their head start. Plans reuse it one after another: each plan's copies start after the
+previous plan's (``Mover``'s chain of events).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ SWAP_SCRATCH_BYTES = DUPLEX_MIN_PART_BYTES  # the most scratch memory a mover al
 
 
 class SwapScratch:
-    """At most ``limit_bytes`` of scratch on ``device``, allocated when first asked for."""
+    """At most ``limit_bytes`` of scratch on ``device``, allocated by the first swap that needs it."""
 
     def __init__(self, device: torch.device, limit_bytes: int) -> None:
         self.device = device
@@ -41,10 +43,13 @@ class SwapScratch:
         self._failed = False
 
     def pages(self, page_bytes: int) -> int:
-        """How many pages of ``page_bytes`` the scratch holds (0: swaps keep their head start)."""
-        if self.limit_bytes < page_bytes or self._failed:
-            return 0
-        if self._buffer is None:
+        """How many pages of ``page_bytes`` the scratch holds, or would once allocated (0 after an
+        allocation failed: swaps keep their head start)."""
+        return 0 if self._failed else self.limit_bytes // page_bytes
+
+    def allocate(self) -> bool:
+        """Allocate the scratch unless it is; False (logged once, and for good) when that fails."""
+        if self._buffer is None and not self._failed:
             try:
                 with torch.inference_mode(False):  # written in place by later calls, as the tiers' buffers are
                     self._buffer = torch.empty(self.limit_bytes, dtype=torch.uint8, device=self.device)
@@ -53,8 +58,7 @@ class SwapScratch:
                 log.warning(
                     "kvtier: no %d bytes of swap scratch (%s); swaps take a head start instead", self.limit_bytes, exc
                 )
-                return 0
-        return self.limit_bytes // page_bytes
+        return self._buffer is not None
 
     @property
     def allocated(self) -> bool:
@@ -62,7 +66,7 @@ class SwapScratch:
 
     @property
     def buffer(self) -> torch.Tensor:
-        """The scratch bytes (``pages`` allocated them)."""
+        """The scratch bytes (``allocate`` made them)."""
         if self._buffer is None:
             raise InvariantError("the swap scratch is used before any swap asked for it")
         return self._buffer
