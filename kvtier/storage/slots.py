@@ -111,11 +111,11 @@ class SlotAllocator:
             freed[slot] += 1
             free.append(slot)
 
-    def count_as_freed(self, slots: list[int]) -> None:
+    def count_as_freed(self, slots: list[int] | np.ndarray) -> None:
         """Count these allocated slots as freed and allocated again: they pass to a holder with other
         bytes without going through the free stack (a swap), and ``times_freed`` must still tell
         that their bytes may have changed."""
-        if slots:
+        if len(slots):
             self._freed_counts[_index(slots)] += 1
 
     def reserve(self, slots: list[int]) -> None:
@@ -149,6 +149,8 @@ class SlotAllocator:
             raise InvariantError("a slot never handed out is marked used")
 
 
-def _index(slots: list[int]) -> np.ndarray:
-    """``slots`` as an int64 index array, read in one pass."""
+def _index(slots: list[int] | np.ndarray) -> np.ndarray:
+    """``slots`` as an int64 index array, read in one pass (an array as it is)."""
+    if isinstance(slots, np.ndarray):
+        return slots
     return np.fromiter(slots, dtype=np.int64, count=len(slots))

@@ -190,12 +190,12 @@ class Mover:
         two_way = {t.index for t in self.tiers if t.index != 0 and not t.is_disk}
         demotions, duplex, others = edge_order(edges, two_way)
         for edge in demotions:
-            self._edge(edge, _pairs(edges[edge]), stream, plan.damaged)
+            self._edge(edge, edges[edge].pairs(), stream, plan.damaged)
         for down in duplex:
             up = (down[1], 0, down[2])
-            self._duplex(down, _pairs(edges[down]), _pairs(edges[up]), stream)
+            self._duplex(down, edges[down].pairs(), edges[up].pairs(), stream)
         for edge in others:
-            self._edge(edge, _pairs(edges[edge]), stream, plan.damaged)
+            self._edge(edge, edges[edge].pairs(), stream, plan.damaged)
 
     def _edge(self, edge: tuple[int, int, int], pairs: np.ndarray, stream, damaged: list[Page]) -> None:
         if self.tiers[edge[0]].is_disk:
@@ -461,8 +461,3 @@ def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
 
 def _nothing() -> None:
     """No copy to wait for."""
-
-
-def _pairs(flat: list[int]) -> np.ndarray:
-    """An edge's flat ``[src, dst, ...]`` list as an (n, 2) int64 array."""
-    return np.fromiter(flat, dtype=np.int64, count=len(flat)).reshape(-1, 2)

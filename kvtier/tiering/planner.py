@@ -22,6 +22,8 @@ from __future__ import annotations
 from itertools import chain, compress, groupby
 from operator import attrgetter
 
+import numpy as np
+
 from kvtier.errors import InvariantError
 from kvtier.pages import Page
 from kvtier.stats import Counters
@@ -156,8 +158,15 @@ class MovePlanner:
         victim_slots, victims = _by_slot([page.slot for page in victims], primary.owners[group])
         leaving_slots, leaving = _by_slot([page.slot for page in leaving], lower.owners[group])
         seed_slots = sorted(down_slots.allocate_many(seeds))
+        ready_slots = sorted(up_slots.allocate_many(ready))
         down_to = seed_slots + leaving_slots[:donors] + leaving_slots[ready : ready + chained]
-        up_to = sorted(up_slots.allocate_many(ready)) + victim_slots[: m - ready]
+        up_to = ready_slots + victim_slots[: m - ready]
+        # the same slots as arrays, read once each: the copies and the freed counts take them whole
+        victim_at, leaving_at = np.array(victim_slots, dtype=np.int64), np.array(leaving_slots, dtype=np.int64)
+        down_at = np.concatenate((seed_slots, leaving_at[:donors], leaving_at[ready : ready + chained])).astype(
+            np.int64, copy=False
+        )
+        up_at = np.concatenate((ready_slots, victim_at[: m - ready])).astype(np.int64, copy=False)
         kept = leaving[donors:ready] + leaving[ready + chained :]  # leaving pages whose slots no victim takes
         kept_slots = leaving_slots[donors:ready] + leaving_slots[ready + chained :]
         primary.evictable[group].discard_all(victims)
@@ -167,11 +176,11 @@ class MovePlanner:
         _place(victims, lower, down_to)
         _place(leaving, primary, up_to)
         up_slots.free_all(victim_slots[m - ready :])
-        up_slots.count_as_freed(victim_slots[: m - ready])  # other bytes under the same slots
-        down_slots.count_as_freed(down_to[seeds:])
+        up_slots.count_as_freed(victim_at[: m - ready])  # other bytes under the same slots
+        down_slots.count_as_freed(down_at[seeds:])
         self._leave_behind(lower, group, kept, kept_slots, plan)
-        _add_pairs(plan.edges[(PRIMARY, lower.index, group)], victim_slots, down_to)
-        _add_pairs(plan.edges[(lower.index, PRIMARY, group)], leaving_slots, up_to)
+        plan.edges[(PRIMARY, lower.index, group)].add_batch(victim_at, down_at)
+        plan.edges[(lower.index, PRIMARY, group)].add_batch(leaving_at, up_at)
         self.counters.evictions += n
         self.counters.demotions += n
         self.counters.promotions += m
@@ -222,7 +231,7 @@ class MovePlanner:
         _empty(src, group, old_slots)
         plan.landed.append(pages)  # in their order: the order they become evictable in where they land
         _place(moved, dst, new_slots)
-        _add_pairs(plan.edges[(src.index, dst.index, group)], sources, new_slots)
+        plan.edges[(src.index, dst.index, group)].add_batch(sources, new_slots)
         return old_slots
 
     def _take_copies(self, victims: list[Page], dst: Tier) -> list[Page]:
@@ -376,9 +385,9 @@ class MovePlanner:
         (a write-through copy); copies left behind in slots the plan only read stay valid.
         """
         written: set[tuple[int, int, int]] = set()
-        for (_, dst_index, group), flat in plan.edges.items():
+        for (_, dst_index, group), copies in plan.edges.items():
             owners = self.tiers[dst_index].owners[group]
-            for slot in flat[1::2]:
+            for slot in copies.pairs()[:, 1].tolist():
                 written.add((dst_index, group, slot))
                 if owners[slot] is not None:
                     plan.lost.append(owners[slot])
@@ -440,11 +449,3 @@ def _place(pages: list[Page], tier: Tier, slots: list[int]) -> None:
         page.tier = index
         page.slot = slot
         owners[slot] = page
-
-
-def _add_pairs(edge: list[int], src_slots: list[int], dst_slots: list[int]) -> None:
-    """Append ``[src, dst, ...]`` pairs to an edge's flat list."""
-    pairs = [0] * (2 * len(src_slots))
-    pairs[0::2] = src_slots
-    pairs[1::2] = dst_slots
-    edge.extend(pairs)
