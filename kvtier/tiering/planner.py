@@ -163,10 +163,9 @@ class MovePlanner:
         up_to = ready_slots + victim_slots[: m - ready]
         # the same slots as arrays, read once each: the copies and the freed counts take them whole
         victim_at, leaving_at = np.array(victim_slots, dtype=np.int64), np.array(leaving_slots, dtype=np.int64)
-        down_at = np.concatenate((seed_slots, leaving_at[:donors], leaving_at[ready : ready + chained])).astype(
-            np.int64, copy=False
-        )
-        up_at = np.concatenate((ready_slots, victim_at[: m - ready])).astype(np.int64, copy=False)
+        seed_at, ready_at = np.array(seed_slots, dtype=np.int64), np.array(ready_slots, dtype=np.int64)
+        down_at = np.concatenate((seed_at, leaving_at[:donors], leaving_at[ready : ready + chained]))
+        up_at = np.concatenate((ready_at, victim_at[: m - ready]))
         kept = leaving[donors:ready] + leaving[ready + chained :]  # leaving pages whose slots no victim takes
         kept_slots = leaving_slots[donors:ready] + leaving_slots[ready + chained :]
         primary.evictable[group].discard_all(victims)

@@ -6,8 +6,8 @@ read. Without scratch the first victims go to free host slots (``duplex.swap_lag
 pages dropped from a full host tier to free them) so that the demotion runs ahead. A swap whose
 victims fit in the scratch needs no head start: the mover copies them into the scratch (device
 to device), promotes the pages, then copies the victims from the scratch to the slots the
-promoted pages left (``ScratchSwap``; one part each way, as any move of at most
-``DUPLEX_MIN_PART_BYTES`` runs).
+promoted pages left (``ScratchSwap``; in turn, as any race of at most ``DUPLEX_MIN_PART_BYTES``
+runs in one part).
 
 A swap with more victims than the scratch holds parks as many as it can and takes a head start
 for the rest, when that is smaller than its usual one (``MovePlanner._swap``). The buffer is
