@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 import kvtier
 from kvtier.tiering import duplex, mover
 from kvtier.tiering.swap_scratch import SwapScratch, through_scratch
-from tests.kvdata import PageOracle, small_spec
+from tests.kvdata import small_spec
 from tests.test_duplex import swap_pairs, swap_shapes
-from tests.test_tiers import TPB, convo, full_tiers, page_demand, prefill
+from tests.test_tiers import TPB, come_back_whole, full_tiers
 
 
 def run_through_scratch(swap, down: np.ndarray, up: np.ndarray) -> None:
@@ -122,12 +122,7 @@ def test_a_swap_a_little_larger_than_the_scratch_parks_what_it_holds(monkeypatch
     assert mgr.stats().drops - drops == 2
     oracle.check(cache, talks[2] + [7])
     cache.close()
-    for i in (3, 4, 5):
-        again = mgr.create_cache(talks[i] + [7])
-        assert again.resume()
-        oracle.check(again, talks[i] + [7])
-        again.close()
-    mgr.check_invariants()
+    come_back_whole(mgr, oracle, talks, {4: 48, 5: 48})
     mgr.close()
 
 
@@ -136,33 +131,13 @@ def test_a_swap_with_more_victims_than_promoted_pages_parks_only_the_chained_one
     victim more than the pages it promotes make room for. That one lands in a slot freed below;
     the others wait in the scratch for the slots the promoted pages leave. Every page comes back
     byte for byte."""
-    spec = small_spec("llama")
-    d = page_demand(spec)
-    tiers = [kvtier.PrimaryTier(int(d * 24) + 1), kvtier.HostTier(int(d * 24) + 1, write_through=False)]
-    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(tokens_per_block=TPB, tiers=tiers))
-    oracle = PageOracle(mgr)
-    talks = [convo(i, 48) for i in range(6)]
-    for tokens in talks:
-        prefill(mgr, oracle, tokens)
-    swaps = []
-    real = mover.Mover._swap_through_scratch
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            mover.Mover,
-            "_swap_through_scratch",
-            lambda self, down, swap, s: swaps.append(swap) or real(self, down, swap, s),
-        )
-        tokens = talks[2][:46] + [7]  # 11 whole blocks and half of the 12th
-        cache = mgr.create_cache(tokens)
-        assert cache.reused_by_tier.get("host") == 46
-        assert cache.resume()
+    mgr, oracle, talks = full_tiers("llama", write_through=False)
+    tokens = talks[2][:46] + [7]  # 11 whole blocks and half of the 12th
+    cache = mgr.create_cache(tokens)
+    assert cache.reused_by_tier.get("host") == 46
+    swaps = resume_counting(cache)
     assert len(swaps) == 1 and swaps[0].parked == 11 and len(swaps[0].direct) == 1 and len(swaps[0].up) == 12
     oracle.check(cache, tokens)
     cache.close()
-    mgr.check_invariants()
-    for i in (3, 4, 5):
-        again = mgr.create_cache(talks[i] + [7])
-        assert again.resume()
-        oracle.check(again, talks[i] + [7])
-        again.close()
+    come_back_whole(mgr, oracle, talks, {4: 48, 5: 48})
     mgr.close()
