@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -253,3 +254,13 @@ def test_a_slot_handed_to_other_bytes_counts_as_freed_and_stays_allocated():
     assert slots.num_free == 4 and not any(slots.is_free(s) for s in taken)
     slots.count_as_freed([])
     slots.check()
+
+
+def test_freed_counts_take_slots_as_a_list_or_an_array_of_any_integer_type():
+    allocator = SlotAllocator(8)
+    assert allocator.allocate_many(8) == list(range(8))
+    allocator.count_as_freed([1, 2])
+    allocator.count_as_freed(np.array([2, 3], dtype=np.int64))
+    allocator.count_as_freed(np.array([3, 4], dtype=np.int32))
+    allocator.count_as_freed(np.array([], dtype=np.int64))
+    assert [allocator.times_freed(s) for s in range(8)] == [0, 1, 2, 2, 1, 0, 0, 0]

@@ -150,7 +150,7 @@ class SlotAllocator:
 
 
 def _index(slots: list[int] | np.ndarray) -> np.ndarray:
-    """``slots`` as an int64 index array, read in one pass (an array as it is)."""
-    if isinstance(slots, np.ndarray):
+    """``slots`` as an int64 index array, read in one pass (an int64 array as it is)."""
+    if isinstance(slots, np.ndarray) and slots.dtype == np.int64:
         return slots
     return np.fromiter(slots, dtype=np.int64, count=len(slots))
