@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 SMALL_CALL: Final = 16  # up to this many pairs are checked in plain Python
+MONOTONE_CHECK_MIN: Final = 256  # from this many pairs monotone destinations skip the sort (smaller: it costs more)
 
 
 @dataclass(slots=True)
@@ -112,14 +113,14 @@ def _scan_small(table: np.ndarray) -> tuple[int, int, int, bool]:
 def _scan(table: np.ndarray) -> tuple[int, int, int, bool]:
     """(lowest slot, highest source slot, highest destination slot, a destination slot repeated).
 
-    Destination slots that rise or fall at every step (the planner pairs slots in slot order) are
-    distinct, their ends the extremes. Otherwise one sort of both columns answers all four (a
-    repeat sits beside its twin once sorted).
+    From ``MONOTONE_CHECK_MIN`` pairs on, destination slots that rise or fall at every step (the
+    planner pairs slots in slot order) are distinct and their ends the extremes: no sort. Otherwise
+    one sort of both columns answers all four (a repeat sits beside its twin once sorted).
     """
     src, dst = table[:, 0], table[:, 1]
-    rising = bool((dst[1:] > dst[:-1]).all())
-    if rising or bool((dst[1:] < dst[:-1]).all()):
-        low, top = (int(dst[0]), int(dst[-1])) if rising else (int(dst[-1]), int(dst[0]))
+    step = int(dst[1]) - int(dst[0]) if len(dst) >= MONOTONE_CHECK_MIN else 0
+    if (step > 0 and (dst[1:] > dst[:-1]).all()) or (step < 0 and (dst[1:] < dst[:-1]).all()):
+        low, top = (int(dst[0]), int(dst[-1])) if step > 0 else (int(dst[-1]), int(dst[0]))
         return min(int(src.min()), low), int(src.max()), top, False
     ordered = np.sort(table.T)  # row 0: the source slots, row 1: the destination slots, each ascending
     src, dst = ordered[0], ordered[1]
