@@ -100,12 +100,10 @@ def through_scratch(down: np.ndarray, up: np.ndarray) -> ScratchSwap | None:
     """The demotion pairs ``down`` (primary slot, lower slot) and promotion pairs ``up`` (lower
     slot, primary slot) of one group as a ``ScratchSwap``, or None when no victim lands in a slot
     a promotion reads (no swap: the pairs race as ``kvtier.tiering.duplex`` cuts them)."""
-    reads = up[:, 0]
-    if not len(reads) or not len(down):
+    if not len(up) or not len(down):
         return None
-    read = np.zeros(max(int(reads.max()), int(down[:, 1].max())) + 1, dtype=bool)  # slots are small ints
-    read[reads] = True
-    chained = read[down[:, 1]]
+    # (sorted lookups: a mask over slots would cost a host tier's whole slot count per call)
+    chained = np.isin(down[:, 1], up[:, 0])
     if not chained.any():
         return None
     waiting = down[chained]
