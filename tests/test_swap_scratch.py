@@ -66,6 +66,23 @@ def test_a_swap_through_the_scratch_leaves_every_page_where_it_belongs(n, m, fre
     run_through_scratch(swap, down, up)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 64), st.integers(0, 2**32 - 1))
+def test_victims_landing_in_slots_a_promotion_reads_are_found_in_any_order(n, m, seed):
+    """Slots in any order, below, among and above the promoted pages' (the lookup sorts them)."""
+    rng = np.random.default_rng(seed)
+    lower = rng.permutation(3 * (n + m))
+    down = np.column_stack((rng.permutation(n), lower[:n]))
+    up = np.column_stack((rng.permutation(lower[n // 2 : n // 2 + m]), np.arange(m)))
+    swap = through_scratch(down, up)
+    chained = np.isin(down[:, 1], up[:, 0])
+    if not chained.any():
+        assert swap is None
+        return
+    assert swap.park[:, 0].tolist() == down[chained, 0].tolist()
+    assert swap.direct.tolist() == down[~chained].tolist()
+
+
 def test_the_scratch_holds_whole_pages_and_is_allocated_when_first_needed():
     scratch = SwapScratch(torch.device("cpu"), 10_000)
     assert scratch.pages(4096) == 2 and not scratch.allocated  # sizing allocates nothing
