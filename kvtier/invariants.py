@@ -126,6 +126,7 @@ def _count_holders(holders: list[PageHolder]) -> tuple[Counter, Counter, Counter
 
 
 def _check_tree(tree: RadixTree, users: Counter) -> None:
+    tree.check_runs()
     for root in tree.roots.values():
         stack = [root]
         while stack:

@@ -82,7 +82,7 @@ def weights_fingerprint(module: torch.nn.Module) -> str:
 def config_fingerprint(config: object) -> str:
     """A hex digest of a model configuration's settings (a transformers ``PretrainedConfig``, as its
     ``to_dict()`` gives them, nested configurations included; or a dataclass, as the reference
-    engine's ``Architecture``), leaving out the runtime settings that cannot change a key or value.
+    engine's ``ModelConfig``), leaving out the runtime settings that cannot change a key or value.
     Configurations differing in anything else differ here."""
     if hasattr(config, "to_dict"):
         settings = config.to_dict()

@@ -1,4 +1,4 @@
-"""``kvtier`` on the command line: ``demo``, ``bench copy|manager|e2e``, ``probe``.
+"""``kvtier`` on the command line: ``demo``, ``bench copy|manager|e2e|hf|vllm``, ``probe``.
 
 Each subcommand lives in its own module, listed in ``SUBCOMMANDS`` or ``BENCHES``, which defines
 ``add_arguments(parser)`` and ``run(args) -> int``. Only the module of the subcommand being run

@@ -94,7 +94,7 @@ class _CopyBench:
         torch.cuda.synchronize()
 
     # --- one measurement -------------------------------------------------------------------
-    def _pair_sets(self, n: int, page: int, src_slots: int, dst_slots: int, count: int) -> list[Any]:
+    def _pair_sets(self, n: int, src_slots: int, dst_slots: int, count: int) -> list[Any]:
         np = self.np
         return [
             np.stack([self.rng.permutation(src_slots)[:n], self.rng.permutation(dst_slots)[:n]], axis=1).astype(
@@ -113,7 +113,7 @@ class _CopyBench:
         """Milliseconds of each timed call (CUDA events), after the warm-up calls."""
         torch = self.torch
         src, dst, src_slots, dst_slots = self._buffers(direction, page)
-        sets = self._pair_sets(n, page, src_slots, dst_slots, 4)
+        sets = self._pair_sets(n, src_slots, dst_slots, 4)
         copier, stream = self.copiers[path], self.stream
         for i in range(self.warmup):
             copier.copy(src, dst, sets[i % len(sets)], page, stream)
@@ -181,8 +181,8 @@ class _CopyBench:
         half_host, half_dev = host.numel() // page // 2, dev.numel() // page // 2
         # host->device reads the lower half of the host slots and writes the lower half of the device
         # slots; device->host reads the upper device half and writes the upper host half.
-        h2d = self._pair_sets(n, page, half_host, half_dev, 1)[0]
-        d2h = self._pair_sets(n, page, half_dev, half_host, 1)[0] + np.array([half_dev, half_host], dtype=np.int32)
+        h2d = self._pair_sets(n, half_host, half_dev, 1)[0]
+        d2h = self._pair_sets(n, half_dev, half_host, 1)[0] + np.array([half_dev, half_host], dtype=np.int32)
         rows = []
         for path in PATHS:
             copier = self.copiers[path]
@@ -238,7 +238,7 @@ class _CopyBench:
     def _submit_pairs(self, n: int, page: int, slots: str) -> Any:
         """Pairs host -> device: random distinct slots, or one run of consecutive slots on both sides."""
         if slots == "scattered":
-            return self._pair_sets(n, page, self.host.tensor.numel() // page, self.dev.numel() // page, 1)[0]
+            return self._pair_sets(n, self.host.tensor.numel() // page, self.dev.numel() // page, 1)[0]
         first = self.np.arange(n, dtype=self.np.int64)
         return self.np.stack([first + 3, first + 5], axis=1)
 

@@ -28,9 +28,9 @@ Buffer = bytes | bytearray | memoryview | np.ndarray
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 3
-_HEADER = struct.Struct("<4sHHQ8s")
-HEADER_BYTES = _HEADER.size
 CHECKSUM_BYTES = 8
+_HEADER = struct.Struct(f"<4sHHQ{CHECKSUM_BYTES}s")  # magic, version, reserved, payload bytes, checksum
+HEADER_BYTES = _HEADER.size
 
 
 def payload_checksum(payload: memoryview, key: str = "") -> bytes:

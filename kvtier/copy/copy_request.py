@@ -2,8 +2,9 @@
 
 A tier's buffer is a flat, contiguous ``torch.uint8`` tensor; slot i is bytes
 ``[i * page_bytes, (i + 1) * page_bytes)``. ``check_request`` turns the caller's arguments into a
-``CopyRequest`` or raises ``ValueError`` (``TypeError`` for a wrong type); it reads the pairs once
-with numpy and creates no Python object per page.
+``CopyRequest`` or raises ``ValueError`` (``TypeError`` for a wrong type). It reads the pairs with
+numpy, creating no Python object per page, except in calls of at most ``SMALL_CALL`` pairs, which
+plain Python checks faster.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def check_request(src: object, dst: object, pairs: object, page_bytes: object) -
         raise ValueError(f"destination slot {dst_top} is out of range: dst holds {dst_slots} slots of {page} bytes")
     if repeated:
         raise ValueError("pairs name a destination slot twice; each destination slot may be written once per call")
-    _check_overlap(src_t, dst_t, table, page)
+    _check_overlap(src_t, dst_t, table)
     return CopyRequest(src=src_t, dst=dst_t, pairs=table, page_bytes=page)
 
 
@@ -127,7 +128,7 @@ def _scan(table: np.ndarray) -> tuple[int, int, int, bool]:
     return int(min(src[0], dst[0])), int(src[-1]), int(dst[-1]), bool((dst[1:] == dst[:-1]).any())
 
 
-def _check_overlap(src: torch.Tensor, dst: torch.Tensor, pairs: np.ndarray, page: int) -> None:
+def _check_overlap(src: torch.Tensor, dst: torch.Tensor, pairs: np.ndarray) -> None:
     """Copies inside one buffer must not read a slot that the same call writes (no order holds)."""
     s0, d0 = src.data_ptr(), dst.data_ptr()
     if s0 + src.numel() <= d0 or d0 + dst.numel() <= s0 or src.device != dst.device:

@@ -381,7 +381,7 @@ class ConnectorDriver:
                     break
         return failed
 
-    def after_forward(self, batch: list[ScheduledChunk]) -> None:
+    def after_forward(self) -> None:
         """The batch's KV is computed: the connector's save hooks, then the saves that ended. A hook
         that raises loses saves only (later misses): the step's tokens are the model's, kept. The
         save hooks run only after this step's metadata was bound (else they would act on an older

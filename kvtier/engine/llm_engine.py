@@ -275,7 +275,7 @@ class LLMEngine(ProcessBound):
             raise
         rate = None if meter is None else meter.finish(mark)
         if self.connector is not None:
-            self.connector.after_forward(batch)
+            self.connector.after_forward()
         now = time.perf_counter()
         if rate is not None:
             self._set_prefill_rate(rate)

@@ -17,6 +17,10 @@ computed block is saved for the next call (or the next process, through a disk t
     prefill rate   kvtier/hf/prefill_rate.py  each call's prompt forward timed: load or recompute
     token bound    kvtier/hf/token_bound.py   where images, token types or own positions reach a row's KV
     window check   kvtier/hf/window_check.py  a cache window the attention does not apply (long calls plain)
+    padding probe  kvtier/hf/padding.py       whether a model computes a left-padded row as kvtier serves it
+    call state     kvtier/hf/call_state.py    state a model keeps between calls, which a reusing call must not inherit
+    numerics       kvtier/hf/numerics.py      autocast, matmul precision and the like: part of a call's scope
+    training noise kvtier/hf/training_noise.py whether the forward is random now (dropout in training mode)
     adapters       kvtier/hf/adapters.py      the PEFT adapters active in a call: part of its scope
     forward hooks  kvtier/hf/forward_hooks.py a user's hook on the model (calls plain while one is)
     rotary tables  kvtier/hf/rotary_tables.py tables built otherwise than the configuration now says

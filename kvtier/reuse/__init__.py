@@ -8,6 +8,7 @@ Modules, bottom up:
                  restored blocks whose scope was not used yet)
     matching     the longest prefix every layer group can reuse (``find_reuse``), and the pages a
                  match uses
+    reuse_points the reuse points a match offers below its own, and the bytes each loads per tier
 
 The token and key helpers are public: the connectors and the adapters name blocks with them,
 exactly as the tree does.

@@ -214,7 +214,7 @@ class RadixTree:
 
     def check_runs(self) -> None:
         """``InvariantError`` unless every remembered run is ``JUMP_BLOCKS`` attached nodes chained
-        from its anchor whose tokens are the run's bytes (slow, for tests)."""
+        from its anchor whose tokens are the run's bytes (slow: ``check_invariants``)."""
         for anchor, (data, run) in self._jumps.items():
             parent = anchor
             for node in run:

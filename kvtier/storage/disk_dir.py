@@ -88,7 +88,6 @@ class DiskDirectory:
         self.had_pages = False  # page files were there before: a lost index then means lost pages
         self.abandoned = False  # its manager was dropped without close(): only background work holds it
         self.secret: bytes | None = None
-        self._lock_fd: int | None = None
         self._finalizer: weakref.finalize | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the directory this manager opened
         self._where = ""  # its absolute path when opened
@@ -160,7 +159,6 @@ class DiskDirectory:
                 )
         # released in this order: whoever takes the file's lock next finds the directory's free
         fds = (*self._lock_directory(fd), fd)
-        self._lock_fd = fd
         _LOCK_FDS.update(fds)
         self._finalizer = weakref.finalize(self, _release, fds, os.getpid())
         self._finalizer.atexit = False  # the process's end releases it, after managers closed at exit

@@ -21,7 +21,7 @@ BULK_SLOTS = 64  # from this many slots a call marks the free map with numpy ins
 
 
 class SlotAllocator:
-    """A LIFO free list of slot numbers. The stack is preallocated; allocate/free do not allocate."""
+    """A LIFO free list of slot numbers: slots given back on a list, never-used ones above a high-water mark; O(1)."""
 
     __slots__ = ("_free", "_free_map", "_freed", "_freed_counts", "_is_free", "_next", "num_slots")
 

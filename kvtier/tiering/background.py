@@ -1,7 +1,8 @@
 """Work done between requests (``PagePool.maintain``): write-through copies and the free reserve.
 
 *Write-through*: published primary pages that became evictable (``Tier.watch``, oldest first),
-of priority and reuse count high enough (``HostTier.write_through_min_priority``, ``_min_hits``),
+of priority and reuse count high enough (``HostTier.write_through_min_priority``,
+``HostTier.write_through_min_hits``),
 are copied to free host slots, or to slots of copies whose originals left the primary tier,
 never pushing a page out (pages waiting for room stay watched). Once its copy has run, the copy
 is owned by the host tier (the plan's ``kept_copies``, spare: the first to go when room is wanted

@@ -1,4 +1,5 @@
-"""Copies a ``MovePlan``'s data: one copier call per (source tier, destination tier, layer group).
+"""Copies a ``MovePlan``'s data: one copier call per (source tier, destination tier, layer group), or
+one per part where a duplex move, a swap through the scratch or a disk read cuts it.
 
 Order (see ``kvtier.tiering.planner``): demotions deepest edge first, then copies into warmer tiers.
 On CUDA, copies are enqueued on the given stream after a wait for the previous plan's copies

@@ -9,7 +9,8 @@ One line of vLLM configuration::
 
 Modules: ``connector`` (the vLLM class), ``scheduler`` and ``lease`` (the index: offers, leases,
 jobs), ``worker`` (runs jobs on vLLM's caches), ``kv_groups`` (vLLM's KV cache groups as a kvtier
-model), ``meta`` (what the halves exchange), ``settings`` (extra config, model identity), and the
+model), ``meta`` (what the halves exchange), ``settings`` (extra config, model identity), ``file_stamp``
+(whether the weights at a path are still the ones seen before), and the
 parts that import no vLLM: ``transfer`` (the data path: which block goes to which page, the
 copies), ``host_pool`` (the host pages both halves share), ``store_tier`` (the shared store below the
 disk tier) and ``paged_views`` (vLLM's cache layouts, for tests and ``kvtier bench vllm``).

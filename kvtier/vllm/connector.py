@@ -46,8 +46,6 @@ if TYPE_CHECKING:
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's blocks kept in kvtier's host and disk tiers; see ``kvtier.vllm``."""
 
-    _cache_hit_source = CacheHitSource.HOST
-
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_one_process(vllm_config)
