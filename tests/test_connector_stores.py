@@ -505,7 +505,9 @@ def test_fs_store_at_a_path_that_can_never_be_a_directory_is_refused(tmp_path):
 
 def hang_reads_of(store: FileSystemStore, key: str) -> Path:
     """Make ``key``'s value a FIFO: opening it to read waits for a writer, as a read of a hard-mounted
-    network file system waits for its dead server. Returns its path (``release`` ends the waits)."""
+    network file system waits for its dead server. Returns its path (``release`` ends the waits).
+    Waits for the budget's pass first: a scan removes a fan-out directory it finds empty."""
+    assert store.wait_for_budget(10)
     path = store.path_of(key)
     path.unlink()
     os.mkfifo(path, 0o600)

@@ -5,9 +5,10 @@ from a dead network mount): the interpreter's exit joins every executor's thread
 wait for such a call for ever; it never waits for a daemon thread. Whoever needs a call's result
 waits for its future (a save is waited for by the connector's ``close``, and at exit). A caller
 that gave up on calls hung that way hands their threads over to them (``abandon``): later calls
-run on new threads. To tell a hung call from one queued behind others' work, a future's
-``started_at`` is set (``time.monotonic()``) when its call starts, and ``last_finished`` says
-when the pool last finished a call; its ``generation`` names the threads it was queued for.
+run on new threads. To tell a hung call from one queued behind others' work, or from a long one
+still making progress, a future's ``active_at`` is set (``time.monotonic()``) when its call
+starts and again whenever the call reports progress (``note_progress``), and ``last_finished``
+says when the pool last finished a call; its ``generation`` names the threads it was queued for.
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ from concurrent.futures import Future
 from typing import Any
 
 _Call = tuple[Future, Callable[..., Any], tuple]
+_running = threading.local()  # ``future``: the future of the call this pool thread runs
+
+
+def note_progress() -> None:
+    """Called inside a pool's call (a chunk of a long read or write done): its future's ``active_at``
+    moves to now, so that a caller does not take a long call that makes progress for a hung one.
+    Does nothing on a thread of no pool."""
+    future = getattr(_running, "future", None)
+    if future is not None:
+        future.active_at = time.monotonic()
 
 
 class DaemonPool:
@@ -151,10 +162,13 @@ def _work(calls: queue.SimpleQueue, finished_at: list[float]) -> None:
 def _run(future: Future, fn: Callable[..., Any], args: tuple) -> None:
     if not future.set_running_or_notify_cancel():
         return
-    future.started_at = time.monotonic()  # type: ignore[attr-defined]
+    future.active_at = time.monotonic()  # type: ignore[attr-defined]
+    _running.future = future
     try:
         result = fn(*args)
     except BaseException as exc:  # handed to the future's reader, as an executor does
         future.set_exception(exc)
     else:
         future.set_result(result)
+    finally:
+        _running.future = None

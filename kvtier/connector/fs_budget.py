@@ -49,11 +49,14 @@ class StoreBudget:
 
     Each process keeps an estimate of the directory's bytes: its last scan (at its first write,
     then at each pass), less what that pass removed, plus what it wrote since. When the estimate
-    passes ``max_bytes`` it scans the directory again, so every process's files count, and removes
-    the values used longest ago until at most ``EVICT_TO`` of the budget is left; a value used
-    again since the scan (its time changed) is kept. Between passes each writing process adds at
-    most about ``(1 - EVICT_TO) * max_bytes`` unseen by the others, so P processes writing at once
-    may overshoot by about P times that.
+    passes ``max_bytes``, or the process has written ``(1 - EVICT_TO) * max_bytes`` since its last
+    scan (what others wrote meanwhile is in no estimate of its own), it scans the directory again,
+    so every process's files count, and removes the values used longest ago until at most
+    ``EVICT_TO`` of the budget is left; a value used again since the scan (its time changed) is
+    kept. So between passes each writing process adds at most about ``(1 - EVICT_TO) *
+    max_bytes`` (and one batch) unseen by the others, and P processes writing at once may overshoot
+    by about P times that. A value larger than ``EVICT_TO`` of the budget could not outlive a pass
+    (it would take the others with it): the store refuses it (``value_limit``).
 
     A file system smaller than ``max_bytes`` (or a quota) fills before the estimate passes it:
     writes then fail for want of space, and ``make_room`` runs a pass sized by the bytes the scan
@@ -86,11 +89,17 @@ class StoreBudget:
         self._progress = time.monotonic()  # when a pass last scanned a directory or removed a value
         self._closed = False
 
+    @property
+    def value_limit(self) -> int:
+        """The largest value a pass leaves in place when it is the only one: ``EVICT_TO`` of the budget."""
+        return int(self.max_bytes * EVICT_TO)
+
     def add(self, written: int) -> None:
-        """Count ``written`` new bytes; past the budget (or before the first count), start a pass
-        unless one runs. Waits only when the estimate is more than ``1 - EVICT_TO`` of the budget
-        over it while a pass runs (writes outpacing the passes): for that pass, while it makes
-        progress (not again for a pass given up on)."""
+        """Count ``written`` new bytes; past the budget, past ``1 - EVICT_TO`` of it written since the
+        last scan, or before the first count, start a pass unless one runs. Waits only when the
+        estimate is more than ``1 - EVICT_TO`` of the budget over it while a pass runs (writes
+        outpacing the passes): for that pass, while it makes progress (not again for a pass given
+        up on)."""
         if not written:
             return
         with self._lock:
@@ -98,7 +107,8 @@ class StoreBudget:
             if self._used is not None:
                 self._used += written
             running = self._counting
-            over = self._used is None or self._used > self.max_bytes
+            unseen = self._added > self.max_bytes - self.value_limit  # others' writes are in no estimate here
+            over = self._used is None or self._used > self.max_bytes or unseen
             if over and (running is None or running.done()):
                 self._counting = self._start(self._count_and_evict)
                 return
@@ -194,7 +204,7 @@ class StoreBudget:
         values = self._scan_afresh()
         used = sum(v.size for v in values)
         if used > self.max_bytes:
-            used = self.evict(values, int(self.max_bytes * EVICT_TO))
+            used = self.evict(values, self.value_limit)
         with self._lock:
             self._used = used + self._added
 
@@ -227,14 +237,20 @@ class StoreBudget:
         return values
 
     def scan(self) -> list[_Value]:
-        """Every value file under the root; temporary files older than ``STALE_TEMP_S`` are removed."""
+        """Every value file under the root. Temporary files older than ``STALE_TEMP_S`` are removed,
+        and so are those stamped more than ``FUTURE_STAMP_S`` ahead (left by a writer killed while
+        the clock was ahead), and fan-out directories found empty (left by a pass cut short)."""
         values = []
-        stale_before = time.time_ns() - int(STALE_TEMP_S * 1e9)
+        now = time.time_ns()
+        stale_before, ahead = now - int(STALE_TEMP_S * 1e9), now + int(FUTURE_STAMP_S * 1e9)
         for leaf in self._leaf_dirs():
             if self._closed:
                 break  # (a pass cut short by ``close``: what it found so far)
             self._progress = time.monotonic()
-            for entry in _entries(leaf):
+            entries = _entries(leaf)
+            if not entries:
+                _remove_if_empty(leaf)
+            for entry in entries:
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
@@ -242,7 +258,7 @@ class StoreBudget:
                 name = entry.name
                 if name.endswith(VALUE_SUFFIX) and not name.startswith("."):
                     values.append(_Value(entry.path, st.st_size, st.st_mtime_ns))
-                elif name.endswith(TEMP_SUFFIX) and st.st_mtime_ns < stale_before:
+                elif name.endswith(TEMP_SUFFIX) and not stale_before <= st.st_mtime_ns <= ahead:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
         return values
@@ -277,11 +293,7 @@ class StoreBudget:
                 continue
             left -= value.size
         for leaf in emptied:
-            for directory in (leaf, os.path.dirname(leaf)):
-                try:
-                    os.rmdir(directory)
-                except OSError:  # not empty (or gone): the levels above are not either
-                    break
+            _remove_if_empty(leaf)
         if failed:
             log.warning("kvtier fs store: %d evictions under %s failed: %s", len(failed), self.root, failed[0])
         log.debug("kvtier fs store: evicted %d values under %s; %d bytes left", removed, self.root, left)
@@ -305,6 +317,15 @@ def _entries(path: str | Path) -> list[os.DirEntry]:
             return list(it)
     except OSError:
         return []
+
+
+def _remove_if_empty(leaf: str) -> None:
+    """Remove a fan-out leaf directory and then its top one, each if empty (a writer makes them again)."""
+    for directory in (leaf, os.path.dirname(leaf)):
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty (or gone): the level above is not either
+            return
 
 
 def _is_fan_out(entry: os.DirEntry) -> bool:

@@ -35,8 +35,9 @@ each kind at once, then at most one line per ``warn_interval_s`` (``kvtier.stora
 I/O that hangs (a hard-mounted network file system whose server died) is bounded: the file I/O
 of every call runs on the store's threads (reads, writes and existence checks on pools of their
 own, so a check never queues behind large reads), and a call with a read, write, check or
-delete (64 files a chunk) running ``timeout_s`` without end, or queued while its pool finished
-nothing for ``timeout_s``, answers misses (failures, for puts). Its pool's threads are left to
+delete (64 files a chunk) running ``timeout_s`` without progress (a large value is read and
+written ``IO_CHUNK`` at a time, each part progress), or queued while its pool finished nothing
+for ``timeout_s``, answers misses (failures, for puts). Its pool's threads are left to
 the hung I/O (``DaemonPool.abandon``; past ``MAX_HUNG_THREADS`` of a pool still alive, no call
 of that pool tries), and the store backs off (``store_health``): for ``retry_after_s`` calls answer at once,
 without touching the file system. ``close`` waits for a hung thread ``2 * timeout_s`` at most.
@@ -53,17 +54,18 @@ import logging
 import math
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, BinaryIO, Final, TypeVar
 
 from kvtier.connector.block_codec import HEADER_BYTES, Buffer, decode_page, encode_page
-from kvtier.connector.daemon_pool import DaemonPool
-from kvtier.connector.fs_budget import TEMP_SUFFIX, VALUE_SUFFIX, StoreBudget
+from kvtier.connector.daemon_pool import DaemonPool, note_progress
+from kvtier.connector.fs_budget import EVICT_TO, TEMP_SUFFIX, VALUE_SUFFIX, StoreBudget
 from kvtier.connector.store import check_keys, check_sizes
 from kvtier.connector.store_health import ServerHealth
 from kvtier.storage.disk_dir import check_disk_path
@@ -76,7 +78,8 @@ CREATE_TRIES = 8  # a write makes its fan-out directories again this often when 
 IO_THREADS = default_io_threads()  # the disk tier's default: file I/O and checksums overlap on a few threads
 DEFAULT_MAX_BYTES: Final = 64 << 30
 WARN_INTERVAL_S: Final = 60.0
-IO_TIMEOUT_S: Final = 2.0  # one file's I/O taking this long (after the one before it): the file system hangs
+IO_TIMEOUT_S: Final = 2.0  # a file's I/O without progress this long (after the one before it): the file system hangs
+IO_CHUNK: Final = 8 << 20  # a large value is read and written in parts of this many bytes, each one progress
 RETRY_AFTER_S: Final = 30.0  # then calls answer misses this long (a dead mount stays dead for minutes)
 CHECK_CHUNK: Final = 64  # keys a thread checks (``contains_many``) or deletes in one go
 MAX_HUNG_THREADS: Final = 16  # threads of a pool left in hung I/O: past this many, its calls answer misses untried
@@ -164,18 +167,32 @@ class FileSystemStore:
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store each payload under its key, atomically; per item True if it was stored.
 
-        A value larger than the whole budget is not stored. Past the budget, the least recently used
-        values are evicted in the background; when the file system is full, this waits for the
-        eviction (while it makes progress) and tries the failed writes once more.
+        A value larger than ``EVICT_TO`` of the budget (``StoreBudget.value_limit``: no pass would
+        leave it in place) is not stored, and refused before it is framed. Past the budget, the
+        least recently used values are evicted in the background; when the file system is full,
+        this waits for the eviction (while it makes progress) and tries the failed writes once more.
         """
         items = list(items)
         keys = check_keys([key for key, _ in items])
-        blobs = [encode_page(data, key) for key, (_, data) in zip(keys, items, strict=True)]
-        errors = self._write_all(keys, blobs)
+        limit = self._budget.value_limit
+        errors: list[OSError | None] = [None] * len(items)
+        blobs: dict[int, bytes] = {}
+        for i, (key, (_, data)) in enumerate(zip(keys, items, strict=True)):
+            size = HEADER_BYTES + _payload_bytes(data)
+            if size > limit:
+                errors[i] = OSError(
+                    errno.EFBIG,
+                    f"a value of {size} bytes is larger than {EVICT_TO:.0%} of the budget ({limit} bytes): "
+                    "a pass would evict it, and the others with it",
+                )
+            else:
+                blobs[i] = encode_page(data, key)
+        for i, err in zip(blobs, self._write_all([keys[i] for i in blobs], list(blobs.values())), strict=True):
+            errors[i] = err
         failed = [err for err in errors if err is not None]
         if failed:
             self._failures["write"](f"{len(failed)} of {len(keys)} writes failed: {failed[0]}")
-        self._budget.add(sum(len(blob) for blob, err in zip(blobs, errors, strict=True) if err is None))
+        self._budget.add(sum(len(blob) for i, blob in blobs.items() if errors[i] is None))
         return [err is None for err in errors]
 
     def _write_all(self, keys: list[str], blobs: list[bytes]) -> list[OSError | None]:
@@ -251,13 +268,14 @@ class FileSystemStore:
         submitted = time.monotonic()
         try:
             futures = [pool.submit(fn, *args) for args in zip(*iterables, strict=True)]
-        except RuntimeError as exc:  # no thread could be started
+        except RuntimeError as exc:  # closed meanwhile (the call fails as on a closed store), or no thread started
+            self._check_open()
             self._health.failed(op, exc, server_down=True)
             return None
         for future in futures:  # in the order they run
             while True:
-                started = getattr(future, "started_at", None)
-                since = started if started is not None else max(pool.last_finished(), submitted)
+                active = getattr(future, "active_at", None)  # its start or its last progress
+                since = active if active is not None else max(pool.last_finished(), submitted)
                 idle = time.monotonic() - since  # no progress for so long
                 if idle >= self.timeout_s and not future.done():
                     pool.abandon(future.generation)
@@ -286,7 +304,7 @@ class FileSystemStore:
         try:
             with open(path, "rb") as f:
                 # One byte past the expected length is enough to see that a value is too long.
-                blob = f.read() if size is None else f.read(HEADER_BYTES + size + 1)
+                blob = _read_in_parts(f, None if size is None else HEADER_BYTES + size + 1)
                 inode = os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             return _Read()
@@ -302,8 +320,6 @@ class FileSystemStore:
 
     def _put_one(self, key: str, blob: bytes) -> OSError | None:
         """Write ``blob`` to a temporary file next to the value and rename it over; the error, if any."""
-        if len(blob) > self.max_bytes:
-            return OSError(errno.EFBIG, f"a value of {len(blob)} bytes is larger than the budget of {self.max_bytes}")
         final = self.path_of(key)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
         try:
@@ -312,13 +328,41 @@ class FileSystemStore:
             return exc
         try:
             with open(fd, "wb") as f:
-                f.write(blob)
+                view = memoryview(blob)
+                for start in range(0, len(view), IO_CHUNK):
+                    f.write(view[start : start + IO_CHUNK])
+                    note_progress()
             os.replace(tmp, final)
         except OSError as exc:
             with contextlib.suppress(OSError):  # a temporary file is never read as a value, even if it stays
                 tmp.unlink()
             return exc
         return None
+
+
+def _read_in_parts(f: BinaryIO, limit: int | None) -> bytes:
+    """Up to ``limit`` bytes of ``f`` (None: to its end), ``IO_CHUNK`` at a time, each part reported
+    as progress (a long read of a large value on a slow file system is no hang)."""
+    parts = []
+    left = math.inf if limit is None else limit
+    while left > 0:
+        want = int(min(IO_CHUNK, left))
+        part = f.read(want)
+        parts.append(part)
+        note_progress()
+        left -= len(part)
+        if len(part) < want:  # the end of the file (a buffered read returns less only there)
+            break
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _payload_bytes(data: Buffer) -> int:
+    """The bytes of a payload, without copying it (0 for an object that is no buffer: framing it
+    raises the error that says so)."""
+    try:
+        return memoryview(data).nbytes
+    except TypeError:
+        return 0
 
 
 def _touch_all(paths: list[Path]) -> list[bool]:
@@ -389,9 +433,11 @@ def _make_private_dirs(path: Path) -> None:
         with contextlib.suppress(OSError):
             os.chmod(directory, PRIVATE_DIR)  # exactly, whatever the umask
     target = missing[0] if missing else path
-    if not target.exists():  # removed meanwhile (an eviction pass empties fan-out directories): made again
-        raise FileNotFoundError(errno.ENOENT, "removed while it was made", str(target))
-    if not target.is_dir():
+    try:
+        mode = os.stat(target).st_mode  # (one look: checked twice, a removal between was "not a directory")
+    except FileNotFoundError:  # removed meanwhile (an eviction pass empties fan-out directories): made again
+        raise FileNotFoundError(errno.ENOENT, "removed while it was made", str(target)) from None
+    if not stat.S_ISDIR(mode):
         raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(target))
 
 
