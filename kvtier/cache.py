@@ -121,7 +121,7 @@ class KVCache(ProcessBound):
                 self._state = CacheState.CLOSED
                 self._release_holds(locked=False)
                 raise
-        # the reuse ``KVCacheManager.create_cache`` counts as hits; what is given up later moves out
+        # the reuse counted as hits at the first commit or at close; what is given up before is recomputed
         counted_end = self.num_reused_tokens if counted else 0
         self._hits = HitCount(pool.counters, pool.tier_names, self._tpb, counted_end, self._block_tiers)
         pool.holders.add(self)
@@ -341,12 +341,16 @@ class KVCache(ProcessBound):
     @exclusive
     def recompute_from(self, tokens: int) -> int:
         """The caller recomputes this cache's reused tokens from ``tokens`` on, though the cache keeps
-        their pages (a batch row cut to the batch's common width): they move from the manager's
-        ``hit_tokens`` to ``recomputed_tokens``. Counts only: the cache, its lengths and
+        their pages (a batch row cut to the batch's common width): they are counted in the manager's
+        ``recomputed_tokens``, not in its ``hit_tokens``. Counts only: the cache, its lengths and
         ``reused_by_tier`` stay as they are. A later call can only move more. Returns the tokens
-        moved."""
+        moved. Only before the first ``commit`` (then the reuse was used, and counted as hits):
+        ``CacheStateError`` after it."""
         self._check_open()
-        return self._hits.keep(_check_length("tokens", tokens), self._block_tiers)
+        kept = _check_length("tokens", tokens)
+        if self._hits.settled and kept < self._hits.end:
+            raise CacheStateError("recompute_from after the cache's first commit: its reuse was used, and counted")
+        return self._hits.keep(kept, self._block_tiers)
 
     @exclusive
     def cache_for_prefix(self, num_tokens: int) -> KVCache:
@@ -437,6 +441,7 @@ class KVCache(ProcessBound):
             return
         locked = self._state is _ACTIVE
         self._state = CacheState.CLOSED  # first: a close retried after an interrupt releases nothing twice
+        self._hits.settle()
         if locked:
             self._pool.cache_let_go(self._stream)
         self._num_blocks = 0
@@ -512,6 +517,7 @@ class KVCache(ProcessBound):
             and c <= self._capacity
             and self._pool.attention_only
             and 0 <= new_tokens[0] <= MAX_TOKEN
+            and self._hits.settled
         ):
             # The decode step: one token inside a block of a model with full-attention layers only
             # changes nothing but this cache's own lengths, so it claims nothing (kvtier.exclusive).
@@ -525,11 +531,13 @@ class KVCache(ProcessBound):
 
     @exclusive
     def _commit(self, new_tokens) -> None:
-        """``commit`` of anything that may publish a block, keep a snapshot or release stale pages."""
+        """``commit`` of anything that may publish a block, keep a snapshot or release stale pages, or
+        the first: the reuse is settled (counted as hits) once the request computed past it."""
         tokens = as_token_array(new_tokens)
         count = len(tokens)
         if len(self._tokens) + count > self._capacity:
             raise ValueError(f"commit past capacity: {len(self._tokens) + count} tokens > capacity {self._capacity}")
+        self._hits.settle()
         self._tokens.extend(tokens)
         c = len(self._tokens)
         pool = self._pool

@@ -1,9 +1,12 @@
 """``HitCount``: the part of a request's reuse that the manager counts as hits, by tier.
 
-A cache's reuse is counted in ``stats().hit_tokens`` when the cache is created, each reused block
-for the tier it was found on. Reuse given up later (a checksum failure on the way in, a shortened
-reuse, a caller that recomputes part of it) leaves ``hit_tokens`` for ``recomputed_tokens``, so
-the two always add up to what the request was offered, and the hits to what it used.
+A cache's reuse is counted in ``stats().hit_tokens`` once it is settled: at the cache's first
+``commit`` (the request computed past its reuse) or at its ``close``, whichever comes first, each
+reused block for the tier it was found on. Reuse given up before (a checksum failure on the way
+in, a shortened reuse, a caller that recomputes part of it) is counted in ``recomputed_tokens``
+instead, so the two always add up to what the request was offered, and the hits to what it used.
+Both only grow: a Prometheus counter never goes down (a hit counted at creation and given up later
+did, and a scrape in between read the decrease as a counter reset).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from kvtier.errors import InvariantError
 from kvtier.stats import Counters
 
 
@@ -18,7 +22,7 @@ class HitCount:
     """The first ``end`` reused tokens of one request, counted as hits for the tiers ``block_tiers``
     gives per block (tier indices; None: every block on the one tier ``names[0]``)."""
 
-    __slots__ = ("_block_tiers", "_counters", "_names", "_tpb", "end", "used")
+    __slots__ = ("_block_tiers", "_counters", "_names", "_tpb", "end", "settled", "used")
 
     def __init__(
         self, counters: Counters, names: Sequence[str], tokens_per_block: int, end: int, block_tiers: list[int] | None
@@ -29,22 +33,29 @@ class HitCount:
         self.end = end
         self._block_tiers = block_tiers
         self.used = False  # the request took the reuse (its first resume is over): a loss now is no lost hit
+        self.settled = False  # the hits are counted (``settle``): the reuse can no longer be given up
 
     def keep(self, kept: int, block_tiers: list[int] | None) -> int:
-        """Only the first ``kept`` tokens are used, their blocks now found on ``block_tiers``: the hits
-        counted move to those tiers, the tokens past ``kept`` to ``recomputed_tokens``. Returns the
-        tokens moved to recomputed (0, changing nothing, when ``kept`` covers the count)."""
+        """Only the first ``kept`` tokens will be counted, their blocks now found on ``block_tiers``;
+        the tokens past ``kept`` go to ``recomputed_tokens``. Returns the tokens moved there (0,
+        changing nothing, when ``kept`` covers the count). ``InvariantError`` once settled."""
         end = self.end
         if kept >= end:
             return 0
-        hits = self._counters.hit_tokens
-        for name, n in self._by_tier(self._block_tiers, end).items():
-            hits[name] -= n
-        for name, n in self._by_tier(block_tiers, kept).items():
-            hits[name] += n
+        if self.settled:
+            raise InvariantError("reuse given up after its hits were counted")
         self._counters.recomputed_tokens += end - kept
         self.end, self._block_tiers = kept, block_tiers
         return end - kept
+
+    def settle(self) -> None:
+        """Count the reuse as hits, by tier (once: later calls do nothing)."""
+        if self.settled:
+            return
+        self.settled = True
+        hits = self._counters.hit_tokens
+        for name, n in self._by_tier(self._block_tiers, self.end).items():
+            hits[name] += n
 
     def cut(self, kept: int) -> int:
         """Only the first ``kept`` tokens are used, as counted: the tokens past ``kept`` move to

@@ -108,10 +108,7 @@ class KVCacheManager(ProcessBound):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
         self._pool.release_dropped()
         cache = KVCache(self._pool, tokens, scope, priority)
-        counters = self._pool.counters
-        counters.lookup_tokens += len(tokens)
-        for tier, n in cache.reused_by_tier.items():
-            counters.hit_tokens[tier] += n
+        self._pool.counters.lookup_tokens += len(tokens)  # its hits once it commits or closes (HitCount)
         self._pool.debug_check()
         return cache
 

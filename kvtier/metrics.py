@@ -8,6 +8,7 @@ current and the manager's hot paths pay nothing; a closed manager exports nothin
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
@@ -19,52 +20,76 @@ from prometheus_client.registry import Collector
 from kvtier.errors import CacheStateError
 from kvtier.manager import KVCacheManager
 
+_TIER_GAUGES = (  # (name, help, TierStats field), labelled by tier
+    ("kvtier_tier_pages_capacity", "Pages a tier can hold", "pages_total"),
+    ("kvtier_tier_pages_used", "Pages a tier holds now", "pages_used"),
+    ("kvtier_tier_bytes_capacity", "Bytes of a tier's quota", "bytes_total"),
+    ("kvtier_tier_bytes_used", "Bytes a tier holds now", "bytes_used"),
+)
+_COUNTERS = (  # (CacheStats field, help), exported as kvtier_<field>_total
+    ("lookup_tokens", "Prompt tokens looked up for reuse"),
+    ("evictions", "Pages forced out of a tier to make room"),
+    ("demotions", "Pages moved to a colder tier"),
+    ("promotions", "Pages moved to a warmer tier"),
+    ("drops", "Pages discarded from the cache"),
+    ("checksum_failures", "Pages not read back intact: a checksum mismatch, a short read or a read error"),
+    ("disk_resets", "Disk tier directories that could not be read and started empty"),
+    (
+        "recomputed_tokens",
+        "Cached prompt tokens recomputed: loading them was estimated slower, or their reuse was given up",
+    ),
+)
+_HITS = ("kvtier_hit_tokens", "Prompt tokens reused, by the tier they came from (counted once a request used them)")
+_COPIED = ("kvtier_bytes_copied", "Bytes moved between tiers, by edge and path")
+
 
 class CacheCollector(Collector):
-    """Exports one manager's stats; names start with ``kvtier_``."""
+    """Exports one manager's stats; names start with ``kvtier_``. Every counter only grows.
+
+    It holds the manager weakly: serving its metrics does not keep alive a manager its owner
+    dropped (which is then closed as ``close()`` would, ``kvtier.manager``), and a closed or
+    collected manager exports nothing. ``describe`` names the metrics without reading the
+    manager, so a scrape may ask for some by name (``/metrics?name[]=...``)."""
 
     def __init__(self, manager: KVCacheManager) -> None:
         if not isinstance(manager, KVCacheManager):
             raise TypeError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
-        self.manager = manager
+        self._manager = weakref.ref(manager)
+
+    @property
+    def manager(self) -> KVCacheManager | None:
+        """The manager exported, or None once it was collected."""
+        return self._manager()
+
+    def describe(self) -> Iterator[Metric]:
+        for name, doc, _ in _TIER_GAUGES:
+            yield GaugeMetricFamily(name, doc, labels=["tier"])
+        yield CounterMetricFamily(*_HITS, labels=["tier"])
+        for field, doc in _COUNTERS:
+            yield CounterMetricFamily(f"kvtier_{field}", doc)
+        yield CounterMetricFamily(*_COPIED, labels=["src", "dst", "path"])
 
     def collect(self) -> Iterator[Metric]:
+        manager = self._manager()
+        if manager is None:
+            return
         try:
-            stats = self.manager.stats()
+            stats = manager.stats()
         except CacheStateError:  # a closed manager has nothing more to report
             return
-        for name, doc, field in (
-            ("kvtier_tier_pages_total", "Pages a tier can hold", "pages_total"),
-            ("kvtier_tier_pages_used", "Pages a tier holds now", "pages_used"),
-            ("kvtier_tier_bytes_total", "Bytes of a tier's quota", "bytes_total"),
-            ("kvtier_tier_bytes_used", "Bytes a tier holds now", "bytes_used"),
-        ):
+        del manager  # (a scrape keeps no reference to it)
+        for name, doc, field in _TIER_GAUGES:
             gauge = GaugeMetricFamily(name, doc, labels=["tier"])
             for tier, tier_stats in stats.tiers.items():
                 gauge.add_metric([tier], getattr(tier_stats, field))
             yield gauge
-        hits = CounterMetricFamily(
-            "kvtier_hit_tokens", "Prompt tokens reused, by the tier they came from", labels=["tier"]
-        )
+        hits = CounterMetricFamily(*_HITS, labels=["tier"])
         for tier, n in stats.hit_tokens.items():
             hits.add_metric([tier], n)
         yield hits
-        yield CounterMetricFamily(
-            "kvtier_lookup_tokens", "Prompt tokens looked up for reuse", value=stats.lookup_tokens
-        )
-        for name, doc in (
-            ("evictions", "Pages forced out of a tier to make room"),
-            ("demotions", "Pages moved to a colder tier"),
-            ("promotions", "Pages moved to a warmer tier"),
-            ("drops", "Pages discarded from the cache"),
-            ("checksum_failures", "Pages not read back intact: a checksum mismatch, a short read or a read error"),
-            ("disk_resets", "Disk tier directories that could not be read and started empty"),
-            ("recomputed_tokens", "Cached prompt tokens recomputed because loading them was estimated slower"),
-        ):
-            yield CounterMetricFamily(f"kvtier_{name}", doc, value=getattr(stats, name))
-        copied = CounterMetricFamily(
-            "kvtier_bytes_copied", "Bytes moved between tiers, by edge and path", labels=["src", "dst", "path"]
-        )
+        for field, doc in _COUNTERS:
+            yield CounterMetricFamily(f"kvtier_{field}", doc, value=getattr(stats, field))
+        copied = CounterMetricFamily(*_COPIED, labels=["src", "dst", "path"])
         for key, n in stats.bytes_copied.items():
             edge, path = key.split(":", 1)
             src, dst = edge.split("->", 1)

@@ -24,11 +24,14 @@ class CacheStats:
     does not match, a short read, or a read that failed (each is a miss, never a wrong byte).
     ``disk_resets`` counts disk tier directories whose index or files could not be read when the
     manager started: each was reported (an ERROR log line) and started empty.
-    ``recomputed_tokens`` counts cached tokens left to be recomputed because loading them from
-    their tier was estimated slower than recomputing them (``set_prefill_rate``).
-    ``hit_tokens`` (and ``hit_rate``) count reuse from the manager's own tiers; tokens an engine's
+    ``recomputed_tokens`` counts cached tokens a request recomputes though they were found: loading
+    them from their tier was estimated slower than recomputing them (``set_prefill_rate``), or the
+    reuse was given up (shortened for a batch or for a caller that must not wait for the disk, or
+    lost to a checksum failure on the way in).
+    ``hit_tokens`` (and ``hit_rate``) count reuse from the manager's own tiers, once a request used
+    it: at its cache's first commit, or at its close (``kvtier.hit_count``); tokens an engine's
     connector loads after them are counted by the connector (``ConnectorStats``) and in each
-    ``RequestOutput.reused_tokens_by_tier["connector"]``.
+    ``RequestOutput.reused_tokens_by_tier["connector"]``. Every count only grows.
     """
 
     tiers: dict[str, TierStats]

@@ -372,10 +372,14 @@ def test_stats_count_hits_lookups_and_occupancy():
     mgr, oracle = make()
     tokens = list(range(900, 917))
     run_request(mgr, oracle, tokens)
-    mgr.create_cache(tokens + [1])
+    cache = mgr.create_cache(tokens + [1])
     stats = mgr.stats()
     assert stats.lookup_tokens == 17 + 18
-    assert stats.hit_tokens == {"primary": 16, "host": 0, "disk": 0}
+    assert stats.hit_tokens == {"primary": 0, "host": 0, "disk": 0}  # counted once the request uses them
     assert stats.tiers["primary"].pages_used == 4
     assert stats.tiers["primary"].bytes_used == 4 * mgr.page_bytes(0)
+    assert cache.resume() and cache.resize(18)
+    cache.commit([1, 1])
+    stats = mgr.stats()
+    assert stats.hit_tokens == {"primary": 16, "host": 0, "disk": 0}
     assert 0 < stats.hit_rate < 1

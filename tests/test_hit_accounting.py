@@ -1,12 +1,15 @@
 """``stats().hit_tokens`` counts the reuse a request really uses, by the tier it came from.
 
-A cache's reuse counts at ``create_cache``; reuse given up later (a checksum failure on the way
-in, ``shorten_reuse``, ``recompute_from``) moves to ``recomputed_tokens``; a block with no page of
+A cache's reuse counts once settled, at its first ``commit`` or its ``close``; reuse given up before
+(a checksum failure on the way in, ``shorten_reuse``, ``recompute_from``) counts in
+``recomputed_tokens`` instead, and no count ever goes down; a block with no page of
 its own (stale in a sliding window, between recurrent snapshots) counts for the tier of the pages
 after it; ``cache_for_prefix`` is the same request: no second lookup.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -55,9 +58,9 @@ def test_a_recurrent_reuse_counts_for_the_tier_its_snapshot_came_from():
         cache = mgr.create_cache([*prompt, 7])
         assert cache.num_reused_tokens == 24
         assert cache.reused_by_tier == {"primary": 0, "host": 24, "disk": 0}
+        cache.close()
         after, _, _ = totals(mgr)
         assert after["host"] - before["host"] == 24 and after["primary"] == before["primary"]
-        cache.close()
 
 
 def test_stale_sliding_window_blocks_count_for_the_tier_of_the_window_after_them():
@@ -92,11 +95,12 @@ def test_reuse_lost_to_a_checksum_failure_moves_to_recomputed(tmp_path):
     page_file.write_bytes(bytes(data))
     with kvtier.KVCacheManager(spec, config) as mgr:
         cache = mgr.create_cache([*prompt, 1])
-        assert totals(mgr) == ({"primary": 0, "host": 0, "disk": 32}, 33, 0)
+        assert totals(mgr) == ({"primary": 0, "host": 0, "disk": 0}, 33, 0)
         assert cache.resume() and cache.num_committed_tokens == 0
         assert totals(mgr) == ({"primary": 0, "host": 0, "disk": 0}, 33, 32)
         assert mgr.stats().checksum_failures > 0
         cache.close()
+        assert totals(mgr) == ({"primary": 0, "host": 0, "disk": 0}, 33, 32)
 
 
 def memory_manager() -> kvtier.KVCacheManager:
@@ -112,20 +116,21 @@ def test_recompute_from_moves_the_tail_of_the_reuse_to_recomputed_and_keeps_the_
         base = totals(mgr)
         cache = mgr.create_cache([*prompt[:22], 1])  # 5 whole blocks and 2 tokens of the sixth
         assert cache.num_reused_tokens == 22
-        assert totals(mgr, base) == ({"primary": 22, "host": 0, "disk": 0}, 23, 0)
+        assert totals(mgr, base) == ({"primary": 0, "host": 0, "disk": 0}, 23, 0)
         assert cache.recompute_from(np.int64(9)) == 13
-        assert totals(mgr, base) == ({"primary": 9, "host": 0, "disk": 0}, 23, 13)
+        assert totals(mgr, base) == ({"primary": 0, "host": 0, "disk": 0}, 23, 13)
         assert cache.recompute_from(30) == 0  # what was moved stays moved
         assert cache.recompute_from(9) == 0
         assert cache.num_reused_tokens == 22 and cache.reused_by_tier["primary"] == 22  # counts only
         assert cache.shorten_reuse(4) == 18  # moves only what was still counted
-        assert totals(mgr, base) == ({"primary": 4, "host": 0, "disk": 0}, 23, 18)
+        assert totals(mgr, base) == ({"primary": 0, "host": 0, "disk": 0}, 23, 18)
         with pytest.raises(TypeError):
             cache.recompute_from(2.0)
         with pytest.raises(ValueError):
             cache.recompute_from(-1)
+        assert totals(mgr, base) == ({"primary": 0, "host": 0, "disk": 0}, 23, 18)
+        cache.close()  # the reuse kept is counted now
         assert totals(mgr, base) == ({"primary": 4, "host": 0, "disk": 0}, 23, 18)
-        cache.close()
         with pytest.raises(CacheStateError):
             cache.recompute_from(0)
 
@@ -181,10 +186,10 @@ def test_reuse_cut_short_by_a_checksum_failure_keeps_the_tier_its_intact_part_ca
     with kvtier.KVCacheManager(spec, config) as mgr:
         cache = mgr.create_cache([*prompt, 1])
         assert cache.resume() and cache.num_committed_tokens == 16
-        assert totals(mgr) == ({"primary": 0, "host": 0, "disk": 16}, 33, 16)  # the intact part came from disk
-        # the cache says so too (before: "primary", where the failed resume had promoted it)
+        # the cache says where the intact part came from (before: "primary", where the failed resume had promoted it)
         assert cache.reused_by_tier == {"primary": 0, "host": 0, "disk": 16} and cache.num_reused_tokens == 16
         cache.close()
+        assert totals(mgr) == ({"primary": 0, "host": 0, "disk": 16}, 33, 16)  # counted for the disk
 
 
 def test_reuse_a_request_took_stays_a_hit_when_its_pages_fail_later(tmp_path):
@@ -196,12 +201,40 @@ def test_reuse_a_request_took_stays_a_hit_when_its_pages_fail_later(tmp_path):
         cache = mgr.create_cache([*prompt, 1])
         assert cache.num_reused_tokens == 32 and cache.resume()  # the request takes its reuse
         taken = totals(mgr)
-        assert taken[0]["disk"] == 32
         cache.suspend()
         fillers(mgr, 3, 40, first=3)  # its pages go down to disk again (fresh prompts: no hits)
         damage_slots(tmp_path, 0)
         pushed = totals(mgr)
         assert pushed[0] == taken[0] and pushed[2] == taken[2]
         assert cache.resume() and cache.num_committed_tokens < 32  # it starts over: recomputes
-        assert totals(mgr) == pushed  # what it took stays a hit
+        assert totals(mgr)[2] == pushed[2]  # nothing moved to recomputed
         cache.close()
+        assert totals(mgr)[0]["disk"] == pushed[0]["disk"] + 32  # what it took is a hit
+
+
+def test_hits_never_go_down_and_settle_at_the_first_commit():
+    """A scrape between a cache's creation and a shortened reuse never sees a hit count drop (a
+    Prometheus counter going down reads as a reset: ``increase()`` then adds the whole count).
+    Before, ``create_cache`` counted the whole match, and ``recompute_from`` (``kvtier.hf``'s batch
+    rows), ``shorten_reuse`` or a checksum failure took part of it back."""
+    with memory_manager() as mgr:
+        prompt = list(range(100, 124))
+        serve(mgr, prompt)
+        base = totals(mgr)
+        cache = mgr.create_cache([*prompt, 1])
+        seen = [totals(mgr, base)]
+        assert cache.recompute_from(16) == 8
+        seen.append(totals(mgr, base))
+        assert cache.resume() and cache.resize(25)
+        seen.append(totals(mgr, base))
+        cache.commit([1])  # the reuse is used: 16 tokens of it count
+        seen.append(totals(mgr, base))
+        with pytest.raises(CacheStateError, match="after the cache's first commit"):
+            cache.recompute_from(8)
+        cache.close()
+        seen.append(totals(mgr, base))
+        for earlier, later in itertools.pairwise(seen):
+            assert all(later[0][tier] >= n for tier, n in earlier[0].items())
+            assert later[1] >= earlier[1] and later[2] >= earlier[2]
+        assert seen[-1] == ({"primary": 16, "host": 0, "disk": 0}, 25, 8)
+        assert seen[3] == seen[-1]  # settled at the commit: the close adds nothing

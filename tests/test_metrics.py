@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import socket
 import urllib.request
+import weakref
 
 import pytest
 from prometheus_client import generate_latest
@@ -55,7 +57,7 @@ def test_metrics_over_http(tmp_path):
     with serve(mgr, port) as server:
         assert server.port == port and server.url == f"http://127.0.0.1:{port}/metrics"
         body = urllib.request.urlopen(server.url, timeout=5).read().decode()
-    assert "kvtier_tier_pages_total" in body and "kvtier_evictions_total" in body
+    assert "kvtier_tier_pages_capacity" in body and "kvtier_evictions_total" in body
 
 
 def test_a_server_on_port_0_tells_its_port_and_stops(tmp_path):
@@ -77,7 +79,7 @@ def test_a_closed_manager_exports_nothing(tmp_path):
     mgr = busy_manager(tmp_path)
     registry = registry_for(mgr)
     mgr.close()
-    assert "kvtier_tier_pages_total" not in generate_latest(registry).decode()
+    assert "kvtier_tier_pages_capacity" not in generate_latest(registry).decode()
 
 
 def test_a_registry_needs_a_manager():
@@ -93,3 +95,33 @@ def test_serve_names_a_bad_port_before_serving(tmp_path, port, error):
     with pytest.raises(error, match="port must be"):
         serve(mgr, port)
     mgr.close()
+
+
+def test_metrics_asked_for_by_name_are_served_and_gauges_have_no_counter_suffix(tmp_path):
+    """``/metrics?name[]=...`` (a scrape of some metrics) serves those. Before, the collectors named
+    nothing ahead of a scrape, so the filter matched nothing: an empty body. And two gauges ended in
+    ``_total``, the suffix Prometheus keeps for counters."""
+    mgr = busy_manager(tmp_path)
+    with serve(mgr, 0) as server:
+        body = urllib.request.urlopen(f"{server.url}?name[]=kvtier_drops_total", timeout=5).read().decode()
+        whole = urllib.request.urlopen(server.url, timeout=5).read().decode()
+    assert "kvtier_drops_total" in body and "kvtier_evictions_total" not in body
+    for line in whole.splitlines():
+        if line.startswith("# TYPE ") and line.endswith(" gauge"):
+            assert not line.split()[2].endswith("_total"), line
+    assert 'kvtier_tier_pages_capacity{tier="host"}' in whole
+    mgr.close()
+
+
+def test_serving_a_manager_does_not_keep_it_alive(tmp_path):
+    """A manager its owner drops while its metrics are served is collected (and closed as ``close``
+    would); the server then exports nothing. Before, the served registry kept it, its memory and
+    its disk directory, for as long as the server object lived, closed or not."""
+    mgr = busy_manager(tmp_path)
+    gone = weakref.ref(mgr)
+    with serve(mgr, 0) as server:
+        assert "kvtier_drops_total" in urllib.request.urlopen(server.url, timeout=5).read().decode()
+        del mgr
+        gc.collect()
+        assert gone() is None
+        assert "kvtier_" not in urllib.request.urlopen(server.url, timeout=5).read().decode()

@@ -127,7 +127,7 @@ def test_connector_metrics_beside_the_cache_metrics(llama, redis_url):
     assert stats.missed_pages == 50 // TPB and stats.errors == 0  # the new prompt's blocks
     assert stats.saved_pages == 50 // TPB  # only those: the store had the others
     assert stats.saved_bytes == stats.saved_pages * page and stats.stall_s > 0
-    assert "kvtier_tier_pages_total" in text  # the cache's
+    assert "kvtier_tier_pages_capacity" in text  # the cache's
     assert f"kvtier_connector_loaded_pages_total {float(stats.loaded_pages)}" in text
     assert f"kvtier_connector_saved_bytes_total {float(stats.saved_bytes)}" in text
     assert f"kvtier_connector_missed_pages_total {float(stats.missed_pages)}" in text

@@ -311,6 +311,7 @@ def test_cascade_demotes_to_host_then_disk_and_promotes_back(tmp_path):
     assert cache.resume()
     oracle.check(cache, back)
     assert mgr.stats().bytes_copied["disk->primary:file"] == 6 * mgr.page_bytes(0)
+    cache.close()  # its reuse counted as hits (it committed nothing)
     assert mgr.stats().hit_tokens["disk"] == 24
     mgr.check_invariants()
     mgr.close()

@@ -35,10 +35,15 @@ class _HasStats(Protocol):
 
 
 class ConnectorCollector(Collector):
-    """Exports one connector's counters."""
+    """Exports one connector's counters (``describe`` names them without reading the connector,
+    so a scrape may ask for some by name)."""
 
     def __init__(self, connector: _HasStats) -> None:
         self.connector = connector
+
+    def describe(self) -> Iterator[Metric]:
+        for _, name, doc in _METRICS:
+            yield CounterMetricFamily(name, doc)
 
     def collect(self) -> Iterator[Metric]:
         stats = self.connector.stats()
