@@ -287,3 +287,78 @@ def test_the_first_call_waits_for_a_hung_cluster_at_most_the_timeout(own_cluster
     wait_until(lambda: store.put_many([(k, b"v") for k in keys]) == [True] * 6, 10, "the cluster to be discovered")
     assert store.get_many(keys) == [b"v"] * 6
     store.close()
+
+
+def leave_slots_mid_migration(cluster: LocalCluster, prefix: str, source, dest, moved_slots: int) -> list[str]:
+    """Mark up to ``moved_slots`` of ``source``'s slots holding keys under ``prefix`` as moving to
+    ``dest`` and move their keys, leaving the slots mid-migration, as a reshard whose target stopped
+    answering leaves them: ``source`` answers ``ASK`` for those keys. Returns the keys moved."""
+    mine = sorted(cluster.keys_on(source, prefix + "/*"))
+    by_slot: dict[int, list[str]] = {}
+    for key in mine:
+        by_slot.setdefault(key_slot(key.encode()), []).append(key)
+    source_id, dest_id = cluster.node_id(source), cluster.node_id(dest)
+    moved = []
+    with RedisCluster(host="127.0.0.1", port=source.port, socket_timeout=5) as rc:
+        src, dst = rc.get_node("127.0.0.1", source.port), rc.get_node("127.0.0.1", dest.port)
+        for slot, slot_keys in list(by_slot.items())[:moved_slots]:
+            rc.get_redis_connection(dst).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+            rc.get_redis_connection(src).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dest_id)
+            rc.get_redis_connection(src).execute_command(
+                "MIGRATE", "127.0.0.1", dest.port, "", 0, 5000, "KEYS", *slot_keys
+            )
+            moved += slot_keys
+    return moved
+
+
+def test_keys_redirected_to_a_hung_node_cost_one_timeout_then_that_node_is_backed_off(own_cluster):
+    """Slots left mid-migration to a node that then hangs (SIGSTOP): the keys its ``ASK`` replies
+    point to are misses, a call costs about a timeout more, and later calls none while that node
+    is backed off; every other key reads back exact, and once the node answers the moved keys do
+    too. Before, each redirected key was sent again on its own through the cluster client, outside
+    any back-off: a timeout per key, on every call (20.6 s for 54 keys at a 0.5 s timeout)."""
+    timeout_s = 0.5
+    store = RedisStore(own_cluster.url, socket_timeout_s=timeout_s, retry_after_s=60)
+    prefix, keys = fresh_keys(120)
+    data = dict(zip(keys, pages(120, 256, seed=41), strict=True))
+    assert all(store.put_many(list(data.items())))
+    source, dest = own_cluster.nodes[0], own_cluster.nodes[1]
+    moved = leave_slots_mid_migration(own_cluster, prefix, source, dest, moved_slots=12)
+    assert len(moved) >= 10
+    assert store.get_many(keys, [256] * 120) == [data[k].tobytes() for k in keys]  # ASK followed
+    on_dest = own_cluster.keys_on(dest, prefix + "/*")  # its own keys and the moved ones
+    dest.pause()
+    try:
+        for call in range(3):
+            start = time.monotonic()
+            got = store.get_many(keys, [256] * 120)
+            took = time.monotonic() - start
+            assert took <= (2 * timeout_s + 1.0 if call == 0 else 0.5), (call, took)
+            for key, value in zip(keys, got, strict=True):
+                assert value == (None if key in on_dest else data[key].tobytes()), key
+    finally:
+        dest.resume()
+    store.close()
+    fresh = RedisStore(own_cluster.url, socket_timeout_s=timeout_s)  # no back-off: the moved keys read back
+    assert fresh.get_many(moved, [256] * len(moved)) == [data[k].tobytes() for k in moved]
+    fresh.close()
+
+
+def test_a_call_that_meets_close_from_another_thread_fails_as_on_a_closed_store(cluster_url, monkeypatch):
+    """``close`` lands after a call's check that the store is open, before it fans out to the nodes:
+    the call raises the closed store's ``ValueError``. Before, the client's own error (``RuntimeError:
+    cannot schedule new futures after shutdown``, or an ``AttributeError`` on a single server)."""
+    store = RedisStore(cluster_url)
+    _, keys = fresh_keys(30)
+    assert all(store.put_many([(k, p) for k, p in zip(keys, pages(30, 64, seed=5), strict=True)]))
+    transport = store._transport
+    ready = transport._ready_client
+
+    def ready_then_closed():
+        client = ready()
+        store.close()  # another thread's close, right after this call's check
+        return client
+
+    monkeypatch.setattr(transport, "_ready_client", ready_then_closed)
+    with pytest.raises(ValueError, match="is closed"):
+        store.get_many(keys)

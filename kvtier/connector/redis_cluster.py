@@ -11,13 +11,16 @@ This transport uses it for all of that, and sends each call itself:
   misses for its own keys only, for ``retry_after_s``; the other nodes' keys are served. A node
   that failed makes the slot table be read again in the background (a replica may have taken
   its slots over), so no call waits for that.
-- A reply that redirects (``MOVED``, ``ASK``, ``TRYAGAIN``: slots being moved between nodes)
-  sends that command again through the cluster client, which follows the redirect and updates
-  its slot table.
+- A reply that redirects (``MOVED``, ``ASK``: slots being moved between nodes) sends that command
+  once more, in one pipeline per node the replies name (``ASKING`` first for an ``ASK``), under
+  that node's back-off; a ``MOVED`` also makes the slot table be read again in the background. A
+  ``TRYAGAIN``, a redirect to a node the table does not know, or a second redirect is a miss.
 - The client is made (which connects) on a background thread at the first call; a call waits
-  for it at most ``timeout_s`` and answers misses meanwhile. Nothing connects before.
+  for it at most ``timeout_s`` and answers misses meanwhile. Nothing connects before. The
+  threads are daemons (``DaemonPool``): the interpreter's exit waits for none of them.
 
-So a node that hangs costs a call at most about ``timeout_s``. Keys carry no ``{hash tag}``
+So a node that hangs costs a call at most about ``timeout_s`` (twice, for keys redirected to it),
+and nothing more while it is backed off. Keys carry no ``{hash tag}``
 (``BlockKeyspace``), so a model's blocks spread over every node.
 """
 
@@ -26,10 +29,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from kvtier.connector.daemon_pool import DaemonPool
 from kvtier.connector.redis_urls import RedisTarget, explained
 from kvtier.connector.store_health import ServerHealth
 
@@ -65,6 +69,7 @@ class ClusterTransport:
             require_full_coverage=False,  # a cluster with a node down still serves the other nodes' slots
         )
         self._redirects = (redis.exceptions.AskError, redis.exceptions.TryAgainError)  # MovedError is an AskError
+        self._moved = redis.exceptions.MovedError
         self._server_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._errors = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
         self._client: Any = None
@@ -73,8 +78,8 @@ class ClusterTransport:
         self._discovery = ServerHealth(target.shown, log, retry_after_s, warn_interval_s)
         self._nodes: dict[str, ServerHealth] = {}
         self._lock = threading.Lock()
-        self._topology = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-redis-cluster-topology")
-        self._fanout = ThreadPoolExecutor(max_workers=MAX_FANOUT_THREADS, thread_name_prefix="kvtier-redis-cluster")
+        self._topology = DaemonPool(1, "kvtier-redis-cluster-topology")
+        self._fanout = DaemonPool(MAX_FANOUT_THREADS, "kvtier-redis-cluster")
 
     def run(self, op: str, commands: Sequence[tuple]) -> list[Any]:
         """Each command's reply (an exception instance for an error reply), or ``FAILED``; in order."""
@@ -167,11 +172,25 @@ class ClusterTransport:
             return health
 
     def _send(self, client: Any, op: str, node: Any, commands: list[tuple]) -> list[Any]:
-        """One pipeline to ``node``; redirected commands again through the cluster client; ``FAILED`` if it fails."""
+        """One pipeline to ``node``, then the redirected commands to the nodes named; ``FAILED`` where
+        a node failed."""
+        replies = self._pipeline(client, op, node, commands)
+        if replies is None:
+            return [FAILED] * len(commands)
+        self._follow_redirects(client, op, commands, replies)
+        return replies
+
+    def _pipeline(self, client: Any, op: str, node: Any, commands: list[tuple], asking: bool = False) -> list | None:
+        """``commands`` to ``node`` in one pipeline (each after ``ASKING`` with ``asking``): their replies
+        (an exception instance for an error reply), or None when the node is backed off or failed."""
         health = self._health(node.name)
+        if not health.available():
+            return None
         try:
             with client.get_redis_connection(node).pipeline(transaction=False) as pipe:
                 for command in commands:
+                    if asking:
+                        pipe.execute_command("ASKING")
                     pipe.execute_command(*command)
                 replies = pipe.execute(raise_on_error=False)
         except self._errors as exc:
@@ -179,15 +198,31 @@ class ClusterTransport:
             health.failed(op, explained(exc), server_down)
             if server_down:
                 self._refresh_slots(node.name)
-            return [FAILED] * len(commands)
+            return None
         health.answered()
+        return replies[1::2] if asking else replies
+
+    def _follow_redirects(self, client: Any, op: str, commands: list[tuple], replies: list[Any]) -> None:
+        """Send the commands whose reply redirects once more, in one pipeline per node named, in
+        place of those replies (``FAILED`` where that cannot be done, or the node failed). One node
+        at a time: a call seldom has keys in slots moving to two nodes."""
+        groups: dict[tuple[str, bool], tuple[Any, list[int]]] = {}
         for i, reply in enumerate(replies):
-            if isinstance(reply, self._redirects):
-                try:
-                    replies[i] = client.execute_command(*commands[i])
-                except self._errors as exc:
-                    replies[i] = exc
-        return replies
+            if not isinstance(reply, self._redirects):
+                continue
+            replies[i] = FAILED
+            moved = isinstance(reply, self._moved)
+            address = getattr(reply, "node_addr", None)  # (none on a TRYAGAIN: the slot is busy now)
+            node = None if address is None else client.get_node(host=address[0], port=address[1])
+            if moved or (address is not None and node is None):
+                self._refresh_slots("")
+            if node is not None:
+                groups.setdefault((node.name, not moved), (node, []))[1].append(i)
+        for (_, asking), (node, idx) in groups.items():
+            again = self._pipeline(client, op, node, [commands[i] for i in idx], asking)
+            if again is not None:
+                for i, reply in zip(idx, again, strict=True):
+                    replies[i] = reply
 
     # -- the store's four operations ----------------------------------------------------------------
 

@@ -111,7 +111,7 @@ class RedisStore:
         self._check_open()
         keys = check_keys(keys)
         sizes = check_sizes(expected_sizes, len(keys))
-        blobs = self._transport.get(keys) if keys else []
+        blobs = self._sent(self._transport.get, keys) if keys else []
         out: list[bytes | None] = []
         for key, blob, size in zip(keys, blobs, sizes, strict=True):
             payload = None if blob is None else decode_page(blob, size, key)
@@ -125,7 +125,7 @@ class RedisStore:
             self._verify_failures(f"{len(rejected)} of {len(keys)} values failed verification")
             damaged = [key for key, blob in rejected if decode_page(blob, None, key) is None]  # not just another size
             if damaged:
-                self._transport.unlink(damaged)  # so that the next put of their keys writes them again
+                self._sent(self._transport.unlink, damaged)  # so that the next put of their keys writes them again
         return out
 
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
@@ -134,7 +134,7 @@ class RedisStore:
         items = list(items)
         keys = check_keys([key for key, _ in items])
         blobs = [encode_page(data, key) for key, (_, data) in zip(keys, items, strict=True)]
-        replies = self._transport.set(list(zip(keys, blobs, strict=True)), self._ttl_ms) if keys else []
+        replies = self._sent(self._transport.set, list(zip(keys, blobs, strict=True)), self._ttl_ms) if keys else []
         rejected = [r for r in replies if isinstance(r, BaseException)]
         if rejected:
             self._put_failures(f"{len(rejected)} of {len(keys)} puts rejected: {rejected[0]}")
@@ -144,14 +144,14 @@ class RedisStore:
         """Per key whether a value exists (not verified); False for every key while its server is down."""
         self._check_open()
         keys = check_keys(keys)
-        return [holds_a_value(reply) for reply in self._transport.types(keys)] if keys else []
+        return [holds_a_value(reply) for reply in self._sent(self._transport.types, keys)] if keys else []
 
     def delete_many(self, keys: Sequence[str]) -> None:
         """Remove the values of ``keys`` (UNLINK: the server frees them in the background)."""
         self._check_open()
         keys = check_keys(keys)
         if keys:
-            self._transport.unlink(keys)
+            self._sent(self._transport.unlink, keys)
 
     def close(self) -> None:
         """Close the connections. Idempotent."""
@@ -164,6 +164,16 @@ class RedisStore:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"{self!r} is closed")
+
+    def _sent(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` on the transport. A call that ``close`` from another thread cut short (a
+        connection gone, a thread pool shut down) raises the closed store's ``ValueError``, not the
+        client's error."""
+        try:
+            return call(*args)
+        except Exception:
+            self._check_open()
+            raise
 
 
 class _ServerTransport:
