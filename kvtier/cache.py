@@ -89,8 +89,8 @@ class KVCache(ProcessBound):
     ) -> None:
         """A SUSPENDED cache for ``tokens`` holding their longest reusable prefix (on any tier).
 
-        ``counted``: its reuse counts as the request's hits (``KVCacheManager.create_cache`` adds
-        them), and tokens the match cuts because loading them is slower than recomputing count in
+        ``counted``: its reuse counts as the request's hits (at its first commit or its close:
+        ``kvtier.hit_count``), and tokens the match cuts because loading them is slower than recomputing count in
         ``recomputed_tokens``; False for a second cache of a request already counted.
         ``forgotten``: a cache of a request whose scope was forgotten meanwhile: it matches nothing
         and publishes nothing (the scope's tree holds the new weights' blocks)."""
@@ -112,6 +112,7 @@ class KVCache(ProcessBound):
         self.num_reused_tokens = 0
         self.reused_by_tier = dict.fromkeys(TIER_NAMES, 0)
         self._block_tiers: list[int] | None = None  # per reused block, the tier it is counted for (None: one tier)
+        self._hits = HitCount(pool.counters, pool.tier_names, self._tpb, 0, None)  # (a cache cut short: none)
         self._state = CacheState.SUSPENDED
         match = None if forgotten else pool.match(tokens, scope, count_recomputed=counted)
         if match is not None:
@@ -299,8 +300,8 @@ class KVCache(ProcessBound):
         since creation), else ``CacheStateError``. The cache keeps the reuse a new cache over its
         first ``reused_in_memory`` tokens would have (a sliding window or a recurrent state may end
         it sooner), so a ``resume`` after it reads nothing from disk. Returns the reused tokens
-        given up (0: none was on disk); they leave ``reused_by_tier``, and those still counted in
-        the manager's ``hit_tokens`` move to ``recomputed_tokens``.
+        given up (0: none was on disk); they leave ``reused_by_tier`` and count in the manager's
+        ``recomputed_tokens`` (never in its ``hit_tokens``).
         """
         return self._give_up_reuse("shorten_to_memory", lambda: self.reused_in_memory)
 
@@ -319,7 +320,7 @@ class KVCache(ProcessBound):
 
     def _give_up_reuse(self, caller: str, keep: Callable[[], int]) -> int:
         """Adopt again what the tree holds of the first ``keep()`` reused tokens until ``keep()`` is
-        all of them; the tokens given up move from ``hit_tokens`` to ``recomputed_tokens``."""
+        all of them; the tokens given up count in ``recomputed_tokens``, not in ``hit_tokens``."""
         if self._state is not CacheState.SUSPENDED or len(self._tokens) != self.num_reused_tokens:
             raise CacheStateError(
                 f"{caller} needs a SUSPENDED cache holding only its reused prefix; this one is "
@@ -344,8 +345,8 @@ class KVCache(ProcessBound):
         their pages (a batch row cut to the batch's common width): they are counted in the manager's
         ``recomputed_tokens``, not in its ``hit_tokens``. Counts only: the cache, its lengths and
         ``reused_by_tier`` stay as they are. A later call can only move more. Returns the tokens
-        moved. Only before the first ``commit`` (then the reuse was used, and counted as hits):
-        ``CacheStateError`` after it."""
+        moved. After the first ``commit`` the reuse was used, and counted as hits: a call that
+        would move any raises ``CacheStateError``."""
         self._check_open()
         kept = _check_length("tokens", tokens)
         if self._hits.settled and kept < self._hits.end:
@@ -532,12 +533,13 @@ class KVCache(ProcessBound):
     @exclusive
     def _commit(self, new_tokens) -> None:
         """``commit`` of anything that may publish a block, keep a snapshot or release stale pages, or
-        the first: the reuse is settled (counted as hits) once the request computed past it."""
+        the first of any token: the reuse is settled (counted as hits) once the request computed past it."""
         tokens = as_token_array(new_tokens)
         count = len(tokens)
         if len(self._tokens) + count > self._capacity:
             raise ValueError(f"commit past capacity: {len(self._tokens) + count} tokens > capacity {self._capacity}")
-        self._hits.settle()
+        if count:
+            self._hits.settle()
         self._tokens.extend(tokens)
         c = len(self._tokens)
         pool = self._pool

@@ -1,7 +1,7 @@
 """``HitCount``: the part of a request's reuse that the manager counts as hits, by tier.
 
 A cache's reuse is counted in ``stats().hit_tokens`` once it is settled: at the cache's first
-``commit`` (the request computed past its reuse) or at its ``close``, whichever comes first, each
+``commit`` of a token (the request computed past its reuse) or at its ``close``, whichever comes first, each
 reused block for the tier it was found on. Reuse given up before (a checksum failure on the way
 in, a shortened reuse, a caller that recomputes part of it) is counted in ``recomputed_tokens``
 instead, so the two always add up to what the request was offered, and the hits to what it used.

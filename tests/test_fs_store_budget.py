@@ -744,3 +744,31 @@ def test_a_call_that_meets_close_from_another_thread_fails_as_on_a_closed_store(
     with pytest.raises(ValueError, match="closed"):
         store.get_many(["k"])
     assert "failed" not in caplog.text
+
+
+def test_a_write_queued_behind_long_writes_that_make_progress_is_no_hang(tmp_path, monkeypatch, caplog):
+    """One I/O thread, another caller's two long writes on it (8 parts of 0.1 s each), and a small
+    write queued behind them for far longer than ``timeout_s``: the pool makes progress all along,
+    so every write is stored and the store does not back off. Before, a queued call measured only
+    when the pool last finished a call, and gave up on it as hung."""
+    monkeypatch.setattr(fs_store, "IO_CHUNK", 64 << 10)
+    real_progress = fs_store.note_progress
+
+    def slow_part() -> None:
+        time.sleep(0.1)
+        real_progress()
+
+    store = FileSystemStore(tmp_path, timeout_s=0.3, io_threads=1)
+    long_values = [(f"long/{i}", page_for(f"long/{i}", 8 * (64 << 10) - HEADER_BYTES)) for i in range(2)]
+    monkeypatch.setattr(fs_store, "note_progress", slow_part)
+    results = {}
+    first = threading.Thread(target=lambda: results.update(long=store.put_many(long_values)))
+    first.start()
+    time.sleep(0.15)  # the long writes hold the thread
+    assert store.put_many([("small", page_for("small"))]) == [True]
+    first.join()
+    assert results["long"] == [True, True]
+    monkeypatch.setattr(fs_store, "note_progress", real_progress)
+    assert store.get_many(["long/0", "small"]) == [long_values[0][1].tobytes(), page_for("small").tobytes()]
+    assert "hangs" not in caplog.text
+    store.close()

@@ -238,3 +238,19 @@ def test_hits_never_go_down_and_settle_at_the_first_commit():
             assert later[1] >= earlier[1] and later[2] >= earlier[2]
         assert seen[-1] == ({"primary": 16, "host": 0, "disk": 0}, 25, 8)
         assert seen[3] == seen[-1]  # settled at the commit: the close adds nothing
+
+
+def test_an_empty_commit_settles_nothing_so_the_reuse_may_still_be_shortened():
+    """``commit([])`` computes nothing past the reuse: the hits stay unsettled, and ``shorten_reuse``
+    then works as on a cache that committed nothing."""
+    with memory_manager() as mgr:
+        prompt = list(range(100, 124))
+        serve(mgr, prompt)
+        base = totals(mgr)
+        cache = mgr.create_cache([*prompt[:22], 1])
+        assert cache.resume() and cache.resize(22)
+        cache.commit([])
+        cache.suspend()
+        assert cache.shorten_reuse(4) == 18
+        cache.close()
+        assert totals(mgr, base) == ({"primary": 4, "host": 0, "disk": 0}, 23, 18)

@@ -314,17 +314,22 @@ def test_the_command_lines_sigterm_inside_a_close_waits_for_its_end(monkeypatch,
     mgr.close()
 
 
-def test_a_create_cache_cut_short_while_it_builds_the_cache_leaves_the_next_call_working(monkeypatch):
-    """Before, the half-built cache was taken for one dropped without ``close``, and the next call
-    raised ``AttributeError: 'KVCache' object has no attribute '_pending'`` as it closed it."""
+@pytest.mark.parametrize("where", ["chain", "match"])
+def test_a_create_cache_cut_short_while_it_builds_the_cache_leaves_the_next_call_working(monkeypatch, where):
+    """Cut short as it makes its published chain, or in its match. Before, the half-built cache was
+    taken for one dropped without ``close``, and the next call raised ``AttributeError: 'KVCache'
+    object has no attribute '_pending'`` (or ``'_hits'``, cut short in the match) as it closed it."""
     spec = small_spec("llama")
     mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(int(page_demand(spec) * 8) + 1)]))
 
     def cut_short(*args, **kwargs):
-        raise MemoryError("published chain")
+        raise MemoryError(where)
 
     with monkeypatch.context() as patch:
-        patch.setattr(cache_module, "PublishedChain", cut_short)
+        if where == "chain":
+            patch.setattr(cache_module, "PublishedChain", cut_short)
+        else:
+            patch.setattr(type(mgr._pool), "match", cut_short)
         with pytest.raises(MemoryError):
             mgr.create_cache(conversation(4, 9))
     gc.collect()

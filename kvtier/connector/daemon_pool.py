@@ -8,7 +8,9 @@ that gave up on calls hung that way hands their threads over to them (``abandon`
 run on new threads. To tell a hung call from one queued behind others' work, or from a long one
 still making progress, a future's ``active_at`` is set (``time.monotonic()``) when its call
 starts and again whenever the call reports progress (``note_progress``), and ``last_finished``
-says when the pool last finished a call; its ``generation`` names the threads it was queued for.
+says when the pool last finished a call or one of its calls reported progress (a call queued
+behind long ones that progress is not stuck); a future's ``generation`` names the threads it was
+queued for.
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ from concurrent.futures import Future
 from typing import Any
 
 _Call = tuple[Future, Callable[..., Any], tuple]
-_running = threading.local()  # ``future``: the future of the call this pool thread runs
+_running = threading.local()  # ``future``, ``finished_at``: the call this pool thread runs, its pool's stamp
 
 
 def note_progress() -> None:
     """Called inside a pool's call (a chunk of a long read or write done): its future's ``active_at``
-    moves to now, so that a caller does not take a long call that makes progress for a hung one.
-    Does nothing on a thread of no pool."""
+    and its pool's ``last_finished`` move to now, so that a caller takes neither a long call that
+    makes progress nor a call queued behind it for a hung one. Does nothing on a thread of no pool."""
     future = getattr(_running, "future", None)
     if future is not None:
-        future.active_at = time.monotonic()
+        now = time.monotonic()
+        future.active_at = now
+        _running.finished_at[0] = now
 
 
 class DaemonPool:
@@ -88,7 +92,7 @@ class DaemonPool:
         return [future.result() for future in futures]
 
     def last_finished(self) -> float:
-        """When a call of the current threads last ended (the pool's start, before any)."""
+        """When a call of the current threads last ended or reported progress (the pool's start, before any)."""
         return self._finished_at[0]
 
     def hung_threads(self) -> int:
@@ -150,6 +154,7 @@ def _stop_threads(calls: queue.SimpleQueue, threads: list[threading.Thread]) -> 
 
 
 def _work(calls: queue.SimpleQueue, finished_at: list[float]) -> None:
+    _running.finished_at = finished_at  # (this generation's: an abandoned thread's progress counts for none after)
     while True:
         call = calls.get()
         if call is None:
