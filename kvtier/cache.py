@@ -56,6 +56,7 @@ class KVCache(ProcessBound):
         "_block_tiers",
         "_capacity",
         "_chain",
+        "_fast_commits",
         "_guard",
         "_history",
         "_hits",
@@ -113,6 +114,7 @@ class KVCache(ProcessBound):
         self.reused_by_tier = dict.fromkeys(TIER_NAMES, 0)
         self._block_tiers: list[int] | None = None  # per reused block, the tier it is counted for (None: one tier)
         self._hits = HitCount(pool.counters, pool.tier_names, self._tpb, 0, None)  # (a cache cut short: none)
+        self._fast_commits = False  # one-token commits skip the claim: full attention only, the reuse settled
         self._state = CacheState.SUSPENDED
         match = None if forgotten else pool.match(tokens, scope, count_recomputed=counted)
         if match is not None:
@@ -516,12 +518,12 @@ class KVCache(ProcessBound):
             and type(new_tokens[0]) is int
             and c % self._tpb
             and c <= self._capacity
-            and self._pool.attention_only
+            and self._fast_commits
             and 0 <= new_tokens[0] <= MAX_TOKEN
-            and self._hits.settled
         ):
-            # The decode step: one token inside a block of a model with full-attention layers only
-            # changes nothing but this cache's own lengths, so it claims nothing (kvtier.exclusive).
+            # The decode step: one token inside a block of a model with full-attention layers only,
+            # once the reuse is settled, changes nothing but this cache's own lengths, so it claims
+            # nothing (kvtier.exclusive).
             # The history first: a check on another thread, reading the committed length before
             # the history, sees the lengths in order at every step.
             if c > self._history:
@@ -538,8 +540,9 @@ class KVCache(ProcessBound):
         count = len(tokens)
         if len(self._tokens) + count > self._capacity:
             raise ValueError(f"commit past capacity: {len(self._tokens) + count} tokens > capacity {self._capacity}")
-        if count:
+        if count and not self._hits.settled:
             self._hits.settle()
+            self._fast_commits = self._pool.attention_only
         self._tokens.extend(tokens)
         c = len(self._tokens)
         pool = self._pool
