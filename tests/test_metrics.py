@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import generate_latest
 
 import kvtier
-from kvtier.metrics import registry_for, serve
+from kvtier.metrics import CacheCollector, registry_for, serve
 from tests.kvdata import PageOracle, small_spec
 
 
@@ -125,3 +125,15 @@ def test_serving_a_manager_does_not_keep_it_alive(tmp_path):
         gc.collect()
         assert gone() is None
         assert "kvtier_" not in urllib.request.urlopen(server.url, timeout=5).read().decode()
+
+
+def test_a_second_managers_collector_on_one_registry_is_refused(tmp_path):
+    """Two managers' metrics on one registry would be series of the same names and labels: the
+    registry refuses the second (each manager is served on a port of its own). Before, it took it,
+    and every scrape served each series twice."""
+    first, second = busy_manager(tmp_path), busy_manager(tmp_path)
+    registry = registry_for(first)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        registry.register(CacheCollector(second))
+    first.close()
+    second.close()
