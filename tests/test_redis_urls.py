@@ -187,3 +187,12 @@ def test_an_ordinary_mistake_keeps_its_own_message(url, detail):
     with pytest.raises(ValueError) as info:
         parse_redis_url(url)
     assert detail in str(info.value) and "percent-encoded" not in str(info.value)
+
+
+def test_a_port_that_is_no_number_is_named_as_such_beside_a_password():
+    """``redis://u:pw@h:notaport``: the error names the port. Before, it told to percent-encode the
+    password, which was sound (the text after the last '@' never holds a password's)."""
+    for url, port in (("redis://u:pw@h:notaport", "notaport"), ("redis-cluster://u:pw@h1:1,h2:x", "x")):
+        with pytest.raises(ValueError, match=f"'{port}'") as error:
+            parse_redis_url(url)
+        assert "percent-encoded" not in str(error.value) and "pw" not in str(error.value)

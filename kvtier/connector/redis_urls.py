@@ -84,8 +84,8 @@ def _password_cut_short(url: str) -> bool:
         return True
     if "@" not in address:  # the '@' is in a query value: no password here
         return False
-    hosts = address.rpartition("@")[2]
-    return not hosts or not all(_is_address(entry) for entry in hosts.split(","))
+    hosts = address.rpartition("@")[2]  # (after the last '@': never a password's text)
+    return not hosts or not all(_has_host(entry) for entry in hosts.split(","))
 
 
 def _split(rest: str) -> tuple[str, str, str]:
@@ -102,9 +102,10 @@ def _authority_password(url: str) -> str:
     return address.rpartition("@")[0].partition(":")[2]
 
 
-def _is_address(entry: str) -> bool:
+def _has_host(entry: str) -> bool:
+    """Whether a ``host[:port]`` entry names a host (a port that is no number is the parse's to name)."""
     parts = _host_and_port(entry)
-    return parts is not None and bool(parts[0]) and (parts[1] is None or parts[1].isdigit())
+    return parts is not None and bool(parts[0])
 
 
 def _host_and_port(entry: str) -> tuple[str, str | None] | None:
