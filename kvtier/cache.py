@@ -317,6 +317,7 @@ class KVCache(ProcessBound):
         the cache keeps the reuse a new cache over its first ``max_tokens`` tokens would have (a
         sliding window or a recurrent state may end it sooner). Returns the reused tokens given up.
         """
+        self._check_open()
         limit = _check_length("max_tokens", max_tokens)
         return self._give_up_reuse("shorten_reuse", lambda: min(limit, self.num_reused_tokens))
 

@@ -39,7 +39,10 @@ _COUNTERS = (  # (CacheStats field, help), exported as kvtier_<field>_total
         "Cached prompt tokens recomputed: loading them was estimated slower, or their reuse was given up",
     ),
 )
-_HITS = ("kvtier_hit_tokens", "Prompt tokens reused, by the tier they came from (counted once a request used them)")
+_HITS = (
+    "kvtier_hit_tokens",
+    "Prompt tokens reused, by the tier they came from (counted at a cache's first commit or close)",
+)
 _COPIED = ("kvtier_bytes_copied", "Bytes moved between tiers, by edge and path")
 
 

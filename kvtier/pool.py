@@ -243,8 +243,12 @@ class PagePool:
 
     def reserve(self, need: dict[int, int], stream: torch.cuda.Stream | None = None) -> bool:
         """Make room in the primary tier for ``need[g]`` new pages of each group (evictions run now,
-        ordered before later work on ``stream``, which will write the new pages)."""
+        ordered before later work on ``stream``, which will write the new pages). False when it
+        cannot; when a group lacks the victims, before any page of another group was evicted (a
+        tier below too full of held pages to take them may still stop it midway)."""
         self.release_dropped()
+        if len(need) > 1 and not all(self.planner.has_victims(PRIMARY, g, n) for g, n in need.items()):
+            return False
         with self._moving() as plan:
             ok = all(self.planner.make_room(PRIMARY, g, n, plan) for g, n in need.items())
             self.apply(plan, stream)

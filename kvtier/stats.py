@@ -28,8 +28,8 @@ class CacheStats:
     them from their tier was estimated slower than recomputing them (``set_prefill_rate``), or the
     reuse was given up (shortened for a batch or for a caller that must not wait for the disk, or
     lost to a checksum failure on the way in).
-    ``hit_tokens`` (and ``hit_rate``) count reuse from the manager's own tiers, once a request used
-    it: at its cache's first commit, or at its close (``kvtier.hit_count``); tokens an engine's
+    ``hit_tokens`` (and ``hit_rate``) count reuse from the manager's own tiers, once it is settled:
+    at its cache's first commit of a token, or at its close (``kvtier.hit_count``); tokens an engine's
     connector loads after them are counted by the connector (``ConnectorStats``) and in each
     ``RequestOutput.reused_tokens_by_tier["connector"]``. Every count only grows.
     """

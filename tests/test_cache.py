@@ -383,3 +383,34 @@ def test_stats_count_hits_lookups_and_occupancy():
     stats = mgr.stats()
     assert stats.hit_tokens == {"primary": 16, "host": 0, "disk": 0}
     assert 0 < stats.hit_rate < 1
+
+
+def test_a_failed_resize_of_a_model_with_two_groups_evicts_nothing():
+    """A sliding-window group with room to make and a full-attention group without (an active
+    cache holds every page): ``resize`` returns False and no cached page is evicted. Before, the
+    first group's room was made (a cached page dropped) before the second was found short."""
+    spec = kvtier.ModelSpec([kvtier.AttentionLayer(1, 4, window=4), kvtier.AttentionLayer(1, 4)], torch.float32)
+    with kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(2048)])) as mgr:
+        tokens = list(range(100, 132))
+        holder = mgr.create_cache(tokens)
+        assert holder.resume() and holder.resize(32)
+        holder.commit(tokens)  # the full-attention group's pages all held; stale window pages cached
+        before = mgr.stats()
+        other = mgr.create_cache([1] * 5)
+        assert other.resume()
+        assert other.resize(4) is False and other.capacity == 0
+        after = mgr.stats()
+        assert (after.drops, after.evictions) == (before.drops, before.evictions)
+        mgr.check_invariants()
+        holder.close()
+        other.close()
+
+
+def test_shorten_reuse_of_a_closed_managers_cache_says_it_is_closed():
+    """Every method of a closed manager's caches raises ``CacheStateError``, whatever it is given.
+    Before, ``shorten_reuse("x")`` checked its argument first: a ``TypeError``."""
+    mgr, _ = make()
+    cache = mgr.create_cache([1, 2, 3])
+    mgr.close()
+    with pytest.raises(kvtier.CacheStateError):
+        cache.shorten_reuse("x")

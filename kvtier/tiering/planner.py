@@ -115,6 +115,13 @@ class MovePlanner:
             self.residency.drop_some(tier_index, group, count - slots.num_free)
         return slots.num_free >= count
 
+    def has_victims(self, tier_index: int, group: int, count: int) -> bool:
+        """Whether ``make_room`` finds the victims that would free ``count`` slots of a group in a tier
+        (not whether the tiers below take them). Changes nothing but stale index entries."""
+        tier = self.tiers[tier_index]
+        short = count - tier.storage.slots[group].num_free
+        return short <= 0 or len(tier.evictable[group].take(short, held_stale=tier.is_last)) >= short
+
     def _swap(self, victims: list[Page], leaving: list[Page], plan: MovePlan) -> bool:
         """Demote primary ``victims`` into the slots that ``leaving`` (locked pages of the same group
         in the memory tier below) vacate, and move those up into free primary slots or the victims'
