@@ -191,8 +191,18 @@ def test_an_ordinary_mistake_keeps_its_own_message(url, detail):
 
 def test_a_port_that_is_no_number_is_named_as_such_beside_a_password():
     """``redis://u:pw@h:notaport``: the error names the port. Before, it told to percent-encode the
-    password, which was sound (the text after the last '@' never holds a password's)."""
+    password. Where the query holds an '@', a '?' in the password may have cut it short before it:
+    what looks like a port there may be the password's, and the advice stays."""
     for url, port in (("redis://u:pw@h:notaport", "notaport"), ("redis-cluster://u:pw@h1:1,h2:x", "x")):
         with pytest.raises(ValueError, match=f"'{port}'") as error:
             parse_redis_url(url)
         assert "percent-encoded" not in str(error.value) and "pw" not in str(error.value)
+    # a '?' in the password with an '@' after it: what looks like a port may be the password's
+    for url, secret in (
+        ("redis://:Pa@h:Xq7z?k=v@host:6379/0", "Xq7z"),
+        ("rediss://user:x@y:SeCrEt?a=b@host:6380", "SeCrEt"),
+        ("redis://:Pa@SecretPart:?client_name=Zq@real.example:6379/0", "SecretPart"),
+    ):
+        with pytest.raises(ValueError, match="percent-encoded") as error:
+            parse_redis_url(url)
+        assert secret.lower() not in str(error.value).lower()

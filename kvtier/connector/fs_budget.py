@@ -206,17 +206,19 @@ class StoreBudget:
                 return True
 
     def _count_and_evict(self) -> None:
-        """A pass of ``add``: count the directory's values, evict past the budget. When the writes
-        made meanwhile put the estimate over the budget again, the next pass is queued at once: no
-        later write need come for it (a burst of saves ending during a pass left the directory
-        over the budget until the next save)."""
+        """A pass of ``add``: count the directory's values, evict past the budget. When writes made
+        meanwhile put the estimate over the budget again, the next pass is queued at once: no later
+        write need come for it (a burst of saves ending during a pass left the directory over the
+        budget until the next save). Without such writes none is: a pass whose removals failed (a
+        read-only mount, values of other users) is not repeated until the next write."""
         values = self._scan_afresh()
         used = sum(v.size for v in values)
         if used > self.max_bytes:
             used = self.evict(values, self.value_limit)
         with self._lock:
             self._used = used + self._added
-            if self._used > self.max_bytes or self._added > self.max_bytes - self.value_limit:
+            written = self._added  # (nothing written meanwhile: no pass follows, even one that evicted too little)
+            if written and (self._used > self.max_bytes or written > self.max_bytes - self.value_limit):
                 self._counting = self._start(self._count_and_evict)
 
     def _room_for(self, sizes: list[int], quota_spent: bool) -> list[int]:

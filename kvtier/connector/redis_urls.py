@@ -84,8 +84,12 @@ def _password_cut_short(url: str) -> bool:
         return True
     if "@" not in address:  # the '@' is in a query value: no password here
         return False
-    hosts = address.rpartition("@")[2]  # (after the last '@': never a password's text)
-    return not hosts or not all(_has_host(entry) for entry in hosts.split(","))
+    hosts = address.rpartition("@")[2]
+    if not hosts:
+        return True
+    if "@" in query:  # a '?' in the password may have cut it before its last '@': hold the port to digits
+        return not all(_is_address(entry) for entry in hosts.split(","))
+    return not all(_has_host(entry) for entry in hosts.split(","))  # (a bad port: the parse names it)
 
 
 def _split(rest: str) -> tuple[str, str, str]:
@@ -100,6 +104,11 @@ def _authority_password(url: str) -> str:
     """The password in the URL's address (before its first '/', '?' or '#'), or ''."""
     address = _split(url.partition("://")[2])[0]
     return address.rpartition("@")[0].partition(":")[2]
+
+
+def _is_address(entry: str) -> bool:
+    parts = _host_and_port(entry)
+    return parts is not None and bool(parts[0]) and (parts[1] is None or parts[1].isdigit())
 
 
 def _has_host(entry: str) -> bool:
