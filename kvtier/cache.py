@@ -127,6 +127,7 @@ class KVCache(ProcessBound):
         # the reuse counted as hits at the first commit or at close; what is given up before is recomputed
         counted_end = self.num_reused_tokens if counted else 0
         self._hits = HitCount(pool.counters, pool.tier_names, self._tpb, counted_end, self._block_tiers)
+        self._fast_commits = self._hits.settled and pool.attention_only  # (settled at once without reuse)
         pool.holders.add(self)
 
     def __del__(self) -> None:

@@ -1,12 +1,14 @@
 """``HitCount``: the part of a request's reuse that the manager counts as hits, by tier.
 
 A cache's reuse is counted in ``stats().hit_tokens`` once it is settled: at the cache's first
-``commit`` of a token (the request computed past its reuse) or at its ``close``, whichever comes first, each
-reused block for the tier it was found on. Reuse given up before (a checksum failure on the way
-in, a shortened reuse, a caller that recomputes part of it) is counted in ``recomputed_tokens``
-instead, so the two always add up to what the request was offered, and the hits to what it used.
-Both only grow: a Prometheus counter never goes down (a hit counted at creation and given up later
-did, and a scrape in between read the decrease as a counter reset).
+``commit`` of a token (the request computed past its reuse) or at its ``close``, whichever comes
+first, each reused block for the tier it was found on. A cache without reuse is settled from the
+start, so its one-token commits take the decode step's path (which claims nothing) from the
+first one. Reuse given up before (a checksum failure on the way in, a shortened reuse, a caller
+that recomputes part of it) is counted in ``recomputed_tokens`` instead, so the two always add
+up to what the request was offered, and the hits to what it used. Both only grow: a Prometheus
+counter never goes down (a hit counted at creation and given up later did, and a scrape in
+between read the decrease as a counter reset).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class HitCount:
         self.end = end
         self._block_tiers = block_tiers
         self.used = False  # the request took the reuse (its first resume is over): a loss now is no lost hit
-        self.settled = False  # the hits are counted (``settle``): the reuse can no longer be given up
+        self.settled = end == 0  # the hits are counted (``settle``; none to count: at once)
 
     def keep(self, kept: int, block_tiers: list[int] | None) -> int:
         """Only the first ``kept`` tokens will be counted, their blocks now found on ``block_tiers``;

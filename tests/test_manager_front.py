@@ -284,10 +284,14 @@ def test_a_check_on_another_thread_while_a_cache_decodes_finds_nothing_wrong():
     cache = mgr.create_cache([1, 2, 3])
     assert cache.resume() and cache.resize(block - 1)
     stop = threading.Event()
+    failed: list[BaseException] = []
 
     def decode() -> None:
-        while not stop.is_set() and cache.num_committed_tokens < block - 2:
-            cache.commit([7])
+        try:
+            while not stop.is_set() and cache.num_committed_tokens < block - 2:
+                cache.commit([7])
+        except BaseException as exc:  # (a thread's exception fails the test, not only a warning)
+            failed.append(exc)
 
     worker = threading.Thread(target=decode)
     try:
@@ -298,6 +302,7 @@ def test_a_check_on_another_thread_while_a_cache_decodes_finds_nothing_wrong():
         stop.set()
         worker.join()
         sys.setswitchinterval(old_interval)
+    assert not failed, failed  # the first commit too: a cache without reuse has no hits to settle
     mgr.check_invariants()
     mgr.close()
 
@@ -649,3 +654,28 @@ def test_layout_read_while_another_thread_closes_the_manager_is_a_cache_state_er
     assert mgr.layout().groups
     mgr.close()
     assert seen == [True]
+
+
+def test_the_first_one_token_commit_of_a_cache_without_reuse_claims_nothing():
+    """While another thread is inside a claimed call, a cache that reused nothing commits its first
+    token as a decode step (nothing to settle, nothing claimed). Before, its first commit settled
+    its hit count under the claim, and raised ``CacheStateError`` meeting another thread's call."""
+    spec = kvtier.ModelSpec.uniform(1, 1, 2, torch.float32)
+    mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(16, [kvtier.PrimaryTier(1 << 20)]))
+    cache = mgr.create_cache([1, 2, 3])
+    assert cache.resume() and cache.resize(8)
+    failed: list[BaseException] = []
+
+    def first_commit() -> None:
+        try:
+            cache.commit([7])
+        except BaseException as exc:
+            failed.append(exc)
+
+    with mgr._pool.guard:  # another thread's claimed call, under way
+        worker = threading.Thread(target=first_commit)
+        worker.start()
+        worker.join()
+    assert not failed, failed
+    assert cache.num_committed_tokens == 1
+    mgr.close()
