@@ -87,9 +87,10 @@ def _password_cut_short(url: str) -> bool:
     hosts = address.rpartition("@")[2]
     if not hosts:
         return True
-    if "@" in query:  # a '?' in the password may have cut it before its last '@': hold the port to digits
-        return not all(_is_address(entry) for entry in hosts.split(","))
-    return not all(_has_host(entry) for entry in hosts.split(","))  # (a bad port: the parse names it)
+    # A port that is no number is the parse's to name, unless an '@' in the query means a '?' in
+    # the password may have cut it short before its last '@' (then that "port" may be the password's).
+    any_port = "@" not in query
+    return not all(_is_address(entry, any_port) for entry in hosts.split(","))
 
 
 def _split(rest: str) -> tuple[str, str, str]:
@@ -106,15 +107,10 @@ def _authority_password(url: str) -> str:
     return address.rpartition("@")[0].partition(":")[2]
 
 
-def _is_address(entry: str) -> bool:
+def _is_address(entry: str, any_port: bool = False) -> bool:
+    """Whether a ``host[:port]`` entry names a host and, unless ``any_port``, a port that is a number."""
     parts = _host_and_port(entry)
-    return parts is not None and bool(parts[0]) and (parts[1] is None or parts[1].isdigit())
-
-
-def _has_host(entry: str) -> bool:
-    """Whether a ``host[:port]`` entry names a host (a port that is no number is the parse's to name)."""
-    parts = _host_and_port(entry)
-    return parts is not None and bool(parts[0])
+    return parts is not None and bool(parts[0]) and (any_port or parts[1] is None or parts[1].isdigit())
 
 
 def _host_and_port(entry: str) -> tuple[str, str | None] | None:
