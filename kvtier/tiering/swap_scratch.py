@@ -117,8 +117,8 @@ def through_scratch(down: np.ndarray, up: np.ndarray) -> ScratchSwap | None:
 
 def _found_in(slots: np.ndarray, read: np.ndarray) -> np.ndarray:
     """Which of ``slots`` are among ``read`` (non-empty): a binary search of each in ``read``
-    sorted. (``np.isin`` sorts both together, 7x slower at 2,048 pages; a mask over slots would
-    cost a host tier's whole slot count per call.)"""
+    sorted: 40 us for 2,048 pages (``np.isin`` sorts both together once the slots spread over a
+    large tier, 200 us; a mask over slots would cost a host tier's whole slot count per call)."""
     ordered = np.sort(read)
     at = np.searchsorted(ordered, slots)
     np.minimum(at, len(ordered) - 1, out=at)
