@@ -179,7 +179,6 @@ def test_connector_settings_are_checked():
     [
         ("redis://:number9@host:6379/x", "the database must be a number, got 'x'"),
         ("redis://:porter@host:99999/0", "Port out of range"),
-        ("redis://host:63a9/0?client_name=svc@pod", "'63a9'"),
     ],
 )
 def test_an_ordinary_mistake_keeps_its_own_message(url, detail):
@@ -202,7 +201,30 @@ def test_a_port_that_is_no_number_is_named_as_such_beside_a_password():
         ("redis://:Pa@h:Xq7z?k=v@host:6379/0", "Xq7z"),
         ("rediss://user:x@y:SeCrEt?a=b@host:6380", "SeCrEt"),
         ("redis://:Pa@SecretPart:?client_name=Zq@real.example:6379/0", "SecretPart"),
+        # an '@' in the query alone: redact_url hides up to it, so the message names none of that
+        ("redis://host:63a9/0?client_name=svc@pod", "63a9"),
     ):
         with pytest.raises(ValueError, match="percent-encoded") as error:
             parse_redis_url(url)
         assert secret.lower() not in str(error.value).lower()
+
+
+@pytest.mark.parametrize(
+    ("url", "secret"),
+    [
+        ("redis://u:2Z04K&?J=X@h:6379", "2Z04K&"),  # the '?' left no '@' in the address: 'u' read as the host
+        ("redis://:7/:192=[4=ZZ?@a:1,b:2/0?client_name=x@y", "192=[4=ZZ"),  # read as the database
+        ("rediss://:[X]Q@[::1]:7000?a=b", "[X]"),  # one character of it, read as an address
+    ],
+)
+def test_no_part_of_a_password_cut_short_shows_in_the_error(url, secret):
+    """A password whose unescaped delimiters cut the parsed address short: the error quotes none of
+    what ``redact_url`` hides. Before, a port, a database or an address read from the password's
+    text (a whole one of up to two characters, or more where no '@' was left in the address) was
+    quoted back (1,286 of 150,000 fuzzed URLs)."""
+    with pytest.raises(ValueError, match="percent-encoded") as error:
+        parse_redis_url(url)
+    shown = f"bad Redis URL {redact_url(url)}: "
+    assert str(error.value).startswith(shown)
+    reason = str(error.value).removeprefix(shown)
+    assert secret not in reason and "X" not in reason

@@ -58,15 +58,16 @@ def parse_redis_url(url: str) -> RedisTarget:
     try:
         return _parse(url, shown)
     except ValueError as exc:
-        password = _authority_password(url)
+        hidden = _hidden_text(url)
         quoted = re.findall(r"'([^']*)'", str(exc).removeprefix(f"bad Redis URL {shown}"))
-        if password and any(_shares_text(value, password) for value in quoted):
+        if hidden and any(_reveals(value, hidden) for value in quoted):
             raise ValueError(f"bad Redis URL {shown}: it cannot be read ({_ENCODE_IT})") from None
         raise
 
 
 _ENCODE_IT = (
-    "a user or password holding '/', '?', '#' or '@' must be percent-encoded (urllib.parse.quote(password, safe=''))"
+    "a user or password holding '/', '?', '#' or '@' must be percent-encoded (urllib.parse.quote(password, safe='')), "
+    "and so must an '@' in a query value"
 )
 
 
@@ -101,10 +102,12 @@ def _split(rest: str) -> tuple[str, str, str]:
     return address, slash + path, query
 
 
-def _authority_password(url: str) -> str:
-    """The password in the URL's address (before its first '/', '?' or '#'), or ''."""
-    address = _split(url.partition("://")[2])[0]
-    return address.rpartition("@")[0].partition(":")[2]
+def _hidden_text(url: str) -> str:
+    """The text ``redact_url`` hides as the password: after the first ':' of everything between
+    ``://`` and the last '@' (a password's unescaped '?' or '/' may have cut the parsed address
+    short before it), or ''."""
+    rest = _QUERY_PASSWORD.sub(r"\1", url.partition("://")[2])
+    return rest.rpartition("@")[0].partition(":")[2]
 
 
 def _is_address(entry: str, any_port: bool = False) -> bool:
@@ -123,9 +126,12 @@ def _host_and_port(entry: str) -> tuple[str, str | None] | None:
     return host, (port_text if colon else None)
 
 
-def _shares_text(text: str, secret: str, span: int = 3) -> bool:  # (quoted values of a message)
-    """Whether ``text`` holds any ``span`` consecutive characters of ``secret`` (all of a shorter one)."""
-    return any(secret[i : i + span] in text for i in range(max(1, len(secret) - span + 1)))
+def _reveals(value: str, secret: str, span: int = 3) -> bool:  # (a value quoted by a message)
+    """Whether ``value`` shows part of ``secret``: it lies within it, or holds ``span`` consecutive
+    characters of it (all of a shorter one)."""
+    if value and value in secret:
+        return True
+    return any(secret[i : i + span] in value for i in range(max(1, len(secret) - span + 1)))
 
 
 def _parse(url: str, shown: str) -> RedisTarget:
