@@ -105,6 +105,12 @@ class PagePool:
         self.residency.count_hits = self.background.host is not None and self.background.min_hits > 0
         if self.background.host is None and host_config is not None:
             _warn_unused_write_through_policy(host_config)
+        if config.tiers[PRIMARY].free_reserve and not any(t.writable for t in self.tiers[PRIMARY + 1 :]):
+            log.warning(
+                "kvtier: PrimaryTier(free_reserve=%s) has no effect: no tier below takes demoted pages, so "
+                "keeping slots free would only drop cached ones (add a HostTier or a DiskTier)",
+                config.tiers[PRIMARY].free_reserve,
+            )
         host_memory = next((t for t in self.tiers if t.index != PRIMARY and not t.is_disk), None)
         if host_memory is None and torch.device(config.device).type == "cpu":
             host_memory = self.tiers[PRIMARY]  # a CPU manager's primary tier is host memory

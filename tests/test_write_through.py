@@ -220,6 +220,41 @@ def test_a_free_reserve_never_keeps_more_than_half_of_a_tier_free():
     mgr.close()
 
 
+def test_a_free_reserve_without_a_tier_below_drops_nothing_and_says_so(caplog):
+    """Before: with the primary tier alone, ``maintain`` dropped cached blocks to keep the reserve
+    free (12 published blocks in 16 slots at 0.5: 4 dropped, a returning prompt reused 32 of 48
+    tokens), though a request needing room drops one on demand as cheaply."""
+    spec = small_spec("llama")
+    probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
+    page = probe.page_bytes(0)
+    probe.close()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        mgr = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(16 * page, free_reserve=0.5)]))
+    assert "free_reserve=0.5) has no effect" in caplog.text
+    oracle = PageOracle(mgr)
+    prompt = [4000 + i for i in range(12 * TPB + 1)]
+    serve(mgr, oracle, prompt)
+    mgr.maintain()
+    assert mgr.stats().drops == 0 and mgr.stats().tiers["primary"].pages_used == 12
+    assert serve(mgr, oracle, prompt) == 12 * TPB
+    mgr.close()
+
+
+def test_a_free_reserve_frees_what_it_can_when_active_caches_lock_the_rest():
+    """Before: all or nothing: a reserve of 4 of 8 slots with 5 locked by an active cache and 3
+    evictable freed none; now the 3 go to host memory."""
+    mgr, oracle, _ = manager(primary_pages=8, host_pages=32, write_through=False, reserve=0.5)
+    serve(mgr, oracle, [6000 + i for i in range(3 * TPB + 1)])  # 3 published blocks, evictable
+    active = mgr.create_cache([7000 + i for i in range(5 * TPB)])
+    assert active.resume() and active.resize(5 * TPB)  # 5 pages locked in the primary tier
+    assert mgr.stats().tiers["primary"].pages_used == 8
+    assert mgr.maintain() == 3
+    assert mgr.stats().tiers["primary"].pages_used == 5 and mgr.stats().tiers["host"].pages_used == 3
+    mgr.check_invariants()
+    active.close()
+    mgr.close()
+
+
 def test_bad_settings_are_typed_errors():
     with pytest.raises(ValueError, match="free_reserve"):
         kvtier.PrimaryTier(1 << 20, free_reserve=0.9)

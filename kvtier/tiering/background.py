@@ -9,7 +9,9 @@ is owned by the host tier (the plan's ``kept_copies``, spare: the first to go wh
 there), so evicting the original later takes the copy's slot and moves no byte.
 
 *Free reserve*: each layer group keeps ``PrimaryTier.free_reserve`` of its slots free by
-demoting its coldest pages (those with a copy below move no byte).
+demoting its coldest pages (those with a copy below move no byte), as many as can be had. None
+is kept without a writable tier below: there the reserve would drop cached pages, which a request
+needing room drops on demand as cheaply.
 
 Both are planned into one ``MovePlan`` that the pool runs on the mover's background stream; a
 new batch is planned only when the previous one has finished (the link is left to requests in
@@ -51,6 +53,8 @@ class BackgroundWork:
         self.batch_bytes = batch_bytes
         # Rounded up, but never past half of a group's slots (0.5 of one slot keeps none free, not all).
         slots = [s.num_slots for s in self.primary.storage.slots]
+        if not any(tier.writable for tier in tiers[PRIMARY + 1 :]):
+            reserve_share = 0.0  # nowhere to demote to (the pool warns)
         self.reserve = [min(math.ceil(reserve_share * n), n // 2) for n in slots]
         if host is not None:
             self.primary.watch = OrderedDict()
@@ -65,13 +69,16 @@ class BackgroundWork:
         return self.keep_reserve(plan) + self.write_through(plan)
 
     def keep_reserve(self, plan: MovePlan) -> int:
-        """Demote the coldest primary pages of each group until its reserve is free (as far as possible)."""
+        """Demote the coldest primary pages of each group until its reserve is free, or as many as
+        may leave now when fewer do (the others are locked by active caches)."""
         moved = 0
         for group, want in enumerate(self.reserve):
             free = self.primary.storage.slots[group].num_free
             if want and free < want:
-                self.planner.make_room(PRIMARY, group, want, plan)
-                moved += self.primary.storage.slots[group].num_free - free
+                found = len(self.primary.evictable[group].take(want - free))  # (``make_room`` frees all or none)
+                if found:
+                    self.planner.make_room(PRIMARY, group, free + found, plan)
+                    moved += self.primary.storage.slots[group].num_free - free
         return moved
 
     def write_through(self, plan: MovePlan) -> int:
