@@ -127,7 +127,7 @@ class KVCacheManager(ProcessBound):
         return moved
 
     @exclusive
-    def prefetch_to_host(self, tokens, scope: ReuseScope = DEFAULT_SCOPE) -> HostPrefetch | None:
+    def prefetch_to_host(self, tokens, scope: ReuseScope = DEFAULT_SCOPE, hold: bool = False) -> HostPrefetch | None:
         """Start reading the cached prefix of ``tokens`` from the disk tier into host memory on a
         background thread (for a request that waits in a queue: its disk hit then costs a host hit).
 
@@ -139,11 +139,17 @@ class KVCacheManager(ProcessBound):
         ``create_cache``); those not read by a cancel stay on disk. ``close`` cancels what is still
         running. The whole cached prefix is read, however slow the disk: the request waits anyway
         (``create_cache`` weighs loads against recomputing; pass fewer tokens to read less).
+
+        ``hold=True`` keeps the pages read in host memory (neither demoted nor dropped) until the
+        handle is cancelled, for a request that waits its turn: cancel it once the request's cache
+        is resumed, or when it is given up, else they stay for the manager's life.
         """
+        if not isinstance(hold, bool):
+            raise TypeError(f"hold must be a bool, got {hold!r}")
         match = self._match(tokens, scope, weigh_load_cost=False)
         if match is None:
             return None
-        job = self._pool.prefetch_to_host(match)
+        job = self._pool.prefetch_to_host(match, hold)
         self._pool.debug_check()
         return job
 

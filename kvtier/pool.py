@@ -160,7 +160,7 @@ class PagePool:
         root = self.tree.find_root(scope)
         if root is None:
             return None
-        if self.prefetcher is not None and self.prefetcher.active:
+        if self.prefetcher is not None and self.prefetcher.busy:
             self.prefetcher.poll()  # prefetches read by now are matched on the host tier
         token_bytes = encode_tokens(tokens)
         partial = self.config.enable_partial_reuse
@@ -370,7 +370,7 @@ class PagePool:
         """Background work between steps: the free reserve and write-through copies, one batch, on
         the mover's background stream, unless the previous batch is still running. Returns the
         pages planned."""
-        if self.prefetcher is not None and self.prefetcher.active:
+        if self.prefetcher is not None and self.prefetcher.busy:
             self.prefetcher.poll()
         if self.write_behind is not None:
             self.write_behind.poll()
@@ -397,13 +397,13 @@ class PagePool:
                 disk_index.flush()
         return dropped
 
-    def prefetch_to_host(self, match: ReuseMatch) -> HostPrefetch | None:
+    def prefetch_to_host(self, match: ReuseMatch, hold: bool = False) -> HostPrefetch | None:
         """Start reading the pages of ``match`` that are on disk into host memory (the host tier, or
         the primary tier of a CPU manager without one) in the background
         (``kvtier.tiering.host_prefetch``), after making room there as a promotion would (the
         coldest pages there go to disk now); when there is room for only some, the first ones of
         each layer group are read. None without a disk tier and host memory above it, or with
-        nothing to read."""
+        nothing to read. ``hold``: the pages landed stay there until the prefetch is cancelled."""
         prefetcher = self.prefetcher
         if prefetcher is None:
             return None
@@ -422,7 +422,7 @@ class PagePool:
                     self.planner.make_room(host.index, group, min(count, room), plan)
                 self.apply(plan)
             self.mover.synchronize()  # host slots it may take (a copy's) can still be landing from the device
-            return prefetcher.start(pages)
+            return prefetcher.start(pages, hold)
         finally:
             res.unlock_all(pages[::-1])
 

@@ -121,6 +121,47 @@ def test_an_engine_without_a_host_tier_serves_every_request_from_its_disk(model,
         again.close()
 
 
+def test_a_prefetched_prefix_stays_in_host_memory_until_its_turn(model):
+    """Under wait_complete the target waits for its read; then the short prompts admitted before it
+    need host room. Before, they pushed 32 of its 160 prefetched tokens back to disk, which it
+    then read on its admission; now the read pages stay until its cache is resumed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        eng = engine(model, tmp, "wait_complete")
+        base = prompt(1, 160)
+        eng.generate([base], SamplingParams(max_tokens=1))
+        for k in range(8):  # push it onto disk
+            eng.generate([prompt(100 + k, 160)], SamplingParams(max_tokens=1))
+        queue = [prompt(200 + k, 64) for k in range(3)]
+        target = base + prompt(2, 5)
+        outs = eng.generate([*queue, target], SamplingParams(max_tokens=4))
+        assert [o.token_ids for o in outs] == [model.reference_generate(p, 4) for p in [*queue, target]]
+        assert outs[-1].reused_tokens_by_tier["host"] == 160 and outs[-1].reused_tokens_by_tier["disk"] == 0
+        eng.cache_manager.check_invariants()
+        eng.close()
+
+
+def test_a_prefix_pushed_to_disk_while_its_request_waits_is_read_at_the_head_of_the_queue(model):
+    """The target's prefix is in memory when it arrives (nothing to prefetch); the prompts ahead
+    push it to disk while it waits. Before, it was never tried again and read its 80 tokens from
+    disk on admission; now its read starts when it reaches the head of the queue."""
+    with tempfile.TemporaryDirectory() as tmp:
+        eng = engine(model, tmp, "wait_complete")
+        mgr = eng.cache_manager
+        base = prompt(1, 80)
+        eng.generate([base], SamplingParams(max_tokens=1))
+        eng.generate([prompt(100, 160)], SamplingParams(max_tokens=1))
+        cache = mgr.create_cache(base + [0])
+        assert cache.reused_by_tier["disk"] == 0  # in memory when the target arrives
+        cache.close()
+        queue = [prompt(200 + k, 160) for k in range(3)]
+        target = base + [9, 9]
+        outs = eng.generate([*queue, target], SamplingParams(max_tokens=4))
+        assert [o.token_ids for o in outs] == [model.reference_generate(p, 4) for p in [*queue, target]]
+        assert outs[-1].reused_tokens_by_tier["host"] == 80 and outs[-1].reused_tokens_by_tier["disk"] == 0
+        mgr.check_invariants()
+        eng.close()
+
+
 def test_bad_prefetch_settings():
     with pytest.raises(ValueError, match="prefetch_policy"):
         SchedulerConfig(prefetch_policy="eager")

@@ -281,3 +281,47 @@ def test_a_process_ending_during_a_prefetch_leaves_the_disk_exact(tmp_path, endi
     cache.close()
     mgr.check_invariants()
     mgr.close()
+
+
+def test_a_held_prefetch_keeps_its_pages_in_host_memory_until_cancelled(three_tiers):
+    """``hold=True``: what landed is neither demoted nor dropped while other prompts push host
+    memory to disk; a cancel lets go at the manager's next call, and the pages are ordinary
+    evictable host pages again. Without the hold the same traffic sends them back to disk."""
+    for held in (True, False):
+        mgr, oracle = three_tiers(host_pages=16)
+        prompt = [3900 + i for i in range(5 * TPB + 1)]
+        to_disk(mgr, oracle, prompt, host_pages=16)
+        job = mgr.prefetch_to_host(prompt + [1], hold=held)
+        assert job.wait(10)
+        mgr.maintain()  # lands it
+        for k in range(8):  # traffic that fills host memory several times over
+            serve(mgr, oracle, [70_000 + 100 * k + i for i in range(4 * TPB + 1)])
+        mgr.check_invariants()  # the held pages' pins are accounted for
+        cache = mgr.create_cache(prompt + [2])
+        assert cache.reused_by_tier["host"] == (5 * TPB if held else 0)
+        cache.close()
+        job.cancel()
+        mgr.maintain()  # lets go
+        mgr.check_invariants()
+        for k in range(8):
+            serve(mgr, oracle, [80_000 + 100 * k + i for i in range(4 * TPB + 1)])
+        cache = mgr.create_cache(prompt + [3])
+        assert cache.reused_by_tier["host"] == 0  # released: pushed on like any other page
+        assert cache.resume()
+        oracle.check(cache, prompt + [3])
+        cache.close()
+        mgr.check_invariants()
+        mgr.close()
+
+
+def test_a_manager_closed_while_a_prefetch_holds_pages_lets_go_of_them(three_tiers):
+    mgr, oracle = three_tiers()
+    prompt = [4900 + i for i in range(3 * TPB + 1)]
+    to_disk(mgr, oracle, prompt)
+    job = mgr.prefetch_to_host(prompt + [1], hold=True)
+    assert job.wait(10)
+    mgr.maintain()
+    with pytest.raises(TypeError, match="hold"):
+        mgr.prefetch_to_host(prompt + [1], hold="yes")
+    mgr.check_invariants()
+    mgr.close()  # persists: the held pages' pins go first

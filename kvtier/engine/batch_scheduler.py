@@ -23,7 +23,10 @@ the read is over, the policy decides whether it starts at once (the read is canc
 the requests behind it go first for a while. Under those that let it wait (``timeout``,
 ``wait_complete``) the reads start before admission, so a request whose turn is now reads its
 prefix in the background too, while the running requests go on, rather than during its
-admission, which would stall them.
+admission, which would stall them. The pages read stay in host memory until the request's
+cache is resumed (or it finishes): the requests admitted before it would otherwise push them
+back to disk. A request whose prefix had nothing on disk when it arrived is tried once more when
+it reaches the head of the queue, since the requests ahead may have pushed it there meanwhile.
 
 Nothing stalls: when no request runs and the head of the queue still cannot start, the caches
 of the other waiting requests are closed (they will be recomputed), which frees every page a
@@ -176,6 +179,9 @@ class Scheduler:
                 continue
             chunk = self._admit(request, budget, batch)
             if isinstance(chunk, ScheduledChunk):
+                if request.prefetch is not None:  # resumed: the pages it read may go again
+                    request.prefetch.cancel()
+                    request.prefetch = None
                 del self.waiting[passed]
                 batch.append(chunk)
                 budget -= chunk.num_tokens
@@ -241,19 +247,27 @@ class Scheduler:
         return False
 
     def _prefetch_waiting(self) -> None:
-        """Start reading the disk prefixes of waiting requests into host memory, a few at a time."""
+        """Start reading the disk prefixes of waiting requests into host memory, a few at a time
+        (``max_prefetches`` reads running or holding what they read): each request when it is first
+        seen here, and once more at the head of the queue if the first found nothing on disk."""
         config = self.config
         if config.prefetch_policy == "off" or not self._prefetch_tiers:
             return
-        running = sum(1 for r in self.waiting if r.prefetch is not None and not r.prefetch.done())
-        for request in self.waiting:
+        running = sum(1 for r in self.waiting if r.prefetch is not None)
+        for position, request in enumerate(self.waiting):
             if running >= config.max_prefetches:
                 return
-            if request.prefetch_tried or request.cache is not None:
+            if request.prefetch is not None or request.cache is not None:
                 continue
+            first = not request.prefetch_tried
+            if not first:
+                if position or not request.prefetch_again:
+                    continue
+                request.prefetch_again = False  # its one more try
             request.prefetch_tried = True
-            request.prefetch = self.mgr.prefetch_to_host(request.tokens, scope=request.scope)
+            request.prefetch = self.mgr.prefetch_to_host(request.tokens, scope=request.scope, hold=True)
             running += request.prefetch is not None
+            request.prefetch_again = first and request.prefetch is None
 
     def _chunk(self, request: Request, budget: int) -> int:
         """Tokens of ``request`` to compute this step within ``budget`` (0: not this step).
@@ -376,10 +390,15 @@ class Scheduler:
         return True
 
     def _recompute_waiting(self, but: Request) -> bool:
-        """Close the caches of waiting requests other than ``but``; False if none had one."""
-        holders = [r for r in self.waiting if r is not but and r.cache is not None]
+        """Close the caches of waiting requests other than ``but`` and let go of what their reads
+        hold in host memory; False if none had either."""
+        holders = [r for r in self.waiting if r is not but and (r.cache is not None or r.prefetch is not None)]
         for request in holders:
-            self._drop_cache(request)
+            if request.prefetch is not None:
+                request.prefetch.cancel()
+                request.prefetch = None
+            if request.cache is not None:
+                self._drop_cache(request)
         return bool(holders)
 
     def _reuse_whole_blocks(self, request: Request) -> bool:

@@ -70,6 +70,7 @@ class Request:
     loaded_until: int = 0  # end of a reserved connector offer: tokens below it are loaded, not computed
     prefetch: HostPrefetch | None = None  # its prefix being read from disk into host memory while it waits
     prefetch_tried: bool = False
+    prefetch_again: bool = False  # its first prefetch found nothing on disk: tried again at the queue's head
     asks_connector: bool = True  # False once a connector's load for it failed: it is not offered again
     asked_later_since: float | None = None  # when the connector first answered "ask again later" (None)
     ask_later: bool = False  # the connector's ask answered None: it waits, asked again at a later step

@@ -14,11 +14,17 @@ A page that meanwhile left its disk slot (a resume promoted it straight to the p
 was found damaged elsewhere, or was not read (cancelled), is not moved: its host slot is freed.
 A page whose bytes fail their checksum is marked damaged, as any disk read would.
 
+A prefetch started with ``hold`` (for a request that waits its turn) keeps the pages it landed
+locked in host memory, neither demoted nor dropped, until it is cancelled: otherwise the
+requests admitted before it could push them back to disk, and its read was for nothing. The
+release happens at the pool's next call after the cancel.
+
 The reads are timed: their bytes over their seconds tell the pool's load cost how fast the disk
 reads (``LoadCost.observe``; the copy up from host memory, if any, is not counted).
 
 Invariants: a reserved host slot is allocated and owned by no page until its prefetch lands
-(``Tier.reserved``); each page of an unlanded prefetch holds one pin (``pins``).
+(``Tier.reserved``); each page of an unlanded prefetch holds one pin (``pins``), and so does
+each page a held prefetch landed, until it is released.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ PART_BYTES = 64 << 20  # a cancelled prefetch stops after the part it is reading
 class HostPrefetch:
     """One background read of disk pages into host memory; ``cancel`` stops it between parts."""
 
-    def __init__(self, pages: list[Page], disk_slots: list[int], host_slots: list[int]) -> None:
+    def __init__(self, pages: list[Page], disk_slots: list[int], host_slots: list[int], hold: bool = False) -> None:
         self.pages = pages
         self.disk_slots = disk_slots
         self.host_slots = host_slots
@@ -52,6 +58,8 @@ class HostPrefetch:
         self.read_bytes = 0  # what the worker read, and the seconds its reads took
         self.read_seconds = 0.0
         self.started = time.monotonic()
+        self.hold = hold
+        self.held: list[Page] = []  # pages landed and still pinned in host memory (``hold``)
         self.future: Future | None = None
         self._cancelled = threading.Event()
 
@@ -81,7 +89,8 @@ class HostPrefetch:
         return self.done()
 
     def cancel(self) -> None:
-        """Stop after the part being read; pages not read stay on disk only."""
+        """Stop after the part being read (pages not read stay on disk only), and let go of the
+        pages a held prefetch landed (at the pool's next call)."""
         self._cancelled.set()
 
     @property
@@ -99,12 +108,19 @@ class HostPrefetcher:
         self.counters = counters
         self.load_cost = load_cost  # told the disk's read speed, as a load from disk would tell it
         self.active: list[HostPrefetch] = []
+        self.holding: list[HostPrefetch] = []  # landed with pages still held (``hold``)
         self.pins: Counter[int] = Counter()  # id(page) -> pins held by unlanded prefetches
         self._worker: ThreadPoolExecutor | None = None
 
-    def start(self, pages: list[Page]) -> HostPrefetch | None:
+    @property
+    def busy(self) -> bool:
+        """Whether a prefetch waits to be landed or released (``poll`` has work)."""
+        return bool(self.active or self.holding)
+
+    def start(self, pages: list[Page], hold: bool = False) -> HostPrefetch | None:
         """Prefetch the pages of ``pages`` that are on disk (and not already being read), as far
-        as host memory has room; None when there is nothing to read."""
+        as host memory has room; None when there is nothing to read. ``hold``: keep the pages
+        landed in host memory until the prefetch is cancelled."""
         disk, host = self.disk, self.host
         chosen, disk_slots, host_slots = [], [], []
         for page in pages:
@@ -121,7 +137,7 @@ class HostPrefetcher:
             host_slots.append(slot)
         if not chosen:
             return None
-        job = HostPrefetch(chosen, disk_slots, host_slots)
+        job = HostPrefetch(chosen, disk_slots, host_slots, hold)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch")
         job.future = self._worker.submit(self._read, job)
@@ -153,8 +169,8 @@ class HostPrefetcher:
                     job.intact[i] = ok
 
     def poll(self, wait: bool = False) -> int:
-        """Land the prefetches whose reads are over (all of them, waiting, if ``wait``); returns
-        the pages moved to host memory."""
+        """Land the prefetches whose reads are over (all of them, waiting, if ``wait``) and let go
+        of the pages of held ones cancelled since; returns the pages moved to host memory."""
         moved = 0
         for job in list(self.active):
             if wait:
@@ -162,11 +178,18 @@ class HostPrefetcher:
             if job.done():
                 self.active.remove(job)
                 moved += self._land(job)
+                if job.held:
+                    self.holding.append(job)
+        for job in [job for job in self.holding if job.cancelled]:
+            self.holding.remove(job)
+            self._let_go(job.held)
+            job.held = []
         return moved
 
     def close(self) -> None:
-        """Cancel every prefetch, wait for the reads, land what was read, stop the worker."""
-        for job in self.active:
+        """Cancel every prefetch, wait for the reads, land what was read, let go of every page
+        held, stop the worker."""
+        for job in self.active + self.holding:
             job.cancel()
         self.poll(wait=True)
         if self._worker is not None:
@@ -183,6 +206,7 @@ class HostPrefetcher:
         elif job.read_bytes:
             self.load_cost.observe(disk.index, job.read_bytes, job.read_seconds)
         moved = 0
+        keep = job.hold and not job.cancelled
         for page, disk_slot, host_slot, intact in zip(
             job.pages, job.disk_slots, job.host_slots, job.intact, strict=True
         ):
@@ -200,14 +224,22 @@ class HostPrefetcher:
                 self.counters.promotions += 1
                 self.counters.add_copy(disk.name, host.name, "file", host.storage.page_bytes[group])
                 moved += 1
+                if keep:
+                    job.held.append(page)  # its pin and lock stay until the job is cancelled
+                    continue
             else:
                 host.storage.slots[group].free(host_slot)
                 if intact is False and in_place:
                     residency.mark_damaged(page)
-            self.pins[id(page)] -= 1
-            if not self.pins[id(page)]:
-                del self.pins[id(page)]
-            residency.unlock(page)
+            self._let_go([page])
         if disk.disk_index is not None:
             disk.disk_index.flush()
         return moved
+
+    def _let_go(self, pages: list[Page]) -> None:
+        """Drop one pin and its lock from each page (wherever it is now)."""
+        for page in pages:
+            self.pins[id(page)] -= 1
+            if not self.pins[id(page)]:
+                del self.pins[id(page)]
+            self.residency.unlock(page)
