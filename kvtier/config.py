@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -25,10 +27,11 @@ class PrimaryTier:
     def __post_init__(self) -> None:
         _check_quota(self)
         r = self.free_reserve
-        if isinstance(r, bool) or not isinstance(r, int | float):
+        if isinstance(r, bool | np.bool_) or not isinstance(r, numbers.Real):
             raise TypeError(f"PrimaryTier.free_reserve must be a number, got {r!r}")
         if not 0.0 <= r <= 0.5:
             raise ValueError(f"PrimaryTier.free_reserve must be in 0..0.5, got {r}")
+        object.__setattr__(self, "free_reserve", float(r))  # (a numpy float of any width too)
 
 
 MAX_WRITE_THROUGH_HITS = 1 << 20
@@ -63,14 +66,11 @@ class HostTier:
         _check_quota(self)
         if self.write_through is not None and not isinstance(self.write_through, bool):
             raise TypeError(f"HostTier.write_through must be True, False or None, got {self.write_through!r}")
-        p = self.write_through_min_priority
-        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 100:
-            raise ValueError(f"HostTier.write_through_min_priority must be an int in 0..100, got {p!r}")
-        h = self.write_through_min_hits
-        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_WRITE_THROUGH_HITS:
-            raise ValueError(
-                f"HostTier.write_through_min_hits must be an int in 0..{MAX_WRITE_THROUGH_HITS}, got {h!r}"
-            )
+        for name, most in (("write_through_min_priority", 100), ("write_through_min_hits", MAX_WRITE_THROUGH_HITS)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value <= most:
+                raise ValueError(f"HostTier.{name} must be an int in 0..{most}, got {value!r}")
+            object.__setattr__(self, name, int(value))  # (a numpy integer too)
 
 
 MAX_DISK_BYTES = 1 << 60

@@ -620,6 +620,16 @@ def test_a_bool_is_neither_a_layer_id_nor_a_prefill_rate():
     mgr.close()
 
 
+def test_a_prefill_rate_too_large_for_a_float_is_refused_in_one_short_line():
+    """Before, the message carried all 401 digits of ``10**400``."""
+    mgr = manager()
+    with pytest.raises(ValueError) as error:
+        mgr.set_prefill_rate(10**400)
+    assert str(error.value).endswith("got inf") and len(str(error.value)) < 100
+    assert mgr._pool.load_cost.prefill_rate is None
+    mgr.close()
+
+
 def test_the_submodules_load_on_first_use_after_import_kvtier():
     """``import kvtier`` then ``kvtier.hf.PrefixCache`` (the README's example) works; before, it
     raised ``AttributeError``. Nothing heavy is imported until then."""

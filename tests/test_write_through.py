@@ -255,6 +255,19 @@ def test_a_free_reserve_frees_what_it_can_when_active_caches_lock_the_rest():
     mgr.close()
 
 
+def test_numpy_numbers_are_taken_as_settings():
+    """Before, ``np.float32`` was refused as a free reserve (``np.float64`` taken) and ``np.int64`` as
+    a write-through policy, which ``SchedulerConfig`` takes."""
+    import numpy as np
+
+    assert kvtier.PrimaryTier(1 << 20, free_reserve=np.float32(0.25)).free_reserve == 0.25
+    host = kvtier.HostTier(1 << 20, write_through_min_priority=np.int64(50), write_through_min_hits=np.int32(2))
+    assert (host.write_through_min_priority, host.write_through_min_hits) == (50, 2)
+    assert type(host.write_through_min_priority) is int
+    with pytest.raises(ValueError, match="write_through_min_hits"):
+        kvtier.HostTier(1 << 20, write_through_min_hits=np.int64(-1))
+
+
 def test_bad_settings_are_typed_errors():
     with pytest.raises(ValueError, match="free_reserve"):
         kvtier.PrimaryTier(1 << 20, free_reserve=0.9)

@@ -91,7 +91,9 @@ class LoadCost:
         except OverflowError:
             rate = math.inf
         if not rate > 0 or not math.isfinite(rate):
-            raise ValueError(f"a prefill rate is a finite number of tokens per second > 0, got {tokens_per_second!r}")
+            raise ValueError(
+                f"a prefill rate is a finite number of tokens per second > 0, got {rate:g}"
+            )  # (10**400: inf)
         self.prefill_rate = rate
         if self._disk is not None:
             self._disk[1].remember(self._prefill_name, self.prefill_rate)
