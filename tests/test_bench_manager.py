@@ -43,6 +43,9 @@ def test_kvtier_figures_and_round_trips_without_the_comparison(capsys, tmp_path)
     assert "ratios_vllm_over_kvtier" not in results
     assert "decode step, us per request (256 requests)" in out
     assert "vLLM not measured (--no-vllm): kvtier's figures only" in out
+    # a 160-token prompt is not judged against the 32K prompt's targets (before: "met")
+    cached_line = next(line for line in out.splitlines() if line.startswith("cached 160-token prompt"))
+    assert "not judged" in cached_line and "met" not in cached_line
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
