@@ -37,24 +37,27 @@ def _target(what: str, value: float, op: str, bound: float) -> dict:
     return {"what": what, "value": value, "op": op, "bound": bound, "met": met}
 
 
+CASE = len("recompute-engine")  # the case column's width: the longest case's name
+
+
 def print_table(rows: list[dict], ceiling: float) -> None:
     """One line per row: TTFT and its ratios to recompute, the reload, the target, the agreement."""
     print(link_ceiling_line(ceiling))
     print("recomp/TTFT: speedup over recomputing the prompt on the dense path; TTFT/recomp: its inverse")
     print("disk target: TTFT <= 1.05 x recompute-engine (the same engine recomputing a prompt as long)")
-    header = f"{'prefix':>7} {'case':<14} {'TTFT ms':>9} {'own ms':>8} {'recomp/TTFT':>11} {'TTFT/recomp':>11}"
+    header = f"{'prefix':>7} {'case':<{CASE}} {'TTFT ms':>9} {'own ms':>8} {'recomp/TTFT':>11} {'TTFT/recomp':>11}"
     header += f" {'reload ms':>9} {'GB/s':>6} {'link':>5} {'target':<30} {'logit err':>9} {'argmax':>6} {'greedy':>6}"
     print(header)
     for r in rows:
         a = r.get("agreement", {})
         print(
-            f"{r['prefix']:>7} {r['case']:<14} {r['ttft_ms']:>9.1f} {r.get('own_ms', NAN):>8.1f} "
+            f"{r['prefix']:>7} {r['case']:<{CASE}} {r['ttft_ms']:>9.1f} {r.get('own_ms', NAN):>8.1f} "
             f"{r['speedup_vs_recompute']:>11.2f} {r['ttft_over_recompute']:>11.2f} "
             f"{r.get('reload_ms', NAN):>9.1f} {r.get('reload_gbps', NAN):>6.1f} {r.get('link_share', NAN):>5.2f} "
             f"{_target_text(r.get('target')):<30} {a.get('logit_rel_err', NAN):>9.4f} "
             f"{a.get('same_argmax', '')!s:>6} {str(a.get('common_prefix', '')) + '/' + str(a.get('of', '')):>6}"
         )
-    _print_queued_tiers(rows)
+    _print_reuse_lines(rows)
 
 
 def _target_text(target: dict | None) -> str:
@@ -64,12 +67,13 @@ def _target_text(target: dict | None) -> str:
     return f"{target['what']} {target['value']:.2f} {target['op']} {target['bound']:.2f} {met}"
 
 
-def _print_queued_tiers(rows: list[dict]) -> None:
-    """Where the queued and host-full requests' reused tokens came from, and what the victims moved."""
+def _print_reuse_lines(rows: list[dict]) -> None:
+    """Where the disk, queued and host-full requests' reused tokens came from (nothing: the engine
+    recomputed), and what the victims moved."""
     for r in rows:
-        if r["case"].endswith("-queued") or r["case"].startswith("host-full"):
+        if r["case"] == "disk" or r["case"].endswith("-queued") or r["case"].startswith("host-full"):
             reused = ", ".join(f"{tier} {n}" for tier, n in r["reused_by_tier"].items() if n)
-            line = f"{r['prefix']:>7} {r['case']:<14} reused: {reused or 'nothing'}"
+            line = f"{r['prefix']:>7} {r['case']:<{CASE}} reused: {reused or 'nothing (recomputed)'}"
             if "victim_bytes_down" in r:
                 line += f"; primary full: {r['primary_full']}; bytes down during resume: {r['victim_bytes_down']:,.0f}"
             if "prefix_placement_before" in r:
