@@ -181,19 +181,20 @@ class PagePool:
             )
         reused = points.tokens[point]
         if reused == match.tokens:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("loading all %d cached tokens: no cut is faster (%s)", reused, self._cost_inputs())
             return match
         skipped = match.tokens - reused
         if count_recomputed:
             self.counters.recomputed_tokens += skipped
-        log.debug(
-            "recomputing %d cached tokens of %d: loading more than %d is slower (prefill %.0f tokens/s, "
-            "tier bandwidths %s bytes/s)",
-            skipped,
-            match.tokens,
-            reused,
-            self.load_cost.prefill_rate,
-            self.load_cost.bandwidth,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "recomputing %d cached tokens of %d: loading more than %d is slower (%s)",
+                skipped,
+                match.tokens,
+                reused,
+                self._cost_inputs(),
+            )
         if reused == 0:
             return None
         return find_reuse(self.tree, root, token_bytes, reused + 1, self.rules, partial)
@@ -396,6 +397,15 @@ class PagePool:
             if disk_index is not None:
                 disk_index.flush()
         return dropped
+
+    def _cost_inputs(self) -> str:
+        """What a load-or-recompute decision weighed, for its DEBUG line: the prefill rate and each
+        tier's bandwidth (unmeasured: assumed to win)."""
+        speeds = ", ".join(
+            f"{tier.name} {'unmeasured' if bw is None else f'{bw / 1e9:.3g} GB/s'}"
+            for tier, bw in zip(self.tiers, self.load_cost.bandwidth, strict=True)
+        )
+        return f"prefill {self.load_cost.prefill_rate:.3g} tokens/s; {speeds}"
 
     def prefetch_to_host(self, match: ReuseMatch, hold: bool = False) -> HostPrefetch | None:
         """Start reading the pages of ``match`` that are on disk into host memory (the host tier, or

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -78,6 +79,27 @@ def test_create_cache_recomputes_what_loads_slower():
     mgr.set_prefill_rate(1e-3)  # recomputing is slow: everything cached is loaded
     assert serve(mgr, oracle, prompt + [3]) == 4 * TPB
     mgr.check_invariants()
+    mgr.close()
+
+
+def test_each_decision_is_logged_at_debug_with_its_inputs_named(caplog):
+    """Before, only a cut was logged, its bandwidths an unnamed list (``[inf, None, 1.0]``)."""
+    mgr, oracle, _ = manager(primary_pages=6, host_pages=16, write_through=False)
+    prompt = [900 + i for i in range(4 * TPB + 1)]
+    serve(mgr, oracle, prompt)
+    fill_primary(mgr, oracle, 5, 5000)
+    assert serve(mgr, oracle, prompt + [1]) == 4 * TPB  # the host's bandwidth is measured now
+    fill_primary(mgr, oracle, 5, 6000)
+    with caplog.at_level(logging.DEBUG, logger="kvtier.pool"):
+        mgr.set_prefill_rate(1e-3)
+        assert serve(mgr, oracle, prompt + [2]) == 4 * TPB
+        fill_primary(mgr, oracle, 5, 7000)
+        mgr.set_prefill_rate(1e18)
+        assert serve(mgr, oracle, prompt + [3]) == 0
+    loaded, cut = [r.getMessage() for r in caplog.records if "cached tokens" in r.getMessage()]
+    assert loaded.startswith(f"loading all {4 * TPB} cached tokens")
+    assert "prefill 0.001 tokens/s; primary inf GB/s" in loaded
+    assert cut.startswith(f"recomputing {4 * TPB} cached tokens of {4 * TPB}") and "host " in cut and "GB/s" in cut
     mgr.close()
 
 
