@@ -126,3 +126,13 @@ def test_unset_tier_sizes_are_multiples_of_the_longest_prefix():
     assert (big.pressure_primary_gib, big.pressure_host_gib) == (12.0, 20.0)
     tiny = filled("tiny-llama", [256])
     assert tiny.primary_gib == 6 * 256 * 4 * 2 * 2 * 16 * 2 / (1 << 30)  # layers x K,V x heads x dim x bf16
+
+
+def test_a_prefix_shorter_than_a_block_is_refused_before_a_model_is_built(capsys):
+    """Before, ``--prefixes 4`` ran: no page to reuse, "primary full: False", an empty "prefix
+    before", and still a "met" for the queued disk target."""
+    args = [*TINY[: TINY.index("--prefixes")], "--prefixes", "64,4", *TINY[TINY.index("--prefixes") + 2 :]]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--prefixes: each prefix holds at least one block of --tokens-per-block 8 tokens" in err
+    assert err.rstrip().endswith("got 4")

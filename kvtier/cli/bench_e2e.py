@@ -80,6 +80,12 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.models import build_model
 
+    short = [n for n in args.prefixes if n < args.tokens_per_block]
+    if short:  # refused before a model is built
+        raise ValueError(
+            f"--prefixes: each prefix holds at least one block of --tokens-per-block {args.tokens_per_block} "
+            f"tokens (a shorter one has nothing to reuse), got {', '.join(map(str, short))}"
+        )
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, device, dtype, seed=0)
