@@ -368,7 +368,7 @@ class KVCache(ProcessBound):
         n = _check_length("num_tokens", num_tokens)
         if n > len(self._tokens):
             raise ValueError(f"num_tokens ({n}) is more than the cache's {len(self._tokens)} committed tokens")
-        self._pool.release_dropped()
+        self._pool.release_let_go()
         forgotten = self._chain.scope is None  # its scope was forgotten (or reuse is off: nothing to match)
         cache = KVCache(self._pool, self._tokens[:n], self.scope, self._priority, counted=False, forgotten=forgotten)
         self._pool.debug_check()

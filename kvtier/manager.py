@@ -106,7 +106,7 @@ class KVCacheManager(ProcessBound):
         priority = check_priority(priority)
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope must be a kvtier.ReuseScope, got {type(scope).__name__}")
-        self._pool.release_dropped()
+        self._pool.release_let_go()
         cache = KVCache(self._pool, tokens, scope, priority)
         self._pool.counters.lookup_tokens += len(tokens)  # its hits once it commits or closes (HitCount)
         self._pool.debug_check()
@@ -140,16 +140,19 @@ class KVCacheManager(ProcessBound):
         running. The whole cached prefix is read, however slow the disk: the request waits anyway
         (``create_cache`` weighs loads against recomputing; pass fewer tokens to read less).
 
-        ``hold=True`` keeps the pages read in host memory (neither demoted nor dropped) until the
-        handle is cancelled, for a request that waits its turn: cancel it once the request's cache
-        is resumed, or when it is given up, else they stay for the manager's life.
+        ``hold=True`` keeps the pages read where they landed (host memory: neither demoted nor
+        dropped; a resume may still promote them) until the handle is cancelled, for a request that
+        waits its turn: cancel it once the request's cache is resumed, or when it is given up, else
+        they stay pinned for the manager's life. They are let go at the manager's next call that
+        lands reads or makes room (``create_cache``, ``resume``, ``resize``, ``maintain``).
         """
-        if not isinstance(hold, bool):
+        self._check_open()
+        if not isinstance(hold, bool | np.bool_):
             raise TypeError(f"hold must be a bool, got {hold!r}")
         match = self._match(tokens, scope, weigh_load_cost=False)
         if match is None:
             return None
-        job = self._pool.prefetch_to_host(match, hold)
+        job = self._pool.prefetch_to_host(match, bool(hold))
         self._pool.debug_check()
         return job
 
@@ -323,7 +326,7 @@ def _check_quotas_fit(config: CacheConfig) -> None:
 
 def _close_pool(pool: PagePool, persist: bool) -> None:
     """Close a manager's caches, persist its published pages in memory (``persist``), release its pool."""
-    pool.release_dropped()
+    pool.release_let_go()
     for cache in list(pool.holders):
         cache.close()
     if persist:

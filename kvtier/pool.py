@@ -10,7 +10,7 @@ pages it was to write are never served.
 
 ``guard`` is the lock that ``kvtier.exclusive`` claims (one thread at a time changes the pool);
 ``holders`` are the open caches, which the invariant check counts (held weakly: a cache dropped
-without ``close`` queues itself in ``dropped`` and is closed at the pool's next ``release_dropped``,
+without ``close`` queues itself in ``dropped`` and is closed at the pool's next ``release_let_go``,
 which runs only inside claimed calls, never in the middle of another operation).
 """
 
@@ -126,7 +126,7 @@ class PagePool:
             restore_disk_tier(disk, self.tree, self.rules, self.counters)
             sample_disk_speed(disk, self.load_cost)  # its speed is weighed from the first disk hit on
         self.holders: weakref.WeakSet[PageHolder] = weakref.WeakSet()  # a cache dropped unclosed leaves
-        self.dropped: list[PageHolder] = []  # open caches dropped without close: released at ``release_dropped``
+        self.dropped: list[PageHolder] = []  # open caches dropped without close: released at ``release_let_go``
         self.orphaned = False  # its manager was dropped without close and nothing is left to persist
         self.guard = threading.RLock()
         self.debug = debug_enabled()
@@ -253,7 +253,7 @@ class PagePool:
         ordered before later work on ``stream``, which will write the new pages). False when it
         cannot; when a group lacks the victims, before any page of another group was evicted (a
         tier below too full of held pages to take them may still stop it midway)."""
-        self.release_dropped()
+        self.release_let_go()
         if len(need) > 1 and not all(self.planner.has_victims(PRIMARY, g, n) for g, n in need.items()):
             return False
         with self._moving() as plan:
@@ -279,7 +279,7 @@ class PagePool:
         involved is damaged (failed its checksum, now or before); None when the primary tier
         cannot hold them all, with nothing locked and the caller's holds unchanged.
         """
-        self.release_dropped()
+        self.release_let_go()
         res = self.residency
         need, damaged = res.lock_all(pages)
         cold = pages if need else []  # only pages outside the primary tier move
@@ -487,9 +487,14 @@ class PagePool:
             recomputed_tokens=c.recomputed_tokens,
         )
 
-    def release_dropped(self) -> None:
-        """Close the caches dropped without ``close`` since the last call (one WARNING per pool);
-        called inside claimed calls only (``kvtier.exclusive``)."""
+    def release_let_go(self) -> None:
+        """Let go of what holders gave up since the last call: close the caches dropped without
+        ``close`` (one WARNING per pool) and the pages of held prefetches cancelled (their pins
+        would keep a room-making call from them); called inside claimed calls only
+        (``kvtier.exclusive``)."""
+        prefetcher = self.prefetcher
+        if prefetcher is not None and prefetcher.holding:
+            prefetcher.release_cancelled()
         if not self.dropped:
             return
         if not self._warned_dropped:
@@ -503,7 +508,7 @@ class PagePool:
 
     def check(self) -> None:
         """Raise ``InvariantError`` unless every invariant of the pool and its holders holds (slow)."""
-        self.release_dropped()
+        self.release_let_go()
         check_pages(self.tiers, self.tree, self.holders, None if self.prefetcher is None else self.prefetcher.pins)
 
     def debug_check(self) -> None:

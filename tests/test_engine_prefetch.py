@@ -26,16 +26,17 @@ def model():
     return build_model("tiny-llama", torch.device("cpu"), torch.float64, seed=3)
 
 
-def engine(model, tmp, policy, host=True, **kw):
+def engine(model, tmp, prefetch, host=True, primary_pages=40, **kw):
     probe = kvtier.KVCacheManager(model.spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
     page = sum(probe.page_bytes(g.group_id) for g in probe.layer_groups)
     probe.close()
-    tiers = [kvtier.PrimaryTier(40 * page), kvtier.DiskTier(400 * page, os.path.join(tmp, "disk"))]
+    tiers = [kvtier.PrimaryTier(primary_pages * page), kvtier.DiskTier(400 * page, os.path.join(tmp, "disk"))]
     if host:
         tiers.insert(1, kvtier.HostTier(24 * page, write_through=False))
     kw.setdefault("recompute_when_faster", False)  # the tests count what came from each tier
     kw.setdefault("max_batch_size", 1)
-    config = SchedulerConfig(max_num_tokens=64, prefetch_policy=policy, **kw)
+    kw.setdefault("max_num_tokens", 64)
+    config = SchedulerConfig(prefetch_policy=prefetch, **kw)
     return LLMEngine(model, kvtier.CacheConfig(TPB, tiers), config)
 
 
@@ -158,6 +159,60 @@ def test_a_prefix_pushed_to_disk_while_its_request_waits_is_read_at_the_head_of_
         outs = eng.generate([*queue, target], SamplingParams(max_tokens=4))
         assert [o.token_ids for o in outs] == [model.reference_generate(p, 4) for p in [*queue, target]]
         assert outs[-1].reused_tokens_by_tier["host"] == 80 and outs[-1].reused_tokens_by_tier["disk"] == 0
+        mgr.check_invariants()
+        eng.close()
+
+
+def test_a_request_resumed_then_blocked_lets_go_of_its_read_and_the_running_one_finishes(model):
+    """Under max_utilization a request whose read landed is resumed, then blocked (no pages to
+    grow into) and suspended. Before, its read still pinned its pages, now in the primary tier: the
+    running request could not push them down to grow, preempted itself, and failed with "it cannot
+    run even alone" (a cancel let go only at the pool's next read-landing call)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        first = engine(model, tmp, "wait_complete", primary_pages=10)
+        prefix = prompt(1, 32)
+        first.generate([prefix], SamplingParams(max_tokens=1))
+        first.close()  # persisted: on disk only
+        eng = engine(model, tmp, "wait_complete", primary_pages=10, max_batch_size=2, policy="max_utilization")
+        running = prompt(3, 40)
+        eng.add_request(running, SamplingParams(max_tokens=30))
+        for _ in range(3):
+            eng.step()
+        target = prefix + prompt(2, 9)
+        eng.add_request(target, SamplingParams(max_tokens=4))
+        outs = {}
+        while eng.has_unfinished_requests():
+            outs.update({o.request_id: o for o in eng.step()})
+        assert [outs[k].finish_reason for k in sorted(outs)] == ["length", "length"]
+        assert [outs[k].token_ids for k in sorted(outs)] == [
+            model.reference_generate(running, 30),
+            model.reference_generate(target, 4),
+        ]
+        eng.cache_manager.check_invariants()
+        eng.close()
+
+
+def test_the_head_of_the_queue_gets_its_read_while_the_requests_behind_it_hold_theirs(model):
+    """``max_prefetches=1``, held by the read of a request behind the target. Before, the target's
+    retry at the head never started: 72 of its 80 tokens came from disk."""
+    with tempfile.TemporaryDirectory() as tmp:
+        eng = engine(model, tmp, "wait_complete", max_prefetches=1)
+        mgr = eng.cache_manager
+        behind_prefix = prompt(7, 16)
+        eng.generate([behind_prefix], SamplingParams(max_tokens=1))
+        for k in range(8):  # push it onto disk
+            eng.generate([prompt(100 + k, 160)], SamplingParams(max_tokens=1))
+        base = prompt(1, 80)
+        eng.generate([base], SamplingParams(max_tokens=1))
+        eng.generate([prompt(99, 160)], SamplingParams(max_tokens=1))
+        cache = mgr.create_cache(base + [0])
+        assert cache.reused_by_tier["disk"] == 0  # in memory when the target arrives
+        cache.close()
+        prompts = [*[prompt(200 + k, 160) for k in range(3)], base + [9, 9], behind_prefix + [5, 5]]
+        outs = eng.generate(prompts, SamplingParams(max_tokens=4))
+        assert [o.token_ids for o in outs] == [model.reference_generate(p, 4) for p in prompts]
+        assert outs[3].reused_tokens_by_tier["host"] == 80 and outs[3].reused_tokens_by_tier["disk"] == 0
+        assert outs[4].reused_tokens_by_tier["host"] == 16
         mgr.check_invariants()
         eng.close()
 

@@ -323,5 +323,8 @@ def test_a_manager_closed_while_a_prefetch_holds_pages_lets_go_of_them(three_tie
     mgr.maintain()
     with pytest.raises(TypeError, match="hold"):
         mgr.prefetch_to_host(prompt + [1], hold="yes")
+    import numpy as np
+
+    assert mgr.prefetch_to_host(prompt + [1], hold=np.True_) is None  # a numpy bool is taken (nothing left to read)
     mgr.check_invariants()
     mgr.close()  # persists: the held pages' pins go first

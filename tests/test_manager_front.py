@@ -626,6 +626,9 @@ def test_a_prefill_rate_too_large_for_a_float_is_refused_in_one_short_line():
     with pytest.raises(ValueError) as error:
         mgr.set_prefill_rate(10**400)
     assert str(error.value).endswith("got inf") and len(str(error.value)) < 100
+    for rate, shown in ((-(10**400), "-inf"), (-1234567, "-1234567")):  # the sign and every digit kept
+        with pytest.raises(ValueError, match=f"got {shown}$"):
+            mgr.set_prefill_rate(rate)
     assert mgr._pool.load_cost.prefill_rate is None
     mgr.close()
 

@@ -255,6 +255,32 @@ def test_a_free_reserve_frees_what_it_can_when_active_caches_lock_the_rest():
     mgr.close()
 
 
+def test_a_free_reserve_never_drops_a_page_when_the_tier_below_takes_none():
+    """Host memory full of a suspended cache's pages, which may not leave it: the reserve's victims
+    have nowhere to go. Before, ``maintain`` dropped 4 published primary blocks (a returning prompt
+    then reused 32 of 48 tokens)."""
+    mgr, oracle, _ = manager(primary_pages=16, host_pages=4, write_through=False, reserve=0.5)
+    tokens = [9000 + i for i in range(4 * TPB)]
+    held = mgr.create_cache(tokens)
+    assert held.resume() and held.resize(len(tokens))
+    oracle.write(held, tokens, 0, len(tokens))
+    held.suspend()
+    big = [5000 + i for i in range(16 * TPB)]
+    pusher = mgr.create_cache(big)  # pushes the suspended cache's 4 pages into host memory
+    assert pusher.resume() and pusher.resize(len(big))
+    pusher.close()
+    assert mgr.stats().tiers["host"].pages_used == 4
+    prompt = [4000 + i for i in range(12 * TPB + 1)]
+    serve(mgr, oracle, prompt)
+    drops = mgr.stats().drops
+    mgr.maintain()
+    assert mgr.stats().drops == drops
+    assert serve(mgr, oracle, prompt) == 12 * TPB
+    mgr.check_invariants()
+    held.close()
+    mgr.close()
+
+
 def test_numpy_numbers_are_taken_as_settings():
     """Before, ``np.float32`` was refused as a free reserve (``np.float64`` taken) and ``np.int64`` as
     a write-through policy, which ``SchedulerConfig`` takes."""

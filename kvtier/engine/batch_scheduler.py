@@ -179,9 +179,6 @@ class Scheduler:
                 continue
             chunk = self._admit(request, budget, batch)
             if isinstance(chunk, ScheduledChunk):
-                if request.prefetch is not None:  # resumed: the pages it read may go again
-                    request.prefetch.cancel()
-                    request.prefetch = None
                 del self.waiting[passed]
                 batch.append(chunk)
                 budget -= chunk.num_tokens
@@ -248,14 +245,16 @@ class Scheduler:
 
     def _prefetch_waiting(self) -> None:
         """Start reading the disk prefixes of waiting requests into host memory, a few at a time
-        (``max_prefetches`` reads running or holding what they read): each request when it is first
-        seen here, and once more at the head of the queue if the first found nothing on disk."""
+        (``max_prefetches`` reads running or holding what they read, but the head of the queue may
+        always start one): each request when it is first seen here, and once more at the head of
+        the queue if the first found nothing on disk."""
         config = self.config
         if config.prefetch_policy == "off" or not self._prefetch_tiers:
             return
         running = sum(1 for r in self.waiting if r.prefetch is not None)
         for position, request in enumerate(self.waiting):
-            if running >= config.max_prefetches:
+            head = position == 0 and config.max_prefetches > 0  # never kept from a read by those behind it
+            if running >= config.max_prefetches and not head:
                 return
             if request.prefetch is not None or request.cache is not None:
                 continue
@@ -299,6 +298,9 @@ class Scheduler:
         cache = request.cache
         if not cache.resume():
             return _Blocked("its cached pages do not fit in the primary tier")
+        if request.prefetch is not None:  # resumed: the pages its read holds are its cache's now
+            request.prefetch.cancel()
+            request.prefetch = None
         if request.reuse_unread:  # what the resume kept: pages failing their checksum were given up
             request.reused_by_tier = dict(cache.reused_by_tier)
             request.reuse_unread = False

@@ -9,9 +9,9 @@ is owned by the host tier (the plan's ``kept_copies``, spare: the first to go wh
 there), so evicting the original later takes the copy's slot and moves no byte.
 
 *Free reserve*: each layer group keeps ``PrimaryTier.free_reserve`` of its slots free by
-demoting its coldest pages (those with a copy below move no byte), as many as can be had. None
-is kept without a writable tier below: there the reserve would drop cached pages, which a request
-needing room drops on demand as cheaply.
+demoting its coldest pages (those with a copy below move no byte), as many as can be had. It
+never drops a page (none is kept without a writable tier below, and none is dropped when the
+tiers below cannot take the victims): a request needing room drops one on demand as cheaply.
 
 Both are planned into one ``MovePlan`` that the pool runs on the mover's background stream; a
 new batch is planned only when the previous one has finished (the link is left to requests in
@@ -77,7 +77,7 @@ class BackgroundWork:
             if want and free < want:
                 found = len(self.primary.evictable[group].take(want - free))  # (``make_room`` frees all or none)
                 if found:
-                    self.planner.make_room(PRIMARY, group, free + found, plan)
+                    self.planner.make_room(PRIMARY, group, free + found, plan, drop=False)
                     moved += self.primary.storage.slots[group].num_free - free
         return moved
 

@@ -17,7 +17,8 @@ A page whose bytes fail their checksum is marked damaged, as any disk read would
 A prefetch started with ``hold`` (for a request that waits its turn) keeps the pages it landed
 locked in host memory, neither demoted nor dropped, until it is cancelled: otherwise the
 requests admitted before it could push them back to disk, and its read was for nothing. The
-release happens at the pool's next call after the cancel.
+release happens at the pool's next call after the cancel that lands reads or makes room
+(``PagePool.release_let_go``).
 
 The reads are timed: their bytes over their seconds tell the pool's load cost how fast the disk
 reads (``LoadCost.observe``; the copy up from host memory, if any, is not counted).
@@ -180,11 +181,15 @@ class HostPrefetcher:
                 moved += self._land(job)
                 if job.held:
                     self.holding.append(job)
+        self.release_cancelled()
+        return moved
+
+    def release_cancelled(self) -> None:
+        """Let go of the pages of held prefetches cancelled since the last call."""
         for job in [job for job in self.holding if job.cancelled]:
             self.holding.remove(job)
             self._let_go(job.held)
             job.held = []
-        return moved
 
     def close(self) -> None:
         """Cancel every prefetch, wait for the reads, land what was read, let go of every page

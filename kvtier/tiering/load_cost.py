@@ -88,12 +88,14 @@ class LoadCost:
             raise TypeError(f"a prefill rate is a number of tokens per second, got {tokens_per_second!r}")
         try:
             rate = float(tokens_per_second)
-        except OverflowError:
-            rate = math.inf
+        except OverflowError:  # an int past a float's range
+            rate = math.inf if tokens_per_second > 0 else -math.inf
         if not rate > 0 or not math.isfinite(rate):
+            shown = repr(tokens_per_second)
             raise ValueError(
-                f"a prefill rate is a finite number of tokens per second > 0, got {rate:g}"
-            )  # (10**400: inf)
+                "a prefill rate is a finite number of tokens per second > 0, got "
+                + (shown if len(shown) <= 40 else f"{rate:g}")  # (10**400: inf, not 401 digits)
+            )
         self.prefill_rate = rate
         if self._disk is not None:
             self._disk[1].remember(self._prefill_name, self.prefill_rate)

@@ -55,7 +55,13 @@ class MovePlanner:
         self.scratch = scratch
 
     def make_room(
-        self, tier_index: int, group: int, count: int, plan: MovePlan, leaving: list[Page] | None = None
+        self,
+        tier_index: int,
+        group: int,
+        count: int,
+        plan: MovePlan,
+        leaving: list[Page] | None = None,
+        drop: bool = True,
     ) -> bool:
         """Free slots in a tier until ``count`` are free, demoting or dropping victims.
 
@@ -69,6 +75,9 @@ class MovePlanner:
         ``leaving``: locked pages of ``group`` in the memory tier below, to be promoted into this
         (the primary) tier. Victims bound there swap places with them (``_swap``): they are moved
         up with the victims at once, into free slots or the victims' slots.
+
+        ``drop=False``: no page of this tier is dropped when the tiers below cannot take the victims
+        (the free reserve's demotions: a request needing room drops one on demand as cheaply).
         """
         tier = self.tiers[tier_index]
         if tier.is_last:
@@ -111,7 +120,7 @@ class MovePlanner:
                 if self.make_room(dst_index, group, len(victims), plan):
                     self._demote(victims, dst_index, plan)
                     break
-        if slots.num_free < count:
+        if drop and slots.num_free < count:
             self.residency.drop_some(tier_index, group, count - slots.num_free)
         return slots.num_free >= count
 

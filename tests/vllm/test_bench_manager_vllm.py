@@ -39,7 +39,8 @@ def test_the_comparison_prints_vllm_beside_kvtier_with_the_ratios(capsys, tmp_pa
     cached_ratio = vllm["cached_prompt_ms"]["median"] / results["cached_prompt_ms"]["median"]
     assert ratios == {"decode": pytest.approx(decode_ratio), "cached_prompt": pytest.approx(cached_ratio)}
     assert f"{ratios['decode']:.1f}x" in out and f"{ratios['cached_prompt']:.1f}x" in out
-    assert "ratio >= 9x" in out and "ratio >= 5x" in out
+    assert "ratio >= 9x" in out  # the decode step's; a 160-token prompt is not judged by the 32K one's
+    assert "ratio >= 5x" not in out and "not judged" in out
     assert f"vLLM {vllm['version']} KVCacheManager measured in this process" in out
 
 
