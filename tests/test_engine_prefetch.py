@@ -45,6 +45,18 @@ def prompt(seed: int, n: int) -> list[int]:
     return torch.randint(1, 300, (n,), generator=g).tolist()
 
 
+def in_memory_prefix(eng, seed: int) -> list[int]:
+    """An 80-token prefix published, then another 160-token prompt: the prefix is in memory, none
+    of it on disk, when the request the test sends next arrives."""
+    base = prompt(1, 80)
+    eng.generate([base], SamplingParams(max_tokens=1))
+    eng.generate([prompt(seed, 160)], SamplingParams(max_tokens=1))
+    cache = eng.cache_manager.create_cache(base + [0])
+    assert cache.reused_by_tier["disk"] == 0
+    cache.close()
+    return base
+
+
 @pytest.mark.parametrize("policy", ["off", "best_effort", "timeout", "wait_complete"])
 def test_queued_disk_prefix_is_prefetched(model, policy):
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,12 +160,7 @@ def test_a_prefix_pushed_to_disk_while_its_request_waits_is_read_at_the_head_of_
     with tempfile.TemporaryDirectory() as tmp:
         eng = engine(model, tmp, "wait_complete")
         mgr = eng.cache_manager
-        base = prompt(1, 80)
-        eng.generate([base], SamplingParams(max_tokens=1))
-        eng.generate([prompt(100, 160)], SamplingParams(max_tokens=1))
-        cache = mgr.create_cache(base + [0])
-        assert cache.reused_by_tier["disk"] == 0  # in memory when the target arrives
-        cache.close()
+        base = in_memory_prefix(eng, 100)
         queue = [prompt(200 + k, 160) for k in range(3)]
         target = base + [9, 9]
         outs = eng.generate([*queue, target], SamplingParams(max_tokens=4))
@@ -202,12 +209,7 @@ def test_the_head_of_the_queue_gets_its_read_while_the_requests_behind_it_hold_t
         eng.generate([behind_prefix], SamplingParams(max_tokens=1))
         for k in range(8):  # push it onto disk
             eng.generate([prompt(100 + k, 160)], SamplingParams(max_tokens=1))
-        base = prompt(1, 80)
-        eng.generate([base], SamplingParams(max_tokens=1))
-        eng.generate([prompt(99, 160)], SamplingParams(max_tokens=1))
-        cache = mgr.create_cache(base + [0])
-        assert cache.reused_by_tier["disk"] == 0  # in memory when the target arrives
-        cache.close()
+        base = in_memory_prefix(eng, 99)
         prompts = [*[prompt(200 + k, 160) for k in range(3)], base + [9, 9], behind_prefix + [5, 5]]
         outs = eng.generate(prompts, SamplingParams(max_tokens=4))
         assert [o.token_ids for o in outs] == [model.reference_generate(p, 4) for p in prompts]
