@@ -299,6 +299,7 @@ class PagePool:
                         new.append(page)
                     new.extend(self.new_page(group, priority, locked=True) for group in fresh)
                 damaged = self.apply(plan, stream, shared=True) > 0 or damaged or damaged_copy
+            self._unpin_promoted()
         except BaseException:  # an interrupt or a failed copy: the caller's holds as they were
             res.release_all(new, locked=True)
             res.unlock_all(pages)
@@ -355,9 +356,17 @@ class PagePool:
                 if not self.planner.promote(cold, plan, need):
                     self._promote_while_room([page for page in cold if page.tier != PRIMARY], plan)
                 self.apply(plan, stream)
+            self._unpin_promoted()
         finally:
             res.unlock_all(pages[::-1])
         return sum([page.tier == PRIMARY for page in cold])
+
+    def _unpin_promoted(self) -> None:
+        """Let go of the held prefetched pages a promotion just moved out of host memory (a hold
+        keeps pages there only: pinned in the primary tier, they would take room from others)."""
+        prefetcher = self.prefetcher
+        if prefetcher is not None and prefetcher.holding:
+            prefetcher.release_moved()
 
     def _promote_while_room(self, pages: list[Page], plan: MovePlan) -> None:
         """Plan moving locked ``pages`` into the primary tier one by one, until room runs out."""

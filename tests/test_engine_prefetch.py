@@ -219,6 +219,42 @@ def test_the_head_of_the_queue_gets_its_read_while_the_requests_behind_it_hold_t
         eng.close()
 
 
+def test_a_read_over_that_holds_nothing_leaves_its_place_to_the_next(model, monkeypatch):
+    """``max_prefetches=1``; request A's read fails, so it lands nothing. Before, A still counted
+    as a read holding its pages until its admission, and B (behind it) read its 32 tokens from
+    disk on admission; now B's read starts once A's is over."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pa, pb = prompt(1, 32), prompt(2, 32)
+        first = engine(model, tmp, "best_effort")
+        first.generate([pa + [1], pb + [1]], SamplingParams(max_tokens=1))
+        first.close()  # persisted: both prefixes on disk only
+        eng = engine(model, tmp, "best_effort", max_prefetches=1)
+        real, reads = host_prefetch.HostPrefetcher._read, []
+
+        def read(self, job):
+            reads.append(len(job.pages))
+            if len(reads) == 1:
+                raise OSError("A's read fails")
+            return real(self, job)
+
+        monkeypatch.setattr(host_prefetch.HostPrefetcher, "_read", read)
+        busy = prompt(3, 20)
+        eng.add_request(busy, SamplingParams(max_tokens=25))
+        eng.step()
+        prompts = [busy, pa + [7, 7], pb + [8, 8]]
+        for p in prompts[1:]:
+            eng.add_request(p, SamplingParams(max_tokens=2))
+        outs = {}
+        while eng.has_unfinished_requests():
+            outs.update({o.request_id: o for o in eng.step()})
+        done = [outs[k] for k in sorted(outs)]
+        expected = [model.reference_generate(p, n) for p, n in zip(prompts, (25, 2, 2), strict=True)]
+        assert [o.token_ids for o in done] == expected
+        assert reads == [4, 4] and done[2].reused_tokens_by_tier["host"] == 32
+        eng.cache_manager.check_invariants()
+        eng.close()
+
+
 def test_bad_prefetch_settings():
     with pytest.raises(ValueError, match="prefetch_policy"):
         SchedulerConfig(prefetch_policy="eager")

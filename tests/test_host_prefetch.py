@@ -328,3 +328,28 @@ def test_a_manager_closed_while_a_prefetch_holds_pages_lets_go_of_them(three_tie
     assert mgr.prefetch_to_host(prompt + [1], hold=np.True_) is None  # a numpy bool is taken (nothing left to read)
     mgr.check_invariants()
     mgr.close()  # persists: the held pages' pins go first
+
+
+def test_a_held_page_another_request_promotes_is_let_go(three_tiers):
+    """Request W waits with a held read of a prefix; request B, same prefix, is resumed first and
+    closed. Before, W's hold kept 5 of the 6 primary slots pinned after B closed (a 2-page request
+    could no longer resume and grow); the hold keeps pages in host memory only."""
+    mgr, oracle = three_tiers()
+    prefix = [5900 + i for i in range(5 * TPB + 1)]
+    to_disk(mgr, oracle, prefix)
+    job = mgr.prefetch_to_host(prefix + [1], hold=True)
+    assert job.wait(10)
+    mgr.maintain()  # lands it: 5 pages held in host memory
+    other = mgr.create_cache(prefix + [2])
+    assert other.resume()  # promotes the held pages
+    oracle.check(other, prefix + [2])
+    other.close()
+    assert not job.held and not mgr._pool.prefetcher.pins
+    mgr.check_invariants()
+    run = mgr.create_cache([7000 + i for i in range(2 * TPB)])
+    assert run.resume() and run.resize(2 * TPB)
+    run.close()
+    job.cancel()
+    mgr.maintain()
+    mgr.check_invariants()
+    mgr.close()

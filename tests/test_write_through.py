@@ -281,6 +281,44 @@ def test_a_free_reserve_never_drops_a_page_when_the_tier_below_takes_none():
     mgr.close()
 
 
+def test_a_free_reserve_drops_nothing_through_a_disk_that_does_not_block(tmp_path):
+    """Host memory full of pages a held prefetch pins, so the reserve's victims would go on to a
+    ``DiskTier(blocking_writes=False)``, which drops what only the tree holds. Before, ``maintain``
+    dropped 4 cached primary blocks that way (a returning prompt reused 32 of 48 tokens)."""
+    spec = small_spec("llama")
+    probe = kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 20)]))
+    page = probe.page_bytes(0)
+    probe.close()
+
+    def make():
+        tiers = [
+            kvtier.PrimaryTier(16 * page, free_reserve=0.5),
+            kvtier.HostTier(4 * page, write_through=False),
+            kvtier.DiskTier(64 * page, str(tmp_path / "disk"), blocking_writes=False),
+        ]
+        return kvtier.KVCacheManager(spec, kvtier.CacheConfig(TPB, tiers))
+
+    mgr = make()
+    held_prompt = [9000 + i for i in range(4 * TPB + 1)]
+    serve(mgr, PageOracle(mgr), held_prompt)
+    mgr.close()  # persisted: on disk only once made again
+    mgr = make()
+    oracle = PageOracle(mgr)
+    job = mgr.prefetch_to_host(held_prompt, hold=True)
+    assert job.wait(10)
+    mgr.maintain()
+    assert len(job.held) == 4  # host memory full of held pages
+    prompt = [4000 + i for i in range(12 * TPB + 1)]
+    serve(mgr, oracle, prompt)
+    drops = mgr.stats().drops
+    mgr.maintain()
+    assert mgr.stats().drops == drops
+    assert serve(mgr, oracle, prompt) == 12 * TPB
+    job.cancel()
+    mgr.check_invariants()
+    mgr.close()
+
+
 def test_numpy_numbers_are_taken_as_settings():
     """Before, ``np.float32`` was refused as a free reserve (``np.float64`` taken) and ``np.int64`` as
     a write-through policy, which ``SchedulerConfig`` takes."""

@@ -251,7 +251,7 @@ class Scheduler:
         config = self.config
         if config.prefetch_policy == "off" or not self._prefetch_tiers:
             return
-        running = sum(1 for r in self.waiting if r.prefetch is not None)
+        running = sum(1 for r in self.waiting if r.prefetch is not None and (not r.prefetch.done() or r.prefetch.held))
         for position, request in enumerate(self.waiting):
             head = position == 0 and config.max_prefetches > 0  # never kept from a read by those behind it
             if running >= config.max_prefetches and not head:

@@ -15,7 +15,8 @@ was found damaged elsewhere, or was not read (cancelled), is not moved: its host
 A page whose bytes fail their checksum is marked damaged, as any disk read would.
 
 A prefetch started with ``hold`` (for a request that waits its turn) keeps the pages it landed
-locked in host memory, neither demoted nor dropped, until it is cancelled: otherwise the
+locked in host memory, neither demoted nor dropped, until it is cancelled or a promotion moves
+them out of host memory (another request's resume: ``release_moved``): otherwise the
 requests admitted before it could push them back to disk, and its read was for nothing. The
 release happens at the pool's next call after the cancel that lands reads or makes room
 (``PagePool.release_let_go``).
@@ -183,6 +184,18 @@ class HostPrefetcher:
                     self.holding.append(job)
         self.release_cancelled()
         return moved
+
+    def release_moved(self) -> None:
+        """Let go of held pages no longer in host memory (a resume promoted them: the hold was to
+        keep them from going down, and pinned higher up they would take room from others)."""
+        host = self.host.index
+        for job in list(self.holding):
+            moved = [page for page in job.held if page.tier != host]
+            if moved:
+                job.held = [page for page in job.held if page.tier == host]
+                self._let_go(moved)
+                if not job.held:
+                    self.holding.remove(job)
 
     def release_cancelled(self) -> None:
         """Let go of the pages of held prefetches cancelled since the last call."""

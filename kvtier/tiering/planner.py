@@ -113,6 +113,8 @@ class MovePlanner:
                     count -= len(leaving)  # they hold primary slots of the room asked for now
                     break
                 if dst.is_disk and self.disk_writes is not None:
+                    if not drop and not self.disk_writes.blocking:
+                        break  # it would drop the victims only the tree holds
                     victims = self.disk_writes.to_write(victims)  # no room is made for those it drops
                     if not victims:
                         break
