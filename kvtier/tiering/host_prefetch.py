@@ -111,7 +111,7 @@ class HostPrefetcher:
         self.load_cost = load_cost  # told the disk's read speed, as a load from disk would tell it
         self.active: list[HostPrefetch] = []
         self.holding: list[HostPrefetch] = []  # landed with pages still held (``hold``)
-        self.pins: Counter[int] = Counter()  # id(page) -> pins held by unlanded prefetches
+        self.pins: Counter[int] = Counter()  # id(page) -> pins held by unlanded prefetches and held ones
         self._worker: ThreadPoolExecutor | None = None
 
     @property
