@@ -48,6 +48,7 @@ class BackgroundMachine(CacheMachine):
         self.mgr = kvtier.KVCacheManager(spec, config)
         self.oracle = PageOracle(self.mgr)
         self.live = []
+        self.held = []  # prefetches holding what they landed, until ``cancel_held``
 
     @rule()
     def maintain(self):
@@ -74,12 +75,29 @@ class BackgroundMachine(CacheMachine):
         prefix_len=st.integers(1, 30),
         scope=st.integers(0, 1),
         wait=st.booleans(),
+        hold=st.booleans(),
     )
-    def prefetch_to_host(self, prefix, prefix_len, scope, wait):
-        """Read a prefix from disk in the background; other rules run while the read goes on."""
-        job = self.mgr.prefetch_to_host(PREFIXES[prefix][:prefix_len], scope=SCOPES[scope])
-        if job is not None and wait:
-            assert job.wait(10)
+    def prefetch_to_host(self, prefix, prefix_len, scope, wait, hold):
+        """Read a prefix from disk in the background, maybe holding what it lands in host memory
+        (as the engine's queue does); other rules run while the read goes on."""
+        job = self.mgr.prefetch_to_host(PREFIXES[prefix][:prefix_len], scope=SCOPES[scope], hold=hold)
+        if job is not None:
+            if hold:
+                self.held.append(job)
+            if wait:
+                assert job.wait(10)
+
+    @rule(index=st.integers(0, 50))
+    def cancel_held(self, index):
+        """Give up a held read: its pages are let go at the manager's next call that lands reads or
+        makes room (the invariant check included)."""
+        if self.held:
+            self.held.pop(index % len(self.held)).cancel()
+
+    @rule(scope=st.integers(0, 1))
+    def forget_scope(self, scope):
+        """Forget a scope, held pages included: they stay pinned, unpublished, until let go."""
+        self.mgr.forget_scope(SCOPES[scope])
 
 
 def machine(
