@@ -255,6 +255,16 @@ def test_a_free_reserve_frees_what_it_can_when_active_caches_lock_the_rest():
     mgr.close()
 
 
+def assert_the_reserve_drops_nothing(mgr, oracle) -> None:
+    """12 published blocks in the primary tier, then ``maintain``: no page dropped, all reused."""
+    prompt = [4000 + i for i in range(12 * TPB + 1)]
+    serve(mgr, oracle, prompt)
+    drops = mgr.stats().drops
+    mgr.maintain()
+    assert mgr.stats().drops == drops
+    assert serve(mgr, oracle, prompt) == 12 * TPB
+
+
 def test_a_free_reserve_never_drops_a_page_when_the_tier_below_takes_none():
     """Host memory full of a suspended cache's pages, which may not leave it: the reserve's victims
     have nowhere to go. Before, ``maintain`` dropped 4 published primary blocks (a returning prompt
@@ -270,12 +280,7 @@ def test_a_free_reserve_never_drops_a_page_when_the_tier_below_takes_none():
     assert pusher.resume() and pusher.resize(len(big))
     pusher.close()
     assert mgr.stats().tiers["host"].pages_used == 4
-    prompt = [4000 + i for i in range(12 * TPB + 1)]
-    serve(mgr, oracle, prompt)
-    drops = mgr.stats().drops
-    mgr.maintain()
-    assert mgr.stats().drops == drops
-    assert serve(mgr, oracle, prompt) == 12 * TPB
+    assert_the_reserve_drops_nothing(mgr, oracle)
     mgr.check_invariants()
     held.close()
     mgr.close()
@@ -308,12 +313,7 @@ def test_a_free_reserve_drops_nothing_through_a_disk_that_does_not_block(tmp_pat
     assert job.wait(10)
     mgr.maintain()
     assert len(job.held) == 4  # host memory full of held pages
-    prompt = [4000 + i for i in range(12 * TPB + 1)]
-    serve(mgr, oracle, prompt)
-    drops = mgr.stats().drops
-    mgr.maintain()
-    assert mgr.stats().drops == drops
-    assert serve(mgr, oracle, prompt) == 12 * TPB
+    assert_the_reserve_drops_nothing(mgr, oracle)
     job.cancel()
     mgr.check_invariants()
     mgr.close()
