@@ -24,7 +24,7 @@ from itertools import zip_longest
 import numpy as np
 
 from kvtier.block_table import BlockTable
-from kvtier.config import TIER_NAMES, ReuseScope
+from kvtier.config import TIER_NAMES, ReuseScope, is_int
 from kvtier.errors import CacheStateError, InvariantError
 from kvtier.exclusive import exclusive
 from kvtier.hit_count import HitCount, fill_from_later
@@ -607,7 +607,7 @@ class KVCache(ProcessBound):
 
 def _check_length(name: str, value: object) -> int:
     """``value`` as a Python int (a numpy integer too: its own arithmetic would wrap or overflow)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")

@@ -68,9 +68,14 @@ class HostTier:
             raise TypeError(f"HostTier.write_through must be True, False or None, got {self.write_through!r}")
         for name, most in (("write_through_min_priority", 100), ("write_through_min_hits", MAX_WRITE_THROUGH_HITS)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value <= most:
+            if not is_int(value) or not 0 <= value <= most:
                 raise ValueError(f"HostTier.{name} must be an int in 0..{most}, got {value!r}")
             object.__setattr__(self, name, int(value))  # (a numpy integer too)
+
+
+def is_int(value: object) -> bool:
+    """An int or a numpy integer (an id or a count read from an array), not a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 MAX_DISK_BYTES = 1 << 60

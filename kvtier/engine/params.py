@@ -12,7 +12,7 @@ import operator
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
+from kvtier.config import is_int
 
 Policy = Literal["guaranteed_no_evict", "max_utilization"]
 PrefetchPolicy = Literal["off", "best_effort", "timeout", "wait_complete"]
@@ -37,12 +37,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         """Numpy numbers are taken as the Python numbers they hold."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         object.__setattr__(self, "temperature", t if isinstance(t, int) else float(t))
@@ -98,7 +98,7 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'guaranteed_no_evict' or 'max_utilization', got {self.policy!r}")
         for name in ("max_num_tokens", "max_batch_size"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
             object.__setattr__(self, name, int(value))
         if not isinstance(self.chunked_prefill, bool):
@@ -112,7 +112,7 @@ class SchedulerConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 <= timeout < math.inf:
             raise ValueError(f"prefetch_timeout_s must be a finite number of seconds >= 0, got {timeout!r}")
         object.__setattr__(self, "prefetch_timeout_s", timeout if isinstance(timeout, int) else float(timeout))
-        if not _is_int(self.max_prefetches) or self.max_prefetches < 0:
+        if not is_int(self.max_prefetches) or self.max_prefetches < 0:
             raise ValueError(f"max_prefetches must be an int >= 0, got {self.max_prefetches!r}")
         object.__setattr__(self, "max_prefetches", int(self.max_prefetches))
         if not isinstance(self.recompute_when_faster, bool):
@@ -132,8 +132,3 @@ def _stop_tokens(value: object) -> tuple[int, ...]:
     if len(tokens) != len(items) or any(t < 0 for t in tokens):
         raise error
     return tokens
-
-
-def _is_int(value: object) -> bool:
-    """An int or a numpy integer, not a bool."""
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
