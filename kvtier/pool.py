@@ -380,6 +380,7 @@ class PagePool:
         """Background work between steps: the free reserve and write-through copies, one batch, on
         the mover's background stream, unless the previous batch is still running. Returns the
         pages planned."""
+        self.release_let_go()
         if self.prefetcher is not None and self.prefetcher.busy:
             self.prefetcher.poll()
         if self.write_behind is not None:
@@ -516,9 +517,13 @@ class PagePool:
             self.dropped.pop().close()
 
     def check(self) -> None:
-        """Raise ``InvariantError`` unless every invariant of the pool and its holders holds (slow)."""
-        self.release_let_go()
-        check_pages(self.tiers, self.tree, self.holders, None if self.prefetcher is None else self.prefetcher.pins)
+        """Raise ``InvariantError`` unless every invariant of the pool and its holders holds (slow).
+
+        It only looks: caches dropped without ``close`` count as holders and cancelled holds as pins
+        until the next ``release_let_go``, so a run checked after every call (``KVTIER_DEBUG=1``)
+        lets go of them exactly when one unchecked does."""
+        holders = {id(holder): holder for holder in [*self.holders, *self.dropped]}.values()  # one may be in both
+        check_pages(self.tiers, self.tree, holders, None if self.prefetcher is None else self.prefetcher.pins)
 
     def debug_check(self) -> None:
         """With ``KVTIER_DEBUG=1``, ``check`` (called after operations that change residency)."""

@@ -353,3 +353,27 @@ def test_a_held_page_another_request_promotes_is_let_go(three_tiers):
     mgr.maintain()
     mgr.check_invariants()
     mgr.close()
+
+
+def test_the_invariant_check_lets_go_of_nothing(three_tiers, caplog):
+    """``check_invariants`` (run after every call under ``KVTIER_DEBUG=1``) only looks: a cancelled
+    hold keeps its pins, and a cache dropped without ``close`` its pages, until the manager's next
+    call that lets go of them, as in a run without the check. Before, the check let go of both."""
+    mgr, oracle = three_tiers()
+    prompt = [5900 + i for i in range(3 * TPB + 1)]
+    to_disk(mgr, oracle, prompt)
+    job = mgr.prefetch_to_host(prompt + [1], hold=True)
+    assert job.wait(10)
+    mgr.maintain()
+    assert len(job.held) == 3
+    dropped = mgr.create_cache([7100 + i for i in range(2 * TPB + 1)])
+    assert dropped.resume() and dropped.resize(2 * TPB + 1)
+    del dropped  # never closed: its pages are held until the manager's next call
+    job.cancel()
+    with caplog.at_level("WARNING", logger="kvtier"):
+        mgr.check_invariants()
+        assert len(job.held) == 3 and "dropped without close" not in caplog.text
+        mgr.maintain()  # the next call that lands reads or makes room lets go of both
+        assert job.held == [] and "dropped without close" in caplog.text
+    mgr.check_invariants()
+    mgr.close()
