@@ -314,13 +314,19 @@ def test_a_held_prefetch_keeps_its_pages_in_host_memory_until_cancelled(three_ti
         mgr.close()
 
 
-def test_a_manager_closed_while_a_prefetch_holds_pages_lets_go_of_them(three_tiers):
+def held_read(three_tiers, first_token):
+    """A manager, a 3-block prompt pushed to disk, and its held read, landed in host memory."""
     mgr, oracle = three_tiers()
-    prompt = [4900 + i for i in range(3 * TPB + 1)]
+    prompt = [first_token + i for i in range(3 * TPB + 1)]
     to_disk(mgr, oracle, prompt)
     job = mgr.prefetch_to_host(prompt + [1], hold=True)
     assert job.wait(10)
     mgr.maintain()
+    return mgr, prompt, job
+
+
+def test_a_manager_closed_while_a_prefetch_holds_pages_lets_go_of_them(three_tiers):
+    mgr, prompt, _ = held_read(three_tiers, first_token=4900)
     with pytest.raises(TypeError, match="hold"):
         mgr.prefetch_to_host(prompt + [1], hold="yes")
     import numpy as np
@@ -359,12 +365,7 @@ def test_the_invariant_check_lets_go_of_nothing(three_tiers, caplog):
     """``check_invariants`` (run after every call under ``KVTIER_DEBUG=1``) only looks: a cancelled
     hold keeps its pins, and a cache dropped without ``close`` its pages, until the manager's next
     call that lets go of them, as in a run without the check. Before, the check let go of both."""
-    mgr, oracle = three_tiers()
-    prompt = [5900 + i for i in range(3 * TPB + 1)]
-    to_disk(mgr, oracle, prompt)
-    job = mgr.prefetch_to_host(prompt + [1], hold=True)
-    assert job.wait(10)
-    mgr.maintain()
+    mgr, _, job = held_read(three_tiers, first_token=5900)
     assert len(job.held) == 3
     dropped = mgr.create_cache([7100 + i for i in range(2 * TPB + 1)])
     assert dropped.resume() and dropped.resize(2 * TPB + 1)
