@@ -113,6 +113,15 @@ class KVCacheManager(ProcessBound):
         return cache
 
     @exclusive
+    def cached_tokens(self, tokens, scope: ReuseScope = DEFAULT_SCOPE) -> int:
+        """How many leading tokens of ``tokens`` a cache created now would find cached, on any tier,
+        before any cut for load cost (``create_cache`` may reuse fewer: ``set_prefill_rate``).
+        Changes nothing and counts nothing: no hit, no lookup (a prefetch from disk whose reads are
+        over is landed first, as any match does)."""
+        match = self._match(tokens, scope, weigh_load_cost=False, count_recomputed=False)
+        return 0 if match is None else match.tokens
+
+    @exclusive
     def prefetch(self, tokens, scope: ReuseScope = DEFAULT_SCOPE, stream=None) -> int:
         """Start promoting the reusable prefix of ``tokens`` toward the primary tier.
 

@@ -695,3 +695,32 @@ def test_the_first_one_token_commit_of_a_cache_without_reuse_claims_nothing():
     assert not failed, failed
     assert cache.num_committed_tokens == 1
     mgr.close()
+
+
+def test_cached_tokens_tells_the_reusable_prefix_and_changes_nothing():
+    """``cached_tokens``: what ``create_cache`` would find, on any tier and in the scope asked; it
+    counts no lookup and no hit, and holds nothing."""
+    mgr = manager(pages=16)
+    rng = np.random.default_rng()
+    tokens = fresh_tokens(rng, 5 * TPB + 2)
+    cache = mgr.create_cache(tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    cache.commit(tokens)
+    cache.close()
+    asked = [tokens + [7], tokens[: 2 * TPB + 1], tokens[:3], fresh_tokens(rng, 3 * TPB)]
+    before = mgr.stats()
+    found = [mgr.cached_tokens(t) for t in asked]
+    assert found[0] == 5 * TPB and found[1] == 2 * TPB and found[3] == 0
+    assert found[2] == 2  # a partly reused block; a match never covers the last token
+    assert mgr.cached_tokens(tokens, kvtier.ReuseScope(salt="other")) == 0
+    after = mgr.stats()
+    assert (after.lookup_tokens, after.hit_tokens) == (before.lookup_tokens, before.hit_tokens)
+    assert after.tiers["primary"].pages_used == before.tiers["primary"].pages_used
+    for t, n in zip(asked, found, strict=True):
+        cache = mgr.create_cache(t)
+        assert cache.num_reused_tokens == n
+        cache.close()
+    mgr.check_invariants()
+    mgr.close()
+    with pytest.raises(kvtier.CacheStateError):
+        mgr.cached_tokens(tokens)

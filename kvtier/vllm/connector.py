@@ -161,6 +161,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def may_load_async(self, request: Request) -> bool:
+        return self.scheduler.may_load_async(request)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 

@@ -233,6 +233,21 @@ class KVTierScheduler:
         offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
 
+    def may_load_async(self, request: Request) -> bool:
+        """Whether an ask may offer ``request`` a load (with ``--max-num-inflight-kv-loads``, vLLM 0.34
+        then lets the load start while the running batch is full, so the prefix is there when a slot
+        frees): it reads caches, and kvtier holds its first block on some tier, or a store may (not
+        asked here: a round trip). Called as the request enters a waiting queue, so it looks at one
+        block only; a recurrent group whose first snapshot lies further answers False (a load then
+        starts once a slot frees, as without the flag). A wrong True holds back the other such
+        loads until a slot frees."""
+        if not _keyable(request) or _skips_cache(request):
+            return False
+        if self._store is not None:
+            return True
+        first = token_ids(request)[: self._tpb + 1]  # a match never covers its last token
+        return len(first) > self._tpb and self.manager.cached_tokens(first, self._scope(request)) > 0
+
     def _gave_up_reading(self, request: Request, lease: Lease, in_memory: int) -> bool:
         """Start reading the request's cached pages still on disk (past the ``in_memory`` tokens of
         its ``reused_in_memory``) into host memory on the manager's background thread (the lease

@@ -97,12 +97,15 @@ def vllm_config(
     hf_overrides: dict | None = None,
     spec_tokens: int = 0,
     multi_connector: bool = False,
+    max_seqs: int = 8,
+    inflight_kv_loads: int | None = None,
 ) -> VllmConfig:
     """A ``VllmConfig`` for a tiny Llama from a local config.json (no weights, no tokenizer);
     ``spec_tokens``: that many speculative tokens a step (the runner proposes them);
     ``multi_connector``: kvtier's connector as the one entry of vLLM's ``MultiConnector``, configured
     as the README says (the load failure policy at the top, where vLLM reads it, and in kvtier's
-    entry, where kvtier does)."""
+    entry, where kvtier does); ``max_seqs``: the running batch's size; ``inflight_kv_loads``:
+    vLLM 0.34's ``--max-num-inflight-kv-loads``."""
     model_dir = tmp_path / name
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -114,13 +117,15 @@ def vllm_config(
         max_model_len=2048,
         hf_overrides=hf_overrides or {},
     )
+    inflight = {} if inflight_kv_loads is None else {"max_num_inflight_kv_loads": inflight_kv_loads}
     scheduler = SchedulerConfig(
-        max_num_seqs=8,
+        max_num_seqs=max_seqs,
         max_num_batched_tokens=max_batched,
         max_model_len=2048,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
         async_scheduling=async_scheduling,
+        **inflight,
     )
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache.kv_cache_layout = "LBNHC"  # vLLM resolves the layout before it builds connectors

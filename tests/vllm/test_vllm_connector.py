@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 or 0.34 (bash .ci/vllm_env.sh)")
 
 from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.request import Request, RequestStatus
 
 from kvtier.tiering import disk_write_behind, host_prefetch, mover
@@ -114,6 +115,35 @@ def test_a_prefix_saved_by_one_request_is_loaded_by_the_next(tmp_path, async_sch
     e.run()
     assert e.kv_scheduler.manager.stats().hit_tokens["primary"] == 80
     assert all(bool((gap == 0x5A).all()) for gap in e.segment_gaps)
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(KVConnectorBase_V1, "may_load_async"), reason="vLLM 0.34's --max-num-inflight-kv-loads")
+@pytest.mark.parametrize("inflight", [None, 2], ids=["no flag", "max_num_inflight_kv_loads=2"])
+def test_a_cached_prefix_starts_loading_while_the_running_batch_is_full(tmp_path, inflight):
+    """With ``--max-num-inflight-kv-loads``, a request whose prefix kvtier holds starts its load while
+    the running batch is full (``may_load_async``), so it is there when a slot frees; a request
+    kvtier holds nothing of waits as before. Before, kvtier answered vLLM's default (remote
+    prefills only), and the load started only once a slot was free."""
+    e = engine(tmp_path, max_seqs=2, inflight_kv_loads=inflight)
+    shared = prompt(1, 100)
+    e.add("r1", shared, max_tokens=2)
+    e.run()
+    e.reset_prefix_cache()
+    e.add("b1", prompt(2, 20), max_tokens=40)
+    e.add("b2", prompt(3, 20), max_tokens=40)
+    run_until_computed(e, "b1", 21)
+    run_until_computed(e, "b2", 21)  # the running batch is full
+    e.add("cached", shared[:90] + [7, 8, 9], max_tokens=3)
+    e.add("new", prompt(4, 40), max_tokens=3)
+    e.step()
+    assert {rid for rid, r in e.requests.items() if r.status is RequestStatus.RUNNING} == {"b1", "b2"}
+    loading = RequestStatus.WAITING_FOR_REMOTE_KVS if inflight else RequestStatus.WAITING
+    assert e.requests["cached"].status is loading and e.requests["new"].status is RequestStatus.WAITING
+    e.run()
+    assert first_step_of(e, "cached")[0] == 80  # 5 full shared blocks came from kvtier
+    assert e.kv_scheduler.manager.stats().hit_tokens["primary"] == 80
     e.assert_no_leaks()
     e.shutdown()
 
