@@ -2,7 +2,8 @@
 
 Each seed draws a configuration (host memory for 8 to 256 pages, a disk tier or none, a shared
 store, a sliding-window group, 24 to 128 vLLM blocks so that requests are preempted, synchronous
-or asynchronous scheduling, speculative decoding or none) and a session:
+or asynchronous scheduling, speculative decoding or none, a running batch of 2 to 8 requests and
+on vLLM 0.34 ``--max-num-inflight-kv-loads`` or not) and a session:
 requests that share prefixes of random lengths, cache salts, aborts, vLLM's prefix cache reset,
 and weight updates (the engine drained, new weights, then vLLM's and the connector's reset, as a
 reinforcement-learning loop does). The stand-in model's KV is a function of the prefix, the
@@ -23,6 +24,8 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 or 0.34 (bash .ci/vllm_env.sh)")
 
+from vllm.config import SchedulerConfig
+
 from tests.vllm.harness import (
     BLOCK,
     HOST_PAGE,
@@ -37,6 +40,8 @@ from tests.vllm.harness import (
 )
 
 SEEDS_PER_CASE = 10
+# vLLM 0.34's --max-num-inflight-kv-loads: loads of cached prefixes start while the batch is full
+INFLIGHT_KV_LOADS = "max_num_inflight_kv_loads" in SchedulerConfig.__dataclass_fields__
 
 
 class UpdatedWeights(Engine):
@@ -68,8 +73,15 @@ def session(seed: int, tmp_path: Path) -> None:
     asynchronous = rng.random() < 0.5
     max_batched = rng.choice([32, 64, 128])
     spec_tokens = rng.choice([0, 0, 2, 4])
+    batch = random.Random(seed * 7919 + 1)  # drawn apart: each seed's other draws stay as they were
     config = vllm_config(
-        tmp_path, extra, async_scheduling=asynchronous, max_batched=max_batched, spec_tokens=spec_tokens
+        tmp_path,
+        extra,
+        async_scheduling=asynchronous,
+        max_batched=max_batched,
+        spec_tokens=spec_tokens,
+        max_seqs=batch.choice([2, 4, 8, 8]),
+        inflight_kv_loads=batch.choice([None, 1, 2]) if INFLIGHT_KV_LOADS else None,
     )
     if window:
         groups = [(layer_names(2), attention_spec()), (layer_names(1, first=2), attention_spec(window=32))]
