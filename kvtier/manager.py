@@ -113,13 +113,18 @@ class KVCacheManager(ProcessBound):
         return cache
 
     @exclusive
-    def cached_tokens(self, tokens, scope: ReuseScope = DEFAULT_SCOPE) -> int:
+    def cached_tokens(self, tokens, scope: ReuseScope = DEFAULT_SCOPE, in_memory: bool = False) -> int:
         """How many leading tokens of ``tokens`` a cache created now would find cached, on any tier,
-        before any cut for load cost (``create_cache`` may reuse fewer: ``set_prefill_rate``).
-        Changes nothing and counts nothing: no hit, no lookup (a prefetch from disk whose reads are
-        over is landed first, as any match does)."""
+        before any cut for load cost (``create_cache`` may reuse fewer: ``set_prefill_rate``);
+        ``in_memory``: only those before the first block with a page on the disk tier (loading them
+        reads nothing from disk). Holds no page and counts no lookup or hit; like any match, it
+        first lands the prefetches from disk whose reads are over (``prefetch_to_host``)."""
+        if not isinstance(in_memory, bool | np.bool_):
+            raise TypeError(f"in_memory must be a bool, got {in_memory!r}")
         match = self._match(tokens, scope, weigh_load_cost=False, count_recomputed=False)
-        return 0 if match is None else match.tokens
+        if match is None:
+            return 0
+        return self._pool.tokens_in_memory(match) if in_memory else match.tokens
 
     @exclusive
     def prefetch(self, tokens, scope: ReuseScope = DEFAULT_SCOPE, stream=None) -> int:

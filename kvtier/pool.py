@@ -199,6 +199,20 @@ class PagePool:
             return None
         return find_reuse(self.tree, root, token_bytes, reused + 1, self.rules, partial)
 
+    def tokens_in_memory(self, match: ReuseMatch) -> int:
+        """Of a match's tokens, those before the first block with a page (or, at the match's end, a
+        state snapshot) on the disk tier; a stale page there counts too (a cautious answer)."""
+        disk = self.disk_tier
+        if disk is None:
+            return match.tokens
+        nodes = match.full_nodes if match.partial is None else [*match.full_nodes, match.partial]
+        for block, node in enumerate(nodes):
+            if any(page is not None and page.tier == disk for page in node.pages):
+                return block * self.tree.tokens_per_block
+        if nodes and any(page.tier == disk for page in nodes[-1].snapshots.values()):
+            return (len(nodes) - 1) * self.tree.tokens_per_block
+        return match.tokens
+
     def set_prefill_rate(self, tokens_per_second: float) -> None:
         """The engine's measured prefill rate: from now on, cached blocks that would load slower than
         they recompute are recomputed (``kvtier.tiering.load_cost``)."""

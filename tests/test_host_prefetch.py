@@ -378,3 +378,17 @@ def test_the_invariant_check_lets_go_of_nothing(three_tiers, caplog):
         assert job.held == [] and "dropped without close" in caplog.text
     mgr.check_invariants()
     mgr.close()
+
+
+def test_cached_tokens_in_memory_stops_at_the_first_block_on_disk(three_tiers):
+    mgr, oracle = three_tiers()
+    prompt = [6900 + i for i in range(5 * TPB + 1)]
+    to_disk(mgr, oracle, prompt)
+    assert mgr.cached_tokens(prompt + [1]) == 5 * TPB
+    assert mgr.cached_tokens(prompt + [1], in_memory=True) == 0
+    job = mgr.prefetch_to_host(prompt[: 3 * TPB + 1])  # the first three blocks back in host memory
+    assert job.wait(10)
+    assert mgr.cached_tokens(prompt + [1], in_memory=True) == 3 * TPB  # (the read is landed first)
+    assert mgr.cached_tokens(prompt + [1]) == 5 * TPB
+    mgr.check_invariants()
+    mgr.close()

@@ -82,6 +82,7 @@ def test_the_manager_refuses_bool_tokens_and_changes_nothing():
         lambda: cache.commit([3, True]),
         lambda: mgr.prefetch([True, False]),
         lambda: mgr.prefetch_to_host([True]),
+        lambda: mgr.cached_tokens([True, 4]),
     ):
         with pytest.raises(TypeError, match="tokens must be integer ids, not bools"):
             call()

@@ -154,6 +154,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self.scheduler.block_ids_of = kv_cache_manager.get_block_ids
+        self.scheduler.vllm_cached = getattr(kv_cache_manager, "get_num_cached_tokens", None)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         self.scheduler.null_block_id = gpu_block_pool.null_block.block_id

@@ -154,6 +154,8 @@ class KVTierScheduler:
         self._job_ids = itertools.count()
         self.null_block_id = 0
         self.block_ids_of: Any = None  # vLLM's KVCacheManager.get_block_ids, bound by the connector
+        # vLLM's KVCacheManager.get_num_cached_tokens (0.34; a probe that holds nothing), bound likewise
+        self.vllm_cached: Any = None
         self._store: StoreTier | None = None
         self._chains: dict[str, BlockChain] = {}
         self._put_plans: dict[int, tuple[BlockChain, list[bytes], list[np.ndarray]]] = {}
@@ -234,19 +236,25 @@ class KVTierScheduler:
         return (offer, True) if offer > 0 else (0, False)
 
     def may_load_async(self, request: Request) -> bool:
-        """Whether an ask may offer ``request`` a load (with ``--max-num-inflight-kv-loads``, vLLM 0.34
-        then lets the load start while the running batch is full, so the prefix is there when a slot
-        frees): it reads caches, and kvtier holds its first block on some tier, or a store may (not
-        asked here: a round trip). Called as the request enters a waiting queue, so it looks at one
-        block only; a recurrent group whose first snapshot lies further answers False (a load then
-        starts once a slot frees, as without the flag). A wrong True holds back the other such
-        loads until a slot frees."""
+        """Whether an ask will offer ``request`` a load that needs no wait (with
+        ``--max-num-inflight-kv-loads``, vLLM 0.34 then lets the load start while the running batch is
+        full, so the prefix is there when a slot frees): it reads caches, and the prefix kvtier holds
+        for it is all in host memory and longer than what vLLM's own prefix cache holds
+        (``vllm_cached``). A prefix partly on disk, or in a store, answers False: its read would
+        start, and its ``disk_read_wait_s`` run, while no slot could take the request anyway (host
+        memory full of the running requests' pages, the wait runs out and the disk part is
+        recomputed); it loads once a slot frees, as without the flag. A wrong True (pages that
+        left host memory since) holds back the other such loads until a slot frees."""
         if not _keyable(request) or _skips_cache(request):
             return False
-        if self._store is not None:
-            return True
-        first = token_ids(request)[: self._tpb + 1]  # a match never covers its last token
-        return len(first) > self._tpb and self.manager.cached_tokens(first, self._scope(request)) > 0
+        bound = token_bound(request)
+        tokens = token_ids(request)
+        keyed = tokens if bound is None else tokens[: bound + 1]  # (a match never covers its last token)
+        scope = self._scope(request)
+        in_memory = self.manager.cached_tokens(keyed, scope, in_memory=True)
+        if in_memory == 0 or in_memory < self.manager.cached_tokens(keyed, scope):
+            return False
+        return self.vllm_cached is None or in_memory > self.vllm_cached(request)
 
     def _gave_up_reading(self, request: Request, lease: Lease, in_memory: int) -> bool:
         """Start reading the request's cached pages still on disk (past the ``in_memory`` tokens of

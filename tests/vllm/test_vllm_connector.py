@@ -119,31 +119,66 @@ def test_a_prefix_saved_by_one_request_is_loaded_by_the_next(tmp_path, async_sch
     e.shutdown()
 
 
-@pytest.mark.skipif(not hasattr(KVConnectorBase_V1, "may_load_async"), reason="vLLM 0.34's --max-num-inflight-kv-loads")
+INFLIGHT_KV_LOADS = pytest.mark.skipif(
+    not hasattr(KVConnectorBase_V1, "may_load_async"), reason="vLLM 0.34's --max-num-inflight-kv-loads"
+)
+
+
+@INFLIGHT_KV_LOADS
 @pytest.mark.parametrize("inflight", [None, 2], ids=["no flag", "max_num_inflight_kv_loads=2"])
-def test_a_cached_prefix_starts_loading_while_the_running_batch_is_full(tmp_path, inflight):
-    """With ``--max-num-inflight-kv-loads``, a request whose prefix kvtier holds starts its load while
-    the running batch is full (``may_load_async``), so it is there when a slot frees; a request
-    kvtier holds nothing of waits as before. Before, kvtier answered vLLM's default (remote
-    prefills only), and the load started only once a slot was free."""
+def test_a_prefix_in_host_memory_starts_loading_while_the_running_batch_is_full(tmp_path, inflight):
+    """With ``--max-num-inflight-kv-loads``, a request whose prefix kvtier holds in host memory
+    starts its load while the running batch is full (``may_load_async``), so it is there when a
+    slot frees; a request kvtier holds nothing of, and one whose prefix vLLM's own cache holds,
+    wait as before (neither holds back the load behind it). Before, kvtier answered vLLM's
+    default (remote prefills only), and the load started only once a slot was free."""
     e = engine(tmp_path, max_seqs=2, inflight_kv_loads=inflight)
-    shared = prompt(1, 100)
+    shared, on_gpu = prompt(1, 100), prompt(5, 100)
     e.add("r1", shared, max_tokens=2)
     e.run()
-    e.reset_prefix_cache()
+    e.reset_prefix_cache()  # kvtier alone holds ``shared``; vLLM and kvtier both ``on_gpu``
+    e.add("r2", on_gpu, max_tokens=2)
+    e.run()
     e.add("b1", prompt(2, 20), max_tokens=40)
     e.add("b2", prompt(3, 20), max_tokens=40)
     run_until_computed(e, "b1", 21)
     run_until_computed(e, "b2", 21)  # the running batch is full
-    e.add("cached", shared[:90] + [7, 8, 9], max_tokens=3)
+    e.add("gpu hit", on_gpu[:90] + [7, 8, 9], max_tokens=3)
     e.add("new", prompt(4, 40), max_tokens=3)
+    e.add("cached", shared[:90] + [7, 8, 9], max_tokens=3)
     e.step()
     assert {rid for rid, r in e.requests.items() if r.status is RequestStatus.RUNNING} == {"b1", "b2"}
     loading = RequestStatus.WAITING_FOR_REMOTE_KVS if inflight else RequestStatus.WAITING
-    assert e.requests["cached"].status is loading and e.requests["new"].status is RequestStatus.WAITING
+    assert e.requests["cached"].status is loading
+    assert e.requests["gpu hit"].status is e.requests["new"].status is RequestStatus.WAITING
     e.run()
     assert first_step_of(e, "cached")[0] == 80  # 5 full shared blocks came from kvtier
-    assert e.kv_scheduler.manager.stats().hit_tokens["primary"] == 80
+    assert first_step_of(e, "gpu hit")[0] == 80  # from vLLM's own cache
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+@INFLIGHT_KV_LOADS
+def test_a_prefix_on_disk_waits_for_a_slot_before_its_read_starts(tmp_path):
+    """A request whose prefix is on disk, queued behind a running request whose pages fill host
+    memory, is not loaded early: its read would start, and its ``disk_read_wait_s`` run out, while
+    no slot could take it, and the disk part would be recomputed. It reads the disk once a slot
+    frees, as without the flag. (A first version answered True for it: 0 of 112 tokens from disk.)"""
+    shared = prefix_on_disk(tmp_path, 58)
+    base = {"host_bytes": 10 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
+    config = vllm_config(tmp_path, {**base, "disk_read_wait_s": 0.5}, max_seqs=1, inflight_kv_loads=1)
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
+    manager = e.kv_scheduler.manager
+    assert manager.cached_tokens(shared) == 112 and manager.cached_tokens(shared, in_memory=True) == 0
+    e.add("long", prompt(99, 160), max_tokens=60)  # its pages fill host memory while it runs
+    run_until_computed(e, "long", 161)
+    e.add("queued", shared + [5, 6], max_tokens=2)
+    e.step()
+    assert e.requests["queued"].status is RequestStatus.WAITING  # not asked while no slot is free
+    time.sleep(0.6)  # longer than the wait: a read started now would have been given up
+    e.run()
+    assert first_step_of(e, "queued")[0] == 112
+    assert manager.stats().hit_tokens["disk"] == 112
     e.assert_no_leaks()
     e.shutdown()
 
