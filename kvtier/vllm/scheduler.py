@@ -240,12 +240,13 @@ class KVTierScheduler:
         ``--max-num-inflight-kv-loads``, vLLM 0.34 then lets the load start while the running batch is
         full, so the prefix is there when a slot frees): it reads caches, and the prefix kvtier holds
         for it is all in host memory and longer than what vLLM's own prefix cache holds
-        (``vllm_cached``). A prefix partly on disk, or in a store, answers False: its read would
-        start, and its ``disk_read_wait_s`` run, while no slot could take the request anyway (host
-        memory full of the running requests' pages, the wait runs out and the disk part is
-        recomputed); it loads once a slot frees, as without the flag. A wrong True (pages that
-        left host memory since) holds back the other such loads until a slot frees."""
-        if not _keyable(request) or _skips_cache(request):
+        (``vllm_cached``). A prefix partly on disk answers False: its read would start, and its
+        ``disk_read_wait_s`` run, while no slot could take the request anyway (host memory full of
+        the running requests' pages, the wait runs out and the disk part is recomputed); so does
+        every request with a store (blocks fetched past kvtier's own would need host room then
+        too): they load once a slot frees, as without the flag. A wrong True (pages that left host
+        memory since) holds back the other such loads until a slot frees."""
+        if self._store is not None or not _keyable(request) or _skips_cache(request):
             return False
         bound = token_bound(request)
         tokens = token_ids(request)

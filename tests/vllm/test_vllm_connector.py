@@ -159,6 +159,31 @@ def test_a_prefix_in_host_memory_starts_loading_while_the_running_batch_is_full(
 
 
 @INFLIGHT_KV_LOADS
+def test_with_a_store_no_load_starts_before_a_slot_frees(tmp_path):
+    """Blocks a store holds past kvtier's own would be fetched while no slot can take the request,
+    into host memory the running requests fill: with a store set, every request loads once a slot
+    frees, as without the flag, even one whose prefix is in host memory."""
+    extra = {"host_bytes": 4 * MiB, "store_url": f"file://{tmp_path}/store"}
+    config = vllm_config(tmp_path, extra, max_seqs=2, inflight_kv_loads=2)
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 64))
+    shared = prompt(1, 100)
+    e.add("r1", shared, max_tokens=2)
+    e.run()
+    e.reset_prefix_cache()
+    e.add("b1", prompt(2, 20), max_tokens=40)
+    e.add("b2", prompt(3, 20), max_tokens=40)
+    run_until_computed(e, "b1", 21)
+    run_until_computed(e, "b2", 21)
+    e.add("cached", shared[:90] + [7, 8, 9], max_tokens=3)
+    e.step()
+    assert e.requests["cached"].status is RequestStatus.WAITING
+    e.run()
+    assert first_step_of(e, "cached")[0] == 80
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+@INFLIGHT_KV_LOADS
 def test_a_prefix_on_disk_waits_for_a_slot_before_its_read_starts(tmp_path):
     """A request whose prefix is on disk, queued behind a running request whose pages fill host
     memory, is not loaded early: its read would start, and its ``disk_read_wait_s`` run out, while
