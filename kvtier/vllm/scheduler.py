@@ -15,6 +15,10 @@ costs cache, never scheduler time. Each request gets a ``Lease`` (``kvtier.vllm.
   schedules the other requests. A read it cannot start itself (host memory has no room, or
   another request's read has the pages) it waits for up to ``disk_read_wait_s`` from its first
   ask.
+- **early** (``may_load_async``, vLLM 0.34's ``--max-num-inflight-kv-loads``): a request whose
+  prefix is all in host memory, past vLLM's own hit, is asked while the running batch is full,
+  and its load goes before a slot frees; a prefix with pages on disk (or any, with a store) waits
+  for a slot, so its read's wait starts only when the request could run.
 - **alloc** (``update_state_after_alloc``, right after the answer): the prefix is locked in host
   memory; a load job copies the offered blocks into vLLM's new blocks. The scheduler thread never
   reads the disk: a page still there when the ask answers (past that wait, or found damaged)
