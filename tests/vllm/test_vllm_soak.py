@@ -58,7 +58,8 @@ class UpdatedWeights(Engine):
         assert self.scheduler.reset_prefix_cache(reset_connector=True)
 
 
-def session(seed: int, tmp_path: Path) -> None:
+def session(seed: int, tmp_path: Path, vary_batch: bool = True) -> None:
+    """``vary_batch=False``: a running batch of 8 without early loads, as before they were drawn."""
     rng = random.Random(seed)
     extra: dict = {"host_bytes": rng.choice([8, 24, 64, 256]) * HOST_PAGE}
     if rng.random() < 0.6:
@@ -80,8 +81,8 @@ def session(seed: int, tmp_path: Path) -> None:
         async_scheduling=asynchronous,
         max_batched=max_batched,
         spec_tokens=spec_tokens,
-        max_seqs=batch.choice([2, 4, 8, 8]),
-        inflight_kv_loads=batch.choice([None, 1, 2]) if INFLIGHT_KV_LOADS else None,
+        max_seqs=batch.choice([2, 4, 8, 8]) if vary_batch else 8,
+        inflight_kv_loads=batch.choice([None, 1, 2]) if INFLIGHT_KV_LOADS and vary_batch else None,
     )
     if window:
         groups = [(layer_names(2), attention_spec()), (layer_names(1, first=2), attention_spec(window=32))]
@@ -125,4 +126,4 @@ def test_a_request_whose_prefill_ends_with_draft_placeholders_is_served(tmp_path
     """Seed 128: a prompt loaded from the connector but for its last token is scheduled, under
     asynchronous scheduling with speculative decoding, with draft placeholders in its first step,
     before the runner ever drafted for it (the runner once failed on the missing drafts)."""
-    session(128, tmp_path)
+    session(128, tmp_path, vary_batch=False)
