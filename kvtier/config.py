@@ -195,7 +195,11 @@ DEFAULT_SCOPE = ReuseScope()
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The cache's geometry and tiers. Tiers are ordered warm to cold; the first is primary."""
+    """The cache's geometry and tiers. Tiers are ordered warm to cold; the first is primary.
+
+    ``device``: "cpu", "cuda:N", or "cuda": the CUDA device current when a manager is built on the
+    config (the manager keeps it as "cuda:N": making another device current later moves nothing).
+    """
 
     tokens_per_block: int = 16
     tiers: list[TierConfig] = field(default_factory=list)
@@ -284,6 +288,22 @@ def check_device_usable(device: torch.device) -> None:
         )
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device={str(device)!r} but this process sees {torch.cuda.device_count()} GPU(s)")
+
+
+def concrete_device(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` is the CUDA device current now (so that what is built
+    on it stays there after another device is made current); any other device as it is."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether ``a`` and ``b`` name one device (a bare ``cuda`` names the current one)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    return a.type != "cuda" or concrete_device(a) == concrete_device(b)
 
 
 def check_fits_in_memory(what: str, nbytes: int, device: torch.device, remedy: str) -> None:

@@ -8,6 +8,7 @@ invariant check, and closing it (persisting to a disk tier).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ from kvtier.config import (
     ReuseScope,
     check_device_usable,
     check_fits_in_memory,
+    concrete_device,
 )
 from kvtier.errors import CacheStateError
 from kvtier.exclusive import exclusive
@@ -64,6 +66,8 @@ class KVCacheManager(ProcessBound):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a kvtier.CacheConfig, got {type(config).__name__}")
         check_device_usable(config.device)  # type: ignore[arg-type]
+        # a bare "cuda" is the device current now: the pages and every copy stay on it
+        config = dataclasses.replace(config, device=concrete_device(config.device))  # type: ignore[arg-type]
         _check_quotas_fit(config)
         self.spec = spec
         self.config = config

@@ -10,9 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-import torch
-
-from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope
+from kvtier.config import DEFAULT_SCOPE, CacheConfig, ReuseScope, same_device
 from kvtier.connector.base import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtier.engine import exit_close
 from kvtier.engine.admission import RequestLimits
@@ -74,7 +72,7 @@ class LLMEngine(ProcessBound):
                 "connector must implement both KvCacheConnectorScheduler and KvCacheConnectorWorker "
                 f"(e.g. kvtier.connector.FileSystemConnector), got {type(connector).__name__}"
             )
-        if torch.device(cache_config.device).type != model.device.type:
+        if not same_device(cache_config.device, model.device):
             raise ValueError(
                 f"the cache lives on {cache_config.device} but the model on {model.device}: give both the same device"
             )

@@ -48,7 +48,7 @@ import torch
 from transformers.generation import GenerationConfig, GenerationMode
 
 from kvtier.cache import CacheState
-from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, ReuseScope
+from kvtier.config import DEFAULT_SCOPE, CacheConfig, DiskTier, ReuseScope, same_device
 from kvtier.errors import CacheStateError
 from kvtier.hf.adapters import AdapterScope
 from kvtier.hf.batch_rows import Row, choose_width, close_rows, left_pads, release_reads
@@ -142,7 +142,7 @@ class PrefixCache(ProcessBound):
                 "disk_offload or a device_map that offloads), which kvtier.hf does not serve: load the model "
                 "onto one device"
             )
-        if not _same_device(device, cache_config.device):
+        if not same_device(device, cache_config.device):
             raise ValueError(f"cache_config.device is {cache_config.device}, the model is on {device}: use the same")
         self._model = model
         self._runner = wrapped_model(model)  # whose forwards generate runs: the call's hooks go there
@@ -249,7 +249,7 @@ class PrefixCache(ProcessBound):
         input_ids, attention_mask, kwargs = self._one_sequence_per_row(input_ids, attention_mask, kwargs, config)
         self._check_arguments(kwargs, config)
         device = next(self._model.parameters()).device
-        if not _same_device(device, self.manager.device):
+        if not same_device(device, self.manager.device):
             raise CacheStateError(
                 f"the model moved to {device} since this PrefixCache was built with its pages on "
                 f"{self.manager.device}: move it back, or build a PrefixCache for {device}"
@@ -671,17 +671,6 @@ def _own_cache(kwargs: dict, model_config) -> dict:
         setattr(config, name, value)
     # the call's own settings (None / "dynamic", True: checked) stay beside the config, as given
     return {"generation_config": config, **{name: value for name, value in _OWN_CACHE.items() if name in kwargs}}
-
-
-def _same_device(model_device: torch.device, cache_device: torch.device) -> bool:
-    if model_device.type != cache_device.type:
-        return False
-    if model_device.type != "cuda":
-        return True
-    current = torch.cuda.current_device()
-    return (model_device.index if model_device.index is not None else current) == (
-        cache_device.index if cache_device.index is not None else current
-    )
 
 
 def _open_manager(spec: ModelSpec, config: CacheConfig) -> KVCacheManager:

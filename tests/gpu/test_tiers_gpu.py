@@ -136,3 +136,15 @@ def test_promotions_without_a_prefill_rate_keep_a_bounded_timing_record(tmp_path
         cache.close()
     assert len(mgr._pool.mover._timed) <= TIMED_COPIES
     mgr.close()
+
+
+def test_a_manager_on_bare_cuda_names_the_device_current_when_it_was_built(tmp_path):
+    """So that making another device current later moves none of its copies there
+    (``tests/gpu/test_two_devices.py`` drives that on two GPUs)."""
+    import torch
+
+    mgr = manager(tmp_path, primary=8, host=8, disk=32, device="cuda")
+    here = torch.device("cuda", torch.cuda.current_device())
+    assert mgr.device == here and mgr.config.device == here
+    assert all(view.device == here for view in mgr.kv_views(0).values())
+    mgr.close()

@@ -1,0 +1,160 @@
+"""Two GPUs in one process: kvtier on a device that is not the current one (skipped below two GPUs).
+
+A notebook with two GPUs puts a model on ``cuda:1`` while ``cuda:0`` stays current; a program
+builds a manager on ``"cuda"`` and later makes another device current. Every page and copy stays
+on the manager's device (its streams, its driver context, its pinned host memory), byte for byte
+and token for token, and the current device is left as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.copy.policy import COPY_ENGINE_MIN_BYTES_ENV, _process_policy
+from tests.kvdata import PageOracle
+from tests.test_cache_properties import machine
+from tests.test_tiers import convo, manager, prefill
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
+)
+
+SECOND = "cuda:1"
+
+
+@pytest.fixture(autouse=True)
+def first_device_current():
+    """The first device is current throughout, and nothing of the test lands in its memory."""
+    torch.cuda.set_device(0)
+    before = torch.cuda.memory_allocated(0)
+    yield
+    assert torch.cuda.current_device() == 0
+    assert torch.cuda.memory_allocated(0) == before
+
+
+@pytest.fixture(params=["copy_engine", "kernel"])
+def copy_path(request, monkeypatch) -> str:
+    """Every copy of the managers built in the test on one path (0: the copy engines take every
+    size; negative: none)."""
+    monkeypatch.setenv(COPY_ENGINE_MIN_BYTES_ENV, "0" if request.param == "copy_engine" else "-1")
+    _process_policy.cache_clear()
+    yield request.param
+    _process_policy.cache_clear()
+
+
+def cascade_and_reload(mgr: kvtier.KVCacheManager, path: str) -> None:
+    """Five talks pushed down to host memory and disk, then each resumed byte for byte."""
+    oracle = PageOracle(mgr)
+    for i in range(5):
+        prefill(mgr, oracle, convo(i))
+    stats = mgr.stats()
+    assert stats.bytes_copied.get(f"primary->host:{path}", 0) > 0, stats.bytes_copied
+    assert stats.tiers["disk"].pages_used > 0
+    for i in range(5):
+        tokens = convo(i) + [1, 2]
+        cache = mgr.create_cache(tokens)
+        assert cache.num_reused_tokens == 24
+        assert cache.resume()
+        oracle.check(cache, tokens)
+        cache.close()
+    assert mgr.stats().bytes_copied.get(f"host->primary:{path}", 0) > 0
+    mgr.check_invariants()
+
+
+def test_a_manager_on_the_second_device_moves_every_page_there(tmp_path, copy_path):
+    mgr = manager(tmp_path, primary=8, host=8, disk=32, device=SECOND)
+    assert mgr.device == torch.device(SECOND)
+    assert all(view.device == torch.device(SECOND) for view in mgr.kv_views(0).values())
+    cascade_and_reload(mgr, copy_path)
+    mgr.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])
+def test_random_operations_on_the_second_device(kind):
+    from hypothesis import HealthCheck, settings
+
+    m = machine(kind, {"primary": 8, "host": 6, "disk": 20}, device=SECOND)
+    m.TestCase.settings = settings(
+        max_examples=6, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    m.TestCase().runTest()
+
+
+def test_a_manager_on_bare_cuda_stays_on_the_device_current_when_it_was_built(tmp_path, copy_path):
+    mgr = manager(tmp_path, primary=8, host=8, disk=32, device="cuda")
+    assert mgr.device == torch.device("cuda", 0)
+    torch.cuda.set_device(1)  # the program moves on to the other device
+    try:
+        before = torch.cuda.memory_allocated(1)
+        cascade_and_reload(mgr, copy_path)
+        assert torch.cuda.memory_allocated(1) == before
+    finally:
+        mgr.close()
+        torch.cuda.set_device(0)
+
+
+def test_the_engine_on_the_second_device_matches_the_oracle_through_host_and_disk(tmp_path):
+    from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
+    from kvtier.models import build_model
+    from tests.test_engine import check_against_oracle, page_bytes, prompts_for
+
+    model = build_model("tiny-llama", SECOND, torch.float64, seed=0)
+    pb = page_bytes(model)
+    tiers = [kvtier.PrimaryTier(pb * 16), kvtier.HostTier(pb * 4), kvtier.DiskTier(pb * 200, tmp_path)]
+    scheduler = SchedulerConfig(max_num_tokens=256, policy="max_utilization", recompute_when_faster=False)
+    with pytest.raises(ValueError, match="the same device"):  # "cuda" is the current device, cuda:0
+        LLMEngine(model, kvtier.CacheConfig(16, tiers, device="cuda"), scheduler)
+    with LLMEngine(model, kvtier.CacheConfig(16, tiers, device=SECOND), scheduler) as eng:
+        prompts = prompts_for(model, [100, 100, 100, 100], seed=3)
+        eng.generate(prompts, SamplingParams(max_tokens=4))
+        outs = eng.generate(prompts, SamplingParams(max_tokens=4))
+        check_against_oracle(model, prompts, outs, 4)
+        assert sum(o.reused_tokens_by_tier["disk"] for o in outs) > 0
+        eng.cache_manager.check_invariants()
+
+
+def test_prefix_cache_with_the_model_on_the_second_device(tmp_path):
+    from kvtier.hf import PrefixCache
+    from tests.hf.tiny import tiers_config, tiny_model, tokens
+
+    model = tiny_model("llama").to(SECOND)
+    config = tiers_config(model, blocks=12, host_blocks=4, disk_blocks=400, disk_path=tmp_path / "disk", device=SECOND)
+    g = torch.Generator().manual_seed(41)
+    system = tokens(g, 41)
+    history = [system + tokens(g, n) for n in (20, 24, 17)]
+    with PrefixCache(model, config) as pc:
+        for turn in range(2):
+            for c in range(3):
+                ids = torch.tensor([history[c]], device=SECOND)
+                mask = torch.ones_like(ids)
+                expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+                got = pc.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+                assert torch.equal(got, expected), (turn, c, pc.last_reused_tokens)
+                if turn:
+                    assert pc.last_reused_tokens[0] >= len(history[c]) - 24
+                history[c] = got[0].tolist() + tokens(g, 7)
+        stats = pc.manager.stats()
+        assert stats.hit_tokens["host"] + stats.hit_tokens["disk"] > 0, stats.hit_tokens
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_vllm_block_transfers_on_the_second_device(layout):
+    from kvtier.storage.pinned import allocate_host_buffer
+    from kvtier.vllm.transfer import BlockTransfer, Direction, route_groups
+    from tests.test_vllm_transfer import BLOCKS, SLOTS, block_bytes, caches, job, one_group
+
+    views, raw = caches(layout, SECOND)
+    plan = one_group(list(views))
+    allocation, routes = route_groups([plan], views, BLOCKS)
+    with allocate_host_buffer(SLOTS * plan.host_page_bytes, plan.host_page_bytes, SECOND) as host:
+        transfer = BlockTransfer(allocation, routes, [host.tensor])
+        saved = [block_bytes(v, b) for b in (4, 11) for v in views.values()]
+        transfer.submit([job(1, Direction.SAVE, [7, 2], [4, 11])])
+        transfer.synchronize()
+        assert transfer.poll() == [(1, True)]
+        raw.fill_(0x3C)  # on the second device's current stream: the load waits for it
+        transfer.submit([job(2, Direction.LOAD, [7, 2], [19, 3])])
+        transfer.synchronize()
+        assert [block_bytes(v, b) for b in (19, 3) for v in views.values()] == saved
