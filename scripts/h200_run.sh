@@ -9,6 +9,7 @@
 #   e2e       kvtier bench e2e at a 32K prefix, one repeat (the host-full and queued cases included)
 #   demo      kvtier demo on CUDA
 #   probe     kvtier probe
+#   soak      scripts/gpu_soak.py for 240 s (property machines, churn with a restart, the engine against its oracle)
 set -uo pipefail
 export PYTHONPATH=.
 export PYTHONUNBUFFERED=1
@@ -34,7 +35,9 @@ for step in "${steps[@]}"; do
         demo) timeout 180 python3 -m kvtier demo --device cuda --dtype bfloat16 --json "$OUT/demo_gpu.json" \
                   --plot "$OUT/demo_gpu.png" 2>&1 | tee "$OUT/demo_gpu.log" | tail -n 30 ;;
         probe) timeout 120 python3 -m kvtier probe 2>&1 | tee "$OUT/probe.log" ;;
-        *) echo "unknown step: $step (tests, planning, copy, e2e, demo, probe)" >&2; exit 2 ;;
+        soak) timeout 300 python3 scripts/gpu_soak.py --seconds 240 > "$OUT/soak.log" 2>&1; echo "soak rc=$?"
+              grep -A3 "^FAIL" "$OUT/soak.log" | head -n 40; tail -n 4 "$OUT/soak.log" ;;
+        *) echo "unknown step: $step (tests, planning, copy, e2e, demo, probe, soak)" >&2; exit 2 ;;
     esac
 done
 echo "=== done ($(date -u +%H:%M:%S))"
