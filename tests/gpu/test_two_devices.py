@@ -8,6 +8,8 @@ and token for token, and the current device is left as it was.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -26,12 +28,18 @@ SECOND = "cuda:1"
 
 @pytest.fixture(autouse=True)
 def first_device_current():
-    """The first device is current throughout, and nothing of the test lands in its memory."""
+    """The first device is current when each test starts, and again when it ends."""
     torch.cuda.set_device(0)
-    before = torch.cuda.memory_allocated(0)
     yield
     assert torch.cuda.current_device() == 0
-    assert torch.cuda.memory_allocated(0) == before
+
+
+@contextlib.contextmanager
+def nothing_on(device: int):
+    """No tensor made inside the block stays in ``device``'s memory."""
+    before = torch.cuda.memory_allocated(device)
+    yield
+    assert torch.cuda.memory_allocated(device) == before
 
 
 @pytest.fixture(params=["copy_engine", "kernel"])
@@ -64,11 +72,12 @@ def cascade_and_reload(mgr: kvtier.KVCacheManager, path: str) -> None:
 
 
 def test_a_manager_on_the_second_device_moves_every_page_there(tmp_path, copy_path):
-    mgr = manager(tmp_path, primary=8, host=8, disk=32, device=SECOND)
-    assert mgr.device == torch.device(SECOND)
-    assert all(view.device == torch.device(SECOND) for view in mgr.kv_views(0).values())
-    cascade_and_reload(mgr, copy_path)
-    mgr.close()
+    with nothing_on(0):
+        mgr = manager(tmp_path, primary=8, host=8, disk=32, device=SECOND)
+        assert mgr.device == torch.device(SECOND)
+        assert all(view.device == torch.device(SECOND) for view in mgr.kv_views(0).values())
+        cascade_and_reload(mgr, copy_path)
+        mgr.close()
 
 
 @pytest.mark.parametrize("kind", ["llama", "swa", "hybrid"])
@@ -87,9 +96,8 @@ def test_a_manager_on_bare_cuda_stays_on_the_device_current_when_it_was_built(tm
     assert mgr.device == torch.device("cuda", 0)
     torch.cuda.set_device(1)  # the program moves on to the other device
     try:
-        before = torch.cuda.memory_allocated(1)
-        cascade_and_reload(mgr, copy_path)
-        assert torch.cuda.memory_allocated(1) == before
+        with nothing_on(1):
+            cascade_and_reload(mgr, copy_path)
     finally:
         mgr.close()
         torch.cuda.set_device(0)
@@ -148,7 +156,7 @@ def test_vllm_block_transfers_on_the_second_device(layout):
     views, raw = caches(layout, SECOND)
     plan = one_group(list(views))
     allocation, routes = route_groups([plan], views, BLOCKS)
-    with allocate_host_buffer(SLOTS * plan.host_page_bytes, plan.host_page_bytes, SECOND) as host:
+    with nothing_on(0), allocate_host_buffer(SLOTS * plan.host_page_bytes, plan.host_page_bytes, SECOND) as host:
         transfer = BlockTransfer(allocation, routes, [host.tensor])
         saved = [block_bytes(v, b) for b in (4, 11) for v in views.values()]
         transfer.submit([job(1, Direction.SAVE, [7, 2], [4, 11])])
