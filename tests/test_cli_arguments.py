@@ -196,3 +196,17 @@ def test_an_output_file_checked_before_the_run_is_left_as_it_was(tmp_path):
     link.symlink_to(tmp_path / "results" / "run1.json")
     assert output_file(str(link)) == str(link)
     assert link.is_symlink() and list((tmp_path / "results").iterdir()) == []
+
+
+def test_tiers_the_machine_cannot_allocate_end_the_command_with_the_message(capsys, monkeypatch):
+    """As a GPU too full for ``kvtier bench hf``'s three caches did (80 GB): before, a traceback
+    ended in ``OutOfPagesError``."""
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("the test's allocator has no memory")
+
+    monkeypatch.setattr("kvtier.pool.build_tiers", no_memory)
+    assert main(["demo", "--turns", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "kvtier demo: error: cannot allocate the tiers' memory (the test's allocator has no memory)" in err
+    assert "Traceback" not in err

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 from kvtier import interrupts
 from kvtier.cli.arguments import output_file
-from kvtier.errors import DiskTierBusyError
+from kvtier.errors import DiskTierBusyError, OutOfPagesError
 
 INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (128 + SIGINT)
 TERMINATED = 143  # the exit status of a command ended by SIGTERM (128 + SIGTERM)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             args = _parser(selected).parse_args(argv)  # (imports the command's module)
             command = " ".join(word for word in ("kvtier", args.command, getattr(args, "target", None)) if word)
             return int(importlib.import_module(args._module).run(args) or 0)
-        except (ValueError, DiskTierBusyError) as refused:  # a value kvtier refused: its message says what to change
+        except (ValueError, DiskTierBusyError, OutOfPagesError) as refused:  # refused: its message says what to change
             print(f"{command}: error: {refused}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:

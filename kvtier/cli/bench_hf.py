@@ -62,6 +62,7 @@ TINY = dict(
 )
 
 TIER_GIB = {"primary_gib": 24.0, "host_gib": 12.0, "disk_gib": 12.0}
+PREFILL_GIB = 8.0  # GPU memory left beside the three primary tiers for a 32K prompt's forward
 TINY_TIER_GIB = {"primary_gib": 0.5, "host_gib": 0.25, "disk_gib": 0.25}  # 256 bytes a token: 32K tokens are 8 MiB
 
 
@@ -74,7 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix", type=at_least(1), default=64, help="new prompt tokens of the second turn")
     parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--tokens-per-block", type=at_least(1), default=32)
-    parser.add_argument("--primary-gib", type=gibibytes, default=None, help="default: 24 (0.5 with --tiny)")
+    parser.add_argument(
+        "--primary-gib",
+        type=gibibytes,
+        default=None,
+        help="each of the three caches' GPU tier; default: 24, less where three do not fit the GPU's free memory "
+        "beside the model and a prefill (0.5 with --tiny)",
+    )
     parser.add_argument("--host-gib", type=gibibytes, default=None, help="default: 12 (0.25 with --tiny)")
     parser.add_argument("--disk-gib", type=gibibytes, default=None, help="default: 12 (0.25 with --tiny)")
     parser.add_argument(
@@ -89,12 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    fit_primary = args.primary_gib is None and not args.tiny
     if not _fill_defaults(args, torch.cuda.is_available()):
         raise ValueError(
             "it times an 8B-shaped model and needs a CUDA device; none is available here "
             "(--tiny runs a two-layer model on the CPU; --device cpu runs the 8B shape there)"
         )
-    bench = _Bench(args)
+    bench = _Bench(args, fit_primary)
     ceiling = link_ceiling_gbps(bench.device)
     rows = []
     try:
@@ -125,13 +133,29 @@ def _fill_defaults(args: argparse.Namespace, cuda: bool) -> bool:
     return True
 
 
+def _fitting_primary_gib(device, wanted: float) -> float:
+    """``wanted`` GiB, or less where three primary tiers of it would not fit the GPU memory free now
+    (the model loaded) beside ``PREFILL_GIB`` for a forward; ``ValueError`` where too little is free."""
+    import torch
+
+    free = torch.cuda.mem_get_info(device)[0] / (1 << 30)
+    fits = (free - PREFILL_GIB) / 3
+    if fits < 1:
+        raise ValueError(
+            f"{free:.1f} GiB of the GPU is free beside the model: too little for the three caches' GPU tiers "
+            "and a prefill; pass a smaller --primary-gib (and --histories)"
+        )
+    return min(wanted, float(int(fits * 2)) / 2)  # in half GiB steps
+
+
 class _Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, fit_primary: bool = False) -> None:
         import torch
         import transformers
 
         import kvtier
         from kvtier.hf import PrefixCache
+        from kvtier.hf.model_layers import cache_argument
 
         self.torch = torch
         self.args = args
@@ -145,6 +169,9 @@ class _Bench:
         self.model.generation_config.pad_token_id = 0
         self.vocab = config.vocab_size
         self.gen = torch.Generator().manual_seed(1234)
+        if fit_primary and self.device.type == "cuda":
+            args.primary_gib = _fitting_primary_gib(self.device, args.primary_gib)
+        self.cache_name = cache_argument(self.model)  # "cache", or "past_key_values" before transformers named it so
         model_id = kvtier.weights_fingerprint(self.model)
         gib = 1 << 30
         self._temporary = None if args.disk_path else tempfile.TemporaryDirectory(prefix="kvtier-bench-hf-")
@@ -224,11 +251,11 @@ class _Bench:
         resident_cache = DynamicCache(config=self.model.config)  # the history prefilled once, copied per call
         with torch.no_grad():
             ids = torch.tensor([history], device=self.device)
-            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, cache=resident_cache)
+            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_name: resident_cache})
         times = []
         for suffix in suffixes["resident"][: args.repeats + 1]:
             cache = copy.deepcopy(resident_cache)
-            times.append(self._ttft(generate, history + suffix, cache=cache)[0])
+            times.append(self._ttft(generate, history + suffix, **{self.cache_name: cache})[0])
             del cache
         del resident_cache
         resident = statistics.median(times[1:])
