@@ -62,7 +62,7 @@ TINY = dict(
 )
 
 TIER_GIB = {"primary_gib": 24.0, "host_gib": 12.0, "disk_gib": 12.0}
-PREFILL_GIB = 8.0  # GPU memory left beside the three primary tiers for a 32K prompt's forward
+PREFILL_GIB = 6.0  # GPU memory left for a 32K prompt's forward, beside the tiers and two resident caches
 TINY_TIER_GIB = {"primary_gib": 0.5, "host_gib": 0.25, "disk_gib": 0.25}  # 256 bytes a token: 32K tokens are 8 MiB
 
 
@@ -133,13 +133,14 @@ def _fill_defaults(args: argparse.Namespace, cuda: bool) -> bool:
     return True
 
 
-def _fitting_primary_gib(device, wanted: float) -> float:
+def _fitting_primary_gib(device, wanted: float, history_gib: float) -> float:
     """``wanted`` GiB, or less where three primary tiers of it would not fit the GPU memory free now
-    (the model loaded) beside ``PREFILL_GIB`` for a forward; ``ValueError`` where too little is free."""
+    (the model loaded) beside the resident case's two caches of the longest history (``history_gib``
+    each) and ``PREFILL_GIB`` for a forward; ``ValueError`` where too little is free."""
     import torch
 
     free = torch.cuda.mem_get_info(device)[0] / (1 << 30)
-    fits = (free - PREFILL_GIB) / 3
+    fits = (free - 2 * history_gib - PREFILL_GIB) / 3
     if fits < 1:
         raise ValueError(
             f"{free:.1f} GiB of the GPU is free beside the model: too little for the three caches' GPU tiers "
@@ -170,7 +171,10 @@ class _Bench:
         self.vocab = config.vocab_size
         self.gen = torch.Generator().manual_seed(1234)
         if fit_primary and self.device.type == "cuda":
-            args.primary_gib = _fitting_primary_gib(self.device, args.primary_gib)
+            head_dim = config.hidden_size // config.num_attention_heads
+            token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
+            history_gib = max(args.histories) * token_bytes / (1 << 30)
+            args.primary_gib = _fitting_primary_gib(self.device, args.primary_gib, history_gib)
         self.cache_name = cache_argument(self.model)  # "cache", or "past_key_values" before transformers named it so
         model_id = kvtier.weights_fingerprint(self.model)
         gib = 1 << 30
