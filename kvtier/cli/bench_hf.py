@@ -62,7 +62,7 @@ TINY = dict(
 )
 
 TIER_GIB = {"primary_gib": 24.0, "host_gib": 12.0, "disk_gib": 12.0}
-PREFILL_GIB = 8.0  # GPU memory left for a 32K prompt's forward, beside the tiers and two resident caches
+PREFILL_GIB = 16.0  # left for a 32K prompt's generate (its cache, activations) beside the tiers and resident caches
 TINY_TIER_GIB = {"primary_gib": 0.5, "host_gib": 0.25, "disk_gib": 0.25}  # 256 bytes a token: 32K tokens are 8 MiB
 
 
