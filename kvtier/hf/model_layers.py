@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -202,6 +203,12 @@ def _first_attention(kinds: list[LayerKind]) -> int | None:
 def transformers_version() -> str:
     """The version of the transformers whose model code computes the keys and values."""
     return transformers.__version__
+
+
+def transformers_release() -> tuple[int, int]:
+    """(major, minor) of the installed transformers: its behaviours kvtier adapts to are by release."""
+    major, minor = re.findall(r"\d+", transformers.__version__)[:2]
+    return int(major), int(minor)
 
 
 def attention_implementation(model: torch.nn.Module) -> str | None:

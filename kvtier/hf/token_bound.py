@@ -10,7 +10,10 @@ tokens: a row is then neither reused nor saved past that position (its *bound*):
   (``image_token_id``, ``video_token_index``, ...). Without such a name the whole row is bound
   (nothing reused or saved). The text before the first image (a system prompt) is still
   shared; ``generate`` also needs every placeholder in the input it computes, which a reuse up
-  to the bound keeps there;
+  to the bound keeps there. Before transformers 5.23 a multimodal model given a cache computed
+  such a call otherwise than without one (Gemma 3: first-token scores 4e-3 apart in float64, from a
+  cache of the text before the image; ``generate`` itself so), so on those releases a call with
+  such inputs reuses and saves nothing (``CACHED_CONTENT_EXACT``);
 - ``token_type_ids``: the first position where it is not 0 (segments, image spans). Type 0 is not
   "no type" for every model (GPT-2, GPT-J, CodeGen and GPTBigCode add an embedding of any types
   given), so for a model whose logits move when zero types are given (``zero_types_matter``,
@@ -34,12 +37,15 @@ import re
 import torch
 
 from kvtier.config import ReuseScope
+from kvtier.hf.model_layers import transformers_release
 from kvtier.hf.numerics import salted
 
 TYPED_TAG = "token-types"  # the salt tag of a call given ``token_type_ids`` (``typed_scope``)
 PROBE_PROMPT = (5, 6, 7, 8)  # ``zero_types_matter``'s tokens (any ids a vocabulary has)
 _PLACEHOLDER = re.compile(r"^(image|video|audio|vision)_token_(id|index)$")
 _NOT_CONTENT = frozenset({"attention_mask", "position_ids", "token_type_ids", "cache_position", "logits_to_keep"})
+# whether this transformers computes a multimodal call after a cached prefix as it does without one
+CACHED_CONTENT_EXACT = transformers_release() >= (5, 23)
 
 
 def placeholder_ids(config) -> frozenset[int]:
@@ -117,8 +123,8 @@ def row_bounds(
         marks = torch.tensor(sorted(placeholders), dtype=host_ids.dtype, device=host_ids.device)
         for i, pad in enumerate(pads):
             hits = torch.isin(host_ids[i, pad:], marks).nonzero()
-            if not placeholders:
-                cut(i, 0)  # where the features go is unknown: nothing of the row is keyed by tokens alone
+            if not placeholders or not CACHED_CONTENT_EXACT:
+                cut(i, 0)  # where the features go is unknown, or a cached prefix would change them
             elif len(hits):
                 cut(i, int(hits[0, 0]))
     types = kwargs.get("token_type_ids")

@@ -11,7 +11,7 @@ import torch
 from transformers import GitConfig, GitForCausalLM, TrOCRConfig, TrOCRForCausalLM
 
 from kvtier.hf import PrefixCache
-from kvtier.hf.model_layers import read_model
+from kvtier.hf.model_layers import read_model, transformers_release
 from tests.hf.tiny import ARCHS, left_padded, tiers_config, tiny_model, tokens
 
 VOCAB = 100
@@ -65,6 +65,8 @@ def _greedy(model):
 )
 def test_a_model_that_computes_padded_rows_its_own_way_runs_padded_calls_as_generate(build, reason, caplog):
     model = build()
+    if build is tiny_git and transformers_release() < (5, 21):
+        pytest.skip("before transformers 5.21 GIT's forward needs positions for a one-token step: kvtier refuses it")
     assert reason in read_model(model).padding
     g = torch.Generator().manual_seed(40)
     system = tokens(g, 24)

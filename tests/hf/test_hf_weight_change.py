@@ -174,6 +174,8 @@ def test_pages_computed_with_hub_kernels_are_served_only_to_calls_with_the_same_
         model._use_kernels, model._kernels_mode = True, "inference"
         assert torch.equal(greedy(pc.generate, [*prompt, 1]), greedy(model.generate, [*prompt, 1]))
         assert pc.last_reused_tokens == [0]  # the plain call's pages are not the kernels'
+        if not hasattr(type(model), "kernels_mode"):
+            return  # (transformers before 5.25 has no kernels modes)
         model._kernels_mode = "training"
         greedy(pc.generate, [*prompt, 2])
         assert pc.last_reused_tokens == [0]
