@@ -12,12 +12,12 @@ from kvtier.models import build_model
 from tests.test_engine import check_against_oracle, page_bytes, prompts_for
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-swa", "tiny-hybrid"])
-def test_float64_through_host_and_disk_on_gpu(name, tmp_path):
-    model = build_model(name, "cuda", torch.float64, seed=0)
+def float64_through_host_and_disk(name: str, device: str, path) -> None:
+    """Four prompts twice, the second time partly from disk, each answer the oracle's."""
+    model = build_model(name, device, torch.float64, seed=0)
     pb = page_bytes(model)
-    tiers = [kvtier.PrimaryTier(pb * 16), kvtier.HostTier(pb * 4), kvtier.DiskTier(pb * 200, tmp_path)]
-    config = kvtier.CacheConfig(16, tiers, device="cuda", snapshot_interval_blocks=2)
+    tiers = [kvtier.PrimaryTier(pb * 16), kvtier.HostTier(pb * 4), kvtier.DiskTier(pb * 200, path)]
+    config = kvtier.CacheConfig(16, tiers, device=device, snapshot_interval_blocks=2)
     with LLMEngine(
         model, config, SchedulerConfig(max_num_tokens=256, policy="max_utilization", recompute_when_faster=False)
     ) as eng:
@@ -27,6 +27,11 @@ def test_float64_through_host_and_disk_on_gpu(name, tmp_path):
         check_against_oracle(model, prompts, outs, 4)
         assert sum(o.reused_tokens_by_tier["disk"] for o in outs) > 0
         eng.cache_manager.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-swa", "tiny-hybrid"])
+def test_float64_through_host_and_disk_on_gpu(name, tmp_path):
+    float64_through_host_and_disk(name, "cuda", tmp_path)
 
 
 def test_bf16_multi_turn_agrees_with_dense():

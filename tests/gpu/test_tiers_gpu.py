@@ -12,14 +12,16 @@ from tests.test_cache_properties import machine
 from tests.test_tiers import convo, manager, prefill
 
 
-def test_cascade_and_reload_on_gpu(tmp_path):
-    mgr = manager(tmp_path, primary=8, host=8, disk=32, device="cuda")
+def cascade_and_reload(mgr, path: str | None = None) -> None:
+    """Five talks pushed down to host memory and disk, then each resumed byte for byte; ``path``:
+    the copy path every copy between the primary tier and host memory must take (None: either)."""
     oracle = PageOracle(mgr)
     for i in range(5):
         prefill(mgr, oracle, convo(i))
     stats = mgr.stats()
     to_host = {k: v for k, v in stats.bytes_copied.items() if k.startswith("primary->host:")}
-    assert to_host and set(to_host) <= {"primary->host:kernel", "primary->host:copy_engine"}, stats.bytes_copied
+    paths = {"kernel", "copy_engine"} if path is None else {path}
+    assert to_host and set(to_host) <= {f"primary->host:{p}" for p in paths}, stats.bytes_copied
     assert stats.tiers["disk"].pages_used > 0
     for i in range(5):
         tokens = convo(i) + [1, 2]
@@ -28,7 +30,14 @@ def test_cascade_and_reload_on_gpu(tmp_path):
         assert cache.resume()
         oracle.check(cache, tokens)
         cache.close()
+    up = {k for k in mgr.stats().bytes_copied if k.startswith("host->primary:")}
+    assert up <= {f"host->primary:{p}" for p in paths}, mgr.stats().bytes_copied
     mgr.check_invariants()
+
+
+def test_cascade_and_reload_on_gpu(tmp_path):
+    mgr = manager(tmp_path, primary=8, host=8, disk=32, device="cuda")
+    cascade_and_reload(mgr)
     mgr.close()
 
 

@@ -15,9 +15,9 @@ import torch
 
 import kvtier
 from kvtier.copy.policy import COPY_ENGINE_MIN_BYTES_ENV, _process_policy
-from tests.kvdata import PageOracle
+from tests.gpu.test_tiers_gpu import cascade_and_reload
 from tests.test_cache_properties import machine
-from tests.test_tiers import convo, manager, prefill
+from tests.test_tiers import manager
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
@@ -50,25 +50,6 @@ def copy_path(request, monkeypatch) -> str:
     _process_policy.cache_clear()
     yield request.param
     _process_policy.cache_clear()
-
-
-def cascade_and_reload(mgr: kvtier.KVCacheManager, path: str) -> None:
-    """Five talks pushed down to host memory and disk, then each resumed byte for byte."""
-    oracle = PageOracle(mgr)
-    for i in range(5):
-        prefill(mgr, oracle, convo(i))
-    stats = mgr.stats()
-    assert stats.bytes_copied.get(f"primary->host:{path}", 0) > 0, stats.bytes_copied
-    assert stats.tiers["disk"].pages_used > 0
-    for i in range(5):
-        tokens = convo(i) + [1, 2]
-        cache = mgr.create_cache(tokens)
-        assert cache.num_reused_tokens == 24
-        assert cache.resume()
-        oracle.check(cache, tokens)
-        cache.close()
-    assert mgr.stats().bytes_copied.get(f"host->primary:{path}", 0) > 0
-    mgr.check_invariants()
 
 
 def test_a_manager_on_the_second_device_moves_every_page_there(tmp_path, copy_path):
@@ -104,47 +85,21 @@ def test_a_manager_on_bare_cuda_stays_on_the_device_current_when_it_was_built(tm
 
 
 def test_the_engine_on_the_second_device_matches_the_oracle_through_host_and_disk(tmp_path):
-    from kvtier.engine import LLMEngine, SamplingParams, SchedulerConfig
+    from kvtier.engine import LLMEngine, SchedulerConfig
     from kvtier.models import build_model
-    from tests.test_engine import check_against_oracle, page_bytes, prompts_for
+    from tests.gpu.test_engine_gpu import float64_through_host_and_disk
 
     model = build_model("tiny-llama", SECOND, torch.float64, seed=0)
-    pb = page_bytes(model)
-    tiers = [kvtier.PrimaryTier(pb * 16), kvtier.HostTier(pb * 4), kvtier.DiskTier(pb * 200, tmp_path)]
-    scheduler = SchedulerConfig(max_num_tokens=256, policy="max_utilization", recompute_when_faster=False)
     with pytest.raises(ValueError, match="the same device"):  # "cuda" is the current device, cuda:0
-        LLMEngine(model, kvtier.CacheConfig(16, tiers, device="cuda"), scheduler)
-    with LLMEngine(model, kvtier.CacheConfig(16, tiers, device=SECOND), scheduler) as eng:
-        prompts = prompts_for(model, [100, 100, 100, 100], seed=3)
-        eng.generate(prompts, SamplingParams(max_tokens=4))
-        outs = eng.generate(prompts, SamplingParams(max_tokens=4))
-        check_against_oracle(model, prompts, outs, 4)
-        assert sum(o.reused_tokens_by_tier["disk"] for o in outs) > 0
-        eng.cache_manager.check_invariants()
+        LLMEngine(model, kvtier.CacheConfig(16, [kvtier.PrimaryTier(1 << 24)], device="cuda"), SchedulerConfig())
+    float64_through_host_and_disk("tiny-llama", SECOND, tmp_path)
 
 
 def test_prefix_cache_with_the_model_on_the_second_device(tmp_path):
-    from kvtier.hf import PrefixCache
-    from tests.hf.tiny import tiers_config, tiny_model, tokens
+    from tests.hf.test_hf_gpu import chat_turns
+    from tests.hf.tiny import tiny_model
 
-    model = tiny_model("llama").to(SECOND)
-    config = tiers_config(model, blocks=12, host_blocks=4, disk_blocks=400, disk_path=tmp_path / "disk", device=SECOND)
-    g = torch.Generator().manual_seed(41)
-    system = tokens(g, 41)
-    history = [system + tokens(g, n) for n in (20, 24, 17)]
-    with PrefixCache(model, config) as pc:
-        for turn in range(2):
-            for c in range(3):
-                ids = torch.tensor([history[c]], device=SECOND)
-                mask = torch.ones_like(ids)
-                expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-                got = pc.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-                assert torch.equal(got, expected), (turn, c, pc.last_reused_tokens)
-                if turn:
-                    assert pc.last_reused_tokens[0] >= len(history[c]) - 24
-                history[c] = got[0].tolist() + tokens(g, 7)
-        stats = pc.manager.stats()
-        assert stats.hit_tokens["host"] + stats.hit_tokens["disk"] > 0, stats.hit_tokens
+    chat_turns(tiny_model("llama"), SECOND, tmp_path, seed=41)
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])

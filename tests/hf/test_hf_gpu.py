@@ -19,15 +19,21 @@ pytestmark = [
     "arch", [*ARCHS, pytest.param("gemma4", marks=pytest.mark.skipif(not HAS_GEMMA4, reason="no Gemma 4 here"))]
 )
 def test_chat_turns_on_the_gpu_through_host_and_disk(arch, tmp_path):
-    model = tiny_model(arch).to("cuda")
-    config = tiers_config(model, blocks=12, host_blocks=4, disk_blocks=400, disk_path=tmp_path / "disk", device="cuda")
-    g = torch.Generator().manual_seed([*ARCHS, "gemma4"].index(arch) + 30)
+    chat_turns(tiny_model(arch), "cuda", tmp_path, seed=[*ARCHS, "gemma4"].index(arch) + 30)
+
+
+def chat_turns(model, device: str, tmp_path, seed: int) -> None:
+    """Three conversations of two turns each on ``device`` through host memory and disk, every call
+    ``generate``'s tokens, the second turn reusing its history."""
+    model = model.to(device)
+    config = tiers_config(model, blocks=12, host_blocks=4, disk_blocks=400, disk_path=tmp_path / "disk", device=device)
+    g = torch.Generator().manual_seed(seed)
     system = tokens(g, 41)
     history = [system + tokens(g, n) for n in (20, 24, 17)]
     with PrefixCache(model, config) as pc:
         for turn in range(2):
             for c in range(3):
-                ids = torch.tensor([history[c]], device="cuda")
+                ids = torch.tensor([history[c]], device=device)
                 mask = torch.ones_like(ids)
                 expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
                 got = pc.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
