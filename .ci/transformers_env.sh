@@ -17,7 +17,8 @@ import torch
 import transformers
 import kvtier.hf
 assert torch.__version__ == sys.argv[1], torch.__version__
-assert transformers.__version__.startswith(sys.argv[2] + "."), transformers.__version__
+floor = sys.argv[2].split(".")
+assert transformers.__version__.split(".")[:2] == floor[:2], transformers.__version__
 PY
 }
 
@@ -28,7 +29,12 @@ python3 -m venv --system-site-packages "$VENV"
 PIN=$(mktemp)
 trap 'rm -f "$PIN"' EXIT
 echo "torch==$TORCH_VERSION" >"$PIN"
-"$VENV/bin/pip" install --quiet -c "$PIN" "transformers==$FLOOR.*"
+# the floor's latest patch: "5.17" -> 5.17.*; a floor naming a patch ("5.17.1") -> up to the next minor
+case "$FLOOR" in
+    *.*.*) WANTED="transformers>=$FLOOR,<${FLOOR%.*}.999" ;;
+    *) WANTED="transformers==$FLOOR.*" ;;
+esac
+"$VENV/bin/pip" install --quiet -c "$PIN" "$WANTED"
 if ! complete; then
     echo "the transformers $FLOOR test environment is incomplete; the import that fails:" >&2
     "$VENV/bin/python" -c "import transformers, kvtier.hf" >&2

@@ -19,8 +19,9 @@ DEPS=(psutil pyzmq cbor2 aiohttp openai-harmony openai pybase64 cachetools msgsp
       xgrammar fastapi partial-json-parser llguidance einops)
 TORCH_VERSION=$(python3 -c 'import torch; print(torch.__version__)')
 # vLLM's requirement on transformers, from its metadata ("transformers<5.23.0,>=5.16.1")
-WANTED_TRANSFORMERS='import importlib.metadata as m, re
-print(next(r.split(";")[0].replace(" ", "") for r in m.requires("vllm") if re.match(r"transformers\b", r)))'
+WANTED_TRANSFORMERS='import importlib.metadata as m
+from packaging.requirements import Requirement
+print("transformers" + next(str(q.specifier) for q in map(Requirement, m.requires("vllm")) if q.name == "transformers"))'
 
 complete() {
     "$VENV/bin/python" - "$TORCH_VERSION" "$VLLM_VERSION" >/dev/null 2>&1 <<'PY'
@@ -29,12 +30,12 @@ import torch
 import vllm.config, vllm.v1.core.sched.scheduler, vllm.v1.worker.utils
 import vllm.distributed.kv_transfer.kv_connector.v1.base
 import kvtier.vllm
-import importlib.metadata, re, transformers
+import importlib.metadata, transformers
 from packaging.requirements import Requirement
 assert torch.__version__ == sys.argv[1], torch.__version__
 assert vllm.__version__ == sys.argv[2], vllm.__version__
-wanted = next(r.split(";")[0] for r in importlib.metadata.requires("vllm") if re.match(r"transformers\b", r))
-assert transformers.__version__ in Requirement(wanted).specifier, (transformers.__version__, wanted)
+wanted = next(q for q in map(Requirement, importlib.metadata.requires("vllm")) if q.name == "transformers")
+assert transformers.__version__ in wanted.specifier, (transformers.__version__, str(wanted))
 PY
 }
 

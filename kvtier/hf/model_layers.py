@@ -207,8 +207,10 @@ def transformers_version() -> str:
 
 def transformers_release() -> tuple[int, int]:
     """(major, minor) of the installed transformers: its behaviours kvtier adapts to are by release."""
-    major, minor = re.findall(r"\d+", transformers.__version__)[:2]
-    return int(major), int(minor)
+    found = re.match(r"(\d+)\.(\d+)", transformers.__version__)
+    if found is None:  # a build naming no release: taken as the newest (its model code is current)
+        return (1 << 16, 0)
+    return int(found.group(1)), int(found.group(2))
 
 
 def attention_implementation(model: torch.nn.Module) -> str | None:

@@ -23,7 +23,8 @@ a cached prefix is then reused only as far as loading it is estimated faster tha
 it (``recompute_when_faster``), so blocks on a slow disk are recomputed.
 
 A row is reused and saved only as far as its keys and values depend on its token ids alone
-(``token_bound``): a multimodal call shares the text before its first image, not the image. The
+(``token_bound``): a multimodal call shares the text before its first image, not the image
+(before transformers 5.23, nothing of a call given nonzero ``token_type_ids``). The
 PEFT adapters active in a call are part of its scope (``adapters``).
 
 Outputs are those of ``model.generate`` with the same arguments. What is reused in a batch:

@@ -10,11 +10,12 @@ tokens: a row is then neither reused nor saved past that position (its *bound*):
   (``image_token_id``, ``video_token_index``, ...). Without such a name the whole row is bound
   (nothing reused or saved). The text before the first image (a system prompt) is still
   shared; ``generate`` also needs every placeholder in the input it computes, which a reuse up
-  to the bound keeps there. Before transformers 5.23 a multimodal model given a cache computed
-  such a call otherwise than without one (Gemma 3: first-token scores 4e-3 apart in float64, from a
-  cache of the text before the image; ``generate`` itself so), so on those releases a call with
-  such inputs reuses and saves nothing (``CACHED_CONTENT_EXACT``);
-- ``token_type_ids``: the first position where it is not 0 (segments, image spans). Type 0 is not
+  to the bound keeps there;
+- ``token_type_ids``: the first position where it is not 0 (segments, image spans). Before
+  transformers 5.23 ``generate`` handed a model only the types of the positions it computes, while
+  Gemma 3's image attention reads them by absolute position: after a cached prefix the image's
+  span moved (other tokens than without a cache, ``generate``'s own included). There a row with a
+  nonzero type reuses and saves nothing (``WHOLE_TYPES_AFTER_A_CACHE``). Type 0 is not
   "no type" for every model (GPT-2, GPT-J, CodeGen and GPTBigCode add an embedding of any types
   given), so for a model whose logits move when zero types are given (``zero_types_matter``,
   probed once) a call that passes them at all keys its pages in a scope of its own
@@ -44,8 +45,8 @@ TYPED_TAG = "token-types"  # the salt tag of a call given ``token_type_ids`` (``
 PROBE_PROMPT = (5, 6, 7, 8)  # ``zero_types_matter``'s tokens (any ids a vocabulary has)
 _PLACEHOLDER = re.compile(r"^(image|video|audio|vision)_token_(id|index)$")
 _NOT_CONTENT = frozenset({"attention_mask", "position_ids", "token_type_ids", "cache_position", "logits_to_keep"})
-# whether this transformers computes a multimodal call after a cached prefix as it does without one
-CACHED_CONTENT_EXACT = transformers_release() >= (5, 23)
+# whether this transformers' generate hands a model a call's token types whole after a cached prefix
+WHOLE_TYPES_AFTER_A_CACHE = transformers_release() >= (5, 23)
 
 
 def placeholder_ids(config) -> frozenset[int]:
@@ -123,13 +124,19 @@ def row_bounds(
         marks = torch.tensor(sorted(placeholders), dtype=host_ids.dtype, device=host_ids.device)
         for i, pad in enumerate(pads):
             hits = torch.isin(host_ids[i, pad:], marks).nonzero()
-            if not placeholders or not CACHED_CONTENT_EXACT:
-                cut(i, 0)  # where the features go is unknown, or a cached prefix would change them
+            if not placeholders:
+                cut(i, 0)  # where the features go is unknown: nothing of the row is keyed by tokens alone
             elif len(hits):
                 cut(i, int(hits[0, 0]))
     types = kwargs.get("token_type_ids")
     if isinstance(types, torch.Tensor) and types.shape == host_ids.shape:
-        _first_differing(types.detach().to("cpu"), torch.zeros_like(types, device="cpu"), pads, cut)
+        host_types = types.detach().to("cpu")
+        if WHOLE_TYPES_AFTER_A_CACHE:
+            _first_differing(host_types, torch.zeros_like(host_types), pads, cut)
+        else:  # a cached prefix would shift where the model reads the row's types
+            for i, pad in enumerate(pads):
+                if host_types[i, pad:].any():
+                    cut(i, 0)
     elif types is not None:  # another layout: not compared, not trusted
         for i in range(len(pads)):
             cut(i, 0)

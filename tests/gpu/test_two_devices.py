@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvtier
-from kvtier.copy.policy import COPY_ENGINE_MIN_BYTES_ENV, _process_policy
+from kvtier.copy.policy import COHERENT_COPY_KERNEL_ENV, COPY_ENGINE_MIN_BYTES_ENV, _process_policy
 from tests.gpu.test_tiers_gpu import cascade_and_reload
 from tests.test_cache_properties import machine
 from tests.test_tiers import manager
@@ -36,10 +36,11 @@ def first_device_current():
 
 @contextlib.contextmanager
 def nothing_on(device: int):
-    """No tensor made inside the block stays in ``device``'s memory."""
+    """No tensor is made in ``device``'s memory inside the block, not even for a while."""
+    torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     yield
-    assert torch.cuda.memory_allocated(device) == before
+    assert torch.cuda.max_memory_allocated(device) == before
 
 
 @pytest.fixture(params=["copy_engine", "kernel"])
@@ -47,6 +48,7 @@ def copy_path(request, monkeypatch) -> str:
     """Every copy of the managers built in the test on one path (0: the copy engines take every
     size; negative: none)."""
     monkeypatch.setenv(COPY_ENGINE_MIN_BYTES_ENV, "0" if request.param == "copy_engine" else "-1")
+    monkeypatch.setenv(COHERENT_COPY_KERNEL_ENV, "0" if request.param == "copy_engine" else "1")  # (NVLink-C2C hosts)
     _process_policy.cache_clear()
     yield request.param
     _process_policy.cache_clear()

@@ -55,10 +55,15 @@ def image(seed: int) -> torch.Tensor:
     return 3 * torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def both(model, pc: PrefixCache, prompt: list[int], picture: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
-    """One call through both paths (the same tokens, the same scores); the sequence and the scores."""
+def both(
+    model, pc: PrefixCache, prompt: list[int], picture: torch.Tensor | None, types: bool | None = None
+) -> tuple[list[int], torch.Tensor]:
+    """One call through both paths (the same tokens, the same scores); the sequence and the scores.
+    ``types``: give the image spans' ``token_type_ids`` (default: with a picture)."""
     ids = torch.tensor([prompt])
-    extra = {} if picture is None else {"pixel_values": picture, "token_type_ids": (ids == IMAGE).long()}
+    extra = {} if picture is None else {"pixel_values": picture}
+    if picture is not None if types is None else types:
+        extra["token_type_ids"] = (ids == IMAGE).long()
     extra.update(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
     expected = model.generate(ids, attention_mask=torch.ones_like(ids), **extra)
     got = pc.generate(ids, attention_mask=torch.ones_like(ids), **extra)
@@ -81,16 +86,18 @@ def test_a_prefix_language_model_is_refused():
         PrefixCache(model, kvtier.CacheConfig(8, [kvtier.PrimaryTier(1 << 20)]))
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["transformers 5.23 on", "before 5.23"])
-def test_calls_with_images_share_the_text_before_the_first_image_only(exact, monkeypatch):
-    """Before transformers 5.23 a cache of the text before the image changed what Gemma 3 computed
-    for the image call (its scores 4e-3 apart from plain ``generate``'s, which handed the same cache
-    does the same): there such calls reuse nothing. Both rules are checked on the installed
-    transformers, which computes exactly in the first only from 5.23 (the rule it gets)."""
-    if exact and not token_bound.CACHED_CONTENT_EXACT:
-        pytest.skip("this transformers computes an image call after a cached prefix otherwise")
-    monkeypatch.setattr(token_bound, "CACHED_CONTENT_EXACT", exact)
-    shared = len(SYSTEM) if exact else 0
+@pytest.mark.parametrize("whole", [True, False], ids=["transformers 5.23 on", "before 5.23"])
+def test_calls_with_images_share_the_text_before_the_first_image_only(whole, monkeypatch):
+    """Before transformers 5.23 ``generate`` handed Gemma 3 only the types of the positions it
+    computes, and its image attention reads them by absolute position: after a cached prefix the
+    image span moved (scores 4e-3 apart with an image, other greedy tokens with types alone, plain
+    ``generate`` handed the same cache included). There a call with nonzero types reuses nothing;
+    one with an image and no types still shares the text. Both rules are checked on the installed
+    transformers, which computes exactly under the first only from 5.23 (the rule it gets)."""
+    if whole and not token_bound.WHOLE_TYPES_AFTER_A_CACHE:
+        pytest.skip("this transformers' generate cuts the types to the positions it computes")
+    monkeypatch.setattr(token_bound, "WHOLE_TYPES_AFTER_A_CACHE", whole)
+    shared = len(SYSTEM) if whole else 0
     model = tiny_vlm()
     question = [*SYSTEM, *PICTURE, 40, 41, 42]
     with PrefixCache(model, tiers_config(model, blocks=60)) as pc:
@@ -102,6 +109,10 @@ def test_calls_with_images_share_the_text_before_the_first_image_only(exact, mon
         _, other_scores = both(model, pc, question, image(2))  # another image, the same tokens
         assert (other_scores - first_scores).abs().max() > 1e-3  # the image counts: its pages were not served
         assert pc.last_reused_tokens == [shared]
+        both(model, pc, question, None, types=True)  # the image's span typed, no image given
+        assert pc.last_reused_tokens == [shared]
+        both(model, pc, question, image(1), types=False)  # an image, no types: the text is shared on any release
+        assert pc.last_reused_tokens == [len(SYSTEM)]
         both(model, pc, [*SYSTEM, 5, 7, 8, 9], None)
         assert pc.last_reused_tokens == [len(SYSTEM) + 1]  # "5" was saved by the first call
 
@@ -113,9 +124,9 @@ class _Settings:
     eos_token_id = None
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["transformers 5.23 on", "before 5.23"])
-def test_bounds_where_more_than_tokens_reach_the_keys_and_values(exact, monkeypatch):
-    monkeypatch.setattr(token_bound, "CACHED_CONTENT_EXACT", exact)
+@pytest.mark.parametrize("whole", [True, False], ids=["transformers 5.23 on", "before 5.23"])
+def test_bounds_where_more_than_tokens_reach_the_keys_and_values(whole, monkeypatch):
+    monkeypatch.setattr(token_bound, "WHOLE_TYPES_AFTER_A_CACHE", whole)
     ids = torch.tensor([[PAD, PAD, 5, 6, IMAGE, 7], [8, 9, 10, 11, 12, 13]])
     mask = (ids != PAD).long()
     pads = [2, 0]
@@ -126,11 +137,11 @@ def test_bounds_where_more_than_tokens_reach_the_keys_and_values(exact, monkeypa
         None,
         None,
     ]
-    with_images = [2, None] if exact else [0, 0]  # (before 5.23 an image call keys nothing by its tokens)
-    assert row_bounds(ids, mask, pads, {"pixel_values": torch.ones(1)}, settings, images) == with_images
+    assert row_bounds(ids, mask, pads, {"pixel_values": torch.ones(1)}, settings, images) == [2, None]
     assert row_bounds(ids, mask, pads, {"pixel_values": [torch.ones(1)]}, settings, frozenset()) == [0, 0]
     types = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]])
-    assert row_bounds(ids, mask, pads, {"token_type_ids": types}, settings, images) == [1, None]
+    typed = [1, None] if whole else [0, None]  # (before 5.23 a typed row keys nothing by its tokens)
+    assert row_bounds(ids, mask, pads, {"token_type_ids": types}, settings, images) == typed
     standard = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     assert row_bounds(ids, mask, pads, {"position_ids": standard}, settings, images) == [None, None]
     shifted = standard.clone()
