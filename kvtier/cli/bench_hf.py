@@ -31,6 +31,7 @@ compared with plain ``generate`` by first-token logits (relative error, same arg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -185,18 +186,24 @@ class _Bench:
         disk_tiers = [primary, kvtier.DiskTier(int(args.disk_gib * gib), os.path.join(path, "disk"))]
         load_tiers = [primary, kvtier.DiskTier(int(args.disk_gib * gib), os.path.join(path, "disk-load"))]
         tpb = args.tokens_per_block
-        self.host_pc = PrefixCache(
-            self.model, kvtier.CacheConfig(tpb, host_tiers, device=args.device), model_id=model_id
-        )
         self.disk_config = kvtier.CacheConfig(tpb, disk_tiers, device=args.device)
         self.model_id = model_id
-        self.disk_pc = PrefixCache(self.model, self.disk_config, model_id=model_id)
-        self.disk_load_pc = PrefixCache(
-            self.model,
-            kvtier.CacheConfig(tpb, load_tiers, device=args.device),
-            model_id=model_id,
-            recompute_when_faster=False,
-        )
+        with contextlib.ExitStack() as opened:  # one that cannot be opened closes those opened before it
+            if self._temporary is not None:
+                opened.callback(self._temporary.cleanup)
+            self.host_pc = opened.enter_context(
+                PrefixCache(self.model, kvtier.CacheConfig(tpb, host_tiers, device=args.device), model_id=model_id)
+            )
+            self.disk_pc = opened.enter_context(PrefixCache(self.model, self.disk_config, model_id=model_id))
+            self.disk_load_pc = opened.enter_context(
+                PrefixCache(
+                    self.model,
+                    kvtier.CacheConfig(tpb, load_tiers, device=args.device),
+                    model_id=model_id,
+                    recompute_when_faster=False,
+                )
+            )
+            opened.pop_all()
         mgr = self.host_pc.manager
         self.bytes_per_token = sum(mgr.page_bytes(g.group_id) for g in mgr.layer_groups) // tpb
 

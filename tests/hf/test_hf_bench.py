@@ -59,3 +59,29 @@ def test_the_full_model_without_cuda_is_refused_with_a_message(monkeypatch, caps
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["bench", "hf", "--histories", "64"]) == 2
     assert "kvtier bench hf: error: it times an 8B-shaped model and needs a CUDA device" in capsys.readouterr().err
+
+
+def test_caches_opened_before_one_that_fails_are_closed(tmp_path, monkeypatch):
+    """As an 80 GB GPU too small for the third cache's GPU tier left the first two open (until the
+    interpreter exited) and the run's temporary directory behind."""
+    import kvtier.hf
+
+    opened = []
+    real = kvtier.hf.PrefixCache
+
+    def third_fails(*args, **kwargs):
+        if len(opened) == 2:
+            raise kvtier.OutOfPagesError("cannot allocate the tiers' memory (the test's)")
+        opened.append(real(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(kvtier.hf, "PrefixCache", third_fails)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["bench", "hf", "--tiny", "--device", "cpu", "--histories", str(HISTORY)]) == 2
+    assert "cannot allocate the tiers' memory (the test's)" in err.getvalue()
+    assert len(opened) == 2 and all(pc.manager._closed for pc in opened)
+    assert list(temp.glob("kvtier*")) == []
