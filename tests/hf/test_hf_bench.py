@@ -7,6 +7,10 @@ import contextlib
 import io
 import json
 import tempfile
+import warnings
+
+import pytest
+import torch
 
 from kvtier.cli import main
 from kvtier.cli.bench_hf import TIER_GIB, TINY_TIER_GIB, _fill_defaults
@@ -37,6 +41,19 @@ def test_a_tiny_run_on_the_cpu_times_every_case_and_reuses_the_history(tmp_path,
         assert rows[case]["same_argmax"]
         assert rows[case]["logit_rel_err"] < 1e-4
     assert " disk-load " in out.getvalue()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_tiny_run_on_the_gpu_passes_host_prompts_without_generates_warning(tmp_path):
+    """The bench hands ``generate`` its prompts on the host on purpose (its docstring): the warning
+    transformers gives for that beside a GPU model is not the user's to read."""
+    argv = ["bench", "hf", "--tiny", "--device", "cuda", "--dtype", "float32", "--histories", str(HISTORY)]
+    argv += ["--suffix", "8", "--repeats", "1", "--tokens-per-block", "16", "--disk-path", str(tmp_path)]
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    assert not [w for w in caught if "input_ids" in str(w.message)]
 
 
 def _args(**given) -> argparse.Namespace:
