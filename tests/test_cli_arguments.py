@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from kvtier.cli import main
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None  # the demo's --hf
 
 
 @pytest.mark.parametrize(
@@ -144,7 +147,9 @@ def test_an_existing_or_new_disk_directory_is_taken_and_left_as_it_was(tmp_path,
     ("hf", "stop", "status", "said"),
     [
         (False, signal.SIGINT, 130, "interrupted"),
-        (True, signal.SIGINT, 130, "interrupted"),
+        pytest.param(
+            True, signal.SIGINT, 130, "interrupted", marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="--hf")
+        ),
         (False, signal.SIGTERM, 143, "terminated"),
     ],
 )

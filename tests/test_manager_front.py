@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib.util
 import inspect
 import logging
 import os
@@ -637,6 +638,7 @@ def test_a_prefill_rate_too_large_for_a_float_is_refused_in_one_short_line():
     mgr.close()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="kvtier.hf needs transformers")
 def test_the_submodules_load_on_first_use_after_import_kvtier():
     """``import kvtier`` then ``kvtier.hf.PrefixCache`` (the README's example) works; before, it
     raised ``AttributeError``. Nothing heavy is imported until then."""

@@ -247,7 +247,7 @@ class _ServerTransport:
     def close(self) -> None:
         self._client.close()
         if self._sentinel is not None:
-            self._sentinel.close()
+            _close_sentinel(self._sentinel)
 
     def _call(self, op: str, request: Callable[[], T]) -> T | None:
         """``request()``'s reply, or None when the server is backed off or the request failed (logged)."""
@@ -289,3 +289,14 @@ def _import_redis() -> Any:
     except ImportError:
         raise ImportError("RedisStore needs the redis package: pip install 'kvtier[redis]'") from None
     return redis
+
+
+def _close_sentinel(sentinel: Any) -> None:
+    """Close a ``redis.sentinel.Sentinel``'s connections to its sentinels: its own ``close`` (redis-py
+    8.1), else each sentinel's client on its own."""
+    close = getattr(sentinel, "close", None)
+    if close is not None:
+        close()
+        return
+    for client in sentinel.sentinels:
+        client.close()
