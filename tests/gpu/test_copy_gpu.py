@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvtier.copy import CopyPolicy, PageCopier
+from kvtier.copy.policy import SEPARATE_COPY_RUNS
 from kvtier.storage.pinned import allocate_host_buffer
 
 if not torch.cuda.is_available():  # the module-scoped fixtures below need the device
@@ -385,5 +386,40 @@ def test_a_driver_older_than_cuda_12_8_copies_every_call_as_separate_copies(pool
     dev = torch.zeros_like(src, device=device)
     assert copier.copy(src, dev, [(i, 4 - i) for i in range(5)], 4096) == "copy_engine"
     torch.cuda.synchronize()
+    for i in range(5):
+        assert torch.equal(dev[(4 - i) * 4096 : (5 - i) * 4096].cpu(), src[i * 4096 : (i + 1) * 4096])
+
+
+@pytest.mark.parametrize("n", [1, 12, 300])
+def test_a_driver_of_cuda_12_8_copies_through_its_batched_call(pools, device, monkeypatch, n: int):
+    """A CUDA 12.8 or 12.9 driver (driver 570-579) offers ``cuMemcpyBatchAsync`` with a ``failIdx``
+    out-parameter before the stream. A newer driver gives that entry point too when asked for CUDA
+    12.8 (``cuGetProcAddress``), so this driver's whole copy-engine path runs here, byte for byte."""
+    from kvtier.copy import copy_engine
+
+    class Driver12_8(copy_engine.DriverApi):
+        def __init__(self, device_index: int) -> None:
+            super().__init__(device_index)
+            self.driver_version = 12080
+
+    monkeypatch.setattr(copy_engine, "DriverApi", Driver12_8)
+    submitted = []
+    submit = copy_engine.BatchCopier._submit
+    monkeypatch.setattr(
+        copy_engine.BatchCopier, "_submit", lambda self, *args: submitted.append(1) or submit(self, *args)
+    )
+    copier = PageCopier(device, policy=CopyPolicy(copy_engine_min_bytes=0))
+    for stream in (torch.cuda.Stream(device), 0):
+        assert check_round_trip(copier, pools, n, 64 * 1024, stream, seed=n + 7) == ["copy_engine"] * 2
+    abi = copier._batch.abi
+    assert abi is not None and abi.cuda_version == 12080 and abi.has_fail_index
+    if n > 2 * SEPARATE_COPY_RUNS:  # a call of a few runs goes as separate copies, more through the batch
+        assert submitted
+    src = torch.randint(1, 256, (5 * 4096,), dtype=torch.uint8)  # pageable host memory: always batched
+    dev = torch.zeros_like(src, device=device)
+    before = len(submitted)
+    assert copier.copy(src, dev, [(i, 4 - i) for i in range(5)], 4096) == "copy_engine"
+    torch.cuda.synchronize()
+    assert len(submitted) > before
     for i in range(5):
         assert torch.equal(dev[(4 - i) * 4096 : (5 - i) * 4096].cpu(), src[i * 4096 : (i + 1) * 4096])
