@@ -369,12 +369,7 @@ def test_a_driver_older_than_cuda_12_8_copies_every_call_as_separate_copies(pool
     """Without ``cuMemcpyBatchAsync`` the copy-engine path still copies, one ``cuMemcpyAsync`` per run."""
     from kvtier.copy import copy_engine
 
-    class OldDriver(copy_engine.DriverApi):
-        def __init__(self, device_index: int) -> None:
-            super().__init__(device_index)
-            self.driver_version = 12040
-
-    monkeypatch.setattr(copy_engine, "DriverApi", OldDriver)
+    monkeypatch.setattr(copy_engine, "DriverApi", driver_of_cuda(12040))
     batched = []
     monkeypatch.setattr(copy_engine.BatchCopier, "_submit", lambda self, *args: batched.append(args))
     copier = PageCopier(device, policy=CopyPolicy(copy_engine_min_bytes=0))
@@ -397,12 +392,7 @@ def test_a_driver_of_cuda_12_8_copies_through_its_batched_call(pools, device, mo
     12.8 (``cuGetProcAddress``), so this driver's whole copy-engine path runs here, byte for byte."""
     from kvtier.copy import copy_engine
 
-    class Driver12_8(copy_engine.DriverApi):
-        def __init__(self, device_index: int) -> None:
-            super().__init__(device_index)
-            self.driver_version = 12080
-
-    monkeypatch.setattr(copy_engine, "DriverApi", Driver12_8)
+    monkeypatch.setattr(copy_engine, "DriverApi", driver_of_cuda(12080))
     submitted = []
     submit = copy_engine.BatchCopier._submit
     monkeypatch.setattr(
@@ -423,3 +413,16 @@ def test_a_driver_of_cuda_12_8_copies_through_its_batched_call(pools, device, mo
     assert len(submitted) > before
     for i in range(5):
         assert torch.equal(dev[(4 - i) * 4096 : (5 - i) * 4096].cpu(), src[i * 4096 : (i + 1) * 4096])
+
+
+def driver_of_cuda(version: int) -> type:
+    """``DriverApi`` whose driver reports CUDA ``version`` (e.g. 12080): the copier then picks the
+    entry points such a driver has, which this newer driver still hands out when asked for them."""
+    from kvtier.copy.driver_api import DriverApi
+
+    class Reported(DriverApi):
+        def __init__(self, device_index: int) -> None:
+            super().__init__(device_index)
+            self.driver_version = version
+
+    return Reported
