@@ -8,7 +8,7 @@ import torch
 
 import kvtier.copy.kernel as kernel
 from kvtier.copy.buffer_facts import BufferFactsCache
-from kvtier.copy.copy_request import SMALL_CALL, check_request
+from kvtier.copy.copy_request import SMALL_CALL, as_pairs, check_request
 from kvtier.storage import pinned
 
 
@@ -29,6 +29,22 @@ def test_small_and_large_calls_give_the_same_errors(n: int, bad: tuple[int, int]
         pairs[-1] = bad
     with pytest.raises(ValueError, match=match):
         check_request(buffer, other, pairs, 16)
+
+
+def test_a_tiers_pairs_are_taken_as_they_are_and_others_converted() -> None:
+    """A C-contiguous (n, 2) int64 array is used in place; any other layout, order or width of
+    integers is converted (or refused) exactly as before, never read with the wrong strides."""
+    rng = np.random.default_rng(7)
+    pairs = rng.integers(1, 1000, (9, 2))
+    assert as_pairs(pairs) is pairs
+    for other in (pairs.astype(">i8"), np.asfortranarray(pairs), pairs.astype(np.int32), pairs[::-1], pairs.tolist()):
+        converted = as_pairs(other)
+        assert converted.dtype == np.int64 and converted.flags.c_contiguous
+        assert np.array_equal(converted, np.asarray(other))
+    column = pairs[:, :1]  # (n, 1) with the strides of an (n, 2) array
+    with pytest.raises(ValueError, match="shape"):
+        as_pairs(column)
+    assert as_pairs(np.empty((0, 2), dtype=np.int64)).shape == (0, 2)
 
 
 def test_buffer_facts_are_cached_until_a_registration_changes(monkeypatch: pytest.MonkeyPatch) -> None:

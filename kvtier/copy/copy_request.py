@@ -18,6 +18,8 @@ import torch
 
 SMALL_CALL: Final = 16  # up to this many pairs are checked in plain Python
 MONOTONE_CHECK_MIN: Final = 256  # from this many pairs monotone destinations skip the sort (smaller: it costs more)
+_INT64: Final = np.dtype(np.int64)
+_PAIR_STRIDES: Final = (2 * _INT64.itemsize, _INT64.itemsize)  # a C-contiguous (n, 2) int64 array's
 
 
 @dataclass(slots=True)
@@ -63,7 +65,14 @@ def check_buffer(name: str, buffer: object) -> torch.Tensor:
 
 def as_pairs(pairs: object) -> np.ndarray:
     """The (n, 2) int64 array of (src_slot, dst_slot); an empty input (``[]``, or of shape (0, 2))
-    gives shape (0, 2)."""
+    gives shape (0, 2). A C-contiguous (n, 2) int64 array, what a tier passes, is returned as is."""
+    if (
+        type(pairs) is np.ndarray
+        and pairs.dtype is _INT64
+        and pairs.strides == _PAIR_STRIDES
+        and pairs.shape[1:] == (2,)
+    ):
+        return pairs
     array = np.asarray(pairs)
     if array.size == 0 and array.shape in ((0,), (0, 2)):
         return np.empty((0, 2), dtype=np.int64)
@@ -87,8 +96,8 @@ def check_request(src: object, dst: object, pairs: object, page_bytes: object) -
     n = table.shape[0]
     if n == 0:
         return None
-    src_slots = src_t.numel() // page
-    dst_slots = dst_t.numel() // page
+    src_bytes, dst_bytes = src_t.numel(), dst_t.numel()
+    src_slots, dst_slots = src_bytes // page, dst_bytes // page
     if src_slots == 0 or dst_slots == 0:
         smaller = "src" if src_slots == 0 else "dst"
         raise ValueError(f"page_bytes={page} is larger than the {smaller} buffer; pass the tier's page size")
@@ -101,12 +110,17 @@ def check_request(src: object, dst: object, pairs: object, page_bytes: object) -
         raise ValueError(f"destination slot {dst_top} is out of range: dst holds {dst_slots} slots of {page} bytes")
     if repeated:
         raise ValueError("pairs name a destination slot twice; each destination slot may be written once per call")
-    _check_overlap(src_t, dst_t, table)
+    s0, d0 = src_t.data_ptr(), dst_t.data_ptr()
+    if s0 < d0 + dst_bytes and d0 < s0 + src_bytes:  # the two address ranges meet
+        _check_overlap(src_t, dst_t, table)
     return CopyRequest(src=src_t, dst=dst_t, pairs=table, page_bytes=page)
 
 
 def _scan_small(table: np.ndarray) -> tuple[int, int, int, bool]:
     """``_scan`` in plain Python: cheaper than numpy's per-call overhead for a few pairs."""
+    if table.shape[0] == 1:
+        ((src, dst),) = table.tolist()
+        return min(src, dst), src, dst, False
     src, dst = table.T.tolist()
     return min(min(src), min(dst)), max(src), max(dst), len(set(dst)) < len(dst)
 
@@ -129,11 +143,11 @@ def _scan(table: np.ndarray) -> tuple[int, int, int, bool]:
 
 
 def _check_overlap(src: torch.Tensor, dst: torch.Tensor, pairs: np.ndarray) -> None:
-    """Copies inside one buffer must not read a slot that the same call writes (no order holds)."""
-    s0, d0 = src.data_ptr(), dst.data_ptr()
-    if s0 + src.numel() <= d0 or d0 + dst.numel() <= s0 or src.device != dst.device:
+    """For buffers whose address ranges meet: copies inside one buffer must not read a slot that
+    the same call writes (no order holds); buffers on two devices may share addresses."""
+    if src.device != dst.device:
         return
-    if s0 != d0:
+    if src.data_ptr() != dst.data_ptr():
         raise ValueError("src and dst overlap at different offsets; pass two distinct buffers or the same one")
     if pairs.shape[0] <= SMALL_CALL:
         reads_written = not set(pairs[:, 0].tolist()).isdisjoint(pairs[:, 1].tolist())
