@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvtier.copy.kernel as kernel
+from kvtier.copy import CopyPolicy, PageCopier
 from kvtier.copy.buffer_facts import BufferFactsCache
 from kvtier.copy.copy_request import SMALL_CALL, as_pairs, check_request
 from kvtier.storage import pinned
@@ -45,6 +46,27 @@ def test_a_tiers_pairs_are_taken_as_they_are_and_others_converted() -> None:
     with pytest.raises(ValueError, match="shape"):
         as_pairs(column)
     assert as_pairs(np.empty((0, 2), dtype=np.int64)).shape == (0, 2)
+
+
+@pytest.mark.parametrize("slots", ["consecutive", "scattered"])
+@pytest.mark.parametrize("n", [3, 12, 300])
+def test_runs_are_built_only_where_they_can_change_the_path(n: int, slots: str) -> None:
+    """A call's runs decide only whether a call of small pages goes to the kernel or as a few
+    separate copies: a policy that sends even one run to the kernel routes without them."""
+    src, dst = torch.zeros(400 * 64, dtype=torch.uint8), torch.zeros(400 * 64, dtype=torch.uint8)
+    order = np.arange(n) if slots == "consecutive" else np.random.default_rng(n).permutation(n)
+    request = check_request(src, dst, np.stack([order, order + 50], axis=1), 64)
+    assert request is not None
+    kernel_only = PageCopier("cpu", policy=CopyPolicy(copy_engine_min_bytes=None))
+    facts = kernel_only._facts.of("src", src)
+    assert kernel_only._route(request, facts, facts) == ("kernel", None)
+    both = PageCopier("cpu", policy=CopyPolicy(copy_engine_min_bytes=1 << 20))
+    path, runs = both._route(request, facts, facts)
+    few_runs = slots == "consecutive" and n > 4  # one run: a separate copy on the copy engines
+    assert path == ("copy_engine" if n <= 4 or few_runs else "kernel")
+    assert (runs is not None) == few_runs
+    if few_runs:
+        assert runs.tolist() == [[0, 50, n]]
 
 
 def test_buffer_facts_are_cached_until_a_registration_changes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -109,15 +109,21 @@ class PageCopier:
     def _route(self, request: CopyRequest, src: BufferFacts, dst: BufferFacts) -> tuple[DevicePath, np.ndarray | None]:
         """The policy's path for this call, and its runs when they had to be built to choose it.
 
-        The runs decide only between the kernel and a few separate copies; a call whose first pairs
-        are already scattered goes to the kernel without building them."""
-        coherent = self.link.coherent
+        The runs decide only between the kernel and a few separate copies: they are not built where
+        even a call of one run goes to the kernel, nor for a call whose first pairs are already
+        scattered."""
+        policy, page, coherent = self.policy, request.page_bytes, self.link.coherent
         pages = request.pairs.shape[0]
-        path = self.policy.choose(request.page_bytes, coherent_link=coherent, runs=pages)  # runs <= pages
-        if path != "kernel" or pages <= SEPARATE_COPY_RUNS or many_runs(request.pairs, SEPARATE_COPY_RUNS):
+        path = policy.choose(page, coherent_link=coherent, runs=pages)  # runs <= pages
+        if (
+            path != "kernel"
+            or pages <= SEPARATE_COPY_RUNS
+            or policy.choose(page, coherent_link=coherent, runs=1) == "kernel"
+            or many_runs(request.pairs, SEPARATE_COPY_RUNS)
+        ):
             return path, None
         runs = build_runs(request.pairs, request.page_bytes, src.grid, dst.grid)
-        return self.policy.choose(request.page_bytes, coherent_link=coherent, runs=runs.shape[0]), runs
+        return policy.choose(page, coherent_link=coherent, runs=runs.shape[0]), runs
 
     def _copy_with_engines(
         self, request: CopyRequest, runs: np.ndarray, stream: int, src: BufferFacts, dst: BufferFacts

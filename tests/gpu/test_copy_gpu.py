@@ -348,6 +348,25 @@ def test_auto_sends_a_call_of_a_few_runs_to_the_copy_engines_whatever_its_page_s
     assert paths == ["copy_engine" if n <= SEPARATE_COPY_RUNS else "kernel"] * 2  # (12 of 14 slots, permuted)
 
 
+def test_a_policy_that_always_takes_the_kernel_builds_no_runs(copiers, pools, device, monkeypatch) -> None:
+    """Runs only choose between the kernel and a few separate copies: where even a call of one run
+    goes to the kernel, a call of consecutive slots is sent there without counting its runs."""
+    from kvtier.copy import copier as copier_module
+
+    built = []
+    build_runs = copier_module.build_runs
+    monkeypatch.setattr(copier_module, "build_runs", lambda *args: built.append(args) or build_runs(*args))
+    (host_src, dev, _), _ = views(pools, 12, 4096)
+    fill_words(host_src, 12)
+    consecutive = np.stack([np.arange(12), np.arange(12) + 2], axis=1)
+    assert copiers["kernel"].copy(host_src, dev, consecutive, 4096, torch.cuda.current_stream(device)) == "kernel"
+    torch.cuda.synchronize()
+    assert not built
+    assert torch.equal(dev[2 * 4096 : 14 * 4096].cpu(), host_src[: 12 * 4096])
+    assert copiers["auto"].copy(host_src, dev, consecutive, 4096, torch.cuda.current_stream(device)) == "copy_engine"
+    assert built  # where one run would go to the copy engines, the runs are counted
+
+
 def test_kernel_follows_host_buffers_released_and_allocated_again(copiers, device) -> None:
     """Each new host buffer (a new registration, perhaps at a released one's address) and a view into
     one are reached at their own device address: the launches' cached addresses follow them."""
