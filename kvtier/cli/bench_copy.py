@@ -236,9 +236,11 @@ class _CopyBench:
         return rows
 
     def _submit_pairs(self, n: int, page: int, slots: str) -> Any:
-        """Pairs host -> device: random distinct slots, or one run of consecutive slots on both sides."""
+        """Pairs host -> device: random distinct slots, or one run of consecutive slots on both sides;
+        a C-contiguous int64 array either way, as the tiers pass them."""
         if slots == "scattered":
-            return self._pair_sets(n, self.host.tensor.numel() // page, self.dev.numel() // page, 1)[0]
+            pairs = self._pair_sets(n, self.host.tensor.numel() // page, self.dev.numel() // page, 1)[0]
+            return self.np.ascontiguousarray(pairs, dtype=self.np.int64)
         first = self.np.arange(n, dtype=self.np.int64)
         return self.np.stack([first + 3, first + 5], axis=1)
 
