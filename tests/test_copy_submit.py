@@ -62,10 +62,10 @@ def test_runs_are_built_only_where_they_can_change_the_path(n: int, slots: str) 
     assert kernel_only._route(request, facts, facts) == ("kernel", None)
     both = PageCopier("cpu", policy=CopyPolicy(copy_engine_min_bytes=1 << 20))
     path, runs = both._route(request, facts, facts)
-    few_runs = slots == "consecutive" and n > 4  # one run: a separate copy on the copy engines
-    assert path == ("copy_engine" if n <= 4 or few_runs else "kernel")
-    assert (runs is not None) == few_runs
-    if few_runs:
+    counted = slots == "consecutive" and n > 4  # one run: a separate copy on the copy engines
+    assert path == ("copy_engine" if n <= 4 or counted else "kernel")
+    assert (runs is not None) == counted
+    if counted:
         assert runs.tolist() == [[0, 50, n]]
 
 

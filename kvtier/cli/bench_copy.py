@@ -95,10 +95,12 @@ class _CopyBench:
 
     # --- one measurement -------------------------------------------------------------------
     def _pair_sets(self, n: int, src_slots: int, dst_slots: int, count: int) -> list[Any]:
+        """``count`` sets of ``n`` pairs of distinct random slots, as C-contiguous int64 arrays (what
+        the tiers pass)."""
         np = self.np
         return [
             np.stack([self.rng.permutation(src_slots)[:n], self.rng.permutation(dst_slots)[:n]], axis=1).astype(
-                np.int32
+                np.int64
             )
             for _ in range(count)
         ]
@@ -236,11 +238,9 @@ class _CopyBench:
         return rows
 
     def _submit_pairs(self, n: int, page: int, slots: str) -> Any:
-        """Pairs host -> device: random distinct slots, or one run of consecutive slots on both sides;
-        a C-contiguous int64 array either way, as the tiers pass them."""
+        """Pairs host -> device: random distinct slots, or one run of consecutive slots on both sides."""
         if slots == "scattered":
-            pairs = self._pair_sets(n, self.host.tensor.numel() // page, self.dev.numel() // page, 1)[0]
-            return self.np.ascontiguousarray(pairs, dtype=self.np.int64)
+            return self._pair_sets(n, self.host.tensor.numel() // page, self.dev.numel() // page, 1)[0]
         first = self.np.arange(n, dtype=self.np.int64)
         return self.np.stack([first + 3, first + 5], axis=1)
 
