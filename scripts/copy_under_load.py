@@ -17,8 +17,7 @@ import statistics
 from kvtier.cli import bench_copy
 
 PAGE = 64 * 1024
-# (cycles before every call, cycles more per page): the bench's own, and one fixed gate
-GATES = ((bench_copy.GATE_CYCLES, bench_copy.GATE_CYCLES_PER_PAGE), (2_000_000, 0))
+FIXED_GATE = 2_000_000  # cycles of the idle kernel before every call, whatever its pages
 
 
 def main() -> None:
@@ -27,20 +26,19 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=12)
     args = parser.parse_args()
     bench = bench_copy._CopyBench(args.iters, warmup=3)
-    print("dir   pages  gate cycles  per page   idle GB/s  load GB/s  load/idle  load covered")
+    print("dir   pages  gate cycles   idle GB/s  load GB/s  load/idle  load covered")
     for direction in ("h2d", "d2h"):
         for pages in args.pages:
-            for gate, per_page in GATES:
-                # the bench reads its gate from these module constants at every call
-                bench_copy.GATE_CYCLES, bench_copy.GATE_CYCLES_PER_PAGE = gate, per_page
-                idle = pages * PAGE / statistics.median(bench.time_calls("copy_engine", direction, pages, PAGE)) / 1e6
-                times, covered = bench.under_load(
-                    lambda d=direction, n=pages: bench.time_calls("copy_engine", d, n, PAGE), expected_ms=300.0
+            for gate in (bench_copy.GATE_CYCLES + bench_copy.GATE_CYCLES_PER_PAGE * pages, FIXED_GATE):
+                idle = bench.time_calls("copy_engine", direction, pages, PAGE, gate)
+                load, covered = bench.under_load(
+                    lambda d=direction, n=pages, g=gate: bench.time_calls("copy_engine", d, n, PAGE, g),
+                    expected_ms=300.0,
                 )
-                load = pages * PAGE / statistics.median(times) / 1e6
+                idle_gbps, load_gbps = (pages * PAGE / statistics.median(times) / 1e6 for times in (idle, load))
                 print(
-                    f"{direction}  {pages:6d}  {gate:11,d}  {per_page:8,d}   {idle:9.1f}  {load:9.1f}  "
-                    f"{load / idle:9.2f}  {covered}"
+                    f"{direction}  {pages:6d}  {gate:11,d}   {idle_gbps:9.1f}  {load_gbps:9.1f}  "
+                    f"{load_gbps / idle_gbps:9.2f}  {covered}"
                 )
 
 

@@ -111,8 +111,10 @@ class _CopyBench:
             return host, dev, host.numel() // page, dev.numel() // page
         return dev, host, dev.numel() // page, host.numel() // page
 
-    def time_calls(self, path: str, direction: str, n: int, page: int) -> list[float]:
-        """Milliseconds of each timed call (CUDA events), after the warm-up calls."""
+    def time_calls(self, path: str, direction: str, n: int, page: int, gate_cycles: int | None = None) -> list[float]:
+        """Milliseconds of each timed call (CUDA events), after the warm-up calls. Each is gated by
+        an idle kernel of ``gate_cycles`` (default: ``GATE_CYCLES`` + ``GATE_CYCLES_PER_PAGE`` a page)."""
+        gate = GATE_CYCLES + GATE_CYCLES_PER_PAGE * n if gate_cycles is None else gate_cycles
         torch = self.torch
         src, dst, src_slots, dst_slots = self._buffers(direction, page)
         sets = self._pair_sets(n, src_slots, dst_slots, 4)
@@ -123,7 +125,7 @@ class _CopyBench:
         events = []
         with torch.cuda.stream(stream):
             for i in range(self.iters):
-                torch.cuda._sleep(GATE_CYCLES + GATE_CYCLES_PER_PAGE * n)
+                torch.cuda._sleep(gate)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(stream)
                 copier.copy(src, dst, sets[i % len(sets)], page, stream)
