@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 
@@ -100,12 +101,14 @@ def test_the_cached_prompt_is_reused_up_to_its_last_token_and_a_miss_is_refused(
         cached.close()
 
 
-def test_the_resume_under_pressure_finds_both_tiers_full_and_the_prefix_in_host_memory():
+@pytest.mark.parametrize("collect", [True, False])
+def test_the_resume_under_pressure_finds_both_tiers_full_and_the_prefix_in_host_memory(collect):
     sizes = Pressure(prefix_blocks=32, primary_pages=48, host_pages=128, prompts=4, prompt_blocks=16, filler_blocks=32)
     for write_through in (True, False):
         side = PressureResume(write_through, sizes)
         try:
-            run = side.once()
+            run = side.once(collect=collect)
+            assert gc.isenabled() and not gc.get_freeze_count()  # the collector as it was
             assert run["seconds"] > 0
             assert run["promotions"] == run["demotions"] == 32
             assert run["drops"] == 0  # the victims wait in the swap scratch: no head start

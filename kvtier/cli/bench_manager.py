@@ -227,6 +227,17 @@ def _frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No collection while timing, and none forced before: the caches stay as the work before the
+    call left them (``_frozen_heap``'s full collection reads the whole heap first)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def bench_decode(steps: int, vllm_side: ModuleType | None = None) -> dict[str, dict[str, float]]:
     """Per side, us per request per step: median, mean and max over ``steps`` steps.
 
@@ -375,9 +386,10 @@ class PressureResume:
         cache.close()
         self.manager.maintain()
 
-    def once(self, prefetch: bool = False) -> dict[str, float]:
+    def once(self, prefetch: bool = False, collect: bool = True) -> dict[str, float]:
         """Seconds of ``resume`` of a cache over the prefix, or of ``prefetch`` of the prefix (call
-        once), and the pages it moved and dropped."""
+        once), and the pages it moved and dropped. ``collect``: a full collection right before the
+        call (``_frozen_heap``), else the collector is only paused (``_collector_paused``)."""
         stats = self.manager.stats()
         for name, tier in stats.tiers.items():
             if tier.pages_used != tier.pages_total:
@@ -390,7 +402,7 @@ class PressureResume:
             if cache.num_reused_tokens != host_tokens or cache.reused_by_tier.get("host") != host_tokens:
                 raise RuntimeError(f"the prefix was not found in host memory: {cache.reused_by_tier}")
         self._sync()  # the background copies of the set-up are done: only the call is timed
-        with _frozen_heap():
+        with _frozen_heap() if collect else _collector_paused():
             t0 = time.perf_counter()
             done = cache.resume() if cache is not None else self.manager.prefetch(tokens) == self.sizes.prefix_blocks
             seconds = time.perf_counter() - t0
