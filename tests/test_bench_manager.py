@@ -9,7 +9,14 @@ import json
 import pytest
 
 from kvtier.cli import main
-from kvtier.cli.bench_manager import TPB, KvtierCachedPrompt, KvtierDecode, Pressure, PressureResume
+from kvtier.cli.bench_manager import (
+    TPB,
+    KvtierCachedPrompt,
+    KvtierDecode,
+    Pressure,
+    PressureResume,
+    _collector_paused,
+)
 from kvtier.copy import copier
 from kvtier.copy.runs import build_runs
 from kvtier.tiering import mover
@@ -117,6 +124,20 @@ def test_the_resume_under_pressure_finds_both_tiers_full_and_the_prefix_in_host_
                 side.once()  # the prefix is in the primary tier now
         finally:
             side.close()
+
+
+def test_pausing_the_collector_leaves_it_as_it_was_found():
+    assert gc.isenabled()
+    with _collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _collector_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own pause outlasts the bench's
+    finally:
+        gc.enable()
 
 
 def test_the_prefetch_under_pressure_swaps_the_prefix_up_as_a_resume_does():

@@ -230,12 +230,15 @@ def _frozen_heap() -> Iterator[None]:
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """No collection while timing, and none forced before: the caches stay as the work before the
-    call left them (``_frozen_heap``'s full collection reads the whole heap first)."""
+    call left them (``_frozen_heap``'s full collection reads the whole heap first). The collector
+    is left as it was found."""
+    enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 def bench_decode(steps: int, vllm_side: ModuleType | None = None) -> dict[str, dict[str, float]]:
