@@ -13,7 +13,6 @@ from __future__ import annotations
 import statistics
 
 import numpy as np
-import torch
 
 from kvtier.cli import bench_copy
 
@@ -58,17 +57,7 @@ def _time_calls(bench: bench_copy._CopyBench, direction: str, page: int, pages: 
         copier.copy(src, dst, pairs, page, stream)
     stream.synchronize()
     gate = bench_copy.GATE_CYCLES + bench_copy.GATE_CYCLES_PER_PAGE * pages
-    events = []
-    with torch.cuda.stream(stream):
-        for _ in range(ITERS):
-            torch.cuda._sleep(gate)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            copier.copy(src, dst, pairs, page, stream)
-            end.record(stream)
-            events.append((start, end))
-    stream.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
+    return bench.time_gated(lambda _: copier.copy(src, dst, pairs, page, stream), gate)
 
 
 if __name__ == "__main__":

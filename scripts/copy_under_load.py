@@ -67,25 +67,18 @@ def _row(bench: bench_copy._CopyBench, direction: str, pages: int, gate: int, ca
 def _time_together(bench: bench_copy._CopyBench, direction: str, pages: int, calls: int, gate: int) -> list[float]:
     """Milliseconds of ``calls`` calls of ``pages`` pages each, back to back between one pair of
     events, after one gate of ``gate`` cycles; ``bench.iters`` timings after a warm-up."""
-    torch = bench.torch
     src, dst, src_slots, dst_slots = bench._buffers(direction, PAGE)
     sets = bench._pair_sets(pages, src_slots, dst_slots, calls)  # distinct destinations within each call
     copier, stream = bench.copiers["copy_engine"], bench.stream
     for pairs in sets:
         copier.copy(src, dst, pairs, PAGE, stream)
     stream.synchronize()
-    events = []
-    with torch.cuda.stream(stream):
-        for _ in range(bench.iters):
-            torch.cuda._sleep(gate)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            for pairs in sets:
-                copier.copy(src, dst, pairs, PAGE, stream)
-            end.record(stream)
-            events.append((start, end))
-    stream.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
+
+    def submit_all(_: int) -> None:
+        for pairs in sets:
+            copier.copy(src, dst, pairs, PAGE, stream)
+
+    return bench.time_gated(submit_all, gate)
 
 
 if __name__ == "__main__":

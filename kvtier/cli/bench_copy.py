@@ -25,6 +25,7 @@ import math
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.cli.arguments import at_least
@@ -115,20 +116,26 @@ class _CopyBench:
         """Milliseconds of each timed call (CUDA events), after the warm-up calls. Each is gated by
         an idle kernel of ``gate_cycles`` (default: ``GATE_CYCLES`` + ``GATE_CYCLES_PER_PAGE`` a page)."""
         gate = GATE_CYCLES + GATE_CYCLES_PER_PAGE * n if gate_cycles is None else gate_cycles
-        torch = self.torch
         src, dst, src_slots, dst_slots = self._buffers(direction, page)
         sets = self._pair_sets(n, src_slots, dst_slots, 4)
         copier, stream = self.copiers[path], self.stream
         for i in range(self.warmup):
             copier.copy(src, dst, sets[i % len(sets)], page, stream)
         stream.synchronize()
+        return self.time_gated(lambda i: copier.copy(src, dst, sets[i % len(sets)], page, stream), gate)
+
+    def time_gated(self, submit: Callable[[int], None], gate: int) -> list[float]:
+        """Milliseconds (CUDA events) of each of ``self.iters`` calls ``submit(i)`` that queue work on
+        ``self.stream``, each call between its own pair of events, after an idle kernel of ``gate``
+        cycles so that the call's submission is hidden from its timing."""
+        torch, stream = self.torch, self.stream
         events = []
         with torch.cuda.stream(stream):
             for i in range(self.iters):
                 torch.cuda._sleep(gate)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-                copier.copy(src, dst, sets[i % len(sets)], page, stream)
+                submit(i)
                 end.record(stream)
                 events.append((start, end))
         stream.synchronize()
