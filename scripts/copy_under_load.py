@@ -2,7 +2,8 @@
 
 On an H200 (docs/benchmarks.md, section 58) one run of ``kvtier bench copy`` moved 512 x 64 KiB
 under the load at 0.74 of the link host->device, and 1,024 x 64 KiB (its page-size sweep) at
-0.94. This measures both directions for several call sizes, each with the bench's gate (the
+0.94 (section 60: the sweep runs them after copies of smaller pages, which leave the engines in a
+faster state). This measures both directions for several call sizes, each with the bench's gate (the
 idle kernel before every timed call, so that the call's submission ends before its copies
 start) and with one fixed gate, to tell what sets the rate under load; then the same calls timed
 ``--back-to-back`` at a time between one pair of events (one gate before them), which tells a cost
