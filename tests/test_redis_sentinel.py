@@ -82,9 +82,14 @@ def pages(n: int, size: int, seed: int) -> list[bytes]:
 
 
 def replicate(primary_port: int) -> None:
-    """Wait until the replica has everything the primary took (WAIT)."""
-    with client(primary_port) as c:
-        assert c.execute_command("WAIT", 1, 5000) == 1
+    """Wait until the replica has everything the primary took. ``WAIT`` waits for the writes of its
+    own connection only (on a fresh one it returns at once), so the same connection first writes a
+    marker: the replication stream is ordered, so once the replica acknowledges the marker it holds
+    every write the primary took before it."""
+    with client(primary_port) as c, c.pipeline(transaction=False) as pipe:
+        pipe.incr("kvtier-test-replication-marker")
+        pipe.execute_command("WAIT", 1, 5000)
+        assert pipe.execute()[1] == 1
 
 
 def saves_done(eng) -> bool:
