@@ -1391,17 +1391,18 @@ def test_lower_tiers_keep_working_with_a_connector(llama, tmp_path):
 
 
 class SlowWritesStore(FileSystemStore):
-    """A real filesystem store whose writes answer 0.2 s late (a distant store); ``puts`` lists the
-    keys of each write call."""
+    """A real filesystem store whose writes answer ``delay_s`` late (a distant store); ``puts`` lists
+    the keys of each write call."""
 
-    def __init__(self, path) -> None:
+    def __init__(self, path, delay_s: float = 0.2) -> None:
         super().__init__(path)
+        self.delay_s = delay_s
         self.puts: list[list[str]] = []
 
     def put_many(self, items):
         items = list(items)
         self.puts.append([key for key, _ in items])
-        time.sleep(0.2)
+        time.sleep(self.delay_s)
         return super().put_many(items)
 
 
@@ -1424,3 +1425,35 @@ def test_saves_of_requests_that_finish_together_are_written_in_batches(llama, tm
         outs = warm.generate(prompts, SamplingParams(max_tokens=1))
         check_against_oracle(llama, prompts, outs, 1)
         assert [out.reused_tokens_by_tier.get("connector", 0) for out in outs] == [64] * len(prompts)
+
+
+class SavesOneAtATime(StoreConnector):
+    """Each request's save is written before the next request's is queued, as when requests that
+    share a prefix finish steps apart."""
+
+    def request_finished(self, request, block_ids_by_layer_group) -> bool:
+        saving = super().request_finished(request, block_ids_by_layer_group)
+        if saving:
+            self._saves[request.request_id].result()
+        return saving
+
+
+def test_a_block_saved_since_a_request_asked_is_not_written_again(llama, tmp_path):
+    """Eight requests share a two-block prefix that none of them found when it asked; their saves
+    are written one after another. The shared blocks are written once: a later save asks the store
+    about a block this connector wrote after that save's ask, instead of writing it again. Before,
+    each save wrote them (32 pages written for 18 blocks; the batching test above failed so when a
+    save batch started only after an earlier one had ended)."""
+    shared = prompts_for(llama, [32], seed=41)[0]
+    prompts = [shared + tail for tail in prompts_for(llama, [40] * 8, seed=43)]
+    store = SlowWritesStore(tmp_path, delay_s=0.0)
+    connector = SavesOneAtATime(store)
+    with engine(llama, 400, connector) as eng:
+        check_against_oracle(llama, prompts, eng.generate(prompts, SamplingParams(max_tokens=1)), 1)
+    written = [key for call in store.puts for key in call]
+    assert len(store.puts) == len(prompts)  # one batch a request
+    assert len(written) == len(set(written)) == 2 + 8 * 2
+    assert connector.stats().saved_pages == len(written)
+    reopened = FileSystemStore(tmp_path)
+    assert reopened.contains_many(written) == [True] * len(written)
+    reopened.close()

@@ -21,8 +21,9 @@
   (``SavePolicy``: default all), less those its ask read intact from the store, and returns
   True; a save thread (``SAVE_THREADS`` of them, so a distant store's round trips overlap) takes
   the saves queued by then as one batch (``kvtier.connector.save_batches``), asks the store which
-  of their blocks it lacks (not those the asks found missing), copies those pages out and writes
-  them in one call; ``get_finished`` reports each request once its batch is written, and only
+  of their blocks it lacks (not those the asks found missing, unless this connector has written
+  or found them in the store since: ``kvtier.connector.recent_keys``), copies those pages out and
+  writes them in one call; ``get_finished`` reports each request once its batch is written, and only
   then does the engine release its pages. (So a store's round trips at a request's end never stall the
   engine's thread, and a prompt served whole by a synchronous load costs no save at all.)
 - A store call on the engine's thread (an ask's existence check, a fetch with
@@ -59,6 +60,7 @@ from kvtier.connector.daemon_pool import DaemonPool
 from kvtier.connector.fs_store import DEFAULT_MAX_BYTES, IO_TIMEOUT_S, FileSystemStore
 from kvtier.connector.fs_store import RETRY_AFTER_S as FS_RETRY_AFTER_S
 from kvtier.connector.keys import BlockKeyspace
+from kvtier.connector.recent_keys import RecentKeys
 from kvtier.connector.redis_store import RETRY_AFTER_S, SOCKET_TIMEOUT_S, RedisStore
 from kvtier.connector.save_batches import Save, SaveBatches
 from kvtier.connector.save_policy import PrefixSightings, SavePolicy
@@ -149,6 +151,7 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         self._reported: set[int] = set()  # loads reported finished that the engine still asks about
         self._saves: dict[int, Future] = {}
         self._writing: set[str] = set()  # keys a save batch is writing now
+        self._seen_lately = RecentKeys()  # keys lately written to the store or found there
         self._save_batches = SaveBatches(
             SAVE_THREADS, "kvtier-connector-save", self._save_batch
         )  # waited for by close (and at exit, bounded)
@@ -475,6 +478,9 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         with self._lock:  # keys another batch is writing now are left to it
             for key in self._writing.intersection(pages):
                 del pages[key]
+            for key, (group, slot, missing) in pages.items():
+                if missing and key in self._seen_lately:  # written or found since the ask: asked again
+                    pages[key] = (group, slot, False)
             self._writing.update(pages)
         try:
             self._write_missing(pages, [save.written for save in saves if save.written is not None])
@@ -488,6 +494,8 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
         unknown = [key for key, (_, _, missing) in pages.items() if not missing]
         have = dict(zip(unknown, self.store.contains_many(unknown), strict=True)) if unknown else {}
         todo = [(key, group, slot) for key, (group, slot, _) in pages.items() if not have.get(key, False)]
+        with self._lock:
+            self._seen_lately.add(key for key, present in have.items() if present)
         if not todo:
             return
         for event in written:
@@ -497,6 +505,8 @@ class StoreConnector(KvCacheConnectorScheduler, KvCacheConnectorWorker):
             page = self._group(group).regions[0].as_tensor()[slot]
             items.append((key, page.to("cpu").numpy().copy()))
         stored = self.store.put_many(items)
+        with self._lock:
+            self._seen_lately.add(key for (key, _), ok in zip(items, stored, strict=True) if ok)
         saved_bytes = sum(page.nbytes for (_, page), ok in zip(items, stored, strict=True) if ok)
         self._counters.add(saved_pages=sum(stored), saved_bytes=saved_bytes, errors=stored.count(False))
 
