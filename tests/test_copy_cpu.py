@@ -68,6 +68,11 @@ def test_stream_is_ignored_on_the_cpu(copier: PageCopier) -> None:
     assert torch.equal(src, dst)
 
 
+def test_warm_up_does_nothing_on_the_cpu(copier: PageCopier) -> None:
+    """There is no kernel path to build without CUDA, whatever the page sizes."""
+    assert copier.warm_up([16, 4096, 1 << 21]) is False
+
+
 def test_one_buffer_with_disjoint_reads_and_writes(copier: PageCopier) -> None:
     buffer = filled(4, 32)
     before = buffer.clone()

@@ -17,7 +17,7 @@ Triton and cuda-bindings are imported on the first call that needs them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -105,6 +105,32 @@ class PageCopier:
                 runs = build_runs(request.pairs, request.page_bytes, src_facts.grid, dst_facts.grid)
             self._copy_with_engines(request, runs, self._stream_handle(stream), src_facts, dst_facts)
         return path
+
+    def warm_up(self, page_sizes: Iterable[int]) -> bool:
+        """Set the kernel path up now if the policy sends a call of many pages of one of
+        ``page_sizes`` bytes to it: one launch over a scratch of two 16-byte pages on the device,
+        which builds the Triton kernel (or loads it from Triton's disk cache) and the fast launch.
+
+        So the first call that a request waits for does not pay for that: 0.6 s with Triton's disk
+        cache warm, 1.3-1.9 s cold, on an H100 host (docs/benchmarks.md, section 62); once a
+        process has built the kernel, another copier's first launch takes well under a millisecond.
+        Returns whether it launched: False on the CPU, where the policy gives those pages to the
+        copy engines, or once this copier's kernel path exists. Ordered on the current stream;
+        no buffer of a tier is touched. Where it launches it needs Triton (``pip install
+        'kvtier[gpu]'``), as the kernel path does.
+        """
+        if self.device.type != "cuda" or self._kernel is not None:
+            return False
+        coherent = self.link.coherent
+        if all(self.policy.choose(size, coherent_link=coherent) != "kernel" for size in page_sizes):
+            return False
+        from kvtier.copy.kernel import ALIGN
+
+        scratch = torch.empty(2 * ALIGN, dtype=torch.uint8, device=self.device)
+        request = CopyRequest(src=scratch, dst=scratch, pairs=np.array([[0, 1]], dtype=np.int64), page_bytes=ALIGN)
+        facts = self._facts.of("scratch", scratch)
+        self._copy_with_kernel(request, None, facts, facts)
+        return True
 
     def _route(self, request: CopyRequest, src: BufferFacts, dst: BufferFacts) -> tuple[DevicePath, np.ndarray | None]:
         """The policy's path for this call, and its runs when they had to be built to choose it.

@@ -74,6 +74,8 @@ class Mover:
         # (tier, bytes, start, end) of the latest copies into the primary tier; older ones fall off unmeasured
         self._timed: deque[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = deque(maxlen=TIMED_COPIES)
         self.copier = PageCopier(device)
+        if len(tiers) > 1:  # pages move between tiers: no request waits for the kernel path to be built
+            self.copier.warm_up(tiers[0].storage.page_bytes)
         self._last_event: torch.cuda.Event | None = None
         self._last_stream: torch.cuda.Stream | None = None
         self._background: torch.cuda.Stream | None = None

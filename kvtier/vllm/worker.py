@@ -49,6 +49,7 @@ class KVTierWorker:
         self._allocation: torch.Tensor | None = None
         self._routes: list[GroupRoute] = []
         self._transfer: BlockTransfer | None = None
+        self._bulk: PageCopier | None = None  # the kernel-only copier of large calls, built at registration
         self._registration: host_pool.Registration | None = None
         self._jobs: dict[int, TransferJob] = {}
         self._saves_of: dict[str, set[int]] = {}
@@ -63,6 +64,10 @@ class KVTierWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._allocation, self._routes = route_groups(self.plan.groups, kv_caches, self._num_blocks)
+        device = self._allocation.device
+        if device.type == "cuda":  # built at start-up, so the first large transfer does not wait for it
+            self._bulk = PageCopier(device, policy=KERNEL_ONLY)
+            self._bulk.warm_up([route.page_bytes for route in self._routes])
 
     def bind(self, meta: KVTierMetadata) -> None:
         self._delayed.update(meta.delayed_free_req_ids)
@@ -172,7 +177,7 @@ class KVTierWorker:
         if device.type == "cuda" and self._registration is None:
             policy = CopyPolicy(copy_engine_min_bytes=0)  # the copy kernel cannot reach pageable memory
         elif device.type == "cuda":
-            bulk = PageCopier(device, policy=KERNEL_ONLY)  # large calls: the kernel's host cost is flat
+            bulk = self._bulk  # large calls: the kernel's host cost is flat
         self._transfer = BlockTransfer(
             self._allocation, self._routes, pool.buffers, PageCopier(device, policy=policy), bulk
         )

@@ -296,6 +296,26 @@ def test_pageable_host_memory(copiers, device) -> None:
         copiers["kernel"].copy(src, dev, pairs, page)
 
 
+def test_warm_up_builds_the_kernel_path_once_and_copies_stay_exact(pools, device) -> None:
+    """``warm_up`` launches once over its own scratch (a second call does nothing), and a copy of
+    small scattered pages after it takes the kernel and lands byte for byte."""
+    copier = PageCopier(device)
+    assert copier.warm_up([4096]) is True
+    assert copier.warm_up([4096]) is False
+    assert check_round_trip(copier, pools, 140, 4096, torch.cuda.Stream(device), seed=3) == ["kernel", "kernel"]
+
+
+def test_warm_up_builds_nothing_for_pages_that_go_to_the_copy_engines(device) -> None:
+    """Pages the policy gives to the copy engines (2 MiB by default; every size with a threshold
+    of 0) never take the kernel: no launch, and its path stays unbuilt."""
+    for copier, sizes in (
+        (PageCopier(device), [2 * MiB, 64 * 1024]),
+        (PageCopier(device, policy=CopyPolicy(copy_engine_min_bytes=0)), [16, 4096]),
+    ):
+        assert copier.warm_up(sizes) is False
+        assert copier._kernel is None
+
+
 def test_many_pages_in_one_call(copiers, pools) -> None:
     """70,000 pages in one call (one driver call, one launch) land byte for byte."""
     n, page = 70_000, 16

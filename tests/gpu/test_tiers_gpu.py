@@ -157,3 +157,19 @@ def test_a_manager_on_bare_cuda_names_the_device_current_when_it_was_built(tmp_p
     assert mgr.device == here and mgr.config.device == here
     assert all(view.device == here for view in mgr.kv_views(0).values())
     mgr.close()
+
+
+def test_a_manager_with_tiers_below_builds_its_copy_kernel_before_any_request(tmp_path):
+    """Small pages moving between tiers take the copy kernel: a manager with a tier below the
+    primary one builds it as it is made, so the first resume a request waits for does not (0.6-1.3
+    s of Triton's build or cache load on the device hosts); a manager with only the primary tier
+    moves pages between tiers never and builds nothing."""
+    with_tiers = manager(tmp_path / "a", primary=8, host=8, disk=32, device="cuda")
+    alone = manager(tmp_path / "b", primary=8, host=0, disk=0, device="cuda")
+    try:
+        assert with_tiers._pool.mover.copier._kernel is not None
+        assert alone._pool.mover.copier._kernel is None
+        cascade_and_reload(with_tiers)
+    finally:
+        with_tiers.close()
+        alone.close()
