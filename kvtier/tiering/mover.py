@@ -29,9 +29,12 @@ a part's victims land in host slots once the promotions that vacate them have be
 victims fit in the swap scratch runs in turn through it instead (``kvtier.tiering.swap_scratch``).
 
 Disk pages travel through host memory: read straight into a CPU destination buffer, or into a
-pinned staging buffer and copied from there to the GPU part by part, each part's copy running
-while the next part is read. Every page read from disk is checked against its checksum; a
-mismatch is reported in ``plan.damaged``.
+pinned staging buffer and copied from there to the GPU part by part (``DISK_CHUNK_BYTES``), each
+part's copy running while the next part is read; pages written to disk from the GPU come down
+the same way, each part written while the next is copied. The staging buffer holds two parts,
+used in turn: a half is filled again only once the copy of the part before last out of it (or
+into it) is done, so it stays at two parts however large the call. Every page read from disk is
+checked against its checksum; a mismatch is reported in ``plan.damaged``.
 
 The mover is also the planner's ``DiskWriter`` (``write_pages``): it knows where a page's bytes
 are and waits for them to land before writing them to disk.
@@ -60,7 +63,7 @@ from kvtier.tiering.tier import Tier
 log = logging.getLogger(__name__)
 
 TIMED_COPIES = 64  # copies into the primary tier kept for timing until ``measure`` asks (no prefill rate: never)
-DISK_CHUNK_BYTES = 64 << 20  # disk reads go to the GPU in parts of this size, each copied as the next is read
+DISK_CHUNK_BYTES = 64 << 20  # disk I/O of a GPU tier goes through staging in parts of this size, two at a time
 
 
 class Mover:
@@ -294,18 +297,44 @@ class Mover:
         if buffer.device.type == "cpu":
             host = buffer.numpy()
             views = [host[p.slot * page_bytes : (p.slot + 1) * page_bytes] for p in pages]
+            checksums = disk.storage.write(group, disk_slots, views)
         else:
-            staging = self._staging_bytes(len(pages) * page_bytes)
-            pairs = np.array([[p.slot, i] for i, p in enumerate(pages)], dtype=np.int64)
-            stream = self._stream(None, shared=True)
-            path = self.copier.copy(buffer, staging, pairs, page_bytes, stream)
-            self.counters.add_copy(src.name, "host", path, len(pages) * page_bytes)
-            stream.synchronize()
-            host = staging.numpy()
-            views = [host[i * page_bytes : (i + 1) * page_bytes] for i in range(len(pages))]
-        checksums = disk.storage.write(group, disk_slots, views)
+            checksums = self._write_staged(pages, disk_slots, src, disk)
         written = sum(page_bytes for c in checksums if c is not None)
         self.counters.add_copy(src.name if buffer.device.type == "cpu" else "host", disk.name, "file", written)
+        return checksums
+
+    def _write_staged(self, pages: list[Page], disk_slots: list[int], src: Tier, disk: Tier) -> list[int | None]:
+        """``write_pages`` from a GPU tier: each part of ``DISK_CHUNK_BYTES`` is copied down into one
+        half of the staging buffer while the part before it, in the other half, is written."""
+        group = pages[0].group
+        page_bytes = src.storage.page_bytes[group]
+        staging, step = self._staging_for(page_bytes, len(pages))
+        host = staging.numpy()
+        stream = self._stream(None, shared=True)
+        parts = [(start, min(start + step, len(pages))) for start in range(0, len(pages), step)]
+
+        def copy_down(part: int) -> torch.cuda.Event:
+            start, end = parts[part]
+            base = part % 2 * step
+            pairs = np.array([[p.slot, base + i] for i, p in enumerate(pages[start:end])], dtype=np.int64)
+            path = self.copier.copy(src.storage.buffers[group], staging, pairs, page_bytes, stream)
+            self.counters.add_copy(src.name, "host", path, (end - start) * page_bytes)
+            return _recorded(stream)
+
+        checksums: list[int | None] = []
+        pending = copy_down(0)
+        try:
+            for part, (start, end) in enumerate(parts):
+                landed = pending
+                if part + 1 < len(parts):
+                    pending = copy_down(part + 1)  # the other half: its part was written already
+                landed.synchronize()
+                base = part % 2 * step
+                views = [host[(base + i) * page_bytes : (base + i + 1) * page_bytes] for i in range(end - start)]
+                checksums += disk.storage.write(group, disk_slots[start:end], views)
+        finally:
+            pending.synchronize()  # no copy into the staging buffer outlives the call
         return checksums
 
     def _stream(
@@ -375,19 +404,23 @@ class Mover:
         else:
             if stream is not None:
                 stream.synchronize()  # the staging buffer may still feed an earlier copy
-            staging = self._staging_bytes(len(pairs) * page_bytes)
+            staging, step = self._staging_for(page_bytes, len(pairs))
             began = time.perf_counter()
             host = staging.numpy()
-            views = [host[i * page_bytes : (i + 1) * page_bytes] for i in range(len(pairs))]
-            staged = np.stack([np.arange(len(pairs)), pairs[:, 1]], axis=1)
+            up_stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+            sent: list[torch.cuda.Event | None] = [None, None]  # the last copy up from each half
             ok = []
-            step = max(1, DISK_CHUNK_BYTES // page_bytes)
-            for start in range(0, len(pairs), step):  # each part goes up while the next is read
-                end = start + step
-                slots = pairs[start:end, 0].tolist()
-                ok += disk.storage.read(group, slots, views[start:end], checksums[start:end])
-                path = self.copier.copy(staging, buffer, staged[start:end], page_bytes, stream)
-                self.counters.add_copy("host", dst.name, path, len(slots) * page_bytes)
+            for part, start in enumerate(range(0, len(pairs), step)):  # each part goes up while the next is read
+                end = min(start + step, len(pairs))
+                base = part % 2 * step
+                if sent[part % 2] is not None:
+                    sent[part % 2].synchronize()  # the part before last has left this half
+                views = [host[(base + i) * page_bytes : (base + i + 1) * page_bytes] for i in range(end - start)]
+                ok += disk.storage.read(group, pairs[start:end, 0].tolist(), views, checksums[start:end])
+                staged = np.stack([np.arange(base, base + end - start), pairs[start:end, 1]], axis=1)
+                path = self.copier.copy(staging, buffer, staged, page_bytes, stream)
+                sent[part % 2] = _recorded(up_stream)
+                self.counters.add_copy("host", dst.name, path, (end - start) * page_bytes)
             self.counters.add_copy(disk.name, "host", "file", len(pairs) * page_bytes)
         if dst_index == 0:  # reads and checks dominate; the last part's copy up is not waited for
             self.load_cost.observe(src_index, len(pairs) * page_bytes, time.perf_counter() - began)
@@ -397,6 +430,15 @@ class Mover:
                 target = dst.owners[group][d]
                 if target is not None and target is not source:
                     damaged.append(target)
+
+    def _staging_for(self, page_bytes: int, pages: int) -> tuple[torch.Tensor, int]:
+        """Staging for ``pages`` pages of ``page_bytes`` moved in parts of ``step`` pages
+        (``DISK_CHUNK_BYTES``, at least one page): room for two parts, one being filled while the
+        other is copied, so it stays at two parts however large the call. Returns (the buffer's
+        first ``min(pages, 2 * step)`` pages, ``step``); part ``k`` uses the half at page
+        ``k % 2 * step``."""
+        step = max(1, DISK_CHUNK_BYTES // page_bytes)
+        return self._staging_bytes(min(pages, 2 * step) * page_bytes), step
 
     def _staging_bytes(self, nbytes: int) -> torch.Tensor:
         """A host buffer of at least ``nbytes`` (registered with CUDA for a GPU manager), reused.

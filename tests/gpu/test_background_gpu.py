@@ -135,7 +135,10 @@ def test_swap_resume_through_the_scratch_is_exact(tmp_path, monkeypatch):
     mgr.close()
 
 
-def test_disk_reads_sent_up_part_by_part(tmp_path, monkeypatch):
+def test_disk_reads_and_writes_go_part_by_part_through_two_parts_of_staging(tmp_path, monkeypatch):
+    """Pages demoted to disk and read back go through the pinned staging one part at a time, each
+    half of it reused once its last copy is done: the bytes come back exact and the staging holds
+    two parts, not the whole call."""
     monkeypatch.setattr(mover, "DISK_CHUNK_BYTES", 3 << 20)  # a part is one page: many parts
     probe = kvtier.KVCacheManager(BIG, kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(1 << 24)], device="cuda"))
     page = probe.page_bytes(0)
@@ -150,6 +153,7 @@ def test_disk_reads_sent_up_part_by_part(tmp_path, monkeypatch):
     assert cache.num_reused_tokens == 20 * TPB and cache.reused_by_tier["disk"] >= 16 * TPB
     assert cache.resume()
     oracle.check(cache, kept + [3])
+    assert mgr._pool.mover._staging.num_bytes <= 2 * page
     cache.close()
     mgr.close()
 
