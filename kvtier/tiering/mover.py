@@ -295,8 +295,7 @@ class Mover:
         buffer = src.storage.buffers[group]
         self.synchronize()  # the bytes may still be landing from an earlier device copy
         if buffer.device.type == "cpu":
-            host = buffer.numpy()
-            views = [host[p.slot * page_bytes : (p.slot + 1) * page_bytes] for p in pages]
+            views = _page_views(buffer.numpy(), [p.slot for p in pages], page_bytes)
             checksums = disk.storage.write(group, disk_slots, views)
         else:
             checksums = self._write_staged(pages, disk_slots, src, disk)
@@ -331,7 +330,7 @@ class Mover:
                     pending = copy_down(part + 1)  # the other half: its part was written already
                 landed.synchronize()
                 base = part % 2 * step
-                views = [host[(base + i) * page_bytes : (base + i + 1) * page_bytes] for i in range(end - start)]
+                views = _page_views(host, range(base, base + end - start), page_bytes)
                 checksums += disk.storage.write(group, disk_slots[start:end], views)
         finally:
             pending.synchronize()  # no copy into the staging buffer outlives the call
@@ -397,8 +396,7 @@ class Mover:
         if buffer.device.type == "cpu":
             self.synchronize()
             began = time.perf_counter()
-            host = buffer.numpy()
-            views = [host[d * page_bytes : (d + 1) * page_bytes] for d in pairs[:, 1].tolist()]
+            views = _page_views(buffer.numpy(), pairs[:, 1].tolist(), page_bytes)
             ok = disk.storage.read(group, pairs[:, 0].tolist(), views, checksums)
             self.counters.add_copy(disk.name, dst.name, "file", len(pairs) * page_bytes)
         else:
@@ -415,7 +413,7 @@ class Mover:
                 base = part % 2 * step
                 if sent[part % 2] is not None:
                     sent[part % 2].synchronize()  # the part before last has left this half
-                views = [host[(base + i) * page_bytes : (base + i + 1) * page_bytes] for i in range(end - start)]
+                views = _page_views(host, range(base, base + end - start), page_bytes)
                 ok += disk.storage.read(group, pairs[start:end, 0].tolist(), views, checksums[start:end])
                 staged = np.stack([np.arange(base, base + end - start), pairs[start:end, 1]], axis=1)
                 path = self.copier.copy(staging, buffer, staged, page_bytes, stream)
@@ -495,6 +493,11 @@ def edge_order(edges: Iterable[Edge], two_way: set[int]) -> tuple[list[Edge], li
     demotions = sorted((e for e in edges if e[1] > e[0] and e not in duplex), key=lambda e: -e[0])
     others = [e for e in edges if e[1] <= e[0] and e not in raced]
     return demotions, duplex, others
+
+
+def _page_views(host: np.ndarray, slots: Iterable[int], page_bytes: int) -> list[np.ndarray]:
+    """The pages in ``slots`` of a host buffer's bytes, as views (what the disk reads into or writes from)."""
+    return [host[slot * page_bytes : (slot + 1) * page_bytes] for slot in slots]
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
