@@ -18,7 +18,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -34,15 +33,16 @@ SYSTEM = [900 + (i % 7) for i in range(12)]  # 3 blocks shared by most requests
 TIERS = {"primary": 10, "host": 8, "disk": 48}
 
 
-def new_manager(path: Path, kind: str, layout: str = "three-tiers") -> kvtier.KVCacheManager:
+def new_manager(path: Path, kind: str, layout: str = "three-tiers", device: str = "cpu") -> kvtier.KVCacheManager:
     """Three tiers; or, as in the vLLM connector, host memory as the primary tier above the disk,
     written behind and dropping what was not written behind yet when pushed out."""
     if layout == "three-tiers":
-        return manager(path, kind=kind, snapshot_interval_blocks=2, **TIERS)
+        return manager(path, kind=kind, snapshot_interval_blocks=2, device=device, **TIERS)
     d = page_demand(small_spec(kind))
     disk = kvtier.DiskTier(int(d * TIERS["disk"]) + 1, path, write_behind=True, blocking_writes=False)
     tiers = [kvtier.PrimaryTier(int(d * (TIERS["primary"] + TIERS["host"])) + 1), disk]
-    return kvtier.KVCacheManager(small_spec(kind), kvtier.CacheConfig(TPB, tiers, snapshot_interval_blocks=2))
+    config = kvtier.CacheConfig(TPB, tiers, snapshot_interval_blocks=2, device=device)
+    return kvtier.KVCacheManager(small_spec(kind), config)
 
 
 class Churn:
@@ -173,8 +173,11 @@ def test_random_operations_with_restarts(tmp_path, kind, seed, layout):
 CHILD = """
 import random, sys
 from pathlib import Path
+from kvtier.tiering import mover
 from tests.test_reliability_soak import Churn, SYSTEM, new_manager
-mgr = new_manager(Path({path!r}), "llama", {layout!r})
+if {chunk_bytes!r} is not None:
+    mover.DISK_CHUNK_BYTES = {chunk_bytes!r}
+mgr = new_manager(Path({path!r}), "llama", {layout!r}, {device!r})
 churn = Churn(mgr, random.Random({seed}))
 hot = mgr.create_cache(SYSTEM + [1])  # the system prompt, computed once and kept ACTIVE: never demoted
 assert hot.resume() and hot.resize(13)
@@ -189,13 +192,17 @@ while True:
 """
 
 
-@pytest.mark.parametrize("layout", ["three-tiers", "host-memory-and-disk"])
-def test_killed_mid_write_always_restarts_with_exact_pages(tmp_path, layout):
+def kill_writers_and_restart(path: Path, layout: str, device: str = "cpu", chunk_bytes: int | None = None) -> int:
+    """Four rounds: a child process churning requests over ``path`` is killed (SIGKILL) at a random
+    point, then a new manager on the directory serves back every restored block, byte for byte,
+    and is closed (persisting or not) for the next child. ``chunk_bytes``: the child's
+    ``mover.DISK_CHUNK_BYTES`` (a GPU tier's disk I/O in parts of that size). Returns the rounds
+    whose restart found the hot system prompt on disk."""
     rng = random.Random(7)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with_system = 0
     for round_ in range(4):
-        code = textwrap.dedent(CHILD.format(path=str(tmp_path), seed=round_, layout=layout))
+        code = CHILD.format(path=str(path), seed=round_, layout=layout, device=device, chunk_bytes=chunk_bytes)
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
         try:
             assert child.stdout.readline().strip() == b"ready"
@@ -203,10 +210,15 @@ def test_killed_mid_write_always_restarts_with_exact_pages(tmp_path, layout):
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait()
-        mgr = new_manager(tmp_path, "llama", layout)
+        mgr = new_manager(path, "llama", layout, device)
         assert verify_restored(mgr) > 0
         probe = mgr.create_cache(SYSTEM + [1, 2])
         with_system += probe.num_reused_tokens == len(SYSTEM)  # the hot prefix survived on disk
         probe.close()
         mgr.close(persist=round_ % 2 == 0)  # the next child starts on what this one left
-    assert with_system >= 3
+    return with_system
+
+
+@pytest.mark.parametrize("layout", ["three-tiers", "host-memory-and-disk"])
+def test_killed_mid_write_always_restarts_with_exact_pages(tmp_path, layout):
+    assert kill_writers_and_restart(tmp_path, layout) >= 3

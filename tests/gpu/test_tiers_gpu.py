@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, settings
 
 from tests.kvdata import PageOracle
 from tests.test_cache_properties import machine
+from tests.test_reliability_soak import kill_writers_and_restart
 from tests.test_tiers import convo, manager, prefill
 
 
@@ -173,3 +174,11 @@ def test_a_manager_with_tiers_below_builds_its_copy_kernel_before_any_request(tm
     finally:
         with_tiers.close()
         alone.close()
+
+
+@pytest.mark.parametrize("layout", ["three-tiers", "host-memory-and-disk"])
+def test_a_process_killed_mid_write_on_gpu_restarts_with_exact_pages(tmp_path, layout):
+    # the GPU tier's disk reads and writes go through staging one page a part (host-memory-and-disk:
+    # the GPU tier writes behind to the disk below it; three tiers: hot prefixes copied down with
+    # their first child), so a kill lands between parts
+    assert kill_writers_and_restart(tmp_path, layout, device="cuda", chunk_bytes=1) >= 3
