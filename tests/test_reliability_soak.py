@@ -34,10 +34,14 @@ TIERS = {"primary": 10, "host": 8, "disk": 48}
 
 
 def new_manager(path: Path, kind: str, layout: str = "three-tiers", device: str = "cpu") -> kvtier.KVCacheManager:
-    """Three tiers; or, as in the vLLM connector, host memory as the primary tier above the disk,
-    written behind and dropping what was not written behind yet when pushed out."""
+    """Three tiers; the primary tier right above the disk ("primary-and-disk"); or, as in the vLLM
+    connector, host memory as the primary tier above the disk, written behind and dropping what was
+    not written behind yet when pushed out (on the CPU only: on CUDA write-behind needs a host tier)."""
     if layout == "three-tiers":
         return manager(path, kind=kind, snapshot_interval_blocks=2, device=device, **TIERS)
+    if layout == "primary-and-disk":
+        primary, disk = TIERS["primary"] + TIERS["host"], TIERS["disk"]
+        return manager(path, kind=kind, primary=primary, host=0, disk=disk, snapshot_interval_blocks=2, device=device)
     d = page_demand(small_spec(kind))
     disk = kvtier.DiskTier(int(d * TIERS["disk"]) + 1, path, write_behind=True, blocking_writes=False)
     tiers = [kvtier.PrimaryTier(int(d * (TIERS["primary"] + TIERS["host"])) + 1), disk]
@@ -175,8 +179,9 @@ import random, sys
 from pathlib import Path
 from kvtier.tiering import mover
 from tests.test_reliability_soak import Churn, SYSTEM, new_manager
-if {chunk_bytes!r} is not None:
-    mover.DISK_CHUNK_BYTES = {chunk_bytes!r}
+chunk_bytes = {chunk_bytes!r}
+if chunk_bytes is not None:
+    mover.DISK_CHUNK_BYTES = chunk_bytes
 mgr = new_manager(Path({path!r}), "llama", {layout!r}, {device!r})
 churn = Churn(mgr, random.Random({seed}))
 hot = mgr.create_cache(SYSTEM + [1])  # the system prompt, computed once and kept ACTIVE: never demoted
@@ -219,6 +224,6 @@ def kill_writers_and_restart(path: Path, layout: str, device: str = "cpu", chunk
     return with_system
 
 
-@pytest.mark.parametrize("layout", ["three-tiers", "host-memory-and-disk"])
+@pytest.mark.parametrize("layout", ["three-tiers", "primary-and-disk", "host-memory-and-disk"])
 def test_killed_mid_write_always_restarts_with_exact_pages(tmp_path, layout):
     assert kill_writers_and_restart(tmp_path, layout) >= 3

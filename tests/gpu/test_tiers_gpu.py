@@ -176,9 +176,9 @@ def test_a_manager_with_tiers_below_builds_its_copy_kernel_before_any_request(tm
         alone.close()
 
 
-@pytest.mark.parametrize("layout", ["three-tiers", "host-memory-and-disk"])
+@pytest.mark.parametrize("layout", ["three-tiers", "primary-and-disk"])
 def test_a_process_killed_mid_write_on_gpu_restarts_with_exact_pages(tmp_path, layout):
-    # the GPU tier's disk reads and writes go through staging one page a part (host-memory-and-disk:
-    # the GPU tier writes behind to the disk below it; three tiers: hot prefixes copied down with
-    # their first child), so a kill lands between parts
+    # the GPU tier's disk reads and writes go through staging one page a part (primary-and-disk:
+    # every demotion; three tiers: hot prefixes copied down with their first child), so a kill
+    # lands between parts
     assert kill_writers_and_restart(tmp_path, layout, device="cuda", chunk_bytes=1) >= 3
