@@ -16,6 +16,7 @@ Triton and cuda-bindings are imported on the first call that needs them.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from kvtier.copy.kernel import FastLaunch
 
 StreamArg = torch.cuda.Stream | int | None
+logger = logging.getLogger(__name__)
 _KNOWN_ADDRESSES = 64  # device addresses kept by buffer facts; a copier sees a few buffers
 
 
@@ -73,6 +75,7 @@ class PageCopier:
         self.link = link
         self._batch: BatchCopier | None = None
         self._kernel: _KernelPath | None = None
+        self._kernel_unavailable: str | None = None  # why ``warm_up`` could not build the kernel path
         self._facts = BufferFactsCache(dev)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
@@ -116,20 +119,35 @@ class PageCopier:
         process has built the kernel, another copier's first launch takes well under a millisecond.
         Returns whether it launched: False on the CPU, where the policy gives those pages to the
         copy engines, or once this copier's kernel path exists. Ordered on the current stream;
-        no buffer of a tier is touched. Where it launches it needs Triton (``pip install
-        'kvtier[gpu]'``), as the kernel path does.
+        no buffer of a tier is touched.
+
+        Where the kernel cannot be built (Triton not installed, or its launcher not compiled: no C
+        compiler on the machine), it logs one WARNING naming the cause and returns False, and from
+        then on this copier gives every call to the copy engines: slower for small pages, as exact.
         """
-        if self.device.type != "cuda" or self._kernel is not None:
+        if self.device.type != "cuda" or self._kernel is not None or self._kernel_unavailable is not None:
             return False
         coherent = self.link.coherent
         if all(self.policy.choose(size, coherent_link=coherent) != "kernel" for size in page_sizes):
             return False
-        from kvtier.copy.kernel import ALIGN
+        try:
+            from kvtier.copy.kernel import ALIGN  # (imports Triton)
 
-        scratch = torch.empty(2 * ALIGN, dtype=torch.uint8, device=self.device)
-        request = CopyRequest(src=scratch, dst=scratch, pairs=np.array([[0, 1]], dtype=np.int64), page_bytes=ALIGN)
-        facts = self._facts.of("scratch", scratch)
-        self._copy_with_kernel(request, None, facts, facts)
+            scratch = torch.empty(2 * ALIGN, dtype=torch.uint8, device=self.device)
+            pairs = np.array([[0, 1]], dtype=np.int64)
+            request = CopyRequest(src=scratch, dst=scratch, pairs=pairs, page_bytes=ALIGN)
+            facts = self._facts.of("scratch", scratch)
+            self._copy_with_kernel(request, None, facts, facts)
+        except Exception as error:  # Triton's import, compiler and launcher raise many kinds
+            self._kernel = None
+            self._kernel_unavailable = f"{type(error).__name__}: {error}"
+            logger.warning(
+                "kvtier: the copy kernel cannot be built on %s (%s); every copy goes to the copy engines, "
+                "slower for small pages (install 'kvtier[gpu]' and a C compiler for Triton to use it)",
+                self.device,
+                self._kernel_unavailable,
+            )
+            return False
         return True
 
     def _route(self, request: CopyRequest, src: BufferFacts, dst: BufferFacts) -> tuple[DevicePath, np.ndarray | None]:
@@ -138,6 +156,8 @@ class PageCopier:
         The runs decide only between the kernel and a few separate copies: they are not built where
         even a call of one run goes to the kernel, nor for a call whose first pairs are already
         scattered."""
+        if self._kernel_unavailable is not None:
+            return "copy_engine", None
         policy, page, coherent = self.policy, request.page_bytes, self.link.coherent
         pages = request.pairs.shape[0]
         path = policy.choose(page, coherent_link=coherent, runs=pages)  # runs <= pages

@@ -305,6 +305,39 @@ def test_warm_up_builds_the_kernel_path_once_and_copies_stay_exact(pools, device
     assert check_round_trip(copier, pools, 140, 4096, torch.cuda.Stream(device), seed=3) == ["kernel", "kernel"]
 
 
+def _no_c_compiler(*args, **kwargs):
+    raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+
+def _no_triton(*args, **kwargs):
+    raise ModuleNotFoundError("No module named 'triton'")
+
+
+@pytest.mark.parametrize("broken", ["launcher", "import"])
+def test_a_kernel_that_cannot_be_built_sends_every_copy_to_the_copy_engines(
+    pools, device, monkeypatch, caplog, broken
+) -> None:
+    """Where Triton's launcher cannot be compiled (no C compiler) or Triton is not installed,
+    ``warm_up`` logs one WARNING naming the cause; then small scattered pages, the kernel's by
+    policy, go to the copy engines and land byte for byte."""
+    import kvtier.copy.copier as copier_module
+    import kvtier.copy.kernel as kernel
+
+    if broken == "launcher":
+        monkeypatch.setattr(kernel, "launch_copy_kernel", _no_c_compiler)
+    else:
+        monkeypatch.setattr(copier_module, "_KernelPath", _no_triton)
+    copier = PageCopier(device)
+    with caplog.at_level("WARNING", logger="kvtier.copy.copier"):
+        assert copier.warm_up([4096]) is False
+        assert copier.warm_up([4096]) is False
+    assert len(caplog.records) == 1
+    cause = "C compiler" if broken == "launcher" else "No module named 'triton'"
+    assert "copy engines" in caplog.text and cause in caplog.text
+    stream = torch.cuda.Stream(device)
+    assert check_round_trip(copier, pools, 140, 4096, stream, seed=4) == ["copy_engine", "copy_engine"]
+
+
 def test_warm_up_builds_nothing_for_pages_that_go_to_the_copy_engines(device) -> None:
     """Pages the policy gives to the copy engines (2 MiB by default; every size with a threshold
     of 0) never take the kernel: no launch, and its path stays unbuilt."""

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.kvdata import PageOracle
 from tests.test_cache_properties import machine
-from tests.test_reliability_soak import kill_writers_and_restart
+from tests.test_reliability_soak import ROOT, kill_writers_and_restart
 from tests.test_tiers import convo, manager, prefill
 
 
@@ -174,6 +177,36 @@ def test_a_manager_with_tiers_below_builds_its_copy_kernel_before_any_request(tm
     finally:
         with_tiers.close()
         alone.close()
+
+
+NO_KERNEL_CHILD = """
+import sys
+if {no_triton!r}:
+    sys.modules["triton"] = None  # as if it were not installed: importing it raises ImportError
+from pathlib import Path
+from tests.gpu.test_tiers_gpu import cascade_and_reload
+from tests.test_tiers import manager
+mgr = manager(Path({path!r}), primary=8, host=8, disk=32, device="cuda")
+cascade_and_reload(mgr, path="copy_engine")
+mgr.close()
+print("exact", flush=True)
+"""
+
+
+@pytest.mark.parametrize("broken", ["no C compiler", "no Triton"])
+def test_a_manager_whose_copy_kernel_cannot_be_built_moves_pages_through_the_copy_engines(tmp_path, broken):
+    """A process where Triton cannot build the kernel's launcher (its compiler missing, an empty
+    Triton cache) or cannot be imported: the manager is still made, with one WARNING naming the
+    cause, and its small pages move between tiers through the copy engines, byte for byte."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    if broken == "no C compiler":
+        env["CC"] = str(tmp_path / "no-such-cc")
+    code = NO_KERNEL_CHILD.format(no_triton=broken == "no Triton", path=str(tmp_path / "disk"))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert child.returncode == 0 and child.stdout.strip() == "exact", child.stderr[-3000:]
+    warnings = [line for line in child.stderr.splitlines() if "the copy kernel cannot be built" in line]
+    assert len(warnings) == 1, child.stderr[-3000:]
+    assert ("no-such-cc" if broken == "no C compiler" else "triton") in warnings[0]
 
 
 @pytest.mark.parametrize("layout", ["three-tiers", "primary-and-disk"])
