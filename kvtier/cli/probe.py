@@ -6,9 +6,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from typing import TYPE_CHECKING
 
 from kvtier.cli.arguments import between, device
 from kvtier.cli.disk_probe import MAX_MIB, MIN_MIB
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier.copy import CopyPolicy, LinkInfo
 
 DISK_PROBE_MIB = 512  # the disk probe's file, unless --disk-mib says otherwise
 PROBE_PAGE_SIZES = (16, 4096, 65_536, 262_144, 884_736, 4_194_304, 15_261_696, 217_055_232)
@@ -56,8 +63,11 @@ def run(args: argparse.Namespace) -> int:
     rows.append(
         ("link", f"{link.kind} ({link.detail}; from {link.source}), coherent={'yes' if link.coherent else 'no'}")
     )
+    kernel_unavailable = None
     if device.type == "cuda":
         rows.append(("copy engines", _batch_abi(device.index or 0)))
+        kernel_row, kernel_unavailable = _copy_kernel(device, policy, link)
+        rows.append(("copy kernel", kernel_row))
     threshold = policy.copy_engine_min_bytes
     rows.append(
         (
@@ -72,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     )
     for page in PROBE_PAGE_SIZES:
         path = "cpu" if device.type == "cpu" else policy.choose(page, coherent_link=link.coherent)
+        if path == "kernel" and kernel_unavailable is not None:
+            path = "copy_engine (the kernel cannot be built)"
         rows.append((f"path {page:,} B", path))
     if args.disk is not None:
         from kvtier.cli.disk_probe import probe_disk
@@ -90,6 +102,25 @@ def run(args: argparse.Namespace) -> int:
 def _raw(name: str) -> str:
     value = os.environ.get(name)
     return "<unset>" if value is None else repr(value)
+
+
+def _copy_kernel(device: torch.device, policy: CopyPolicy, link: LinkInfo) -> tuple[str, str | None]:
+    """The copy kernel's row (built, and how long its build or cache load took; or why not), and
+    the cause when it cannot be built (``PageCopier.warm_up``)."""
+    from kvtier.copy import PageCopier
+
+    copier = PageCopier(device, policy=policy, link=link)
+    began = time.perf_counter()
+    built = copier.warm_up(PROBE_PAGE_SIZES)
+    took_ms = (time.perf_counter() - began) * 1e3
+    cause = copier.kernel_unavailable
+    if cause is not None:
+        return f"unavailable ({cause}): its page sizes go to the copy engines", cause
+    if not built:
+        return "not used: the policy gives every page size to the copy engines", None
+    import triton
+
+    return f"Triton {triton.__version__}, built (or loaded from Triton's cache) in {took_ms:,.0f} ms", None
 
 
 def _batch_abi(index: int) -> str:

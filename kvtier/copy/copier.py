@@ -150,6 +150,12 @@ class PageCopier:
             return False
         return True
 
+    @property
+    def kernel_unavailable(self) -> str | None:
+        """Why ``warm_up`` could not build the copy kernel (the error, named), or None: then every
+        call of this copier goes to the copy engines."""
+        return self._kernel_unavailable
+
     def _route(self, request: CopyRequest, src: BufferFacts, dst: BufferFacts) -> tuple[DevicePath, np.ndarray | None]:
         """The policy's path for this call, and its runs when they had to be built to choose it.
 

@@ -1,0 +1,41 @@
+"""``kvtier probe`` on a CUDA device: the copy kernel's row, built or not, and the paths it implies."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def probe(env: dict[str, str]) -> dict[str, str]:
+    """The rows of ``kvtier probe --device cuda`` run in a process of its own with ``env``."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier", "probe", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(re.split(r"\s{2,}", line, maxsplit=1) for line in done.stdout.splitlines())
+
+
+@pytest.mark.parametrize("compiler", ["found", "missing"])
+def test_the_probe_says_whether_the_copy_kernel_can_be_built(tmp_path, compiler):
+    env = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}  # empty: the launcher is compiled again
+    if compiler == "missing":
+        env["CC"] = str(tmp_path / "no-such-cc")
+    rows = probe(env)
+    if compiler == "found":
+        assert rows["copy kernel"].startswith("Triton ") and "built" in rows["copy kernel"]
+        assert rows["path 4,096 B"] == "kernel"
+    else:
+        assert rows["copy kernel"].startswith("unavailable (") and "no-such-cc" in rows["copy kernel"]
+        assert rows["path 4,096 B"] == "copy_engine (the kernel cannot be built)"
+    assert rows["path 217,055,232 B"] == "copy_engine"
