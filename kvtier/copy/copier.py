@@ -11,7 +11,10 @@ One copier per device. A call checks everything first (``kvtier.copy.copy_reques
   (``kvtier.copy.runs``; cut where a host buffer's registrations meet); the kernel needs no runs,
   and a call whose first pairs are scattered goes to it without building them.
 
-Triton and cuda-bindings are imported on the first call that needs them.
+Triton and cuda-bindings are imported on the first call that needs them. Where the kernel cannot
+be built (no Triton, no C compiler for its launcher, no cuda-bindings), its calls go to the copy
+engines; where cuda-bindings is missing, the copy engines' calls go as one torch copy per run
+(``kvtier.copy.torch_runs``). Each is logged once, as a WARNING naming the cause.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from kvtier.copy.cpu import copy_pages_cpu
 from kvtier.copy.link import LinkInfo, detect_link
 from kvtier.copy.policy import SEPARATE_COPY_RUNS, CopyPath, CopyPolicy, DevicePath
 from kvtier.copy.runs import build_runs, many_runs
+from kvtier.copy.torch_runs import copy_runs_with_torch
 
 if TYPE_CHECKING:
     from kvtier.copy.copy_engine import BatchCopier
@@ -76,6 +80,7 @@ class PageCopier:
         self._batch: BatchCopier | None = None
         self._kernel: _KernelPath | None = None
         self._kernel_unavailable: str | None = None  # why ``warm_up`` could not build the kernel path
+        self._without_bindings = False  # cuda-bindings missing: the copy engines' calls go through torch
         self._facts = BufferFactsCache(dev)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
@@ -101,6 +106,8 @@ class PageCopier:
             copy_pages_cpu(request, build_runs(request.pairs, request.page_bytes))
             return "cpu"
         path, runs = self._route(request, src_facts, dst_facts)
+        if path == "kernel" and self._kernel is None and not self._build_kernel():
+            path = "copy_engine"  # it cannot be built here: logged once
         if path == "kernel":
             self._copy_with_kernel(request, stream, src_facts, dst_facts)
         else:
@@ -130,6 +137,11 @@ class PageCopier:
         coherent = self.link.coherent
         if all(self.policy.choose(size, coherent_link=coherent) != "kernel" for size in page_sizes):
             return False
+        return self._build_kernel()
+
+    def _build_kernel(self) -> bool:
+        """Build the kernel path with one launch over a scratch of its own; False, with one WARNING
+        and every later call routed to the copy engines, where it cannot be built."""
         try:
             from kvtier.copy.kernel import ALIGN  # (imports Triton)
 
@@ -180,10 +192,21 @@ class PageCopier:
     def _copy_with_engines(
         self, request: CopyRequest, runs: np.ndarray, stream: int, src: BufferFacts, dst: BufferFacts
     ) -> None:
-        if self._batch is None:
+        if self._batch is None and not self._without_bindings:
             from kvtier.copy.copy_engine import BatchCopier
 
-            self._batch = BatchCopier(self.device.index)
+            try:
+                self._batch = BatchCopier(self.device.index)
+            except ImportError as error:  # cuda-bindings is not installed
+                self._without_bindings = True
+                logger.warning(
+                    "kvtier: the batched copy-engine call needs cuda-bindings (%s); each run of pages "
+                    "goes as one torch copy instead, slower for scattered pages (install 'kvtier[gpu]')",
+                    error,
+                )
+        if self._without_bindings:
+            copy_runs_with_torch(request, runs, self.torch_stream(stream))
+            return
         pageable = (src.host and not src.pinned) or (dst.host and not dst.pinned)
         self._batch.copy_runs(
             runs,

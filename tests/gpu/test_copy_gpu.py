@@ -338,6 +338,49 @@ def test_a_kernel_that_cannot_be_built_sends_every_copy_to_the_copy_engines(
     assert check_round_trip(copier, pools, 140, 4096, stream, seed=4) == ["copy_engine", "copy_engine"]
 
 
+def test_a_first_kernel_call_where_the_kernel_cannot_be_built_goes_to_the_copy_engines(
+    pools, device, monkeypatch, caplog
+) -> None:
+    """Without a warm-up, the first call the policy gives the kernel builds it; where it cannot be
+    built, that call and the later ones go to the copy engines, exact, with one WARNING."""
+    import kvtier.copy.copier as copier_module
+
+    monkeypatch.setattr(copier_module, "_KernelPath", _no_triton)
+    copier = PageCopier(device)
+    stream = torch.cuda.Stream(device)
+    with caplog.at_level("WARNING", logger="kvtier.copy.copier"):
+        assert check_round_trip(copier, pools, 140, 4096, stream, seed=5) == ["copy_engine", "copy_engine"]
+        assert check_round_trip(copier, pools, 3, 4096, stream, seed=6) == ["copy_engine", "copy_engine"]
+    assert len(caplog.records) == 1 and "No module named 'triton'" in caplog.text
+
+
+@pytest.mark.parametrize("page", [4096, 2 * MiB])
+def test_without_cuda_bindings_the_copy_engines_calls_go_as_torch_copies(pools, device, monkeypatch, caplog, page):
+    """cuda-bindings not installed: the batched driver call cannot be made, so each run of a call
+    goes as one torch copy on the caller's stream; scattered slots (at an aligned and an unaligned
+    offset) and a run of consecutive ones, both directions, land byte for byte, with one WARNING."""
+    import kvtier.copy.copy_engine as copy_engine
+
+    def no_bindings(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'cuda'")
+
+    monkeypatch.setattr(copy_engine, "BatchCopier", no_bindings)
+    copier = PageCopier(device, policy=CopyPolicy(copy_engine_min_bytes=0))
+    stream = torch.cuda.Stream(device)
+    with caplog.at_level("WARNING", logger="kvtier.copy.copier"):
+        assert check_round_trip(copier, pools, 24, page, stream, seed=7) == ["copy_engine", "copy_engine"]
+        assert check_round_trip(copier, pools, 24, page, stream, seed=8, offset=3) == ["copy_engine", "copy_engine"]
+        (host_src, dev, host_dst), _ = views(pools, 24, page)
+        fill_words(host_src, 9)
+        torch.cuda.synchronize()
+        assert copier.copy(host_src, dev, [(i, i + 1) for i in range(8)], page, stream) == "copy_engine"
+        assert copier.copy(dev, host_dst, [(i + 1, i + 2) for i in range(8)], page, stream) == "copy_engine"
+        torch.cuda.synchronize()
+        assert torch.equal(host_dst[2 * page : 10 * page], host_src[: 8 * page])
+    assert len(caplog.records) == 1 and "needs cuda-bindings" in caplog.text
+    assert copier._batch is None
+
+
 def test_warm_up_builds_nothing_for_pages_that_go_to_the_copy_engines(device) -> None:
     """Pages the policy gives to the copy engines (2 MiB by default; every size with a threshold
     of 0) never take the kernel: no launch, and its path stays unbuilt."""

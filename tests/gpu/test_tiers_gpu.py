@@ -181,8 +181,8 @@ def test_a_manager_with_tiers_below_builds_its_copy_kernel_before_any_request(tm
 
 NO_KERNEL_CHILD = """
 import sys
-if {no_triton!r}:
-    sys.modules["triton"] = None  # as if it were not installed: importing it raises ImportError
+for name in {missing!r}:
+    sys.modules[name] = None  # as if it were not installed: importing it raises ImportError
 from pathlib import Path
 from tests.gpu.test_tiers_gpu import cascade_and_reload
 from tests.test_tiers import manager
@@ -193,20 +193,27 @@ print("exact", flush=True)
 """
 
 
-@pytest.mark.parametrize("broken", ["no C compiler", "no Triton"])
+@pytest.mark.parametrize("broken", ["no C compiler", "no Triton", "no cuda-bindings"])
 def test_a_manager_whose_copy_kernel_cannot_be_built_moves_pages_through_the_copy_engines(tmp_path, broken):
     """A process where Triton cannot build the kernel's launcher (its compiler missing, an empty
-    Triton cache) or cannot be imported: the manager is still made, with one WARNING naming the
-    cause, and its small pages move between tiers through the copy engines, byte for byte."""
+    Triton cache), or where Triton or cuda-bindings cannot be imported: the manager is still made,
+    with one WARNING naming the cause (and one more without cuda-bindings, whose copy-engine calls
+    go as torch copies), and its small pages move between tiers through the copy engines, byte
+    for byte."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "triton"))
     if broken == "no C compiler":
         env["CC"] = str(tmp_path / "no-such-cc")
-    code = NO_KERNEL_CHILD.format(no_triton=broken == "no Triton", path=str(tmp_path / "disk"))
+    missing = {"no C compiler": [], "no Triton": ["triton"], "no cuda-bindings": ["cuda.bindings"]}[broken]
+    code = NO_KERNEL_CHILD.format(missing=missing, path=str(tmp_path / "disk"))
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert child.returncode == 0 and child.stdout.strip() == "exact", child.stderr[-3000:]
-    warnings = [line for line in child.stderr.splitlines() if "the copy kernel cannot be built" in line]
-    assert len(warnings) == 1, child.stderr[-3000:]
-    assert ("no-such-cc" if broken == "no C compiler" else "triton") in warnings[0]
+    lines = child.stderr.splitlines()
+    kernel = [line for line in lines if "the copy kernel cannot be built" in line]
+    assert len(kernel) == 1, child.stderr[-3000:]
+    cause = {"no C compiler": "no-such-cc", "no Triton": "triton", "no cuda-bindings": "cuda.bindings"}[broken]
+    assert cause in kernel[0]
+    batched = [line for line in lines if "needs cuda-bindings" in line]
+    assert len(batched) == (broken == "no cuda-bindings"), child.stderr[-3000:]
 
 
 @pytest.mark.parametrize("layout", ["three-tiers", "primary-and-disk"])
