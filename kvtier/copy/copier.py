@@ -81,6 +81,7 @@ class PageCopier:
         self._kernel: _KernelPath | None = None
         self._kernel_unavailable: str | None = None  # why ``warm_up`` could not build the kernel path
         self._without_bindings = False  # cuda-bindings missing: the copy engines' calls go through torch
+        self._building = threading.Lock()  # held while the kernel path or the batched copier is built
         self._facts = BufferFactsCache(dev)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
@@ -142,25 +143,30 @@ class PageCopier:
     def _build_kernel(self) -> bool:
         """Build the kernel path with one launch over a scratch of its own; False, with one WARNING
         and every later call routed to the copy engines, where it cannot be built."""
-        try:
-            from kvtier.copy.kernel import ALIGN  # (imports Triton)
+        with self._building:  # one kernel path per copier: its ring's tables outlive the launches reading them
+            if self._kernel is not None or self._kernel_unavailable is not None:
+                return self._kernel is not None
+            try:
+                from kvtier.copy.kernel import ALIGN  # (imports Triton)
 
-            scratch = torch.empty(2 * ALIGN, dtype=torch.uint8, device=self.device)
-            pairs = np.array([[0, 1]], dtype=np.int64)
-            request = CopyRequest(src=scratch, dst=scratch, pairs=pairs, page_bytes=ALIGN)
-            facts = self._facts.of("scratch", scratch)
-            self._copy_with_kernel(request, None, facts, facts)
-        except Exception as error:  # Triton's import, compiler and launcher raise many kinds
-            self._kernel = None
-            self._kernel_unavailable = f"{type(error).__name__}: {error}"
-            logger.warning(
-                "kvtier: the copy kernel cannot be built on %s (%s); every copy goes to the copy engines, "
-                "slower for small pages (install 'kvtier[gpu]' and a C compiler for Triton to use it)",
-                self.device,
-                self._kernel_unavailable,
-            )
-            return False
-        return True
+                kernel = _KernelPath(self.device.index, self._sm_count)
+                scratch = torch.empty(2 * ALIGN, dtype=torch.uint8, device=self.device)
+                pairs = np.array([[0, 1]], dtype=np.int64)
+                request = CopyRequest(src=scratch, dst=scratch, pairs=pairs, page_bytes=ALIGN)
+                facts = self._facts.of("scratch", scratch)
+                stream = _current_raw_stream(self.device.index)
+                kernel.copy(request, facts, facts, stream, lambda: self.torch_stream(None))
+            except Exception as error:  # Triton's import, compiler and launcher raise many kinds
+                self._kernel_unavailable = f"{type(error).__name__}: {error}"
+                logger.warning(
+                    "kvtier: the copy kernel cannot be built on %s (%s); every copy goes to the copy engines, "
+                    "slower for small pages (install 'kvtier[gpu]' and a C compiler for Triton to use it)",
+                    self.device,
+                    self._kernel_unavailable,
+                )
+                return False
+            self._kernel = kernel
+            return True
 
     @property
     def kernel_unavailable(self) -> str | None:
@@ -193,17 +199,7 @@ class PageCopier:
         self, request: CopyRequest, runs: np.ndarray, stream: int, src: BufferFacts, dst: BufferFacts
     ) -> None:
         if self._batch is None and not self._without_bindings:
-            from kvtier.copy.copy_engine import BatchCopier
-
-            try:
-                self._batch = BatchCopier(self.device.index)
-            except ImportError as error:  # cuda-bindings is not installed
-                self._without_bindings = True
-                logger.warning(
-                    "kvtier: the batched copy-engine call needs cuda-bindings (%s); each run of pages "
-                    "goes as one torch copy instead, slower for scattered pages (install 'kvtier[gpu]')",
-                    error,
-                )
+            self._build_batch()
         if self._without_bindings:
             copy_runs_with_torch(request, runs, self.torch_stream(stream))
             return
@@ -219,6 +215,23 @@ class PageCopier:
             pageable=pageable,
         )
 
+    def _build_batch(self) -> None:
+        """Make the batched copier, once; without cuda-bindings, log it and copy through torch."""
+        from kvtier.copy.copy_engine import BatchCopier
+
+        with self._building:
+            if self._batch is not None or self._without_bindings:
+                return
+            try:
+                self._batch = BatchCopier(self.device.index)
+            except ImportError as error:  # cuda-bindings is not installed
+                self._without_bindings = True
+                logger.warning(
+                    "kvtier: the batched copy-engine call needs cuda-bindings (%s); each run of pages "
+                    "goes as one torch copy instead, slower for scattered pages (install 'kvtier[gpu]')",
+                    error,
+                )
+
     def _copy_with_kernel(self, request: CopyRequest, stream: StreamArg, src: BufferFacts, dst: BufferFacts) -> None:
         from kvtier.copy.kernel import check_kernel_args
 
@@ -229,10 +242,11 @@ class PageCopier:
                     f"{name} is pageable host memory, which the copy kernel cannot reach; "
                     "allocate it with kvtier.storage.pinned.allocate_host_buffer"
                 )
-        if self._kernel is None:
-            self._kernel = _KernelPath(self.device.index, self._sm_count)
+        kernel = self._kernel
+        if kernel is None:  # ``copy`` builds it before the first call it routes here
+            raise RuntimeError("the copy kernel's path is not built")
         handle = self._stream_handle(stream)
-        self._kernel.copy(request, src, dst, handle, lambda: self.torch_stream(stream))
+        kernel.copy(request, src, dst, handle, lambda: self.torch_stream(stream))
 
     def _stream_handle(self, stream: StreamArg) -> int:
         if stream is None:
