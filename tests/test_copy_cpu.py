@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -71,6 +74,29 @@ def test_stream_is_ignored_on_the_cpu(copier: PageCopier) -> None:
 def test_warm_up_does_nothing_on_the_cpu(copier: PageCopier) -> None:
     """There is no kernel path to build without CUDA, whatever the page sizes."""
     assert copier.warm_up([16, 4096, 1 << 21]) is False
+
+
+WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # as if it were not installed: importing it raises ImportError
+import torch
+from kvtier.copy import PageCopier
+from kvtier.copy.kernel_args import check_kernel_args
+buffer = torch.zeros(64, dtype=torch.uint8)
+check_kernel_args(buffer, buffer, 16)
+try:
+    check_kernel_args(buffer, buffer, 24)
+except ValueError as error:
+    print("refused:", error)
+"""
+
+
+def test_the_copier_and_the_kernels_checks_need_no_triton() -> None:
+    """On a machine without Triton the copier imports and a call the kernel would refuse is refused
+    by its checks, which import no Triton: only building the kernel needs it."""
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("refused: the copy kernel needs a page size that is a multiple of 16")
 
 
 def test_one_buffer_with_disjoint_reads_and_writes(copier: PageCopier) -> None:

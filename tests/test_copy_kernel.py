@@ -19,7 +19,8 @@ import pytest
 import torch
 import triton
 
-from kvtier.copy.kernel import ALIGN, MAX_PAGE_BYTES, ROWS, Split, _triton_version, check_kernel_args, plan_split
+from kvtier.copy.kernel import ROWS, Split, _triton_version, plan_split
+from kvtier.copy.kernel_args import ALIGN, MAX_PAGE_BYTES, check_kernel_args
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton's interpreter before 3.7 takes a tensor used as a loop bound to an int with ``int()`` of a

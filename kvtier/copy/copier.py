@@ -31,6 +31,7 @@ from kvtier.copy.buffer_facts import BufferFacts, BufferFactsCache
 from kvtier.copy.copy_engine import LEGACY_STREAM_HANDLES
 from kvtier.copy.copy_request import CopyRequest, check_request
 from kvtier.copy.cpu import copy_pages_cpu
+from kvtier.copy.kernel_args import ALIGN, check_kernel_args
 from kvtier.copy.link import LinkInfo, detect_link
 from kvtier.copy.policy import SEPARATE_COPY_RUNS, CopyPath, CopyPolicy, DevicePath
 from kvtier.copy.runs import build_runs, many_runs
@@ -107,11 +108,9 @@ class PageCopier:
             copy_pages_cpu(request, build_runs(request.pairs, request.page_bytes))
             return "cpu"
         path, runs = self._route(request, src_facts, dst_facts)
-        if path == "kernel" and self._kernel is None and not self._build_kernel():
-            path = "copy_engine"  # it cannot be built here: logged once
-        if path == "kernel":
-            self._copy_with_kernel(request, stream, src_facts, dst_facts)
-        else:
+        if path == "kernel" and not self._copy_with_kernel(request, stream, src_facts, dst_facts):
+            path = "copy_engine"  # the kernel cannot be built here (logged once)
+        if path == "copy_engine":
             if runs is None:
                 runs = build_runs(request.pairs, request.page_bytes, src_facts.grid, dst_facts.grid)
             self._copy_with_engines(request, runs, self._stream_handle(stream), src_facts, dst_facts)
@@ -138,17 +137,15 @@ class PageCopier:
         coherent = self.link.coherent
         if all(self.policy.choose(size, coherent_link=coherent) != "kernel" for size in page_sizes):
             return False
-        return self._build_kernel()
+        return self._build_kernel() is not None
 
-    def _build_kernel(self) -> bool:
-        """Build the kernel path with one launch over a scratch of its own; False, with one WARNING
-        and every later call routed to the copy engines, where it cannot be built."""
+    def _build_kernel(self) -> _KernelPath | None:
+        """The kernel path, built once with one launch over a scratch of its own; None, with one
+        WARNING and every later call routed to the copy engines, where it cannot be built."""
         with self._building:  # one kernel path per copier: its ring's tables outlive the launches reading them
             if self._kernel is not None or self._kernel_unavailable is not None:
-                return self._kernel is not None
+                return self._kernel
             try:
-                from kvtier.copy.kernel import ALIGN  # (imports Triton)
-
                 kernel = _KernelPath(self.device.index, self._sm_count)
                 scratch = torch.empty(2 * ALIGN, dtype=torch.uint8, device=self.device)
                 pairs = np.array([[0, 1]], dtype=np.int64)
@@ -164,14 +161,14 @@ class PageCopier:
                     self.device,
                     self._kernel_unavailable,
                 )
-                return False
+                return None
             self._kernel = kernel
-            return True
+            return kernel
 
     @property
     def kernel_unavailable(self) -> str | None:
-        """Why ``warm_up`` could not build the copy kernel (the error, named), or None: then every
-        call of this copier goes to the copy engines."""
+        """Why the copy kernel could not be built (by ``warm_up`` or a first call that the policy gave
+        it), the error named; then every call of this copier goes to the copy engines. Else None."""
         return self._kernel_unavailable
 
     def _route(self, request: CopyRequest, src: BufferFacts, dst: BufferFacts) -> tuple[DevicePath, np.ndarray | None]:
@@ -232,9 +229,9 @@ class PageCopier:
                     error,
                 )
 
-    def _copy_with_kernel(self, request: CopyRequest, stream: StreamArg, src: BufferFacts, dst: BufferFacts) -> None:
-        from kvtier.copy.kernel import check_kernel_args
-
+    def _copy_with_kernel(self, request: CopyRequest, stream: StreamArg, src: BufferFacts, dst: BufferFacts) -> bool:
+        """Enqueue the call on the kernel, building it first if need be; False, with nothing done,
+        where it cannot be built. ``ValueError`` before any GPU work for what the kernel refuses."""
         check_kernel_args(request.src, request.dst, request.page_bytes)
         for name, facts in (("src", src), ("dst", dst)):
             if facts.host and not facts.pinned:
@@ -242,11 +239,12 @@ class PageCopier:
                     f"{name} is pageable host memory, which the copy kernel cannot reach; "
                     "allocate it with kvtier.storage.pinned.allocate_host_buffer"
                 )
-        kernel = self._kernel
-        if kernel is None:  # ``copy`` builds it before the first call it routes here
-            raise RuntimeError("the copy kernel's path is not built")
+        kernel = self._kernel or self._build_kernel()
+        if kernel is None:
+            return False
         handle = self._stream_handle(stream)
         kernel.copy(request, src, dst, handle, lambda: self.torch_stream(stream))
+        return True
 
     def _stream_handle(self, stream: StreamArg) -> int:
         if stream is None:

@@ -11,7 +11,7 @@ a few KiB in flight, which caps one page at 10-24 GB/s on a 55 GB/s link (measur
 per SM, steps of 256-1024 rows, 4 or 8 warps) moved the reference shapes (docs/copy.md) at 48-52 GB/s idle; 2
 programs per SM of 1024 rows held up best under a compute load (docs/copy.md).
 
-Requirements, checked by ``check_kernel_args`` before any GPU work: the page size is a multiple
+Requirements, checked by ``kvtier.copy.kernel_args.check_kernel_args`` before any GPU work: the page size is a multiple
 of 16 and below ``MAX_PAGE_BYTES``, and both buffers start on a 16-byte boundary (then every slot
 does too). Host memory is reached through its device-mapped (UVA) address, so it must be pinned or
 registered (the copier checks that); the copier resolves that address once per buffer and passes
@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-ALIGN: Final = 16
+from kvtier.copy.kernel_args import ALIGN
+
 ROWS: Final = 1024
 NUM_WARPS: Final = 4
 PROGRAMS_PER_SM: Final = 2
-MAX_PAGE_BYTES: Final = ALIGN << 31  # the kernel's scalar arguments stay 32-bit integers below it
 
 
 class Split(NamedTuple):
@@ -58,23 +58,6 @@ def plan_split(page_bytes: int, pages: int, target_programs: int, rows: int = RO
     total = page_rows * pages
     per = min(page_rows, max(min(rows, page_rows), -(-total // max(target_programs, 1))))
     return Split(per, -(-page_rows // per))
-
-
-def check_kernel_args(src: torch.Tensor, dst: torch.Tensor, page_bytes: int) -> None:
-    """``ValueError`` unless the kernel can move pages of ``page_bytes`` between these buffers."""
-    if page_bytes % ALIGN:
-        raise ValueError(
-            f"the copy kernel needs a page size that is a multiple of {ALIGN} bytes, got {page_bytes}; "
-            "pad the page or use the copy engines (KVTIER_COPY_ENGINE_MIN_BYTES=0)"
-        )
-    if page_bytes >= MAX_PAGE_BYTES:
-        raise ValueError(
-            f"the copy kernel takes pages below {MAX_PAGE_BYTES} bytes, got {page_bytes}; "
-            "use the copy engines (KVTIER_COPY_ENGINE_MIN_BYTES=0)"
-        )
-    for name, buffer in (("src", src), ("dst", dst)):
-        if buffer.data_ptr() % ALIGN:
-            raise ValueError(f"the copy kernel needs {name} to start on a {ALIGN}-byte boundary")
 
 
 @triton.jit(do_not_specialize=["page_rows", "rows_per_program", "programs_per_page"])

@@ -8,7 +8,11 @@ names keep their poison and are checked too.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,6 +38,7 @@ ROUND_TRIP_SHAPES = [
     (64, 4 * MiB),
     (512, 64 * 1024),
 ]
+ROOT = Path(__file__).resolve().parents[2]
 SPARE_SLOTS = 2
 POOL_BYTES = 3 * 217_055_232
 POISON = 0xA5
@@ -352,6 +357,36 @@ def test_a_first_kernel_call_where_the_kernel_cannot_be_built_goes_to_the_copy_e
         assert check_round_trip(copier, pools, 140, 4096, stream, seed=5) == ["copy_engine", "copy_engine"]
         assert check_round_trip(copier, pools, 3, 4096, stream, seed=6) == ["copy_engine", "copy_engine"]
     assert len(caplog.records) == 1 and "No module named 'triton'" in caplog.text
+
+
+FIRST_CALL_WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # as if it were not installed: importing it raises ImportError
+import torch
+from kvtier.copy import PageCopier
+from kvtier.storage.pinned import allocate_host_buffer
+host = allocate_host_buffer(64 * 4096, 4096, "cuda")
+host.tensor.copy_(torch.randint(1, 256, (64 * 4096,), dtype=torch.uint8))
+dev = torch.zeros(64 * 4096, dtype=torch.uint8, device="cuda")
+back = allocate_host_buffer(64 * 4096, 4096, "cuda")
+copier = PageCopier("cuda")
+pairs = [(i, 63 - i) for i in range(40)]
+print(copier.copy(host.tensor, dev, pairs, 4096), copier.copy(dev, back.tensor, [(d, s) for s, d in pairs], 4096))
+torch.cuda.synchronize()
+print("exact" if torch.equal(back.tensor[: 40 * 4096], host.tensor[: 40 * 4096]) else "wrong")
+"""
+
+
+def test_a_first_kernel_call_without_triton_goes_to_the_copy_engines() -> None:
+    """No warm-up, no Triton: the first call the policy gives the kernel is refused nothing and
+    lands through the copy engines, with one WARNING."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_CALL_WITHOUT_TRITON], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["copy_engine", "copy_engine", "exact"], done.stdout
+    assert done.stderr.count("the copy kernel cannot be built") == 1, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("page", [4096, 2 * MiB])
