@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -14,6 +11,7 @@ from hypothesis import strategies as st
 from kvtier.copy import PageCopier
 from kvtier.copy.copy_request import _scan
 from kvtier.copy.cpu import LOOP_MIN_PAGE_BYTES
+from tests.test_tiers import run_python
 
 
 def filled(slots: int, page: int, seed: int = 0) -> torch.Tensor:
@@ -94,7 +92,7 @@ except ValueError as error:
 def test_the_copier_and_the_kernels_checks_need_no_triton() -> None:
     """On a machine without Triton the copier imports and a call the kernel would refuse is refused
     by its checks, which import no Triton: only building the kernel needs it."""
-    done = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, timeout=120)
+    done = run_python(WITHOUT_TRITON)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("refused: the copy kernel needs a page size that is a multiple of 16")
 

@@ -521,8 +521,9 @@ def test_index_rows_with_wrong_values_are_rejected(tmp_path):
     again.close()
 
 
-def run_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def run_python(code: str, timeout: int = 120, **env_vars: str) -> subprocess.CompletedProcess:
+    """``code`` in a Python process of its own, the source tree importable, ``env_vars`` set."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env_vars)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env
     )

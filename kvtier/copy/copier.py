@@ -195,13 +195,12 @@ class PageCopier:
     def _copy_with_engines(
         self, request: CopyRequest, runs: np.ndarray, stream: int, src: BufferFacts, dst: BufferFacts
     ) -> None:
-        if self._batch is None and not self._without_bindings:
-            self._build_batch()
-        if self._without_bindings:
+        batch = self._batch or self._build_batch()
+        if batch is None:
             copy_runs_with_torch(request, runs, self.torch_stream(stream))
             return
         pageable = (src.host and not src.pinned) or (dst.host and not dst.pinned)
-        self._batch.copy_runs(
+        batch.copy_runs(
             runs,
             request.page_bytes,
             src.address,
@@ -212,22 +211,25 @@ class PageCopier:
             pageable=pageable,
         )
 
-    def _build_batch(self) -> None:
-        """Make the batched copier, once; without cuda-bindings, log it and copy through torch."""
+    def _build_batch(self) -> BatchCopier | None:
+        """The batched copier, made once; None without cuda-bindings (logged once): the copy
+        engines' calls then go as torch copies."""
+        if self._without_bindings:
+            return None
         from kvtier.copy.copy_engine import BatchCopier
 
         with self._building:
-            if self._batch is not None or self._without_bindings:
-                return
-            try:
-                self._batch = BatchCopier(self.device.index)
-            except ImportError as error:  # cuda-bindings is not installed
-                self._without_bindings = True
-                logger.warning(
-                    "kvtier: the batched copy-engine call needs cuda-bindings (%s); each run of pages "
-                    "goes as one torch copy instead, slower for scattered pages (install 'kvtier[gpu]')",
-                    error,
-                )
+            if self._batch is None and not self._without_bindings:
+                try:
+                    self._batch = BatchCopier(self.device.index)
+                except ImportError as error:  # cuda-bindings is not installed
+                    self._without_bindings = True
+                    logger.warning(
+                        "kvtier: the batched copy-engine call needs cuda-bindings (%s); each run of pages "
+                        "goes as one torch copy instead, slower for scattered pages (install 'kvtier[gpu]')",
+                        error,
+                    )
+            return self._batch
 
     def _copy_with_kernel(self, request: CopyRequest, stream: StreamArg, src: BufferFacts, dst: BufferFacts) -> bool:
         """Enqueue the call on the kernel, building it first if need be; False, with nothing done,

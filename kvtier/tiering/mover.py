@@ -312,11 +312,12 @@ class Mover:
         host = staging.numpy()
         stream = self._stream(None, shared=True)
         parts = [(start, min(start + step, len(pages))) for start in range(0, len(pages), step)]
+        slots = np.array([p.slot for p in pages], dtype=np.int64)
 
         def copy_down(part: int) -> torch.cuda.Event:
             start, end = parts[part]
             base = part % 2 * step
-            pairs = np.array([[p.slot, base + i] for i, p in enumerate(pages[start:end])], dtype=np.int64)
+            pairs = np.stack([slots[start:end], np.arange(base, base + end - start)], axis=1)
             path = self.copier.copy(src.storage.buffers[group], staging, pairs, page_bytes, stream)
             self.counters.add_copy(src.name, "host", path, (end - start) * page_bytes)
             return _recorded(stream)

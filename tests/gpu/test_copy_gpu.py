@@ -8,11 +8,7 @@ names keep their poison and are checked too.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +17,7 @@ import torch
 from kvtier.copy import CopyPolicy, PageCopier
 from kvtier.copy.policy import SEPARATE_COPY_RUNS
 from kvtier.storage.pinned import allocate_host_buffer
+from tests.test_tiers import run_python
 
 if not torch.cuda.is_available():  # the module-scoped fixtures below need the device
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -38,7 +35,6 @@ ROUND_TRIP_SHAPES = [
     (64, 4 * MiB),
     (512, 64 * 1024),
 ]
-ROOT = Path(__file__).resolve().parents[2]
 SPARE_SLOTS = 2
 POOL_BYTES = 3 * 217_055_232
 POISON = 0xA5
@@ -378,12 +374,9 @@ print("exact" if torch.equal(back.tensor[: 40 * 4096], host.tensor[: 40 * 4096])
 
 
 def test_a_first_kernel_call_without_triton_goes_to_the_copy_engines() -> None:
-    """No warm-up, no Triton: the first call the policy gives the kernel is refused nothing and
-    lands through the copy engines, with one WARNING."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-c", FIRST_CALL_WITHOUT_TRITON], capture_output=True, text=True, env=env, timeout=300
-    )
+    """No warm-up, no Triton: the first call the policy gives the kernel is not refused; it lands
+    through the copy engines, with one WARNING."""
+    done = run_python(FIRST_CALL_WITHOUT_TRITON, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["copy_engine", "copy_engine", "exact"], done.stdout
     assert done.stderr.count("the copy kernel cannot be built") == 1, done.stderr[-3000:]

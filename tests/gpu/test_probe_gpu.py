@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.test_tiers import run_python
+
+PROBE = """
+import sys
+from kvtier.cli import main
+sys.exit(main(["probe", "--device", "cuda"]))
+"""
 
 
 def probe(env: dict[str, str]) -> dict[str, str]:
-    """The rows of ``kvtier probe --device cuda`` run in a process of its own with ``env``."""
-    done = subprocess.run(
-        [sys.executable, "-m", "kvtier", "probe", "--device", "cuda"],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
-        timeout=300,
-    )
+    """The rows of ``kvtier probe --device cuda`` run in a process of its own with ``env`` set."""
+    done = run_python(PROBE, timeout=300, **env)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(re.split(r"\s{2,}", line, maxsplit=1) for line in done.stdout.splitlines())
 

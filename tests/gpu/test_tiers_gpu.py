@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.kvdata import PageOracle
 from tests.test_cache_properties import machine
-from tests.test_reliability_soak import ROOT, kill_writers_and_restart
-from tests.test_tiers import convo, manager, prefill
+from tests.test_reliability_soak import kill_writers_and_restart
+from tests.test_tiers import convo, manager, prefill, run_python
 
 
 def cascade_and_reload(mgr, path: str | None = None) -> None:
@@ -200,12 +197,11 @@ def test_a_manager_whose_copy_kernel_cannot_be_built_moves_pages_through_the_cop
     with one WARNING naming the cause (and one more without cuda-bindings, whose copy-engine calls
     go as torch copies), and its small pages move between tiers through the copy engines, byte
     for byte."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    env = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}  # empty: Triton's launcher is compiled again
     if broken == "no C compiler":
         env["CC"] = str(tmp_path / "no-such-cc")
     missing = {"no C compiler": [], "no Triton": ["triton"], "no cuda-bindings": ["cuda.bindings"]}[broken]
-    code = NO_KERNEL_CHILD.format(missing=missing, path=str(tmp_path / "disk"))
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    child = run_python(NO_KERNEL_CHILD.format(missing=missing, path=str(tmp_path / "disk")), timeout=300, **env)
     assert child.returncode == 0 and child.stdout.strip() == "exact", child.stderr[-3000:]
     lines = child.stderr.splitlines()
     kernel = [line for line in lines if "the copy kernel cannot be built" in line]
