@@ -406,6 +406,39 @@ def test_a_failed_resize_of_a_model_with_two_groups_evicts_nothing():
         other.close()
 
 
+def test_a_failed_resume_of_a_model_with_two_groups_moves_nothing():
+    """A suspended cache demoted to host memory, and a primary tier whose sliding-window group has
+    cached pages to evict but whose full-attention group an active cache holds whole: ``resume``
+    returns False having moved no page. Before, the window group's room was made (a page demoted)
+    before the full-attention group was found short. Once room is freed the cache resumes with
+    its bytes."""
+    spec = kvtier.ModelSpec([kvtier.AttentionLayer(1, 4, window=4), kvtier.AttentionLayer(1, 4)], torch.float32)
+    config = kvtier.CacheConfig(TPB, [kvtier.PrimaryTier(2048), kvtier.HostTier(1 << 16)])
+    with kvtier.KVCacheManager(spec, config) as mgr:
+        oracle = PageOracle(mgr)
+        mine = list(range(200, 216))
+        cache = run_request(mgr, oracle, mine, close=False)
+        cache.suspend()
+        held = list(range(100, 132))
+        holder = run_request(mgr, oracle, held, close=False)  # pushes ``cache`` to host memory
+        before = mgr.stats()
+        assert before.tiers["host"].pages_used > 0
+        assert cache.resume() is False and cache.state is kvtier.CacheState.SUSPENDED
+        after = mgr.stats()
+        assert (after.demotions, after.promotions, after.evictions, after.drops) == (
+            before.demotions,
+            before.promotions,
+            before.evictions,
+            before.drops,
+        )
+        mgr.check_invariants()
+        holder.close()
+        assert cache.resume()
+        oracle.check(cache, mine)
+        cache.close()
+        mgr.check_invariants()
+
+
 def test_shorten_reuse_of_a_closed_managers_cache_says_it_is_closed():
     """Every method of a closed manager's caches raises ``CacheStateError``, whatever it is given.
     Before, ``shorten_reuse("x")`` checked its argument first: a ``TypeError``."""

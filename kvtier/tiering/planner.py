@@ -300,9 +300,13 @@ class MovePlanner:
         ``need`` counts the pages outside the primary tier plus any new pages to allocate. The
         pages must be pinned (locked) by the caller so that making room cannot evict them. Pages
         in the memory tier right below swap places with the victims (``make_room``'s ``leaving``).
-        Returns False when the primary tier cannot hold them all; pages swapped up by then stay
-        there (still locked by the caller, as the others stay where they are).
+        Returns False when the primary tier cannot hold them all: when a group lacks the victims,
+        before any page of another group was moved (a tier below too full of held pages to take
+        them may still stop it midway; pages swapped up by then stay there, still locked by the
+        caller, as the others stay where they are).
         """
+        if len(need) > 1 and not all(self.has_victims(PRIMARY, g, n) for g, n in need.items()):
+            return False
         tiers = [page.tier for page in pages]  # the one pass that reads where they are
         cold = pages
         if PRIMARY in tiers:
