@@ -228,8 +228,15 @@ class KVTierScheduler:
                 lease.reads = []
                 self.manager.maintain()  # lands the pages read
             in_memory = lease.cache.reused_in_memory
-            if in_memory == lease.matched or self._gave_up_reading(request, lease, in_memory):
-                break  # what is still on disk is recomputed
+            if in_memory == lease.matched:
+                break
+            stop = self._reason_to_stop_reading(request, lease, in_memory)
+            if stop is not None:
+                log.debug(
+                    "kvtier.vllm: request %s: %d of its %d cached tokens in host memory; the rest, on disk, is "
+                    "recomputed (%s)", rid, in_memory, lease.matched, stop,
+                )  # fmt: skip
+                break
             if not lease.reads:
                 return None, False  # another read has its pages, or host memory has no room: asked again next step
         lease.fetched()  # the offer counts only the store's blocks that arrived whole
@@ -261,34 +268,35 @@ class KVTierScheduler:
             return False
         return self.vllm_cached is None or in_memory > self.vllm_cached(request)
 
-    def _gave_up_reading(self, request: Request, lease: Lease, in_memory: int) -> bool:
+    def _reason_to_stop_reading(self, request: Request, lease: Lease, in_memory: int) -> str | None:
         """Start reading the request's cached pages still on disk (past the ``in_memory`` tokens of
         its ``reused_in_memory``) into host memory on the manager's background thread (the lease
-        waits for that read: ``lease.reads``). False when one
-        started, or when none could and it may still wait: another read has its pages, or host
-        memory has no room that other requests may free, and less than ``disk_read_wait_s`` passed
-        since its first ask. True when none could and it may not: it is past that wait, or nothing
-        stands in the way (its pages were found damaged, or its own pages fill host memory). True
-        too, past that wait, for a read that would follow one that brought no more of the prefix
-        into host memory than there was when it started: its pages left again before its ask saw
-        them (other requests' reads took the room), which could go on for ever. A read that did
-        bring more (it read what room there was) is followed by the next, wait or not."""
+        waits for that read: ``lease.reads``). None when one started, or when none could and it
+        may still wait: another read has its pages, or host memory has no room that other requests
+        may free, and less than ``disk_read_wait_s`` passed since its first ask. Why not, when
+        none could and it may not: it is past that wait, or nothing stands in the way (its pages
+        were found damaged, or its own pages fill host memory). Likewise, past that wait, for a
+        read that would follow one that brought no more of the prefix into host memory than there
+        was when it started: its pages left again before its ask saw them (other requests' reads
+        took the room), which could go on for ever. A read that did bring more (it read what room
+        there was) is followed by the next, wait or not."""
         self._reads = [read for read in self._reads if not read.done()]
-        past_wait = time.monotonic() - lease.created >= self._disk_read_wait_s
+        waited = time.monotonic() - lease.created
+        past_wait = waited >= self._disk_read_wait_s
         if past_wait and lease.read_from is not None and in_memory <= lease.read_from:
-            return True
+            return f"its pages read kept leaving host memory for {waited:.2f} s, past disk_read_wait_s"
         tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
         read = self.manager.prefetch_to_host(tokens, self._scope(request))
         if read is not None:
             self._reads.append(read)
             lease.reads = [read]
             lease.read_from = in_memory
-            return False
+            return None
         if past_wait:
-            return True
-        if self._reads:
-            return False
-        return not self._others_fill_host(lease)
+            return f"no read of them could start for {waited:.2f} s, past disk_read_wait_s"
+        if self._reads or self._others_fill_host(lease):
+            return None
+        return "no read of them can start: they were found damaged, or its own pages fill host memory"
 
     def _others_fill_host(self, lease: Lease) -> bool:
         """Whether host memory has no free page (with several layer groups, none in any of them) while

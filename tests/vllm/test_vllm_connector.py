@@ -6,6 +6,7 @@ own prefix's KV (``WrongKV`` otherwise), so a test passes only if nothing wrong 
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -646,12 +647,14 @@ def test_a_sliding_window_request_whose_vllm_hit_is_longer_than_kvtiers_still_sa
 
 
 @pytest.mark.parametrize("wait_s", [30.0, 0.0], ids=["waits-for-room", "no-wait"])
-def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, wait_s):
+def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, caplog, wait_s):
     """Twelve requests whose prefixes are on disk, with host memory for five of them at once:
     background reads and their reserved pages compete with the leases, and every request still
     finishes with its own KV, nothing leaking, and no page is read on the scheduler thread. A
     request that finds no room waits for it (``disk_read_wait_s``) while the others run, then
-    loads its whole prefix; without that wait, what host memory cannot take is recomputed."""
+    loads its whole prefix; without that wait, what host memory cannot take is recomputed (a
+    DEBUG line says why, for each request that gave up some)."""
+    caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
     first = host_pages_engine(tmp_path, 200, disk_read_wait_s=wait_s)  # its shutdown writes every prefix to disk
     prefixes = [prompt(30 + k, 120) for k in range(12)]
     for i, shared in enumerate(prefixes):
@@ -667,10 +670,14 @@ def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, wa
     assert all(len(second.outputs[f"b{i}"]) == 3 for i in range(12))
     loaded = [first_step_of(second, f"b{i}")[0] for i in range(12)]
     stats = second.kv_scheduler.manager.stats()
+    gave_up = [r.getMessage() for r in caplog.records if "is recomputed (" in r.getMessage()]
+    why = (loaded, stats.recomputed_tokens, stats.checksum_failures, gave_up)
     if wait_s:
-        assert loaded == [112] * 12 and stats.recomputed_tokens == 0
+        assert loaded == [112] * 12 and stats.recomputed_tokens == 0 and not gave_up, why
     else:  # how many find room at their ask depends on the reads' timing (and recomputed requests' saves take room)
-        assert 112 in loaded and stats.recomputed_tokens > 0
+        assert 112 in loaded and stats.recomputed_tokens > 0, why
+        short = {f"b{i}" for i, n in enumerate(loaded) if n < 112}
+        assert {line.split()[2].rstrip(":") for line in gave_up} == short, why
     second.assert_no_leaks()
     second.shutdown()
 
