@@ -57,10 +57,15 @@ def in_memory_prefix(eng, seed: int) -> list[int]:
     return base
 
 
-@pytest.mark.parametrize("policy", ["off", "best_effort", "timeout", "wait_complete"])
-def test_queued_disk_prefix_is_prefetched(model, policy):
+@pytest.mark.parametrize(
+    ("policy", "max_prefetches"),
+    [("off", 4), ("best_effort", 4), ("timeout", 4), ("wait_complete", 4), ("wait_complete", 0)],
+    ids=["off", "best_effort", "timeout", "wait_complete", "none-at-a-time"],
+)
+def test_queued_disk_prefix_is_prefetched(model, policy, max_prefetches):
+    """``max_prefetches=0`` reads nothing ahead, as ``"off"``."""
     with tempfile.TemporaryDirectory() as tmp:
-        eng = engine(model, tmp, policy, prefetch_timeout_s=30.0)
+        eng = engine(model, tmp, policy, prefetch_timeout_s=30.0, max_prefetches=max_prefetches)
         base = prompt(1, 160)
         eng.generate([base], SamplingParams(max_tokens=1))
         for k in range(8):  # push it through host memory onto disk
@@ -72,9 +77,9 @@ def test_queued_disk_prefix_is_prefetched(model, policy):
         assert [o.token_ids for o in outs] == expected
         reused = outs[-1].reused_tokens_by_tier
         assert sum(reused.values()) == 160
-        if policy in ("timeout", "wait_complete"):
+        if policy in ("timeout", "wait_complete") and max_prefetches:
             assert reused["disk"] == 0 and reused["host"] == 160
-        if policy == "off":
+        if policy == "off" or not max_prefetches:
             assert reused["disk"] == 160
         eng.cache_manager.check_invariants()
         eng.close()

@@ -75,8 +75,8 @@ class SchedulerConfig:
       whose turn comes at once reads in the background too, so the running requests never wait
       for its disk. What a read brought stays in host memory until the request's cache is resumed
       (a read holding its pages counts against ``max_prefetches``); a request whose prefix had
-      nothing on disk when it arrived is tried again once it heads the queue. ``"off"``
-      prefetches nothing.
+      nothing on disk when it arrived is tried again once it heads the queue. ``"off"``, or
+      ``max_prefetches=0``, prefetches nothing.
     - ``recompute_when_faster``: weigh a cached prefix found below the primary tier against
       recomputing it (each tier's measured bandwidth against the engine's prefill rate, measured
       from its first step on, calibrated when the engine is built) and recompute the blocks that
