@@ -166,6 +166,14 @@ def vllm_config(
     )
 
 
+def host_pages_engine(tmp_path: Path, host_pages: int, **extra) -> Engine:
+    """An engine with host memory for ``host_pages`` kvtier pages and an 8 MiB disk under
+    ``tmp_path``, 128 vLLM blocks; ``extra``: more of ``kv_connector_extra_config``."""
+    base = {"host_bytes": host_pages * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
+    config = vllm_config(tmp_path, {**base, **extra})
+    return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
+
+
 def attention_spec(window: int | None = None) -> FullAttentionSpec | SlidingWindowSpec:
     if window is None:
         return FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)

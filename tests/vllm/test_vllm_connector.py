@@ -33,6 +33,7 @@ from tests.vllm.harness import (
     Engine,
     MiB,
     attention_spec,
+    host_pages_engine,
     kv_cache_config,
     layer_names,
     prompt,
@@ -61,13 +62,6 @@ def engine(
         extra.update(disk_bytes=8 * MiB, disk_path=str(tmp_path / "disk"), disk_read_wait_s=disk_read_wait_s)
     config = vllm_config(tmp_path, extra, name=name, **kwargs)
     return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], blocks), segmented)
-
-
-def host_pages_engine(tmp_path: Path, host_pages: int, **extra) -> Engine:
-    """An engine with host memory for ``host_pages`` kvtier pages and a disk, 128 vLLM blocks."""
-    base = {"host_bytes": host_pages * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
-    config = vllm_config(tmp_path, {**base, **extra})
-    return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
 
 
 def refuse_disk_writes_on_the_scheduler_thread(monkeypatch) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 or 0.34 (bash .ci/vllm_env.sh)")
 
-from tests.vllm.harness import HOST_PAGE, Engine, MiB, attention_spec, kv_cache_config, layer_names, prompt, vllm_config
+from tests.vllm.harness import host_pages_engine, prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = 16  # prompts the child cycles through (16 x 7 full blocks: more than host memory holds)
@@ -32,8 +32,9 @@ PROMPT_TOKENS = 120
 CHILD = """
 import sys
 from pathlib import Path
-from tests.vllm.test_vllm_killed import served_engine, pool_prompt, POOL
-engine = served_engine(Path(sys.argv[1]), 40)
+from tests.vllm.harness import host_pages_engine
+from tests.vllm.test_vllm_killed import pool_prompt, POOL
+engine = host_pages_engine(Path(sys.argv[1]), 40)
 for k in range(10**9):
     for j in range(4):
         i = (4 * k + j) % POOL
@@ -45,13 +46,6 @@ for k in range(10**9):
 
 def pool_prompt(i: int) -> list[int]:
     return prompt(1000 + i, PROMPT_TOKENS)
-
-
-def served_engine(tmp_path: Path, host_pages: int) -> Engine:
-    """The engine of ``tmp_path``'s model: host memory for ``host_pages`` pages and an 8 MiB disk."""
-    extra = {"host_bytes": host_pages * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
-    config = vllm_config(tmp_path, extra)
-    return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
 
 
 def kill_while_serving(tmp_path: Path, rng: random.Random) -> None:
@@ -79,7 +73,7 @@ def test_an_engine_killed_while_it_writes_to_disk_restarts_with_its_own_kv(tmp_p
     from_disk = 0
     for round_ in range(3):
         kill_while_serving(tmp_path, rng)
-        engine = served_engine(tmp_path, 200)
+        engine = host_pages_engine(tmp_path, 200)
         engine.poison()
         for i in range(POOL):
             engine.add(f"r{round_}-{i}", pool_prompt(i) + [9], max_tokens=2)
