@@ -284,7 +284,7 @@ class KVTierScheduler:
         waited = time.monotonic() - lease.created
         past_wait = waited >= self._disk_read_wait_s
         if past_wait and lease.read_from is not None and in_memory <= lease.read_from:
-            return f"its pages read kept leaving host memory for {waited:.2f} s, past disk_read_wait_s"
+            return f"{waited:.2f} s since its first ask, past disk_read_wait_s: its last read brought none to stay"
         tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
         read = self.manager.prefetch_to_host(tokens, self._scope(request))
         if read is not None:
@@ -293,7 +293,7 @@ class KVTierScheduler:
             lease.read_from = in_memory
             return None
         if past_wait:
-            return f"no read of them could start for {waited:.2f} s, past disk_read_wait_s"
+            return f"{waited:.2f} s since its first ask, past disk_read_wait_s: no read of them can start"
         if self._reads or self._others_fill_host(lease):
             return None
         return "no read of them can start: they were found damaged, or its own pages fill host memory"

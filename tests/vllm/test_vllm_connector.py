@@ -520,11 +520,12 @@ def test_requests_sharing_a_disk_prefix_wait_for_the_one_read(tmp_path, monkeypa
     second.shutdown()
 
 
-def test_a_request_whose_read_pages_keep_leaving_host_memory_stops_reading_after_its_wait(tmp_path):
+def test_a_request_whose_read_pages_keep_leaving_host_memory_stops_reading_after_its_wait(tmp_path, caplog):
     """Pages a request's read brought to host memory are pushed back to disk before its next ask
     sees them, step after step (other requests' pages take the room; seen with two requests over
     a small host memory). After ``disk_read_wait_s`` it reads no more and recomputes what is on
-    disk. Before, it started a new read at every ask, for ever."""
+    disk, and a DEBUG line says why. Before, it started a new read at every ask, for ever."""
+    caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
     shared = prefix_on_disk(tmp_path, 13)
     e = host_pages_engine(tmp_path, 8, disk_read_wait_s=0.3)
     manager = e.kv_scheduler.manager
@@ -555,6 +556,9 @@ def test_a_request_whose_read_pages_keep_leaving_host_memory_stops_reading_after
                 break
             cache.close()
     assert sum(reads) >= 2  # it read again at least once
+    [why] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvtier.vllm: request r2: ")]
+    assert "of its 112 cached tokens in host memory" in why
+    assert why.endswith("past disk_read_wait_s: its last read brought none to stay)")
     e.run()
     assert e.outputs["r2"]
     e.assert_no_leaks()
