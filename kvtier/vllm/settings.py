@@ -21,8 +21,9 @@ Keys of ``kv_connector_extra_config``:
   may wait, from its first scheduling, for reads it cannot start itself (host memory has no room
   for its pages, or another request's read has them), or go on reading pages that left host
   memory again before it could take them (a read that brought none of them to stay); what is still
-  on disk then is recomputed. A read of its own pages, once started, is always waited for, and
-  followed by the next while each brings more.
+  on disk then is recomputed (a DEBUG line of ``kvtier.vllm.scheduler`` says why). A read of its
+  own pages, once started, is always waited for, and followed by the next while each brings more.
+  The wait is wall-clock time: a stall of the scheduler's process counts.
 - ``recompute_when_faster`` (bool, default False): a request reads from disk only the blocks whose
   read (at the disk's speed, measured on the connector's own reads and kept in the disk directory
   across restarts) beats recomputing them, and recomputes the rest without waiting for the disk;
