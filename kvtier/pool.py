@@ -268,7 +268,7 @@ class PagePool:
         cannot; when a group lacks the victims, before any page of another group was evicted (a
         tier below too full of held pages to take them may still stop it midway)."""
         self.release_let_go()
-        if len(need) > 1 and not all(self.planner.has_victims(PRIMARY, g, n) for g, n in need.items()):
+        if not self.planner.primary_has_victims(need):
             return False
         with self._moving() as plan:
             ok = all(self.planner.make_room(PRIMARY, g, n, plan) for g, n in need.items())

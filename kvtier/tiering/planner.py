@@ -133,6 +133,12 @@ class MovePlanner:
         short = count - tier.storage.slots[group].num_free
         return short <= 0 or len(tier.evictable[group].take(short, held_stale=tier.is_last)) >= short
 
+    def primary_has_victims(self, need: dict[int, int]) -> bool:
+        """``has_victims`` in the primary tier for ``need[g]`` slots of every group: asked before
+        making room for several groups, so that one group found short leaves the others' pages
+        where they are (one group needs no asking: ``make_room`` fails before it moves any)."""
+        return len(need) < 2 or all(self.has_victims(PRIMARY, g, n) for g, n in need.items())
+
     def _swap(self, victims: list[Page], leaving: list[Page], plan: MovePlan) -> bool:
         """Demote primary ``victims`` into the slots that ``leaving`` (locked pages of the same group
         in the memory tier below) vacate, and move those up into free primary slots or the victims'
@@ -305,7 +311,7 @@ class MovePlanner:
         them may still stop it midway; pages swapped up by then stay there, still locked by the
         caller, as the others stay where they are).
         """
-        if len(need) > 1 and not all(self.has_victims(PRIMARY, g, n) for g, n in need.items()):
+        if not self.primary_has_victims(need):
             return False
         tiers = [page.tier for page in pages]  # the one pass that reads where they are
         cold = pages
