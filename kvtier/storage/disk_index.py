@@ -20,6 +20,8 @@ depth 0; token ids are stored as they are (the files are private to their user).
 Consistency with the slots: changes are buffered and committed in one transaction per manager
 operation, and before a slot is rewritten (the writer calls ``flush`` first), so a row never
 names a slot rewritten with other data. A commit that fails keeps its changes for the next one.
+A commit never runs a checkpoint of SQLite's log, which waits for the disk: those run on a thread
+of their own (``kvtier.storage.wal_checkpoints``).
 
 Opening reads every row. An index that cannot be read (damaged, of another schema or secret, or
 lost while page files remain) is reported with an ERROR line saying what was lost, moved aside
@@ -45,12 +47,14 @@ from pathlib import Path
 
 from kvtier.storage.disk_dir import DiskDirectory, make_private, open_private
 from kvtier.storage.log_limit import RateLimitedWarning
+from kvtier.storage.wal_checkpoints import WalCheckpoints
 
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "index.sqlite"
 SCHEMA_VERSION = "3"  # 3: page checksums are XXH3-64 (schema 2 stored blake2b-64: reported, started empty)
 _SIDE_FILES = ("-wal", "-shm")
+CHECKPOINT_CLOSE_WAIT_S = 10.0  # at close, the wait for a checkpoint in progress (past it, the log stays)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS nodes (
@@ -138,10 +142,12 @@ class DiskIndex:
         self._pending_measured: dict[str, float] = {}
         self._failures = RateLimitedWarning(log, "disk tier index update failed")
         self._db: sqlite3.Connection | None = None
+        self._checkpoints: WalCheckpoints | None = None
         if not directory.readable:
             return
         if directory.writable:
             self._db = self._open_writable()
+            self._checkpoints = self._checkpoint_in_background(self._db)
         else:
             self._read_only_copy()
 
@@ -169,6 +175,14 @@ class DiskIndex:
                 return self._serve_read_only(exc)
             return self._reset(db, str(exc))
         return db
+
+    def _checkpoint_in_background(self, db: sqlite3.Connection | None) -> WalCheckpoints | None:
+        """Checkpoints of ``db``'s log off the committing thread (``kvtier.storage.wal_checkpoints``);
+        None for an index kept in memory (or none)."""
+        if db is None or not db.execute("PRAGMA database_list").fetchone()[2]:
+            return None
+        db.execute("PRAGMA wal_autocheckpoint=0")
+        return WalCheckpoints(self.path)
 
     def _serve_read_only(self, exc: BaseException) -> None:
         """The file system will not have the index written now (full, failing, read-only): nothing
@@ -348,6 +362,8 @@ class DiskIndex:
             self._failures(f"{self.path}: {exc}; the changes are kept and retried, disk writes wait for them")
             return False
         self._clear()
+        if self._checkpoints is not None:
+            self._checkpoints.committed(self._db.total_changes)
         return True
 
     def _clear(self) -> None:
@@ -360,6 +376,8 @@ class DiskIndex:
         """Commit what is pending, close the file and release the directory. Idempotent."""
         if self._db is not None:
             self.flush(measures_alone=True)
+            if self._checkpoints is not None:  # its connection closes first: the last to close removes the log
+                self._checkpoints.close(CHECKPOINT_CLOSE_WAIT_S)
             self._db.close()
             self._db = None
         self._failures.flush()
