@@ -6,7 +6,9 @@ model's identity. While host memory is nearly full, copies of its coldest pages 
 disk on a background thread (``DiskTier.write_behind``, driven each step), so that pushing them
 out of host memory for a save or a read writes nothing on vLLM's scheduler thread; a page the
 disk has not taken yet is dropped instead (``DiskTier.blocking_writes=False``): a slow disk
-costs cache, never scheduler time. Each request gets a ``Lease`` (``kvtier.vllm.lease``):
+costs cache, not scheduler time. (The disk index's commits, on this thread, append to its SQLite
+log and wait for no fsync: its checkpoints run on a thread of their own,
+``kvtier.storage.wal_checkpoints``.) Each request gets a ``Lease`` (``kvtier.vllm.lease``):
 
 - **ask** (``get_num_new_matched_tokens``): the lease's cache matches the longest cached prefix
   (no memory, no copy); tokens past vLLM's own hit are offered, loaded asynchronously. Pages of
