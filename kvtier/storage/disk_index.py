@@ -181,8 +181,12 @@ class DiskIndex:
         None for an index kept in memory (or none)."""
         if db is None or not db.execute("PRAGMA database_list").fetchone()[2]:
             return None
+        try:
+            checkpoints = WalCheckpoints(self.path)
+        except RuntimeError:  # no thread can be started now: the commits checkpoint, SQLite's default
+            return None
         db.execute("PRAGMA wal_autocheckpoint=0")
-        return WalCheckpoints(self.path)
+        return checkpoints
 
     def _serve_read_only(self, exc: BaseException) -> None:
         """The file system will not have the index written now (full, failing, read-only): nothing
