@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="a directory on the disk to time (default: the temporary one)")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--blocks", type=int, default=16)
-    parser.add_argument("--step-ms", type=float, default=20.0, help="a step starts this long after the last (a forward)")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="a step starts this long after the last")
     parser.add_argument("--disk-gib", type=int, default=8)
     args = parser.parse_args()
     spec = kvtier.ModelSpec.uniform(16, 8, 128, torch.float16, model_id="kvtier-bench-write-behind")
