@@ -118,10 +118,10 @@ def test_a_store_dropped_without_close_stops_its_threads(tmp_path):
     """Stores used and dropped without ``close()``: their I/O threads end. Before, each left its
     threads waiting for ever (a pool held by its own threads)."""
 
-    def store_threads() -> int:
-        return sum(t.name.startswith("kvtier-fs-store") for t in threading.enumerate())
+    def store_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("kvtier-fs-store")}
 
-    before = store_threads()
+    before = store_threads()  # other tests' stores, whose threads may end meanwhile
     for i in range(10):
         store = FileSystemStore(tmp_path / str(i), max_bytes=1 << 20, io_threads=2)
         assert put(store, [("k", page_for("k"))]) == [True]
@@ -129,9 +129,9 @@ def test_a_store_dropped_without_close_stops_its_threads(tmp_path):
         del store
     gc.collect()
     deadline = time.monotonic() + 10
-    while store_threads() > before and time.monotonic() < deadline:
+    while store_threads() - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert store_threads() == before
+    assert not store_threads() - before
 
 
 def slow_listing(monkeypatch, seconds: float, gate: threading.Event | None = None) -> None:
