@@ -21,13 +21,14 @@ from kvtier.storage.disk_dir import DiskDirectory
 from kvtier.storage.disk_index import INDEX_FILE, DiskIndex, NodeRow, PageRow
 from tests.test_tiers import run_python
 
-ROWS_PER_COMMIT = 500
+BLOCKS_PER_COMMIT = 500
 
 
 def add_rows(index: DiskIndex, first: int, count: int) -> None:
-    """``count`` blocks (a node row and a page row each) from number ``first``, one commit per ``ROWS_PER_COMMIT``."""
-    for start in range(first, first + count, ROWS_PER_COMMIT):
-        for n in range(start, min(start + ROWS_PER_COMMIT, first + count)):
+    """``count`` blocks (a node row and a page row each) from number ``first``, committed
+    ``BLOCKS_PER_COMMIT`` at a time."""
+    for start in range(first, first + count, BLOCKS_PER_COMMIT):
+        for n in range(start, min(start + BLOCKS_PER_COMMIT, first + count)):
             key = os.urandom(8) + n.to_bytes(8, "little")
             index.put_node(NodeRow(key, os.urandom(16), b"", os.urandom(64), 1 + n % 7))
             index.put(PageRow(key, 0, 0, n, int.from_bytes(os.urandom(7), "little"), n % 3))
