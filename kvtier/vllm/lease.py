@@ -3,7 +3,8 @@
 States, in order:
 
     OFFERED   a SUSPENDED cache holding the longest cached prefix (on any tier, no memory yet);
-              its pages on disk may be on their way to host memory in the background (``reads``)
+              its pages on disk may be on their way to host memory in the background (``reads``),
+              and those read stay there for it (``held``) until it is ACTIVE or let go
     ACTIVE    resumed: every page locked in the host tier. Loads read its pages; saves give it
               new pages (``grow``) that a worker job fills (or, for blocks fetched from the
               store, a background write into host memory, planned and committed as a save).
@@ -57,6 +58,7 @@ class Lease:
         "bound",
         "cache",
         "created",
+        "held",
         "loads",
         "local_tokens",
         "planned",
@@ -89,6 +91,7 @@ class Lease:
         self.store_pages: list[list[bytes]] = []  # per block, per group, the pages fetched
         self.store_tokens = 0  # tokens the store actually supplied
         self.reads: list[HostPrefetch] = []  # background reads bringing the prefix's disk pages to host memory
+        self.held: list[HostPrefetch] = []  # every read started for it: what they landed stays in host memory
         self.read_from: int | None = None  # tokens in memory when its last read started (None: none did)
         self.created = time.monotonic()
         self._commits: deque[_Commit] = deque()
@@ -117,9 +120,25 @@ class Lease:
         if not self.cache.resume():
             self.close()
             return False
+        self.let_go_of_reads()  # the pages they landed are locked by the cache now
         self.state = LeaseState.ACTIVE
         self.planned = self.committed
         return True
+
+    def hold_read(self, read: HostPrefetch) -> None:
+        """Wait for ``read`` (started with ``hold``), and keep what it lands in host memory until
+        the lease is ACTIVE or let go."""
+        self.reads.append(read)
+        self.held.append(read)
+
+    def let_go_of_reads(self) -> None:
+        """Cancel every read started for the lease: one still running stops after the part it is
+        reading, and the pages they landed may leave host memory again (at the manager's next call
+        that lands reads or makes room)."""
+        for read in self.held:
+            read.cancel()
+        self.held = []
+        self.reads = []
 
     @property
     def waiting(self) -> bool:
@@ -211,10 +230,9 @@ class Lease:
             self.close()
 
     def close(self) -> None:
-        """Close the cache: committed blocks stay in the tree for reuse, the rest is freed. A read
-        of its disk pages still running goes on (another lease may wait for it); the manager
-        lands it."""
-        self.reads = []
+        """Close the cache: committed blocks stay in the tree for reuse, the rest is freed. Its reads
+        are let go of (``let_go_of_reads``): a lease that waited for one of them starts its own."""
+        self.let_go_of_reads()
         self.store_fetch = None
         self.store_pages = []
         self._commits.clear()

@@ -14,9 +14,10 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   (no memory, no copy); tokens past vLLM's own hit are offered, loaded asynchronously. Pages of
   the prefix on disk are first read into host memory (checksum-verified) on the manager's
   background thread: until then the ask answers None, and vLLM asks again next step while it
-  schedules the other requests. A read it cannot start itself (host memory has no room, or
-  another request's read has the pages) it waits for up to ``disk_read_wait_s`` from its first
-  ask.
+  schedules the other requests. The pages read stay in host memory for it until it is scheduled.
+  A read it cannot start itself (host memory has no room, requests asked before it wait for room
+  first, or another request's read has the pages) it waits for up to ``disk_read_wait_s`` from
+  its first ask.
 - **early** (``may_load_async``, vLLM 0.34's ``--max-num-inflight-kv-loads``): a request whose
   prefix is all in host memory, past vLLM's own hit, is asked while the running batch is full,
   and its load goes before a slot frees; a prefix with pages on disk (or any, with a store) waits
@@ -167,6 +168,7 @@ class KVTierScheduler:
         self._put_plans: dict[int, tuple[BlockChain, list[bytes], list[np.ndarray]]] = {}
         self._puts: list[tuple[Future, Lease]] = []
         self._reads: list[HostPrefetch] = []  # background reads from disk that may still run
+        self._short_of_room: dict[str, Lease] = {}  # requests whose reads wait for host memory (in ask order)
         self._placements: list[_Placement] = []  # store pages being written into host pages
         self._epoch: str | None = None  # the weights epoch since the last ``reset_cache`` (None: none yet)
         self._epoch_scopes: set[ReuseScope] = set()  # the scopes of that epoch's requests (none for epoch None)
@@ -241,6 +243,7 @@ class KVTierScheduler:
                 break
             if not lease.reads:
                 return None, False  # another read has its pages, or host memory has no room: asked again next step
+        self._short_of_room.pop(rid, None)
         lease.fetched()  # the offer counts only the store's blocks that arrived whole
         if lease.cache.shorten_to_memory():  # vLLM allocates right after this answer: alloc reads no disk
             lease.drop_store_blocks()  # they followed the blocks given up
@@ -272,33 +275,74 @@ class KVTierScheduler:
 
     def _reason_to_stop_reading(self, request: Request, lease: Lease, in_memory: int) -> str | None:
         """Start reading the request's cached pages still on disk (past the ``in_memory`` tokens of
-        its ``reused_in_memory``) into host memory on the manager's background thread (the lease
-        waits for that read: ``lease.reads``). None when one started, or when none could and it
-        may still wait: another read has its pages, or host memory has no room that other requests
-        may free, and less than ``disk_read_wait_s`` passed since its first ask. Why not, when
-        none could and it may not: it is past that wait, or nothing stands in the way (its pages
-        were found damaged, or its own pages fill host memory). Likewise, past that wait, for a
-        read that would follow one that brought no more of the prefix into host memory than there
-        was when it started: its pages left again before its ask saw them (other requests' reads
-        took the room), which could go on for ever. A read that did bring more (it read what room
-        there was) is followed by the next, wait or not."""
+        its ``reused_in_memory``) into host memory on the manager's background thread; the lease
+        waits for that read (``lease.reads``), and what it lands stays in host memory for the lease
+        until the request is scheduled (``lease.held``): other requests' reads cannot push it back
+        to disk before the ask sees it. None when one started, or when none could and it may still
+        wait: another read has its pages, or host memory has no room that other requests may free,
+        and less than ``disk_read_wait_s`` passed since its first ask. Why not, when none could and
+        it may not: it is past that wait, or nothing stands in the way (its pages were found
+        damaged, or its own pages fill host memory).
+
+        Room goes to the requests in the order of their first asks: a request finding none is
+        short of room (``_short_of_room``), no later request starts a read meanwhile, and the reads
+        of later requests that do not have their whole prefix yet are let go of, so that what they
+        hold comes back to it (without that, two requests each holding part of its prefix could
+        wait for each other for ever; with reads not held, they would push each other's pages back
+        to disk instead, read after read).
+
+        Past the wait, a read that would follow one that brought no more of the prefix into host
+        memory than there was when it started (it failed, or was let go of) is not started. A read
+        that did bring more (it read what room there was) is followed by the next, wait or not."""
         self._reads = [read for read in self._reads if not read.done()]
         waited = time.monotonic() - lease.created
         past_wait = waited >= self._disk_read_wait_s
         if past_wait and lease.read_from is not None and in_memory <= lease.read_from:
             return f"{waited:.2f} s since its first ask, past disk_read_wait_s: its last read brought none to stay"
-        tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
-        read = self.manager.prefetch_to_host(tokens, self._scope(request))
-        if read is not None:
-            self._reads.append(read)
-            lease.reads = [read]
-            lease.read_from = in_memory
-            return None
+        ahead = self._first_short_of_room(lease)
+        if ahead is None:
+            tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
+            read = self.manager.prefetch_to_host(tokens, self._scope(request), hold=True)
+            if read is not None:
+                self._reads.append(read)
+                lease.hold_read(read)
+                lease.read_from = in_memory
+                return None
         if past_wait:
-            return f"{waited:.2f} s since its first ask, past disk_read_wait_s: no read of them can start"
-        if self._reads or self._others_fill_host(lease):
+            why = "no read of them can start" if ahead is None else "earlier requests wait for host memory first"
+            return f"{waited:.2f} s since its first ask, past disk_read_wait_s: {why}"
+        if ahead is not None:
+            return None
+        if self._others_fill_host(lease):
+            self._short_of_room[request.request_id] = lease
+            self._reclaim_room_for(lease)
+            return None
+        if self._reads:
             return None
         return "no read of them can start: they were found damaged, or its own pages fill host memory"
+
+    def _first_short_of_room(self, lease: Lease) -> Lease | None:
+        """The request first asked, before ``lease``, of those still waiting for host memory to
+        read their disk pages into (``_short_of_room``); None when there is none. Requests since
+        scheduled, or let go, leave the list here."""
+        for rid, waiter in list(self._short_of_room.items()):
+            if waiter.state is not LeaseState.OFFERED or self._leases.get(rid) is not waiter:
+                del self._short_of_room[rid]
+        earlier = [w for w in self._short_of_room.values() if w is not lease and w.created <= lease.created]
+        return min(earlier, key=lambda w: w.created, default=None)
+
+    def _reclaim_room_for(self, lease: Lease) -> None:
+        """Let go of the reads of requests first asked after ``lease`` whose prefixes are not all in
+        host memory yet: the pages they hold may leave it for ``lease``'s read (from the manager's
+        next call that makes room). They read again when their turn comes."""
+        for other in self._leases.values():
+            if (
+                other.held
+                and other.state is LeaseState.OFFERED
+                and other.created > lease.created
+                and other.cache.reused_in_memory < other.matched
+            ):
+                other.let_go_of_reads()
 
     def _others_fill_host(self, lease: Lease) -> bool:
         """Whether host memory has no free page (with several layer groups, none in any of them) while
