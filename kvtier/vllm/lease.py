@@ -25,6 +25,7 @@ import enum
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -168,19 +169,23 @@ class Lease:
         """Host slots of blocks ``[first_block, end_block)`` of a group (``BAD_PAGE_INDEX`` where none)."""
         return self.cache.page_indices(group_id)[first_block:end_block].astype(np.int64)
 
-    def grow(self, end: int, history: int | None = None) -> bool:
+    def grow(self, end: int, history: int | None = None, make_room: Callable[[], bool] | None = None) -> bool:
         """Pages up to token ``end`` for a save; False (saving stops) when the host tier has no room.
 
         ``history``: the tokens vLLM computed before this step, given while no job of the lease is in
         flight. The cache's history is raised to it, so that the blocks vLLM let go of past a sliding
         window are stale here too (published with the other groups' pages only), not pages no save
-        could fill."""
+        could fill. ``make_room``: called while there is no room, to let go of something that
+        holds host memory (True when it did); tried again after each."""
         assert self.state is LeaseState.ACTIVE and end > self.planned
         if history is not None:
             history = min(max(history, self.cache.history_length), end)
-        if not self.saving or not self.cache.resize(end, history):
-            self.saving = False
+        if not self.saving:
             return False
+        while not self.cache.resize(end, history):
+            if make_room is None or not make_room():
+                self.saving = False
+                return False
         return True
 
     def plan_save(self, job_id: int, tokens: list[int]) -> None:

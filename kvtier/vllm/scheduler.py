@@ -29,7 +29,10 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   pages turned out damaged are reported failed with the job, so vLLM recomputes them.
 - **every step** (``build_connector_meta``): for each scheduled request the blocks that become
   full and computed by the end of the step get host pages and a save job; a page is published
-  for reuse only when its job completed (``update_connector_output``).
+  for reuse only when its job completed (``update_connector_output``). A save that finds no room
+  takes the pages read for requests not scheduled yet, the last asked first (reads for them take
+  at most ``QUEUED_READS_SHARE`` of host memory anyway); one that still finds none ends the
+  request's saving (a DEBUG line says so).
 - **finish** (``request_finished``): with saves in flight vLLM keeps the blocks until the worker
   reports them done; the lease closes when its last job completes.
 - **reset** (``reset_cache``, vLLM's ``reset_prefix_cache(reset_connector=True)`` after a weight
@@ -85,6 +88,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+# Of host memory's pages, the share that reads held for requests not yet scheduled may take (the
+# first request in line to read is never kept back); the rest is for the running requests' saves.
+QUEUED_READS_SHARE = 0.5
 
 BlockIds = tuple[list[int], ...]  # vLLM block ids per KV cache group, positional per block
 
@@ -142,6 +149,7 @@ class KVTierScheduler:
             self.manager.close()  # a construction that fails leaves nothing open (a retry may follow)
             raise
         self._tpb = plan.block_size
+        self._host_pages = self.manager.stats().tiers["primary"].pages_total
         self._disk_read_wait_s = settings.disk_read_wait_s
         # With recompute_when_faster, blocks on a disk slower than the prefill rate are recomputed: the
         # rate given, or the worker's measured one (the one kept in the disk directory until then).
@@ -168,7 +176,8 @@ class KVTierScheduler:
         self._put_plans: dict[int, tuple[BlockChain, list[bytes], list[np.ndarray]]] = {}
         self._puts: list[tuple[Future, Lease]] = []
         self._reads: list[HostPrefetch] = []  # background reads from disk that may still run
-        self._short_of_room: dict[str, Lease] = {}  # requests whose reads wait for host memory (in ask order)
+        self._readers: dict[str, Lease] = {}  # requests waiting for their disk pages to be read
+        self._short_of_room: dict[str, Lease] = {}  # of those, the ones whose reads wait for host memory
         self._placements: list[_Placement] = []  # store pages being written into host pages
         self._epoch: str | None = None  # the weights epoch since the last ``reset_cache`` (None: none yet)
         self._epoch_scopes: set[ReuseScope] = set()  # the scopes of that epoch's requests (none for epoch None)
@@ -234,6 +243,7 @@ class KVTierScheduler:
             in_memory = lease.cache.reused_in_memory
             if in_memory == lease.matched:
                 break
+            self._readers.setdefault(rid, lease)
             stop = self._reason_to_stop_reading(request, lease, in_memory)
             if stop is not None:
                 log.debug(
@@ -243,6 +253,7 @@ class KVTierScheduler:
                 break
             if not lease.reads:
                 return None, False  # another read has its pages, or host memory has no room: asked again next step
+        self._readers.pop(rid, None)
         self._short_of_room.pop(rid, None)
         lease.fetched()  # the offer counts only the store's blocks that arrived whole
         if lease.cache.shorten_to_memory():  # vLLM allocates right after this answer: alloc reads no disk
@@ -278,18 +289,22 @@ class KVTierScheduler:
         its ``reused_in_memory``) into host memory on the manager's background thread; the lease
         waits for that read (``lease.reads``), and what it lands stays in host memory for the lease
         until the request is scheduled (``lease.held``): other requests' reads cannot push it back
-        to disk before the ask sees it. None when one started, or when none could and it may still
-        wait: another read has its pages, or host memory has no room that other requests may free,
-        and less than ``disk_read_wait_s`` passed since its first ask. Why not, when none could and
-        it may not: it is past that wait, or nothing stands in the way (its pages were found
-        damaged, or its own pages fill host memory).
+        to disk before the ask sees it (a running request's save can: ``_let_go_of_a_queued_read``).
+        None when one started, or when none could and it may still wait: it is not its turn,
+        another read has its pages, or host memory has no room that other requests may free, and
+        less than ``disk_read_wait_s`` passed since its first ask. Why not, when none could and it
+        may not: it is past that wait, or nothing stands in the way (its pages were found damaged,
+        or its own pages fill host memory).
 
-        Room goes to the requests in the order of their first asks: a request finding none is
-        short of room (``_short_of_room``), no later request starts a read meanwhile, and the reads
-        of later requests that do not have their whole prefix yet are let go of, so that what they
-        hold comes back to it (without that, two requests each holding part of its prefix could
-        wait for each other for ever; with reads not held, they would push each other's pages back
-        to disk instead, read after read).
+        Its turn: room goes to the requests in the order of their first asks. A request finding
+        none is short of room (``_short_of_room``): no later request starts a read meanwhile, and
+        the reads of later requests that do not have their whole prefix yet are let go of, so that
+        what they hold comes back to it (without that, two requests each holding part of their
+        prefixes could wait for each other for ever; with reads not held, they would push each
+        other's pages back to disk instead, read after read). And the reads held for requests not
+        yet scheduled take at most ``QUEUED_READS_SHARE`` of host memory, leaving the rest to the
+        running requests' saves, except the read of the first request in line, which is never kept
+        back.
 
         Past the wait, a read that would follow one that brought no more of the prefix into host
         memory than there was when it started (it failed, or was let go of) is not started. A read
@@ -299,8 +314,13 @@ class KVTierScheduler:
         past_wait = waited >= self._disk_read_wait_s
         if past_wait and lease.read_from is not None and in_memory <= lease.read_from:
             return f"{waited:.2f} s since its first ask, past disk_read_wait_s: its last read brought none to stay"
-        ahead = self._first_short_of_room(lease)
-        if ahead is None:
+        self._prune_readers()
+        not_its_turn = None
+        if any(w.created < lease.created for w in self._short_of_room.values() if w is not lease):
+            not_its_turn = "earlier requests wait for host memory first"
+        elif self._queued_reads_fill_their_share(lease):
+            not_its_turn = "the reads held for requests not yet scheduled fill their share of host memory"
+        if not_its_turn is None:
             tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
             read = self.manager.prefetch_to_host(tokens, self._scope(request), hold=True)
             if read is not None:
@@ -309,9 +329,9 @@ class KVTierScheduler:
                 lease.read_from = in_memory
                 return None
         if past_wait:
-            why = "no read of them can start" if ahead is None else "earlier requests wait for host memory first"
+            why = not_its_turn or "no read of them can start"
             return f"{waited:.2f} s since its first ask, past disk_read_wait_s: {why}"
-        if ahead is not None:
+        if not_its_turn is not None:
             return None
         if self._others_fill_host(lease):
             self._short_of_room[request.request_id] = lease
@@ -321,28 +341,45 @@ class KVTierScheduler:
             return None
         return "no read of them can start: they were found damaged, or its own pages fill host memory"
 
-    def _first_short_of_room(self, lease: Lease) -> Lease | None:
-        """The request first asked, before ``lease``, of those still waiting for host memory to
-        read their disk pages into (``_short_of_room``); None when there is none. Requests since
-        scheduled, or let go, leave the list here."""
-        for rid, waiter in list(self._short_of_room.items()):
-            if waiter.state is not LeaseState.OFFERED or self._leases.get(rid) is not waiter:
-                del self._short_of_room[rid]
-        earlier = [w for w in self._short_of_room.values() if w is not lease and w.created <= lease.created]
-        return min(earlier, key=lambda w: w.created, default=None)
+    def _prune_readers(self) -> None:
+        """Requests since scheduled, or let go, leave ``_readers`` and ``_short_of_room``."""
+        for waiting in (self._readers, self._short_of_room):
+            for rid, lease in list(waiting.items()):
+                if lease.state is not LeaseState.OFFERED or self._leases.get(rid) is not lease:
+                    del waiting[rid]
+
+    def _queued_reads_fill_their_share(self, lease: Lease) -> bool:
+        """Whether the pages of the reads held for requests not yet scheduled (landed or being read)
+        take ``QUEUED_READS_SHARE`` of host memory, and ``lease`` is not the request first asked of
+        those waiting for reads (``_readers``)."""
+        if all(w.created >= lease.created for w in self._readers.values()):
+            return False
+        held = sum(read.num_pages for other in self._queued() for read in other.held)
+        return held >= QUEUED_READS_SHARE * self._host_pages
+
+    def _queued(self) -> list[Lease]:
+        """The leases of requests not scheduled yet (offered, or waiting for reads) that hold reads."""
+        return [lease for lease in self._leases.values() if lease.held and lease.state is LeaseState.OFFERED]
 
     def _reclaim_room_for(self, lease: Lease) -> None:
         """Let go of the reads of requests first asked after ``lease`` whose prefixes are not all in
         host memory yet: the pages they hold may leave it for ``lease``'s read (from the manager's
         next call that makes room). They read again when their turn comes."""
-        for other in self._leases.values():
-            if (
-                other.held
-                and other.state is LeaseState.OFFERED
-                and other.created > lease.created
-                and other.cache.reused_in_memory < other.matched
-            ):
+        for other in self._queued():
+            if other.created > lease.created and other.cache.reused_in_memory < other.matched:
                 other.let_go_of_reads()
+
+    def _let_go_of_a_queued_read(self) -> bool:
+        """For a running request's save that finds no room: let go of the reads held for the request
+        asked last of those not scheduled yet (their pages may leave host memory at the manager's
+        next call that makes room, as the save's retry). A running request's blocks come before a
+        queued one's prefix, which is read again in its turn (or, past its wait, recomputed).
+        False when no request holds any."""
+        queued = self._queued()
+        if not queued:
+            return False
+        max(queued, key=lambda lease: lease.created).let_go_of_reads()
+        return True
 
     def _others_fill_host(self, lease: Lease) -> bool:
         """Whether host memory has no free page (with several layer groups, none in any of them) while
@@ -381,7 +418,7 @@ class KVTierScheduler:
         pages, lease.store_pages = lease.store_pages, []
         first = lease.committed // self._tpb
         end = first + len(pages)
-        if not lease.grow(end * self._tpb):
+        if not lease.grow(end * self._tpb, make_room=self._let_go_of_a_queued_read):
             return None
         future = self._store.place(pages, [lease.host_slots(plan.group_id, first, end) for plan in self.plan.groups])
         placement = _Placement(future, lease, next(self._job_ids))
@@ -485,7 +522,11 @@ class KVTierScheduler:
         tpb = self._tpb
         start = lease.planned
         history = None if lease.busy else request.num_computed_tokens  # (a job may read the pages it would let go)
-        if not lease.grow(end, history):
+        if not lease.grow(end, history, make_room=self._let_go_of_a_queued_read):
+            log.debug(
+                "kvtier.vllm: request %s: host memory has no room for its blocks past %d tokens; they are not saved",
+                rid, start,
+            )  # fmt: skip
             return
         block_ids = self.block_ids_of(rid)
         first, stop = start // tpb, end // tpb

@@ -737,6 +737,74 @@ def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, ca
     second.shutdown()
 
 
+def not_saved(caplog) -> list[str]:
+    """The DEBUG lines of requests whose saves found no room in host memory."""
+    return [r.getMessage() for r in caplog.records if r.getMessage().endswith("; they are not saved")]
+
+
+def test_reads_for_queued_requests_leave_host_memory_for_the_running_requests_saves(tmp_path, caplog):
+    """A request decodes 200 tokens, saving a block every 16, while six requests whose prefixes
+    are on disk queue behind a running batch of two: vLLM asks them all while a slot is free, and
+    their reads would fill host memory (40 pages; six prefixes of 7 blocks) with pages held for
+    requests that wait for a slot. The pages held for queued requests stay within half of host
+    memory (the first of them may always read), so the running request saves every block; before,
+    it found no room after its first few and saved nothing more. Every queued request still loads
+    its whole prefix."""
+    caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
+    prefixes = [prompt(60 + k, 120) for k in range(6)]
+    first = host_pages_engine(tmp_path, 200)
+    for i, prefix in enumerate(prefixes):
+        first.add(f"a{i}", prefix, max_tokens=2)
+    first.run()
+    first.shutdown()
+    base = {"host_bytes": 40 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
+    config = vllm_config(tmp_path, {**base, "disk_read_wait_s": 600.0}, max_seqs=2)
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
+    e.poison()
+    long = prompt(500, 100)
+    e.add("long", long, max_tokens=200)
+    e.step()
+    for i, prefix in enumerate(prefixes):
+        e.add(f"q{i}", prefix + [1, 2], max_tokens=3)
+    e.run(max_steps=5_000)
+    assert [first_step_of(e, f"q{i}")[0] for i in range(6)] == [112] * 6
+    assert not not_saved(caplog)
+    assert e.kv_scheduler.manager.cached_tokens(long + e.outputs["long"]) == 288  # 300 tokens: every full block
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_a_running_requests_save_takes_the_pages_held_for_queued_requests(tmp_path, caplog):
+    """Two requests decode 200 tokens each, saving a block every 16 (38 of host memory's 40 pages in
+    the end), while two requests whose 7-block prefixes were read from disk cannot be scheduled:
+    their prompts need more of vLLM's 42 blocks than the running ones leave. Their 14 pages are
+    held for them. When the running requests' saves find no room, the queued requests' reads are
+    let go of, the last asked first: the running requests save every block, and the queued ones
+    read their prefixes again once there is room, and load them whole."""
+    caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
+    prefixes = [prompt(60 + k, 120) for k in range(3)]
+    first = host_pages_engine(tmp_path, 200)
+    for i, prefix in enumerate(prefixes):
+        first.add(f"a{i}", prefix, max_tokens=2)
+    first.run()
+    first.shutdown()
+    base = {"host_bytes": 40 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
+    config = vllm_config(tmp_path, {**base, "disk_read_wait_s": 600.0}, max_seqs=2)
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 42))
+    e.poison()
+    long = prompt(500, 100)
+    e.add("long", long, max_tokens=200)
+    e.step()
+    e.add("q0", prefixes[0] + [1, 2], max_tokens=200)
+    for i in (1, 2):
+        e.add(f"q{i}", prefixes[i] + prompt(70 + i, 400), max_tokens=3)
+    e.run(max_steps=5_000)
+    assert [first_step_of(e, f"q{i}")[0] for i in range(3)] == [112] * 3
+    assert not not_saved(caplog)
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_host_memory_is_written_behind_so_pushing_blocks_out_writes_nothing_on_the_scheduler_thread(
     tmp_path, monkeypatch
 ):
