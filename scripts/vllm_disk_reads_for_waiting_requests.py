@@ -1,12 +1,14 @@
 """How many disk reads and steps it takes to serve prefixes on disk through little host memory.
 
 vLLM's real ``Scheduler`` drives ``KVTierConnector`` (the stand-in runner of
-``tests/vllm/harness.py``). A first engine serves twelve 120-token prompts and leaves them on
-disk at shutdown; a second engine on the same directory, with host memory for 40 pages (five
-prefixes of 7 blocks at once), serves them again with 2 more tokens each, every request willing
-to wait ``--wait-s`` (``disk_read_wait_s``, 600 s unless given) for room to read its prefix into. Per run it prints the
-second engine's steps and seconds, the reads started (``prefetch_to_host`` calls that read
-something), the most any one request started, and the tokens recomputed. ``--busy N`` keeps N
+``tests/vllm/harness.py``). A first engine serves ``--prompts`` (12 unless given) 120-token
+prompts and leaves them on disk at shutdown; a second engine on the same directory, with host
+memory for 40 pages (five prefixes of 7 blocks at once), serves them again with 2 more tokens
+each, every request willing to wait ``--wait-s`` (``disk_read_wait_s``, 600 s unless given) for
+room to read its prefix into. Per run it prints the second engine's steps and seconds, the reads
+started (``prefetch_to_host`` calls that read something), the most any one request started, the
+tokens recomputed, and the median and longest ``schedule()`` call of vLLM's scheduler thread
+(its asks of the waiting requests included). ``--busy N`` keeps N
 processes spinning on the CPU meanwhile: the reads then land at other moments relative to the
 steps, as on a busy CI machine.
 
@@ -26,7 +28,6 @@ from pathlib import Path
 
 import tests.vllm.harness as h
 
-PROMPTS = 12
 HOST_PAGES = 40
 MAX_STEPS = 100_000
 
@@ -36,14 +37,25 @@ def spin() -> None:
         pass
 
 
-def one_run(tmp: Path, wait_s: float) -> dict[str, float]:
-    prefixes = [h.prompt(30 + k, 120) for k in range(PROMPTS)]
-    first = h.host_pages_engine(tmp, 200)
+def engine(tmp: Path, host_pages: int, disk_pages: int, wait_s: float = 1.0) -> h.Engine:
+    extra = {
+        "host_bytes": host_pages * h.HOST_PAGE,
+        "disk_bytes": disk_pages * h.HOST_PAGE,
+        "disk_path": str(tmp / "disk"),
+        "disk_read_wait_s": wait_s,
+    }
+    config = h.vllm_config(tmp, extra)
+    return h.Engine(config, h.kv_cache_config(config, [(h.layer_names(3), h.attention_spec())], 128))
+
+
+def one_run(tmp: Path, prompts: int, wait_s: float) -> dict[str, float]:
+    prefixes = [h.prompt(30 + k, 120) for k in range(prompts)]
+    first = engine(tmp, 8 * prompts + 100, 16 * prompts)
     for i, prefix in enumerate(prefixes):
         first.add(f"a{i}", prefix, max_tokens=2)
-    first.run()
+    first.run(max_steps=100 * prompts)
     first.shutdown()
-    second = h.host_pages_engine(tmp, HOST_PAGES, disk_read_wait_s=wait_s)
+    second = engine(tmp, HOST_PAGES, 16 * prompts, wait_s)
     manager = second.kv_scheduler.manager
     reads: collections.Counter[tuple[int, ...]] = collections.Counter()
     start_read = manager.prefetch_to_host
@@ -55,6 +67,16 @@ def one_run(tmp: Path, wait_s: float) -> dict[str, float]:
         return read
 
     manager.prefetch_to_host = counted
+    schedule_s: list[float] = []
+    schedule = second.scheduler.schedule
+
+    def timed():
+        began = time.perf_counter()
+        out = schedule()
+        schedule_s.append(time.perf_counter() - began)
+        return out
+
+    second.scheduler.schedule = timed
     for i, prefix in enumerate(prefixes):
         second.add(f"b{i}", prefix + [1, 2], max_tokens=3)
     began = time.monotonic()
@@ -75,12 +97,15 @@ def one_run(tmp: Path, wait_s: float) -> dict[str, float]:
         "reads": sum(reads.values()),
         "most_reads_of_one": max(reads.values(), default=0),
         "recomputed_tokens": recomputed,
+        "schedule_ms_median": 1e3 * statistics.median(schedule_s),
+        "schedule_ms_longest": 1e3 * max(schedule_s),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU meanwhile")
     parser.add_argument("--wait-s", type=float, default=600.0, help="disk_read_wait_s")
     args = parser.parse_args()
@@ -91,7 +116,7 @@ def main() -> None:
     try:
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory() as tmp:
-                rows.append(one_run(Path(tmp), args.wait_s))
+                rows.append(one_run(Path(tmp), args.prompts, args.wait_s))
             print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()))
     finally:
         for p in spinners:

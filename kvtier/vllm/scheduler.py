@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import secrets
 import time
 from array import array
@@ -105,6 +106,20 @@ class _Placement:
     lease: Lease
     fill_id: int
     load: TransferJob | None = None
+
+
+@dataclass(slots=True)
+class _ReadTurns:
+    """Whose turn it is to read disk pages into host memory, as of this step
+    (``KVTierScheduler._read_turns``): the first asks of the earliest request short of room and of
+    the earliest waiting for reads (``inf``: none), and the pages of the reads held for requests
+    not scheduled yet. Kept up to date as reads start and requests join; taken anew at each step,
+    and when reads are let go of or a request leaves. Between those, requests scheduled meanwhile
+    may still count as holding reads: a read waits a step more, never one less."""
+
+    first_short: float
+    first_reader: float
+    held_pages: int
 
 
 def _open_manager(plan: ModelPlan, settings: ConnectorSettings) -> KVCacheManager:
@@ -178,6 +193,7 @@ class KVTierScheduler:
         self._reads: list[HostPrefetch] = []  # background reads from disk that may still run
         self._readers: dict[str, Lease] = {}  # requests waiting for their disk pages to be read
         self._short_of_room: dict[str, Lease] = {}  # of those, the ones whose reads wait for host memory
+        self._turns: _ReadTurns | None = None  # whose turn it is to read, this step (None: not taken yet)
         self._placements: list[_Placement] = []  # store pages being written into host pages
         self._epoch: str | None = None  # the weights epoch since the last ``reset_cache`` (None: none yet)
         self._epoch_scopes: set[ReuseScope] = set()  # the scopes of that epoch's requests (none for epoch None)
@@ -243,7 +259,10 @@ class KVTierScheduler:
             in_memory = lease.cache.reused_in_memory
             if in_memory == lease.matched:
                 break
-            self._readers.setdefault(rid, lease)
+            if rid not in self._readers:
+                self._readers[rid] = lease
+                turns = self._read_turns()
+                turns.first_reader = min(turns.first_reader, lease.created)
             stop = self._reason_to_stop_reading(request, lease, in_memory)
             if stop is not None:
                 log.debug(
@@ -253,8 +272,9 @@ class KVTierScheduler:
                 break
             if not lease.reads:
                 return None, False  # another read has its pages, or host memory has no room: asked again next step
-        self._readers.pop(rid, None)
-        self._short_of_room.pop(rid, None)
+        if self._readers.pop(rid, None) is not None:
+            self._short_of_room.pop(rid, None)
+            self._turns = None  # (it may have been the first)
         lease.fetched()  # the offer counts only the store's blocks that arrived whole
         if lease.cache.shorten_to_memory():  # vLLM allocates right after this answer: alloc reads no disk
             lease.drop_store_blocks()  # they followed the blocks given up
@@ -314,11 +334,11 @@ class KVTierScheduler:
         past_wait = waited >= self._disk_read_wait_s
         if past_wait and lease.read_from is not None and in_memory <= lease.read_from:
             return f"{waited:.2f} s since its first ask, past disk_read_wait_s: its last read brought none to stay"
-        self._prune_readers()
+        turns = self._read_turns()
         not_its_turn = None
-        if any(w.created < lease.created for w in self._short_of_room.values() if w is not lease):
+        if turns.first_short < lease.created:
             not_its_turn = "earlier requests wait for host memory first"
-        elif self._queued_reads_fill_their_share(lease):
+        elif turns.first_reader < lease.created and turns.held_pages >= QUEUED_READS_SHARE * self._host_pages:
             not_its_turn = "the reads held for requests not yet scheduled fill their share of host memory"
         if not_its_turn is None:
             tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
@@ -327,6 +347,7 @@ class KVTierScheduler:
                 self._reads.append(read)
                 lease.hold_read(read)
                 lease.read_from = in_memory
+                turns.held_pages += read.num_pages
                 return None
         if past_wait:
             why = not_its_turn or "no read of them can start"
@@ -336,26 +357,26 @@ class KVTierScheduler:
         if self._others_fill_host(lease):
             self._short_of_room[request.request_id] = lease
             self._reclaim_room_for(lease)
+            self._turns = None
             return None
         if self._reads:
             return None
         return "no read of them can start: they were found damaged, or its own pages fill host memory"
 
-    def _prune_readers(self) -> None:
-        """Requests since scheduled, or let go, leave ``_readers`` and ``_short_of_room``."""
-        for waiting in (self._readers, self._short_of_room):
-            for rid, lease in list(waiting.items()):
-                if lease.state is not LeaseState.OFFERED or self._leases.get(rid) is not lease:
-                    del waiting[rid]
-
-    def _queued_reads_fill_their_share(self, lease: Lease) -> bool:
-        """Whether the pages of the reads held for requests not yet scheduled (landed or being read)
-        take ``QUEUED_READS_SHARE`` of host memory, and ``lease`` is not the request first asked of
-        those waiting for reads (``_readers``)."""
-        if all(w.created >= lease.created for w in self._readers.values()):
-            return False
-        held = sum(read.num_pages for other in self._queued() for read in other.held)
-        return held >= QUEUED_READS_SHARE * self._host_pages
+    def _read_turns(self) -> _ReadTurns:
+        """Whose turn it is to read (``_ReadTurns``), taken once a step: requests since scheduled,
+        or let go, leave ``_readers`` and ``_short_of_room`` then."""
+        if self._turns is None:
+            for waiting in (self._readers, self._short_of_room):
+                for rid, lease in list(waiting.items()):
+                    if lease.state is not LeaseState.OFFERED or self._leases.get(rid) is not lease:
+                        del waiting[rid]
+            self._turns = _ReadTurns(
+                min((lease.created for lease in self._short_of_room.values()), default=math.inf),
+                min((lease.created for lease in self._readers.values()), default=math.inf),
+                sum(read.num_pages for lease in self._queued() for read in lease.held),
+            )
+        return self._turns
 
     def _queued(self) -> list[Lease]:
         """The leases of requests not scheduled yet (offered, or waiting for reads) that hold reads."""
@@ -379,6 +400,7 @@ class KVTierScheduler:
         if not queued:
             return False
         max(queued, key=lambda lease: lease.created).let_go_of_reads()
+        self._turns = None
         return True
 
     def _others_fill_host(self, lease: Lease) -> bool:
@@ -488,6 +510,7 @@ class KVTierScheduler:
     # -- every step ----------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
+        self._turns = None  # taken anew at the next ask that reads
         self._land_placements()
         self._reap_puts()
         self.manager.maintain()  # lands background reads and disk writes, starts the next write
