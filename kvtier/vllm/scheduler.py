@@ -392,11 +392,12 @@ class KVTierScheduler:
 
     def _let_go_of_a_queued_read(self) -> bool:
         """For a running request's save that finds no room: let go of the reads held for the request
-        asked last of those not scheduled yet (their pages may leave host memory at the manager's
-        next call that makes room, as the save's retry). A running request's blocks come before a
-        queued one's prefix, which is read again in its turn (or, past its wait, recomputed).
-        False when no request holds any."""
-        queued = self._queued()
+        asked last of those not scheduled yet that hold pages landed in host memory (they may leave
+        it at the manager's next call that makes room, as the save's retry; a read still running
+        is left alone, since letting go of it makes no room now). A running request's blocks come
+        before a queued one's prefix, which is read again in its turn (or, past its wait,
+        recomputed). False when no request holds any."""
+        queued = [lease for lease in self._queued() if any(read.held for read in lease.held)]
         if not queued:
             return False
         max(queued, key=lambda lease: lease.created).let_go_of_reads()
