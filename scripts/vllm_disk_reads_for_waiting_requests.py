@@ -67,32 +67,15 @@ def one_run(tmp: Path, prompts: int, wait_s: float) -> dict[str, float]:
         return read
 
     manager.prefetch_to_host = counted
-    schedule_s: list[float] = []
-    schedule = second.scheduler.schedule
-
-    def timed():
-        began = time.perf_counter()
-        out = schedule()
-        schedule_s.append(time.perf_counter() - began)
-        return out
-
-    second.scheduler.schedule = timed
     for i, prefix in enumerate(prefixes):
         second.add(f"b{i}", prefix + [1, 2], max_tokens=3)
     began = time.monotonic()
-    steps = 0
-    while second.scheduler.has_requests():
-        if steps == MAX_STEPS:
-            raise SystemExit(f"requests still pending after {MAX_STEPS} steps")
-        step = second.step()
-        steps += 1
-        if not (step.computed or step.loaded or step.sent or step.failed):
-            time.sleep(h.IDLE_PAUSE_S)
+    schedule_s = second.timed_run(MAX_STEPS)
     seconds = time.monotonic() - began
     recomputed = manager.stats().recomputed_tokens
     second.shutdown()
     return {
-        "steps": steps,
+        "steps": len(schedule_s),
         "seconds": seconds,
         "reads": sum(reads.values()),
         "most_reads_of_one": max(reads.values(), default=0),

@@ -80,27 +80,10 @@ def store_phase(tmp: Path, page: int, prompts: int) -> dict:
     second = store_engine(tmp, page, prompts, "store-reader")
     for i, tokens in enumerate(texts):
         second.add(f"r{i}", tokens + [1, 2], max_tokens=3)
-    times = timed_run(second)
+    times = second.timed_run(5000)
     loaded = sum(next(s.computed[f"r{i}"][0] for s in second.log if f"r{i}" in s.computed) for i in range(prompts))
     second.shutdown()
     return {**summary(times), "tokens_loaded": loaded}
-
-
-def timed_run(e: h.Engine) -> list[float]:
-    """Run ``e`` to the end; the seconds of each ``schedule()`` call."""
-    times = []
-    schedule = e.scheduler.schedule
-
-    def timed():
-        began = time.perf_counter()
-        out = schedule()
-        times.append(time.perf_counter() - began)
-        return out
-
-    e.scheduler.schedule = timed
-    e.run(max_steps=5000)
-    e.scheduler.schedule = schedule
-    return times
 
 
 def summary(times: list[float]) -> dict:
@@ -124,7 +107,7 @@ def main() -> None:
         first = engine(tmp / "saving", page)
         for i, tokens in enumerate(prefixes):
             first.add(f"a{i}", tokens, max_tokens=2)
-        saves = timed_run(first)
+        saves = first.timed_run(5000)
         dropped = first.kv_scheduler.manager.stats().drops  # pages pushed out of host memory but not to disk
         first.shutdown()
         setup = engine(tmp / "loading", page, host_pages=10 * HOST_PAGES)
@@ -135,7 +118,7 @@ def main() -> None:
         second = engine(tmp / "loading", page)
         for i, tokens in enumerate(prefixes):
             second.add(f"b{i}", tokens + [1, 2], max_tokens=3)
-        loads = timed_run(second)
+        loads = second.timed_run(5000)
         loaded = sum(next(s.computed[f"b{i}"][0] for s in second.log if f"b{i}" in s.computed) for i in range(PROMPTS))
         second.shutdown()
         store = store_phase(tmp / "store", page, args.store_prompts) if args.store_prompts else None

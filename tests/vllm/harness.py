@@ -416,6 +416,24 @@ class Engine:
                 time.sleep(IDLE_PAUSE_S)
         raise AssertionError(f"requests still pending after {max_steps} steps")
 
+    def timed_run(self, max_steps: int = 500) -> list[float]:
+        """``run``, returning the seconds of each ``schedule()`` call of vLLM's scheduler (one a step)."""
+        times: list[float] = []
+        schedule = self.scheduler.schedule
+
+        def timed():
+            began = time.perf_counter()
+            out = schedule()
+            times.append(time.perf_counter() - began)
+            return out
+
+        self.scheduler.schedule = timed
+        try:
+            self.run(max_steps)
+        finally:
+            self.scheduler.schedule = schedule
+        return times
+
     def _propose(self, rids: list[str]) -> None:
         """Synchronous scheduling: hand the scheduler drafts for the requests of a step that go on
         (it keeps as many as it schedules)."""

@@ -710,12 +710,7 @@ def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, ca
     back to disk before its ask saw them: on a busy machine runs took thousands of steps, with
     thousands of reads (docs/benchmarks.md section 67)."""
     caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
-    first = host_pages_engine(tmp_path, 200, disk_read_wait_s=wait_s)  # its shutdown writes every prefix to disk
-    prefixes = [prompt(30 + k, 120) for k in range(12)]
-    for i, shared in enumerate(prefixes):
-        first.add(f"a{i}", shared, max_tokens=2)
-    first.run()
-    first.shutdown()
+    prefixes = prefixes_on_disk(tmp_path, range(30, 42))
     never_read_disk_on_the_scheduler_thread(monkeypatch)
     second = host_pages_engine(tmp_path, 40, disk_read_wait_s=wait_s)
     second.poison()
@@ -737,6 +732,32 @@ def test_many_disk_prefixes_through_little_host_memory(tmp_path, monkeypatch, ca
     second.shutdown()
 
 
+def prefixes_on_disk(tmp_path: Path, seeds: range) -> list[list[int]]:
+    """A 120-token prompt per seed, computed by an engine that left them all in its disk tier (its
+    shutdown writes every prefix to disk)."""
+    prefixes = [prompt(seed, 120) for seed in seeds]
+    first = host_pages_engine(tmp_path, 200)
+    for i, prefix in enumerate(prefixes):
+        first.add(f"a{i}", prefix, max_tokens=2)
+    first.run()
+    first.shutdown()
+    return prefixes
+
+
+def beside_a_long_decode(tmp_path: Path, vllm_blocks: int) -> tuple[Engine, list[int]]:
+    """An engine over ``tmp_path``'s disk tier with host memory for 40 pages, a running batch of two,
+    ``vllm_blocks`` vLLM blocks and a 600 s ``disk_read_wait_s``, that has run one step of a
+    100-token prompt ("long", returned) which decodes 200 tokens."""
+    base = {"host_bytes": 40 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
+    config = vllm_config(tmp_path, {**base, "disk_read_wait_s": 600.0}, max_seqs=2)
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], vllm_blocks))
+    e.poison()
+    long = prompt(500, 100)
+    e.add("long", long, max_tokens=200)
+    e.step()
+    return e, long
+
+
 def not_saved(caplog) -> list[str]:
     """The DEBUG lines of requests whose saves found no room in host memory."""
     return [r.getMessage() for r in caplog.records if r.getMessage().endswith("; they are not saved")]
@@ -751,19 +772,8 @@ def test_reads_for_queued_requests_leave_host_memory_for_the_running_requests_sa
     it found no room after its first few and saved nothing more. Every queued request still loads
     its whole prefix."""
     caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
-    prefixes = [prompt(60 + k, 120) for k in range(6)]
-    first = host_pages_engine(tmp_path, 200)
-    for i, prefix in enumerate(prefixes):
-        first.add(f"a{i}", prefix, max_tokens=2)
-    first.run()
-    first.shutdown()
-    base = {"host_bytes": 40 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
-    config = vllm_config(tmp_path, {**base, "disk_read_wait_s": 600.0}, max_seqs=2)
-    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
-    e.poison()
-    long = prompt(500, 100)
-    e.add("long", long, max_tokens=200)
-    e.step()
+    prefixes = prefixes_on_disk(tmp_path, range(60, 66))
+    e, long = beside_a_long_decode(tmp_path, vllm_blocks=128)
     for i, prefix in enumerate(prefixes):
         e.add(f"q{i}", prefix + [1, 2], max_tokens=3)
     e.run(max_steps=5_000)
@@ -782,19 +792,8 @@ def test_a_running_requests_save_takes_the_pages_held_for_queued_requests(tmp_pa
     let go of, the last asked first: the running requests save every block, and the queued ones
     read their prefixes again once there is room, and load them whole."""
     caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
-    prefixes = [prompt(60 + k, 120) for k in range(3)]
-    first = host_pages_engine(tmp_path, 200)
-    for i, prefix in enumerate(prefixes):
-        first.add(f"a{i}", prefix, max_tokens=2)
-    first.run()
-    first.shutdown()
-    base = {"host_bytes": 40 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
-    config = vllm_config(tmp_path, {**base, "disk_read_wait_s": 600.0}, max_seqs=2)
-    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 42))
-    e.poison()
-    long = prompt(500, 100)
-    e.add("long", long, max_tokens=200)
-    e.step()
+    prefixes = prefixes_on_disk(tmp_path, range(60, 63))
+    e, _ = beside_a_long_decode(tmp_path, vllm_blocks=42)
     e.add("q0", prefixes[0] + [1, 2], max_tokens=200)
     for i in (1, 2):
         e.add(f"q{i}", prefixes[i] + prompt(70 + i, 400), max_tokens=3)
