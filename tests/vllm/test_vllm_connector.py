@@ -588,6 +588,27 @@ def test_a_request_whose_reads_bring_nothing_stops_reading_after_its_wait(tmp_pa
     e.shutdown()
 
 
+def test_a_request_aborted_while_its_read_is_held_leaves_the_room_to_others(tmp_path, monkeypatch):
+    """A request's read of its 7 disk pages (of host memory's 8) is under way when the user aborts
+    it: what the read lands is let go of, and the next request, another 7-block prefix on disk,
+    reads and loads all of it. Holding them for a request that is gone would leave it one page."""
+    aborted, wanted = prefix_on_disk(tmp_path, 13), prefix_on_disk(tmp_path, 14)
+    e = host_pages_engine(tmp_path, 8, disk_read_wait_s=600.0)
+    started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
+    e.poison()
+    e.add("r1", [*aborted, 1], max_tokens=2)
+    e.step()
+    assert started.wait(10)
+    e.abort("r1")
+    release.set()
+    e.add("r2", [*wanted, 1], max_tokens=2)
+    e.run(max_steps=200)
+    assert "r1" not in e.outputs or not e.outputs["r1"]
+    assert first_step_of(e, "r2")[0] == 112
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_a_request_short_of_host_memory_gets_the_pages_that_later_requests_hold(tmp_path, monkeypatch):
     """Host memory has 8 pages; two requests each need 7 from disk. The first read 3 (another
     cache held the other 5), the second then read 5 of its own: neither has its whole prefix and
