@@ -70,7 +70,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                     "MultiConnector, in kvtier's entry too: vLLM reads the top-level policy, kvtier its own entry's)",
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
-            self._scheduler = KVTierScheduler(plan, _per_dp_rank(settings, vllm_config), engine_id)
+            by_priority = vllm_config.scheduler_config.policy == "priority"
+            self._scheduler = KVTierScheduler(
+                plan, _per_dp_rank(settings, vllm_config), engine_id, by_priority=by_priority
+            )
         else:
             self._worker = KVTierWorker(plan, engine_id, kv_cache_config.num_blocks)
 

@@ -36,6 +36,11 @@ from kvtier.tiering.host_prefetch import HostPrefetch
 
 log = logging.getLogger(__name__)
 
+# A request's place in vLLM's queue of waiting requests, lowest first: (priority, arrival time,
+# request id), the priority 0 for every request unless vLLM schedules by priority. A request vLLM
+# preempted keeps its arrival time, so it comes before the requests that arrived after it.
+QueuePlace = tuple[float, float, str]
+
 
 class LeaseState(str, enum.Enum):
     OFFERED = "offered"
@@ -62,6 +67,7 @@ class Lease:
         "held",
         "loads",
         "local_tokens",
+        "place",
         "planned",
         "preemptions",
         "puts",
@@ -76,8 +82,9 @@ class Lease:
         "store_tokens",
     )
 
-    def __init__(self, cache: KVCache, bound: int | None = None, preemptions: int = 0) -> None:
+    def __init__(self, cache: KVCache, place: QueuePlace, bound: int | None = None, preemptions: int = 0) -> None:
         self.cache = cache
+        self.place = place
         self.bound = bound  # tokens whose KV the token ids decide (before the first image); None: all
         self.preemptions = preemptions  # the request's preemptions when it was made: one more makes it stale
         self.state = LeaseState.OFFERED

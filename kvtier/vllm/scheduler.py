@@ -15,8 +15,8 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   the prefix on disk are first read into host memory (checksum-verified) on the manager's
   background thread: until then the ask answers None, and vLLM asks again next step while it
   schedules the other requests. The pages read stay in host memory for it until it is scheduled.
-  A read it cannot start itself (host memory has no room, requests asked before it wait for room
-  first, or another request's read has the pages) it waits for up to ``disk_read_wait_s`` from
+  A read it cannot start itself (host memory has no room, requests before it in vLLM's queue wait
+  for room first, or another request's read has the pages) it waits for up to ``disk_read_wait_s`` from
   its first ask.
 - **early** (``may_load_async``, vLLM 0.34's ``--max-num-inflight-kv-loads``): a request whose
   prefix is all in host memory, past vLLM's own hit, is asked while the running batch is full,
@@ -30,7 +30,7 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
 - **every step** (``build_connector_meta``): for each scheduled request the blocks that become
   full and computed by the end of the step get host pages and a save job; a page is published
   for reuse only when its job completed (``update_connector_output``). A save that finds no room
-  takes the pages read for requests not scheduled yet, the last asked first (reads for them take
+  takes the pages read for requests not scheduled yet, the last in vLLM's queue first (reads for them take
   at most ``QUEUED_READS_SHARE`` of host memory anyway); one that still finds none ends the
   request's saving (a DEBUG line says so).
 - **finish** (``request_finished``): with saves in flight vLLM keeps the blocks until the worker
@@ -77,7 +77,7 @@ from kvtier.tiering.host_prefetch import HostPrefetch
 from kvtier.vllm import host_pool
 from kvtier.vllm.file_stamp import files_stamp
 from kvtier.vllm.kv_groups import ModelPlan
-from kvtier.vllm.lease import Lease, LeaseState
+from kvtier.vllm.lease import Lease, LeaseState, QueuePlace
 from kvtier.vllm.meta import KVTierMetadata, KVTierWorkerMeta
 from kvtier.vllm.settings import ConnectorSettings
 from kvtier.vllm.store_tier import BlockChain, StoreTier, check_store_url, open_store
@@ -108,17 +108,22 @@ class _Placement:
     load: TransferJob | None = None
 
 
+# The place in vLLM's queue that no request has: after every other.
+_NO_PLACE: QueuePlace = (math.inf, math.inf, "")
+
+
 @dataclass(slots=True)
 class _ReadTurns:
     """Whose turn it is to read disk pages into host memory, as of this step
-    (``KVTierScheduler._read_turns``): the first asks of the earliest request short of room and of
-    the earliest waiting for reads (``inf``: none), and the pages of the reads held for requests
-    not scheduled yet. Kept up to date as reads start and requests join; taken anew at each step,
-    and when reads are let go of or a request leaves. Between those, requests scheduled meanwhile
-    may still count as holding reads: a read waits a step more, never one less."""
+    (``KVTierScheduler._read_turns``): the places in vLLM's queue (``Lease.place``) of the first
+    request short of room and of the first waiting for reads (``_NO_PLACE``: none), and the pages
+    of the reads held for requests not scheduled yet. Kept up to date as reads start and requests
+    join; taken anew at each step, and when reads are let go of or a request leaves. Between
+    those, requests scheduled meanwhile may still count as holding reads: a read waits a step
+    more, never one less."""
 
-    first_short: float
-    first_reader: float
+    first_short: QueuePlace
+    first_reader: QueuePlace
     held_pages: int
 
 
@@ -147,8 +152,11 @@ def _open_manager(plan: ModelPlan, settings: ConnectorSettings) -> KVCacheManage
 class KVTierScheduler:
     """Offers, leases and jobs of one engine; see the module docstring."""
 
-    def __init__(self, plan: ModelPlan, settings: ConnectorSettings, engine_id: str) -> None:
+    def __init__(self, plan: ModelPlan, settings: ConnectorSettings, engine_id: str, *, by_priority: bool) -> None:
+        """``by_priority``: vLLM schedules by priority (its ``policy="priority"``), so requests
+        take turns at reads by priority first (``queue_place``)."""
         self.plan = plan
+        self._by_priority = by_priority
         if settings.store_url is not None:  # refused before the tiers are made (a disk directory)
             _check_store(plan, settings.store_url)
         self.manager = _open_manager(plan, settings)
@@ -219,7 +227,8 @@ class KVTierScheduler:
             bound = token_bound(request)
             tokens = token_ids(request)  # up to the bound and one more
             keyed = tokens if bound is None else tokens[: bound + 1]  # (a match never covers its last token)
-            lease = Lease(self.manager.create_cache(keyed, scope), bound, request.num_preemptions)
+            place = queue_place(request, self._by_priority)
+            lease = Lease(self.manager.create_cache(keyed, scope), place, bound, request.num_preemptions)
             self._leases[rid] = lease
             self._requests[rid] = request
             if self._store is not None and not _skips_cache(request):
@@ -262,7 +271,7 @@ class KVTierScheduler:
             if rid not in self._readers:
                 self._readers[rid] = lease
                 turns = self._read_turns()
-                turns.first_reader = min(turns.first_reader, lease.created)
+                turns.first_reader = min(turns.first_reader, lease.place)
             stop = self._reason_to_stop_reading(request, lease, in_memory)
             if stop is not None:
                 log.debug(
@@ -316,15 +325,16 @@ class KVTierScheduler:
         may not: it is past that wait, or nothing stands in the way (its pages were found damaged,
         or its own pages fill host memory).
 
-        Its turn: room goes to the requests in the order of their first asks. A request finding
-        none is short of room (``_short_of_room``): no later request starts a read meanwhile, and
-        the reads of later requests that do not have their whole prefix yet are let go of, so that
-        what they hold comes back to it (without that, two requests each holding part of their
+        Its turn: room goes to the requests in vLLM's order of its queue (``Lease.place``: by
+        arrival, or by priority first under vLLM's priority policy). A request finding none is short
+        of room (``_short_of_room``): no request after it starts a read meanwhile, and the reads
+        of requests after it that do not have their whole prefix yet are let go of, so that what
+        they hold comes back to it (without that, two requests each holding part of their
         prefixes could wait for each other for ever; with reads not held, they would push each
         other's pages back to disk instead, read after read). And the reads held for requests not
         yet scheduled take at most ``QUEUED_READS_SHARE`` of host memory, leaving the rest to the
-        running requests' saves, except the read of the first request in line, which is never kept
-        back.
+        running requests' saves, except the read of the first request in line (of those waiting for
+        reads), which is never kept back.
 
         Past the wait, a read that would follow one that brought no more of the prefix into host
         memory than there was when it started (it failed, or was let go of) is not started. A read
@@ -336,9 +346,9 @@ class KVTierScheduler:
             return f"{waited:.2f} s since its first ask, past disk_read_wait_s: its last read brought none to stay"
         turns = self._read_turns()
         not_its_turn = None
-        if turns.first_short < lease.created:
-            not_its_turn = "earlier requests wait for host memory first"
-        elif turns.first_reader < lease.created and turns.held_pages >= QUEUED_READS_SHARE * self._host_pages:
+        if turns.first_short < lease.place:
+            not_its_turn = "requests before it in vLLM's queue wait for host memory first"
+        elif turns.first_reader < lease.place and turns.held_pages >= QUEUED_READS_SHARE * self._host_pages:
             not_its_turn = "the reads held for requests not yet scheduled fill their share of host memory"
         if not_its_turn is None:
             tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
@@ -372,8 +382,8 @@ class KVTierScheduler:
                     if lease.state is not LeaseState.OFFERED or self._leases.get(rid) is not lease:
                         del waiting[rid]
             self._turns = _ReadTurns(
-                min((lease.created for lease in self._short_of_room.values()), default=math.inf),
-                min((lease.created for lease in self._readers.values()), default=math.inf),
+                min((lease.place for lease in self._short_of_room.values()), default=_NO_PLACE),
+                min((lease.place for lease in self._readers.values()), default=_NO_PLACE),
                 sum(read.num_pages for lease in self._queued() for read in lease.held),
             )
         return self._turns
@@ -383,16 +393,16 @@ class KVTierScheduler:
         return [lease for lease in self._leases.values() if lease.held and lease.state is LeaseState.OFFERED]
 
     def _reclaim_room_for(self, lease: Lease) -> None:
-        """Let go of the reads of requests first asked after ``lease`` whose prefixes are not all in
+        """Let go of the reads of requests after ``lease`` in vLLM's queue whose prefixes are not all in
         host memory yet: the pages they hold may leave it for ``lease``'s read (from the manager's
         next call that makes room). They read again when their turn comes."""
         for other in self._queued():
-            if other.created > lease.created and other.cache.reused_in_memory < other.matched:
+            if other.place > lease.place and other.cache.reused_in_memory < other.matched:
                 other.let_go_of_reads()
 
     def _let_go_of_a_queued_read(self) -> bool:
         """For a running request's save that finds no room: let go of the reads held for the request
-        asked last of those not scheduled yet that hold pages landed in host memory (they may leave
+        last in vLLM's queue of those not scheduled yet that hold pages landed in host memory (they may leave
         it at the manager's next call that makes room, as the save's retry; a read still running
         is left alone, since letting go of it makes no room now). A running request's blocks come
         before a queued one's prefix, which is read again in its turn (or, past its wait,
@@ -400,7 +410,7 @@ class KVTierScheduler:
         queued = [lease for lease in self._queued() if any(read.held for read in lease.held)]
         if not queued:
             return False
-        max(queued, key=lambda lease: lease.created).let_go_of_reads()
+        max(queued, key=lambda lease: lease.place).let_go_of_reads()
         self._turns = None
         return True
 
@@ -730,6 +740,14 @@ def _store_tier(plan: ModelPlan, url: str, buffers: tuple[torch.Tensor, ...]) ->
     """The store ``store_url`` names over the host pages (``_check_store`` passed)."""
     keyspace = BlockKeyspace.for_model(plan.spec, plan.block_size)
     return StoreTier(open_store(url), keyspace, buffers, [g.host_page_bytes for g in plan.groups])
+
+
+def queue_place(request: Request, by_priority: bool) -> QueuePlace:
+    """The request's place in vLLM's queue of waiting requests (``QueuePlace``): by priority, then
+    arrival, as vLLM's priority policy orders it; by arrival alone (its priority counts for nothing)
+    otherwise. vLLM's first-come policy puts a preempted request at the head of its queue; its
+    arrival puts it before the requests that arrived after it, which is where it stood."""
+    return (request.priority if by_priority else 0, request.arrival_time, request.request_id)
 
 
 def scope_of(request: Request) -> ReuseScope:

@@ -99,13 +99,15 @@ def vllm_config(
     multi_connector: bool = False,
     max_seqs: int = 8,
     inflight_kv_loads: int | None = None,
+    policy: str = "fcfs",
 ) -> VllmConfig:
     """A ``VllmConfig`` for a tiny Llama from a local config.json (no weights, no tokenizer);
     ``spec_tokens``: that many speculative tokens a step (the runner proposes them);
     ``multi_connector``: kvtier's connector as the one entry of vLLM's ``MultiConnector``, configured
     as the README says (the load failure policy at the top, where vLLM reads it, and in kvtier's
     entry, where kvtier does); ``max_seqs``: the running batch's size; ``inflight_kv_loads``:
-    vLLM 0.34's ``--max-num-inflight-kv-loads``."""
+    vLLM 0.34's ``--max-num-inflight-kv-loads``; ``policy``: the scheduling policy ("fcfs" or
+    "priority")."""
     model_dir = tmp_path / name
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -125,6 +127,7 @@ def vllm_config(
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
         async_scheduling=async_scheduling,
+        policy=policy,
         **inflight,
     )
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
@@ -166,11 +169,12 @@ def vllm_config(
     )
 
 
-def host_pages_engine(tmp_path: Path, host_pages: int, **extra) -> Engine:
+def host_pages_engine(tmp_path: Path, host_pages: int, policy: str = "fcfs", **extra) -> Engine:
     """An engine with host memory for ``host_pages`` kvtier pages and an 8 MiB disk under
-    ``tmp_path``, 128 vLLM blocks; ``extra``: more of ``kv_connector_extra_config``."""
+    ``tmp_path``, 128 vLLM blocks, scheduling by ``policy``; ``extra``: more of
+    ``kv_connector_extra_config``."""
     base = {"host_bytes": host_pages * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
-    config = vllm_config(tmp_path, {**base, **extra})
+    config = vllm_config(tmp_path, {**base, **extra}, policy=policy)
     return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
 
 
@@ -293,11 +297,13 @@ class Engine:
         salt: str | None = None,
         prompt_logprobs: int | None = None,
         images: Sequence[tuple[str, int, int]] = (),
+        priority: int = 0,
     ) -> Request:
         """Queue a request (``prompt_logprobs`` makes vLLM compute every prompt token: it reads no cache).
 
         ``images``: (identifier, offset, length) of each image's placeholder tokens in ``prompt``; the
         scheduler gets an encoder budget for them (the stand-in runner computes no image features).
+        ``priority``: under the priority policy, lower goes first.
         """
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs)
         params.update_from_generation_config({}, EOS)
@@ -316,6 +322,7 @@ class Engine:
             cache_salt=salt,
             block_hasher=self._hasher,
             mm_features=features or None,
+            priority=priority,
         )
         self.requests[rid] = request
         self.outputs[rid] = []

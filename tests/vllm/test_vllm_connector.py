@@ -609,14 +609,19 @@ def test_a_request_aborted_while_its_read_is_held_leaves_the_room_to_others(tmp_
     e.shutdown()
 
 
-def test_a_request_short_of_host_memory_gets_the_pages_that_later_requests_hold(tmp_path, monkeypatch):
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_short_of_host_memory_gets_the_pages_that_requests_after_it_hold(tmp_path, monkeypatch, policy):
     """Host memory has 8 pages; two requests each need 7 from disk. The first read 3 (another
     cache held the other 5), the second then read 5 of its own: neither has its whole prefix and
-    nothing is left to read into. The first asked goes first: the second lets go of its pages, the
-    first reads its other 4 and runs, then the second reads again. Both load all 7 blocks, long
-    before their 600 s wait ends; before, holding their pages, each waited for the other."""
+    nothing is left to read into. The first in vLLM's order goes first: the other lets go of its
+    pages, the first reads the rest and runs, then the other reads again. Both load all 7 blocks,
+    long before their 600 s wait ends; before, holding their pages, each waited for the other.
+
+    Under the priority policy the second request is of higher priority, so vLLM's order puts it
+    first: it reads its other 2 pages and runs first. Before, turns went by first ask, and it
+    waited behind the first request."""
     first_prefix, second_prefix = prefix_on_disk(tmp_path, 13), prefix_on_disk(tmp_path, 14)
-    e = host_pages_engine(tmp_path, 8, disk_read_wait_s=600.0)
+    e = host_pages_engine(tmp_path, 8, policy, disk_read_wait_s=600.0)
     manager = e.kv_scheduler.manager
     other = prompt(999, 5 * BLOCK)
     holder = manager.create_cache(other)
@@ -624,7 +629,7 @@ def test_a_request_short_of_host_memory_gets_the_pages_that_later_requests_hold(
     holder.commit(other)
     started, release = hold(monkeypatch, host_prefetch.HostPrefetcher, "_read")
     e.poison()
-    e.add("r1", [*first_prefix, 1], max_tokens=2)
+    e.add("r1", [*first_prefix, 1], max_tokens=2, priority=1 if policy == "priority" else 0)
     e.step()
     assert started.wait(10)  # r1 reads 3 pages, the room there was
     holder.close()
@@ -634,6 +639,8 @@ def test_a_request_short_of_host_memory_gets_the_pages_that_later_requests_hold(
     e.run(max_steps=200)
     assert first_step_of(e, "r1")[0] == 112 and first_step_of(e, "r2")[0] == 112
     assert manager.stats().recomputed_tokens == 0
+    runs = [rid for step in e.log for rid in step.computed if rid in ("r1", "r2")]
+    assert runs[0] == ("r2" if policy == "priority" else "r1")
     e.assert_no_leaks()
     e.shutdown()
 
