@@ -2,8 +2,9 @@
 
 Each seed draws a configuration (host memory for 8 to 256 pages, a disk tier or none, a shared
 store, a sliding-window group, 24 to 128 vLLM blocks so that requests are preempted, synchronous
-or asynchronous scheduling, speculative decoding or none, a running batch of 2 to 8 requests and
-on vLLM 0.34 ``--max-num-inflight-kv-loads`` or not) and a session:
+or asynchronous scheduling, speculative decoding or none, a running batch of 2 to 8 requests, on
+vLLM 0.34 ``--max-num-inflight-kv-loads`` or not, and first-come or priority scheduling, where
+requests of higher priority preempt running ones) and a session:
 requests that share prefixes of random lengths, cache salts, aborts, vLLM's prefix cache reset,
 and weight updates (the engine drained, new weights, then vLLM's and the connector's reset, as a
 reinforcement-learning loop does). The stand-in model's KV is a function of the prefix, the
@@ -75,6 +76,8 @@ def session(seed: int, tmp_path: Path, vary_batch: bool = True) -> None:
     max_batched = rng.choice([32, 64, 128])
     spec_tokens = rng.choice([0, 0, 2, 4])
     batch = random.Random(seed * 7919 + 1)  # drawn apart: each seed's other draws stay as they were
+    order = random.Random(seed * 104_729 + 2)  # the policy and priorities, likewise
+    policy = order.choice(["fcfs", "priority"])
     config = vllm_config(
         tmp_path,
         extra,
@@ -83,6 +86,7 @@ def session(seed: int, tmp_path: Path, vary_batch: bool = True) -> None:
         spec_tokens=spec_tokens,
         max_seqs=batch.choice([2, 4, 8, 8]) if vary_batch else 8,
         inflight_kv_loads=batch.choice([None, 1, 2]) if INFLIGHT_KV_LOADS and vary_batch else None,
+        policy=policy,
     )
     if window:
         groups = [(layer_names(2), attention_spec()), (layer_names(1, first=2), attention_spec(window=32))]
@@ -96,7 +100,14 @@ def session(seed: int, tmp_path: Path, vary_batch: bool = True) -> None:
         for _ in range(rng.randint(1, 4)):
             tokens = rng.choice(prefixes)[: rng.randint(1, 150)] + prompt(seed * 1000 + len(added), rng.randint(1, 40))
             rid = f"r{len(added)}"
-            e.add(rid, tokens[: blocks * BLOCK // 3], max_tokens=rng.randint(1, 20), salt=rng.choice([None, None, "s"]))
+            priority = order.randint(0, 2) if policy == "priority" else 0
+            e.add(
+                rid,
+                tokens[: blocks * BLOCK // 3],
+                max_tokens=rng.randint(1, 20),
+                salt=rng.choice([None, None, "s"]),
+                priority=priority,
+            )
             added.append(rid)
         for _ in range(rng.randint(0, 6)):
             if e.scheduler.has_requests():
