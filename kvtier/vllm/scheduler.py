@@ -15,9 +15,9 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   the prefix on disk are first read into host memory (checksum-verified) on the manager's
   background thread: until then the ask answers None, and vLLM asks again next step while it
   schedules the other requests. The pages read stay in host memory for it until it is scheduled.
-  A read it cannot start itself (host memory has no room, requests before it in vLLM's queue wait
-  for room first, or another request's read has the pages) it waits for up to ``disk_read_wait_s`` from
-  its first ask.
+  A read it cannot start itself (host memory has no room, requests before it in vLLM's queue
+  wait for room first, or another request's read has the pages) it waits for up to
+  ``disk_read_wait_s`` from its first ask.
 - **early** (``may_load_async``, vLLM 0.34's ``--max-num-inflight-kv-loads``): a request whose
   prefix is all in host memory, past vLLM's own hit, is asked while the running batch is full,
   and its load goes before a slot frees; a prefix with pages on disk (or any, with a store) waits
@@ -30,9 +30,9 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
 - **every step** (``build_connector_meta``): for each scheduled request the blocks that become
   full and computed by the end of the step get host pages and a save job; a page is published
   for reuse only when its job completed (``update_connector_output``). A save that finds no room
-  takes the pages read for requests not scheduled yet, the last in vLLM's queue first (reads for them take
-  at most ``QUEUED_READS_SHARE`` of host memory anyway); one that still finds none ends the
-  request's saving (a DEBUG line says so).
+  takes the pages read for requests not scheduled yet, the last in vLLM's queue first (reads for
+  them take at most ``QUEUED_READS_SHARE`` of host memory anyway); one that still finds none ends
+  the request's saving (a DEBUG line says so).
 - **finish** (``request_finished``): with saves in flight vLLM keeps the blocks until the worker
   reports them done; the lease closes when its last job completes.
 - **reset** (``reset_cache``, vLLM's ``reset_prefix_cache(reset_connector=True)`` after a weight
@@ -325,16 +325,16 @@ class KVTierScheduler:
         may not: it is past that wait, or nothing stands in the way (its pages were found damaged,
         or its own pages fill host memory).
 
-        Its turn: room goes to the requests in vLLM's order of its queue (``Lease.place``: by
-        arrival, or by priority first under vLLM's priority policy). A request finding none is short
-        of room (``_short_of_room``): no request after it starts a read meanwhile, and the reads
+        Its turn: room goes to the requests in the order of vLLM's queue (``Lease.place``: by
+        arrival, or by priority first under vLLM's priority policy). A request finding none is
+        short of room (``_short_of_room``): no request after it starts a read meanwhile, and the reads
         of requests after it that do not have their whole prefix yet are let go of, so that what
         they hold comes back to it (without that, two requests each holding part of their
         prefixes could wait for each other for ever; with reads not held, they would push each
         other's pages back to disk instead, read after read). And the reads held for requests not
         yet scheduled take at most ``QUEUED_READS_SHARE`` of host memory, leaving the rest to the
-        running requests' saves, except the read of the first request in line (of those waiting for
-        reads), which is never kept back.
+        running requests' saves, except the read of the first request in line (of those waiting
+        for reads), which is never kept back.
 
         Past the wait, a read that would follow one that brought no more of the prefix into host
         memory than there was when it started (it failed, or was let go of) is not started. A read
@@ -393,20 +393,20 @@ class KVTierScheduler:
         return [lease for lease in self._leases.values() if lease.held and lease.state is LeaseState.OFFERED]
 
     def _reclaim_room_for(self, lease: Lease) -> None:
-        """Let go of the reads of requests after ``lease`` in vLLM's queue whose prefixes are not all in
-        host memory yet: the pages they hold may leave it for ``lease``'s read (from the manager's
-        next call that makes room). They read again when their turn comes."""
+        """Let go of the reads of requests after ``lease`` in vLLM's queue whose prefixes are not all
+        in host memory yet: the pages they hold may leave it for ``lease``'s read (from the
+        manager's next call that makes room). They read again when their turn comes."""
         for other in self._queued():
             if other.place > lease.place and other.cache.reused_in_memory < other.matched:
                 other.let_go_of_reads()
 
     def _let_go_of_a_queued_read(self) -> bool:
         """For a running request's save that finds no room: let go of the reads held for the request
-        last in vLLM's queue of those not scheduled yet that hold pages landed in host memory (they may leave
-        it at the manager's next call that makes room, as the save's retry; a read still running
-        is left alone, since letting go of it makes no room now). A running request's blocks come
-        before a queued one's prefix, which is read again in its turn (or, past its wait,
-        recomputed). False when no request holds any."""
+        last in vLLM's queue of those not scheduled yet that hold pages landed in host memory (they
+        may leave it at the manager's next call that makes room, as the save's retry; a read still
+        running is left alone, since letting go of it makes no room now). A running request's
+        blocks come before a queued one's prefix, which is read again in its turn (or, past its
+        wait, recomputed). False when no request holds any."""
         queued = [lease for lease in self._queued() if any(read.held for read in lease.held)]
         if not queued:
             return False

@@ -20,11 +20,11 @@ Keys of ``kv_connector_extra_config``:
 - ``disk_read_wait_s`` (float >= 0, default 1.0): how long a request whose cached prefix is on disk
   may wait, from its first scheduling, for reads it cannot start itself (host memory has no room
   for its pages, requests before it in vLLM's queue wait for room first, or another request's
-  read has them), or go on reading when a read brought none of its pages to stay (it failed); what is still
-  on disk then is recomputed (a DEBUG line of ``kvtier.vllm.scheduler`` says why). A read of its
-  own pages, once started, is always waited for, and followed by the next while each brings more;
-  the pages read stay in host memory for it until it is scheduled. The wait is wall-clock time: a
-  stall of the scheduler's process counts.
+  read has them), or go on reading when a read brought none of its pages to stay (it failed);
+  what is still on disk then is recomputed (a DEBUG line of ``kvtier.vllm.scheduler`` says why).
+  A read of its own pages, once started, is always waited for, and followed by the next while
+  each brings more; the pages read stay in host memory for it until it is scheduled. The wait is
+  wall-clock time: a stall of the scheduler's process counts.
 - ``recompute_when_faster`` (bool, default False): a request reads from disk only the blocks whose
   read (at the disk's speed, measured on the connector's own reads and kept in the disk directory
   across restarts) beats recomputing them, and recomputes the rest without waiting for the disk;
