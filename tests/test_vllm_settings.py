@@ -36,6 +36,8 @@ def test_defaults_and_a_full_configuration():
     assert not ConnectorSettings.parse({}).recompute_when_faster
     weighed = ConnectorSettings.parse({"recompute_when_faster": True, "prefill_tokens_per_s": 20_000})
     assert weighed.recompute_when_faster and weighed.prefill_tokens_per_s == 20_000.0
+    assert ConnectorSettings.parse({}).queued_reads_share == 0.5
+    assert ConnectorSettings.parse({"queued_reads_share": 1}).queued_reads_share == 1.0
 
 
 @pytest.mark.parametrize(
@@ -59,6 +61,10 @@ def test_defaults_and_a_full_configuration():
         ({"prefill_tokens_per_s": 0}, ValueError, "prefill_tokens_per_s must be > 0"),
         ({"prefill_tokens_per_s": float("inf")}, ValueError, "finite"),
         ({"prefill_tokens_per_s": 1e4}, ValueError, "only with recompute_when_faster=True"),
+        ({"queued_reads_share": 0}, ValueError, "queued_reads_share must be > 0 and at most 1"),
+        ({"queued_reads_share": 1.5}, ValueError, "queued_reads_share must be > 0 and at most 1"),
+        ({"queued_reads_share": "half"}, TypeError, "queued_reads_share must be a number"),
+        ({"queued_reads_share": float("nan")}, ValueError, "finite"),
         # Before: OverflowError (an int past float's range), and a ValueError of dict() for a string.
         ({"disk_read_wait_s": 10**400}, ValueError, "disk_read_wait_s must be finite"),
         ({"recompute_when_faster": True, "prefill_tokens_per_s": 10**400}, ValueError, "must be finite"),

@@ -31,7 +31,7 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   full and computed by the end of the step get host pages and a save job; a page is published
   for reuse only when its job completed (``update_connector_output``). A save that finds no room
   takes the pages read for requests not scheduled yet, the last in vLLM's queue first (reads for
-  them take at most ``QUEUED_READS_SHARE`` of host memory anyway); one that still finds none ends
+  them take at most ``queued_reads_share`` of host memory anyway); one that still finds none ends
   the request's saving (a DEBUG line says so).
 - **finish** (``request_finished``): with saves in flight vLLM keeps the blocks until the worker
   reports them done; the lease closes when its last job completes.
@@ -89,10 +89,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-# Of host memory's pages, the share that reads held for requests not yet scheduled may take (the
-# first request in line to read is never kept back); the rest is for the running requests' saves.
-QUEUED_READS_SHARE = 0.5
 
 BlockIds = tuple[list[int], ...]  # vLLM block ids per KV cache group, positional per block
 
@@ -174,6 +170,7 @@ class KVTierScheduler:
         self._tpb = plan.block_size
         self._host_pages = self.manager.stats().tiers["primary"].pages_total
         self._disk_read_wait_s = settings.disk_read_wait_s
+        self._queued_reads_pages = settings.queued_reads_share * self._host_pages  # (the first reader's exempt)
         # With recompute_when_faster, blocks on a disk slower than the prefill rate are recomputed: the
         # rate given, or the worker's measured one (the one kept in the disk directory until then).
         self._measure_prefill = settings.recompute_when_faster and settings.prefill_tokens_per_s is None
@@ -332,7 +329,7 @@ class KVTierScheduler:
         they hold comes back to it (without that, two requests each holding part of their
         prefixes could wait for each other for ever; with reads not held, they would push each
         other's pages back to disk instead, read after read). And the reads held for requests not
-        yet scheduled take at most ``QUEUED_READS_SHARE`` of host memory, leaving the rest to the
+        yet scheduled take at most ``queued_reads_share`` of host memory, leaving the rest to the
         running requests' saves, except the read of the first request in line (of those waiting
         for reads), which is never kept back.
 
@@ -348,7 +345,7 @@ class KVTierScheduler:
         not_its_turn = None
         if turns.first_short < lease.place:
             not_its_turn = "requests before it in vLLM's queue wait for host memory first"
-        elif turns.first_reader < lease.place and turns.held_pages >= QUEUED_READS_SHARE * self._host_pages:
+        elif turns.first_reader < lease.place and turns.held_pages >= self._queued_reads_pages:
             not_its_turn = "the reads held for requests not yet scheduled fill their share of host memory"
         if not_its_turn is None:
             tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond

@@ -37,6 +37,11 @@ Keys of ``kv_connector_extra_config``:
   the rate the worker measures on steps that compute prompt tokens (a forward timed by CUDA
   events from bind to ``wait_for_save``; until then, the rate kept in the disk directory). Only
   with ``recompute_when_faster``.
+- ``queued_reads_share`` (float, > 0 and at most 1, default 0.5): of host memory, the share that
+  pages read from disk for requests vLLM has not scheduled yet may hold; the rest stays for the
+  running requests' saves. The first request in vLLM's queue that waits for reads may always
+  read. Higher lets more queued requests find their prefix in host memory when their slot frees;
+  lower leaves more room to save the running requests' blocks.
 
 Anything else is a ``ValueError`` naming the known keys; a value of the wrong type a
 ``TypeError``.
@@ -57,6 +62,7 @@ from kvtier.weights import config_fingerprint
 
 DEFAULT_HOST_BYTES = 4 << 30
 DEFAULT_DISK_READ_WAIT_S = 1.0
+DEFAULT_QUEUED_READS_SHARE = 0.5
 KNOWN_KEYS = (
     "host_bytes",
     "disk_bytes",
@@ -66,6 +72,7 @@ KNOWN_KEYS = (
     "disk_read_wait_s",
     "recompute_when_faster",
     "prefill_tokens_per_s",
+    "queued_reads_share",
 )
 
 
@@ -79,6 +86,7 @@ class ConnectorSettings:
     disk_read_wait_s: float = DEFAULT_DISK_READ_WAIT_S
     recompute_when_faster: bool = False
     prefill_tokens_per_s: float | None = None
+    queued_reads_share: float = DEFAULT_QUEUED_READS_SHARE
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -119,7 +127,10 @@ class ConnectorSettings:
                 raise ValueError(f"kvtier.vllm: prefill_tokens_per_s must be > 0 and finite, got {rate}")
             if not weigh:
                 raise ValueError("kvtier.vllm: prefill_tokens_per_s is used only with recompute_when_faster=True")
-        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id, wait, weigh, rate)
+        share = _finite("queued_reads_share", extra.get("queued_reads_share", DEFAULT_QUEUED_READS_SHARE))
+        if not 0 < share <= 1:
+            raise ValueError(f"kvtier.vllm: queued_reads_share must be > 0 and at most 1, got {share}")
+        return cls(host_bytes, disk_bytes, disk_path, store_url, model_id, wait, weigh, rate, share)
 
 
 def model_identity(vllm_config: Any, kv_cache_layout: str | None, model_id: str | None = None) -> str:

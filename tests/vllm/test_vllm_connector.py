@@ -772,12 +772,13 @@ def prefixes_on_disk(tmp_path: Path, seeds: range) -> list[list[int]]:
     return prefixes
 
 
-def beside_a_long_decode(tmp_path: Path, vllm_blocks: int) -> tuple[Engine, list[int]]:
+def beside_a_long_decode(tmp_path: Path, vllm_blocks: int, **extra) -> tuple[Engine, list[int]]:
     """An engine over ``tmp_path``'s disk tier with host memory for 40 pages, a running batch of two,
-    ``vllm_blocks`` vLLM blocks and a 600 s ``disk_read_wait_s``, that has run one step of a
-    100-token prompt ("long", returned) which decodes 200 tokens."""
+    ``vllm_blocks`` vLLM blocks and a 600 s ``disk_read_wait_s`` (``extra``: more of
+    ``kv_connector_extra_config``), that has run one step of a 100-token prompt ("long",
+    returned) which decodes 200 tokens."""
     base = {"host_bytes": 40 * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
-    config = vllm_config(tmp_path, {**base, "disk_read_wait_s": 600.0}, max_seqs=2)
+    config = vllm_config(tmp_path, {**base, "disk_read_wait_s": 600.0, **extra}, max_seqs=2)
     e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], vllm_blocks))
     e.poison()
     long = prompt(500, 100)
@@ -808,6 +809,33 @@ def test_reads_for_queued_requests_leave_host_memory_for_the_running_requests_sa
     assert [first_step_of(e, f"q{i}")[0] for i in range(6)] == [112] * 6
     assert not not_saved(caplog)
     assert e.kv_scheduler.manager.cached_tokens(long + e.outputs["long"]) == 288  # 300 tokens: every full block
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+@pytest.mark.parametrize("share", [0.25, 1.0])
+def test_queued_reads_share_sets_how_much_host_memory_reads_for_queued_requests_hold(tmp_path, share):
+    """Six requests whose 7-block prefixes are on disk queue behind a running batch of two, as in
+    the test above. A read starts while the reads held for queued requests take less than the
+    share of host memory (40 pages), so they hold less than the share plus one prefix (7 pages):
+    with ``queued_reads_share`` 0.25 below 17 pages (14 in a run), where the default half let them
+    reach 21; with 1.0 past the default's bound of 27 (36 in a run). Either way every queued
+    request loads its whole prefix."""
+    prefixes = prefixes_on_disk(tmp_path, range(60, 66))
+    e, _ = beside_a_long_decode(tmp_path, vllm_blocks=128, queued_reads_share=share)
+    for i, prefix in enumerate(prefixes):
+        e.add(f"q{i}", prefix + [1, 2], max_tokens=3)
+    scheduler = e.kv_scheduler
+    most = 0
+    while e.scheduler.has_requests():
+        assert len(e.log) < 5_000
+        e.step()
+        most = max(most, sum(read.num_pages for lease in scheduler._queued() for read in lease.held))
+    assert [first_step_of(e, f"q{i}")[0] for i in range(6)] == [112] * 6
+    if share < 0.5:
+        assert most < 0.25 * 40 + 7
+    else:
+        assert most > 0.5 * 40 + 7
     e.assert_no_leaks()
     e.shutdown()
 

@@ -1,8 +1,9 @@
 """Random serving sessions through vLLM's real scheduler and kvtier's connector.
 
-Each seed draws a configuration (host memory for 8 to 256 pages, a disk tier or none, a shared
-store, a sliding-window group, 24 to 128 vLLM blocks so that requests are preempted, synchronous
-or asynchronous scheduling, speculative decoding or none, a running batch of 2 to 8 requests, on
+Each seed draws a configuration (host memory for 8 to 256 pages, a disk tier or none and the
+share of host memory that reads for queued requests may hold, a shared store, a sliding-window
+group, 24 to 128 vLLM blocks so that requests are preempted, synchronous or asynchronous
+scheduling, speculative decoding or none, a running batch of 2 to 8 requests, on
 vLLM 0.34 ``--max-num-inflight-kv-loads`` or not, and first-come or priority scheduling, where
 requests of higher priority preempt running ones) and a session:
 requests that share prefixes of random lengths, cache salts, aborts, vLLM's prefix cache reset,
@@ -68,6 +69,7 @@ def session(seed: int, tmp_path: Path, vary_batch: bool = True) -> None:
             "disk_bytes": rng.choice([1, 8]) * MiB,
             "disk_path": str(tmp_path / "disk"),
             "disk_read_wait_s": rng.choice([0.0, 1.0]),
+            "queued_reads_share": random.Random(seed * 31 + 3).choice([0.25, 0.5, 1.0]),  # drawn apart
         }
     window = rng.random() < 0.3
     if not window and rng.random() < 0.3:  # a store serves full-attention models
