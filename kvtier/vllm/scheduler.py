@@ -381,9 +381,13 @@ class KVTierScheduler:
             self._turns = _ReadTurns(
                 min((lease.place for lease in self._short_of_room.values()), default=_NO_PLACE),
                 min((lease.place for lease in self._readers.values()), default=_NO_PLACE),
-                sum(read.num_pages for lease in self._queued() for read in lease.held),
+                self.queued_read_pages(),
             )
         return self._turns
+
+    def queued_read_pages(self) -> int:
+        """Pages of the reads held for requests not scheduled yet (what ``queued_reads_share`` bounds)."""
+        return sum(read.num_pages for lease in self._queued() for read in lease.held)
 
     def _queued(self) -> list[Lease]:
         """The leases of requests not scheduled yet (offered, or waiting for reads) that hold reads."""

@@ -825,12 +825,11 @@ def test_queued_reads_share_sets_how_much_host_memory_reads_for_queued_requests_
     e, _ = beside_a_long_decode(tmp_path, vllm_blocks=128, queued_reads_share=share)
     for i, prefix in enumerate(prefixes):
         e.add(f"q{i}", prefix + [1, 2], max_tokens=3)
-    scheduler = e.kv_scheduler
     most = 0
     while e.scheduler.has_requests():
         assert len(e.log) < 5_000
         e.step()
-        most = max(most, sum(read.num_pages for lease in scheduler._queued() for read in lease.held))
+        most = max(most, e.kv_scheduler.queued_read_pages())
     assert [first_step_of(e, f"q{i}")[0] for i in range(6)] == [112] * 6
     if share < 0.5:
         assert most < 0.25 * 40 + 7
