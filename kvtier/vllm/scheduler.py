@@ -17,7 +17,9 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   schedules the other requests. The pages read stay in host memory for it until it is scheduled.
   A read it cannot start itself (host memory has no room, requests before it in vLLM's queue
   wait for room first, or another request's read has the pages) it waits for up to
-  ``disk_read_wait_s`` from its first ask.
+  ``disk_read_wait_s`` from its first ask. While vLLM's own cache holds all that kvtier could
+  offer, the ask offers nothing and reads nothing, but the match stays: vLLM may evict blocks of
+  its hit while the request waits for a slot, and a later ask offers them.
 - **early** (``may_load_async``, vLLM 0.34's ``--max-num-inflight-kv-loads``): a request whose
   prefix is all in host memory, past vLLM's own hit, is asked while the running batch is full,
   and its load goes before a slot frees; a prefix with pages on disk (or any, with a store) waits
@@ -252,7 +254,9 @@ class KVTierScheduler:
             lease.cache.shorten_to_memory()
             return 0, False
         if not lease.reads and lease.matched + lease.store_blocks * self._tpb <= num_computed_tokens:
-            lease.cache.shorten_to_memory()  # vLLM's own cache has all kvtier could offer: no read, no wait
+            # vLLM's own cache has all kvtier could offer: no read, no wait. The match stays whole
+            # (alloc gives up its part on disk): while the request waits for a slot, vLLM may evict
+            # some of those blocks, and a later ask offers them.
             lease.drop_store_blocks()
             lease.local_tokens = num_computed_tokens
             return 0, False
@@ -428,6 +432,8 @@ class KVTierScheduler:
         lease = self._leases.get(rid)
         if lease is None or lease.state is not LeaseState.OFFERED:
             return  # not keyable, or the second call after an asynchronous load
+        if num_external == 0:
+            lease.cache.shorten_to_memory()  # an ask that offered nothing leaves a match that may reach the disk
         if not lease.activate():
             log.warning(
                 "kvtier.vllm: the host tier cannot hold request %s's prefix; it is neither loaded nor saved", rid

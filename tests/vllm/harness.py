@@ -169,13 +169,15 @@ def vllm_config(
     )
 
 
-def host_pages_engine(tmp_path: Path, host_pages: int, policy: str = "fcfs", **extra) -> Engine:
+def host_pages_engine(
+    tmp_path: Path, host_pages: int, policy: str = "fcfs", device_blocks: int = 128, **extra
+) -> Engine:
     """An engine with host memory for ``host_pages`` kvtier pages and an 8 MiB disk under
-    ``tmp_path``, 128 vLLM blocks, scheduling by ``policy``; ``extra``: more of
-    ``kv_connector_extra_config``."""
+    ``tmp_path``, ``device_blocks`` vLLM blocks (one of them vLLM's null block), scheduling by
+    ``policy``; ``extra``: more of ``kv_connector_extra_config``."""
     base = {"host_bytes": host_pages * HOST_PAGE, "disk_bytes": 8 * MiB, "disk_path": str(tmp_path / "disk")}
     config = vllm_config(tmp_path, {**base, **extra}, policy=policy)
-    return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 128))
+    return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], device_blocks))
 
 
 def attention_spec(window: int | None = None) -> FullAttentionSpec | SlidingWindowSpec:

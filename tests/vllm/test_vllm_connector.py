@@ -73,6 +73,34 @@ def refuse_disk_writes_on_the_scheduler_thread(monkeypatch) -> None:
     monkeypatch.setattr(mover.Mover, "write_pages", refused)
 
 
+def a_disk_that_keeps_up(monkeypatch) -> None:
+    """Each write-behind batch is written before the step that started it ends (it lands at the next)."""
+    started = disk_write_behind.DiskWriteBehind.start
+
+    def keeping_up(self):
+        batch = started(self)
+        if batch is not None:
+            batch.future.result()
+        return batch
+
+    monkeypatch.setattr(disk_write_behind.DiskWriteBehind, "start", keeping_up)
+
+
+def push_out_of_host_memory(manager, blocks: int) -> int:
+    """Pages of another ``blocks``-block prompt take host memory, pushing out pages that only the
+    tree holds there, to disk (where write-behind copied them) or out of the cache; then only the
+    tree holds the prompt's pages too. Returns how many pages went to disk."""
+    demotions = manager.stats().demotions
+    for _ in range(2):
+        manager.maintain()  # a write-behind batch of the released pages, then landed as disk copies
+    tokens = prompt(990, blocks * BLOCK)
+    holder = manager.create_cache(tokens)
+    assert holder.resume() and holder.resize(len(tokens))
+    holder.commit(tokens)
+    holder.close()
+    return manager.stats().demotions - demotions
+
+
 def run_until_computed(e: Engine, rid: str, tokens: int) -> None:
     while e.requests[rid].num_computed_tokens < tokens:
         e.step()
@@ -645,6 +673,67 @@ def test_a_request_short_of_host_memory_gets_the_pages_that_requests_after_it_ho
     e.shutdown()
 
 
+def test_a_preempted_request_reads_its_pages_back_before_requests_that_arrived_after_it(tmp_path, monkeypatch):
+    """Under the priority policy, r1 (priority 1) runs with its 7 blocks saved in host memory (8
+    pages); r2 (priority 1, arrived after it), a 7-block disk hit, is short of room. Then r0
+    (priority 0) arrives, grows and has vLLM preempt r1; r1's pages are pushed to disk before it is
+    asked again. vLLM keeps r1's arrival time, so r1 is before r2 in its queue: r1 reads its pages
+    back first and resumes by loading what vLLM's own cache lost of them before r2 runs. Before,
+    turns went by first ask: r1's new lease came after r2's, so r1 waited while r2 read."""
+    waiting = prefix_on_disk(tmp_path, 14)
+    a_disk_that_keeps_up(monkeypatch)
+    e = host_pages_engine(tmp_path, 8, "priority", device_blocks=11, disk_read_wait_s=600.0)
+    manager = e.kv_scheduler.manager
+    e.poison()
+    e.add("r1", prompt(31, 7 * BLOCK + 1), max_tokens=12, priority=1)
+    run_until_computed(e, "r1", 7 * BLOCK + 1)  # 8 of the 10 device blocks; its 7 full ones in host memory
+    e.add("r2", [*waiting, 1], max_tokens=2, priority=1)
+    for _ in range(3):
+        e.step()
+    assert e.requests["r2"].status is RequestStatus.WAITING  # short of room: r1's pages fill host memory
+    e.add("r0", prompt(32, 2 * BLOCK - 1), max_tokens=20, images=[("image", 0, BLOCK)])  # keyed by nothing
+    while not e.requests["r1"].num_preemptions:
+        e.step()
+    assert len(e.tokens("r1")) < 8 * BLOCK  # its eighth block never filled: 7 blocks saved
+    assert push_out_of_host_memory(manager, 7) == 7  # r1's (r2's read page is held for it)
+    before = len(e.log)
+    e.run(max_steps=2000)
+    runs = [rid for step in e.log[before:] for rid in step.computed if rid in ("r1", "r2")]
+    assert runs[0] == "r1"
+    resumed = next(step.computed["r1"] for step in e.log[before:] if "r1" in step.computed)
+    assert resumed[0] == 7 * BLOCK and first_step_of(e, "r2")[0] == 7 * BLOCK
+    assert manager.stats().recomputed_tokens == 0
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_a_request_whose_hit_in_vllms_own_cache_shrinks_while_it_waits_loads_the_rest(tmp_path, monkeypatch):
+    """When r2 is first asked, vLLM's own cache holds all 7 blocks of its prompt that kvtier holds
+    (on disk), so kvtier offers none; no device block is free for it (r0 holds them). While it
+    waits, r0 grows and vLLM evicts those cached blocks one by one. kvtier then offers them: r2
+    reads its pages and starts at token 112. Before, the first ask gave up kvtier's blocks on disk
+    for good, and r2 recomputed what vLLM had evicted."""
+    a_disk_that_keeps_up(monkeypatch)
+    e = host_pages_engine(tmp_path, 8, device_blocks=11, disk_read_wait_s=600.0)
+    manager = e.kv_scheduler.manager
+    e.poison()
+    shared = prompt(41, 7 * BLOCK + 1)
+    e.add("r1", shared, max_tokens=1)
+    e.run()  # its 8 device blocks freed, the 7 full ones kept in vLLM's cache
+    assert push_out_of_host_memory(manager, 8) == 7
+    e.add("r0", prompt(42, 3 * BLOCK - 1), max_tokens=40, images=[("image", 0, BLOCK)])  # keyed by nothing
+    run_until_computed(e, "r0", 3 * BLOCK - 1)  # 3 device blocks: the 7 cached ones are all that is free
+    e.add("r2", [*shared, 1], max_tokens=2)
+    e.step()
+    assert e.requests["r2"].num_computed_tokens == 0 and not e.log[-1].loaded
+    e.run(max_steps=2000)
+    assert first_step_of(e, "r2")[0] == 7 * BLOCK
+    assert any("r2" in step.loaded for step in e.log)
+    assert manager.stats().recomputed_tokens == 0
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_a_read_that_brought_what_room_there_was_is_followed_by_the_next_past_the_wait(tmp_path, monkeypatch):
     """Host memory has room for 3 of a 7-block prefix (another request's cache holds 5 of 8 pages),
     and the request's read takes longer than ``disk_read_wait_s``; the other lets go meanwhile.
@@ -865,15 +954,7 @@ def test_host_memory_is_written_behind_so_pushing_blocks_out_writes_nothing_on_t
     """Host memory full of published blocks: copies of its coldest pages are written to disk in the
     background (here by a disk that keeps up), so a request whose saves push them out of host
     memory writes nothing to disk on vLLM's scheduler thread; its blocks come back from disk."""
-    started = disk_write_behind.DiskWriteBehind.start
-
-    def keeping_up(self):
-        batch = started(self)
-        if batch is not None:
-            batch.future.result()
-        return batch
-
-    monkeypatch.setattr(disk_write_behind.DiskWriteBehind, "start", keeping_up)
+    a_disk_that_keeps_up(monkeypatch)
     e = host_pages_engine(tmp_path, 40)
     e.poison()
     for i in range(5):
