@@ -63,7 +63,6 @@ class Lease:
         "_commits",
         "bound",
         "cache",
-        "created",
         "held",
         "loads",
         "local_tokens",
@@ -80,6 +79,7 @@ class Lease:
         "store_fetch",
         "store_pages",
         "store_tokens",
+        "wait_since",
     )
 
     def __init__(self, cache: KVCache, place: QueuePlace, bound: int | None = None, preemptions: int = 0) -> None:
@@ -101,7 +101,9 @@ class Lease:
         self.reads: list[HostPrefetch] = []  # background reads bringing the prefix's disk pages to host memory
         self.held: list[HostPrefetch] = []  # every read started for it: what they landed stays in host memory
         self.read_from: int | None = None  # tokens in memory when its last read started (None: none did)
-        self.created = time.monotonic()
+        # when the request's wait for its pages on disk began (``disk_read_wait_s`` counts from it): its
+        # first ask, or the last one at which vLLM's own cache held all that kvtier could offer
+        self.wait_since = time.monotonic()
         self._commits: deque[_Commit] = deque()
 
     @property

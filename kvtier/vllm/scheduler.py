@@ -19,7 +19,8 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   wait for room first, or another request's read has the pages) it waits for up to
   ``disk_read_wait_s`` from its first ask. While vLLM's own cache holds all that kvtier could
   offer, the ask offers nothing and reads nothing, but the match stays: vLLM may evict blocks of
-  its hit while the request waits for a slot, and a later ask offers them.
+  its hit while the request waits for a slot, and a later ask offers them (the wait for their
+  reads counts from the last ask at which vLLM held them all).
 - **early** (``may_load_async``, vLLM 0.34's ``--max-num-inflight-kv-loads``): a request whose
   prefix is all in host memory, past vLLM's own hit, is asked while the running batch is full,
   and its load goes before a slot frees; a prefix with pages on disk (or any, with a store) waits
@@ -256,9 +257,11 @@ class KVTierScheduler:
         if not lease.reads and lease.matched + lease.store_blocks * self._tpb <= num_computed_tokens:
             # vLLM's own cache has all kvtier could offer: no read, no wait. The match stays whole
             # (alloc gives up its part on disk): while the request waits for a slot, vLLM may evict
-            # some of those blocks, and a later ask offers them.
+            # some of those blocks, and a later ask offers them (reading them first, a wait that
+            # starts then).
             lease.drop_store_blocks()
             lease.local_tokens = num_computed_tokens
+            lease.wait_since = time.monotonic()
             return 0, False
         while True:  # the prefix's pages on disk are read into host memory in the background first
             if lease.waiting:
@@ -322,9 +325,9 @@ class KVTierScheduler:
         to disk before the ask sees it (a running request's save can: ``_let_go_of_a_queued_read``).
         None when one started, or when none could and it may still wait: it is not its turn,
         another read has its pages, or host memory has no room that other requests may free, and
-        less than ``disk_read_wait_s`` passed since its first ask. Why not, when none could and it
-        may not: it is past that wait, or nothing stands in the way (its pages were found damaged,
-        or its own pages fill host memory).
+        less than ``disk_read_wait_s`` passed since its wait began (``Lease.wait_since``). Why not,
+        when none could and it may not: it is past that wait, or nothing stands in the way (its
+        pages were found damaged, or its own pages fill host memory).
 
         Its turn: room goes to the requests in the order of vLLM's queue (``Lease.place``: by
         arrival, or by priority first under vLLM's priority policy). A request finding none is
@@ -341,10 +344,10 @@ class KVTierScheduler:
         memory than there was when it started (it failed, or was let go of) is not started. A read
         that did bring more (it read what room there was) is followed by the next, wait or not."""
         self._reads = [read for read in self._reads if not read.done()]
-        waited = time.monotonic() - lease.created
+        waited = time.monotonic() - lease.wait_since
         past_wait = waited >= self._disk_read_wait_s
         if past_wait and lease.read_from is not None and in_memory <= lease.read_from:
-            return f"{waited:.2f} s since its first ask, past disk_read_wait_s: its last read brought none to stay"
+            return f"{waited:.2f} s into its wait, past disk_read_wait_s: its last read brought none to stay"
         turns = self._read_turns()
         not_its_turn = None
         if turns.first_short < lease.place:
@@ -362,7 +365,7 @@ class KVTierScheduler:
                 return None
         if past_wait:
             why = not_its_turn or "no read of them can start"
-            return f"{waited:.2f} s since its first ask, past disk_read_wait_s: {why}"
+            return f"{waited:.2f} s into its wait, past disk_read_wait_s: {why}"
         if not_its_turn is not None:
             return None
         if self._others_fill_host(lease):

@@ -18,7 +18,8 @@ Keys of ``kv_connector_extra_config``:
   it, the dtypes, quantization, KV layout, shard and vLLM's version) is in every key whatever it
   is, so engines that write their pages otherwise never share them.
 - ``disk_read_wait_s`` (float >= 0, default 1.0): how long a request whose cached prefix is on disk
-  may wait, from its first scheduling, for reads it cannot start itself (host memory has no room
+  may wait, from its first scheduling (or from the last at which vLLM's own cache held all of it),
+  for reads it cannot start itself (host memory has no room
   for its pages, requests before it in vLLM's queue wait for room first, or another request's
   read has them), or go on reading when a read brought none of its pages to stay (it failed);
   what is still on disk then is recomputed (a DEBUG line of ``kvtier.vllm.scheduler`` says why).

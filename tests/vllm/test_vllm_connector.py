@@ -734,6 +734,41 @@ def test_a_request_whose_hit_in_vllms_own_cache_shrinks_while_it_waits_loads_the
     e.shutdown()
 
 
+def test_the_wait_for_a_read_starts_when_vllms_own_cache_stops_holding_the_prefix(tmp_path, monkeypatch):
+    """As above, but r2 waits for a slot longer than ``disk_read_wait_s`` (2 s) while vLLM's own
+    cache holds its prefix, and when vLLM evicts a block of it host memory has no room for a read
+    (another cache holds all 8 pages). r2 waits for room, which comes a step later: it loads every
+    block. Before, its wait was counted from its first ask, so it was over at once, and r2
+    recomputed all that vLLM no longer held."""
+    a_disk_that_keeps_up(monkeypatch)
+    e = host_pages_engine(tmp_path, 8, device_blocks=11, disk_read_wait_s=2.0)
+    manager = e.kv_scheduler.manager
+    e.poison()
+    shared = prompt(43, 7 * BLOCK + 1)
+    e.add("r1", shared, max_tokens=1)
+    e.run()
+    assert push_out_of_host_memory(manager, 8) == 7
+    other = prompt(44, 8 * BLOCK)
+    holder = manager.create_cache(other)  # all of host memory, locked
+    assert holder.resume() and holder.resize(len(other))
+    holder.commit(other)
+    e.add("r0", prompt(45, 2 * BLOCK + 1), max_tokens=40, images=[("image", 0, BLOCK)])
+    run_until_computed(e, "r0", 2 * BLOCK + 1)
+    e.add("r2", [*shared, 1], max_tokens=2)
+    began = time.monotonic()
+    while e.requests["r0"].num_computed_tokens < 3 * BLOCK:  # 15 steps, r2 asked at each
+        e.step()
+        time.sleep(0.15)
+    assert time.monotonic() - began > 2.0 and e.requests["r2"].num_computed_tokens == 0
+    run_until_computed(e, "r0", 3 * BLOCK + 1)  # r0's fourth block: vLLM evicted r2's seventh
+    holder.close()
+    e.run(max_steps=2000)
+    assert first_step_of(e, "r2")[0] == 7 * BLOCK
+    assert manager.stats().recomputed_tokens == 0
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_a_read_that_brought_what_room_there_was_is_followed_by_the_next_past_the_wait(tmp_path, monkeypatch):
     """Host memory has room for 3 of a 7-block prefix (another request's cache holds 5 of 8 pages),
     and the request's read takes longer than ``disk_read_wait_s``; the other lets go meanwhile.
