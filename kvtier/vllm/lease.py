@@ -70,6 +70,7 @@ class Lease:
         "planned",
         "preemptions",
         "puts",
+        "ran",
         "read_from",
         "reads",
         "saves",
@@ -90,6 +91,8 @@ class Lease:
         self.state = LeaseState.OFFERED
         self.local_tokens = 0  # tokens vLLM had computed itself when the offer was made
         self.planned = 0
+        self.ran = False  # vLLM scheduled the request since the lease became ACTIVE (before: its load
+        # may be under way, or over with the request waiting for a slot, its prefix locked here)
         self.saving = True
         self.loads: set[int] = set()
         self.saves: set[int] = set()

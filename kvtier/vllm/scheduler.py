@@ -115,14 +115,15 @@ _NO_PLACE: QueuePlace = (math.inf, math.inf, "")
 class _ReadTurns:
     """Whose turn it is to read disk pages into host memory, as of this step
     (``KVTierScheduler._read_turns``): the places in vLLM's queue (``Lease.place``) of the first
-    request short of room and of the first waiting for reads (``_NO_PLACE``: none), and the pages
-    of the reads held for requests not scheduled yet. Kept up to date as reads start and requests
+    request short of room and of the first waiting, for reads or for a slot with its prefix
+    loaded (``_NO_PLACE``: none), and the pages held in host memory for requests that have not
+    run yet (``KVTierScheduler.queued_read_pages``). Kept up to date as reads start and requests
     join; taken anew at each step, and when reads are let go of or a request leaves. Between
     those, requests scheduled meanwhile may still count as holding reads: a read waits a step
     more, never one less."""
 
     first_short: QueuePlace
-    first_reader: QueuePlace
+    first_waiting: QueuePlace
     held_pages: int
 
 
@@ -275,7 +276,7 @@ class KVTierScheduler:
             if rid not in self._readers:
                 self._readers[rid] = lease
                 turns = self._read_turns()
-                turns.first_reader = min(turns.first_reader, lease.place)
+                turns.first_waiting = min(turns.first_waiting, lease.place)
             stop = self._reason_to_stop_reading(request, lease, in_memory)
             if stop is not None:
                 log.debug(
@@ -335,10 +336,12 @@ class KVTierScheduler:
         of requests after it that do not have their whole prefix yet are let go of, so that what
         they hold comes back to it (without that, two requests each holding part of their
         prefixes could wait for each other for ever; with reads not held, they would push each
-        other's pages back to disk instead, read after read). And the reads held for requests not
-        yet scheduled take at most ``queued_reads_share`` of host memory, leaving the rest to the
-        running requests' saves, except the read of the first request in line (of those waiting
-        for reads), which is never kept back.
+        other's pages back to disk instead, read after read). And the pages held for requests
+        that have not run yet (``queued_read_pages``: reads held for requests not scheduled yet,
+        and the prefixes of requests loaded that wait for a slot) take at most
+        ``queued_reads_share`` of host memory, leaving the rest to the running requests' saves,
+        except the read of the first request in line (of those waiting for reads or, loaded, for a
+        slot), which is never kept back.
 
         Past the wait, a read that would follow one that brought no more of the prefix into host
         memory than there was when it started (it failed, or was let go of) is not started. A read
@@ -352,8 +355,8 @@ class KVTierScheduler:
         not_its_turn = None
         if turns.first_short < lease.place:
             not_its_turn = "requests before it in vLLM's queue wait for host memory first"
-        elif turns.first_reader < lease.place and turns.held_pages >= self._queued_reads_pages:
-            not_its_turn = "the reads held for requests not yet scheduled fill their share of host memory"
+        elif turns.first_waiting < lease.place and turns.held_pages >= self._queued_reads_pages:
+            not_its_turn = "the pages held for requests that have not run yet fill their share of host memory"
         if not_its_turn is None:
             tokens = token_ids(request)[: lease.matched + 1]  # what the offer covers: read no block beyond
             read = self.manager.prefetch_to_host(tokens, self._scope(request), hold=True)
@@ -385,16 +388,27 @@ class KVTierScheduler:
                 for rid, lease in list(waiting.items()):
                     if lease.state is not LeaseState.OFFERED or self._leases.get(rid) is not lease:
                         del waiting[rid]
+            waiting = [*self._readers.values(), *self._loaded()]
             self._turns = _ReadTurns(
                 min((lease.place for lease in self._short_of_room.values()), default=_NO_PLACE),
-                min((lease.place for lease in self._readers.values()), default=_NO_PLACE),
+                min((lease.place for lease in waiting), default=_NO_PLACE),
                 self.queued_read_pages(),
             )
         return self._turns
 
     def queued_read_pages(self) -> int:
-        """Pages of the reads held for requests not scheduled yet (what ``queued_reads_share`` bounds)."""
-        return sum(read.num_pages for lease in self._queued() for read in lease.held)
+        """Pages held in host memory for requests that have not run yet (what ``queued_reads_share``
+        bounds): those of the reads held for requests not scheduled yet, and the prefixes locked
+        for requests whose loads vLLM started (a loading request takes no slot of the running
+        batch, so vLLM starts the loads of every ready request while one slot is free; each then
+        waits for a slot with its prefix locked until it finishes)."""
+        held = sum(read.num_pages for lease in self._queued() for read in lease.held)
+        groups = len(self.plan.groups)
+        return held + sum(lease.matched // self._tpb * groups for lease in self._loaded())
+
+    def _loaded(self) -> list[Lease]:
+        """The leases of requests allocated (ACTIVE) that vLLM has not scheduled since."""
+        return [lease for lease in self._leases.values() if lease.state is LeaseState.ACTIVE and not lease.ran]
 
     def _queued(self) -> list[Lease]:
         """The leases of requests not scheduled yet (offered, or waiting for reads) that hold reads."""
@@ -544,7 +558,10 @@ class KVTierScheduler:
             flush.update(j for j, (_, d) in self._jobs.items() if d is Direction.SAVE)
         for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
             lease = self._leases.get(rid)
-            if lease is None or lease.state is not LeaseState.ACTIVE or not lease.saving:
+            if lease is None or lease.state is not LeaseState.ACTIVE:
+                continue
+            lease.ran = True
+            if not lease.saving:
                 continue
             request = self._requests[rid]
             end = min(request.num_computed_tokens + num_tokens, request.num_tokens)

@@ -86,6 +86,19 @@ def a_disk_that_keeps_up(monkeypatch) -> None:
     monkeypatch.setattr(disk_write_behind.DiskWriteBehind, "start", keeping_up)
 
 
+def reads_that_keep_up(monkeypatch) -> None:
+    """Each read from disk into host memory is over as it starts (it lands at the next step)."""
+    started = host_prefetch.HostPrefetcher.start
+
+    def keeping_up(self, pages, hold=False):
+        read = started(self, pages, hold)
+        if read is not None:
+            read.future.result()
+        return read
+
+    monkeypatch.setattr(host_prefetch.HostPrefetcher, "start", keeping_up)
+
+
 def push_out_of_host_memory(manager, blocks: int) -> int:
     """Pages of another ``blocks``-block prompt take host memory, pushing out pages that only the
     tree holds there, to disk (where write-behind copied them) or out of the cache; then only the
@@ -916,16 +929,26 @@ def not_saved(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().endswith("; they are not saved")]
 
 
-def test_reads_for_queued_requests_leave_host_memory_for_the_running_requests_saves(tmp_path, caplog):
+@pytest.mark.parametrize("reads", ["as they come", "landing at once"])
+def test_reads_for_queued_requests_leave_host_memory_for_the_running_requests_saves(
+    tmp_path, monkeypatch, caplog, reads
+):
     """A request decodes 200 tokens, saving a block every 16, while six requests whose prefixes
     are on disk queue behind a running batch of two: vLLM asks them all while a slot is free, and
     their reads would fill host memory (40 pages; six prefixes of 7 blocks) with pages held for
     requests that wait for a slot. The pages held for queued requests stay within half of host
     memory (the first of them may always read), so the running request saves every block; before,
     it found no room after its first few and saved nothing more. Every queued request still loads
-    its whole prefix."""
+    its whole prefix.
+
+    With reads that land at once, vLLM starts the loads of several queued requests in one step (a
+    loading request takes no slot of the batch), and they wait for a slot with their prefixes
+    locked in host memory. Those count in the share too: before, they did not, the reads went on,
+    five such requests locked 35 pages and the running request's save past 64 tokens found no room."""
     caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
     prefixes = prefixes_on_disk(tmp_path, range(60, 66))
+    if reads == "landing at once":
+        reads_that_keep_up(monkeypatch)
     e, long = beside_a_long_decode(tmp_path, vllm_blocks=128)
     for i, prefix in enumerate(prefixes):
         e.add(f"q{i}", prefix + [1, 2], max_tokens=3)
