@@ -39,10 +39,12 @@ Keys of ``kv_connector_extra_config``:
   events from bind to ``wait_for_save``; until then, the rate kept in the disk directory). Only
   with ``recompute_when_faster``.
 - ``queued_reads_share`` (float, > 0 and at most 1, default 0.5): of host memory, the share that
-  pages read from disk for requests vLLM has not scheduled yet may hold; the rest stays for the
-  running requests' saves. The first request in vLLM's queue that waits for reads may always
-  read. Higher lets more queued requests find their prefix in host memory when their slot frees;
-  lower leaves more room to save the running requests' blocks.
+  pages held for requests that have not run yet may take: pages read from disk for requests vLLM
+  has not scheduled yet, and the prefixes of requests whose loads vLLM started, which wait for a
+  slot; the rest stays for the running requests' saves. The first request in vLLM's queue that
+  waits (for reads, or loaded for a slot) may always read. Higher lets more queued requests find
+  their prefix in host memory when their slot frees; lower leaves more room to save the running
+  requests' blocks.
 
 Anything else is a ``ValueError`` naming the known keys; a value of the wrong type a
 ``TypeError``.
