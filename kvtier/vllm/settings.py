@@ -19,10 +19,10 @@ Keys of ``kv_connector_extra_config``:
   is, so engines that write their pages otherwise never share them.
 - ``disk_read_wait_s`` (float >= 0, default 1.0): how long a request whose cached prefix is on disk
   may wait, from its first scheduling (or from the last at which vLLM's own cache held all of it),
-  for reads it cannot start itself (host memory has no room
-  for its pages, requests before it in vLLM's queue wait for room first, or another request's
-  read has them), or go on reading when a read brought none of its pages to stay (it failed);
-  what is still on disk then is recomputed (a DEBUG line of ``kvtier.vllm.scheduler`` says why).
+  for reads it cannot start itself (host memory has no room for its pages, requests before it in
+  vLLM's queue wait for room first, or another request's read has them), or go on reading when a
+  read brought none of its pages to stay (it failed); what is still on disk then is recomputed (a
+  DEBUG line of ``kvtier.vllm.scheduler`` says why).
   A read of its own pages, once started, is always waited for, and followed by the next while
   each brings more; the pages read stay in host memory for it until it is scheduled. The wait is
   wall-clock time: a stall of the scheduler's process counts.
@@ -41,10 +41,10 @@ Keys of ``kv_connector_extra_config``:
 - ``queued_reads_share`` (float, > 0 and at most 1, default 0.5): of host memory, the share that
   pages held for requests that have not run yet may take: pages read from disk for requests vLLM
   has not scheduled yet, and the prefixes of requests whose loads vLLM started, which wait for a
-  slot; the rest stays for the running requests' saves. The first request in vLLM's queue that
-  waits (for reads, or loaded for a slot) may always read. Higher lets more queued requests find
-  their prefix in host memory when their slot frees; lower leaves more room to save the running
-  requests' blocks.
+  slot; the rest stays for the running requests' saves. A request that waits for reads with none
+  before it in vLLM's queue waiting (for reads, or loaded for a slot) may always read. Higher lets
+  more queued requests find their prefix in host memory when their slot frees; lower leaves more
+  room to save the running requests' blocks.
 
 Anything else is a ``ValueError`` naming the known keys; a value of the wrong type a
 ``TypeError``.
