@@ -720,20 +720,30 @@ def test_a_preempted_request_reads_its_pages_back_before_requests_that_arrived_a
     e.shutdown()
 
 
+def a_prefix_on_disk_and_in_vllms_cache(
+    tmp_path: Path, monkeypatch, disk_read_wait_s: float
+) -> tuple[Engine, list[int]]:
+    """An engine with 10 usable vLLM blocks and 8 pages of host memory that has served a 113-token
+    prompt (returned): its 7 full blocks are in vLLM's own cache and, pushed out of host memory,
+    on kvtier's disk."""
+    a_disk_that_keeps_up(monkeypatch)
+    e = host_pages_engine(tmp_path, 8, device_blocks=11, disk_read_wait_s=disk_read_wait_s)
+    e.poison()
+    shared = prompt(41, 7 * BLOCK + 1)
+    e.add("r1", shared, max_tokens=1)
+    e.run()  # its 8 device blocks freed, the 7 full ones kept in vLLM's cache
+    assert push_out_of_host_memory(e.kv_scheduler.manager, 8) == 7
+    return e, shared
+
+
 def test_a_request_whose_hit_in_vllms_own_cache_shrinks_while_it_waits_loads_the_rest(tmp_path, monkeypatch):
     """When r2 is first asked, vLLM's own cache holds all 7 blocks of its prompt that kvtier holds
     (on disk), so kvtier offers none; no device block is free for it (r0 holds them). While it
     waits, r0 grows and vLLM evicts those cached blocks one by one. kvtier then offers them: r2
     reads its pages and starts at token 112. Before, the first ask gave up kvtier's blocks on disk
     for good, and r2 recomputed what vLLM had evicted."""
-    a_disk_that_keeps_up(monkeypatch)
-    e = host_pages_engine(tmp_path, 8, device_blocks=11, disk_read_wait_s=600.0)
+    e, shared = a_prefix_on_disk_and_in_vllms_cache(tmp_path, monkeypatch, disk_read_wait_s=600.0)
     manager = e.kv_scheduler.manager
-    e.poison()
-    shared = prompt(41, 7 * BLOCK + 1)
-    e.add("r1", shared, max_tokens=1)
-    e.run()  # its 8 device blocks freed, the 7 full ones kept in vLLM's cache
-    assert push_out_of_host_memory(manager, 8) == 7
     e.add("r0", prompt(42, 3 * BLOCK - 1), max_tokens=40, images=[("image", 0, BLOCK)])  # keyed by nothing
     run_until_computed(e, "r0", 3 * BLOCK - 1)  # 3 device blocks: the 7 cached ones are all that is free
     e.add("r2", [*shared, 1], max_tokens=2)
@@ -753,14 +763,8 @@ def test_the_wait_for_a_read_starts_when_vllms_own_cache_stops_holding_the_prefi
     (another cache holds all 8 pages). r2 waits for room, which comes a step later: it loads every
     block. Before, its wait was counted from its first ask, so it was over at once, and r2
     recomputed all that vLLM no longer held."""
-    a_disk_that_keeps_up(monkeypatch)
-    e = host_pages_engine(tmp_path, 8, device_blocks=11, disk_read_wait_s=2.0)
+    e, shared = a_prefix_on_disk_and_in_vllms_cache(tmp_path, monkeypatch, disk_read_wait_s=2.0)
     manager = e.kv_scheduler.manager
-    e.poison()
-    shared = prompt(43, 7 * BLOCK + 1)
-    e.add("r1", shared, max_tokens=1)
-    e.run()
-    assert push_out_of_host_memory(manager, 8) == 7
     other = prompt(44, 8 * BLOCK)
     holder = manager.create_cache(other)  # all of host memory, locked
     assert holder.resume() and holder.resize(len(other))
