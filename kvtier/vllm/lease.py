@@ -78,6 +78,7 @@ class Lease:
         "state",
         "store_blocks",
         "store_fetch",
+        "store_keys",
         "store_pages",
         "store_tokens",
         "wait_since",
@@ -97,7 +98,10 @@ class Lease:
         self.loads: set[int] = set()
         self.saves: set[int] = set()
         self.puts = 0  # writes to the store in flight, reading this lease's pages
-        self.store_blocks = 0  # blocks past the match that the store holds (fetched: ``store_pages``)
+        # the blocks past the match that the store holds, by chain key (fetched only once vLLM's own
+        # cache lacks some of them; ``store_blocks`` of them are offered: being fetched or fetched)
+        self.store_keys: list[bytes] = []
+        self.store_blocks = 0
         self.store_fetch: Future[list[list[bytes]]] | None = None  # their pages, on their way
         self.store_pages: list[list[bytes]] = []  # per block, per group, the pages fetched
         self.store_tokens = 0  # tokens the store actually supplied
@@ -170,12 +174,19 @@ class Lease:
             log.warning("kvtier.vllm: a store fetch failed (%r); its blocks are recomputed", failure)
         self.store_pages = [] if failure is not None else fetch.result()
         self.store_blocks = len(self.store_pages)
+        del self.store_keys[self.store_blocks :]  # the rest did not arrive: not asked for again
 
-    def drop_store_blocks(self) -> None:
-        """Forget the store's blocks: they no longer follow the prefix (it was shortened)."""
+    def unfetch_store_blocks(self) -> None:
+        """Offer none of the store's blocks for now (vLLM's own cache holds them): let go of their
+        fetch and pages; they stay known, to be fetched if vLLM evicts some before the request runs."""
         self.store_fetch = None
         self.store_pages = []
         self.store_blocks = 0
+
+    def drop_store_blocks(self) -> None:
+        """Forget the store's blocks: they no longer follow the prefix (it was shortened)."""
+        self.unfetch_store_blocks()
+        self.store_keys = []
 
     def host_slots(self, group_id: int, first_block: int, end_block: int) -> np.ndarray:
         """Host slots of blocks ``[first_block, end_block)`` of a group (``BAD_PAGE_INDEX`` where none)."""

@@ -42,9 +42,10 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   update): later requests match and save in a fresh weights epoch of every scope; offers made
   before are withdrawn and running requests save nothing more.
 
-With a store (``store_url``) the ask also counts the blocks past the tree that the store holds
-and fetches them on a background thread (verified; the run stops at the first miss, the rest is
-recomputed), answering None until they arrived. Alloc gives them new host pages, which another
+With a store (``store_url``) the first ask also counts the blocks past the tree that the store
+holds, and an ask that offers them fetches them on a background thread (verified; the run stops
+at the first miss, the rest is recomputed), answering None until they arrived. While vLLM's own
+cache holds them all, they stay counted but unfetched, as the match does. Alloc gives them new host pages, which another
 background thread fills (``StoreTier.place``); the load job goes to the worker, and the pages
 are committed, at the first step after that. Every completed save is written through to the
 store in the background.
@@ -245,25 +246,25 @@ class KVTierScheduler:
                         rid, len(keys) * self._tpb, self._prefill_rate,
                     )  # fmt: skip
                 else:
-                    lease.store_blocks = self._store.present(chain, keys)
-                if lease.matched + lease.store_blocks * self._tpb <= num_computed_tokens:
-                    lease.store_blocks = 0  # vLLM has them itself: not worth a wait
-                if lease.store_blocks:
-                    lease.store_fetch = self._store.fetch(chain, keys[: lease.store_blocks])
+                    lease.store_keys = keys[: self._store.present(chain, keys)]
         if lease.state is not LeaseState.OFFERED:
             return 0, False
         if _skips_cache(request):  # vLLM computes all of it (prompt logprobs): no read, no wait; saved as usual
             lease.cache.shorten_to_memory()
             return 0, False
-        if not lease.reads and lease.matched + lease.store_blocks * self._tpb <= num_computed_tokens:
-            # vLLM's own cache has all kvtier could offer: no read, no wait. The match stays whole
-            # (alloc gives up its part on disk): while the request waits for a slot, vLLM may evict
-            # some of those blocks, and a later ask offers them (reading them first, a wait that
-            # starts then).
-            lease.drop_store_blocks()
+        if not lease.reads and self._reach(lease) <= num_computed_tokens:
+            # vLLM's own cache has all kvtier could offer: no read, no fetch, no wait. The match
+            # stays whole (alloc gives up its part on disk), and the store's blocks stay known:
+            # while the request waits for a slot, vLLM may evict some of those blocks, and a later
+            # ask offers them (reading and fetching them first, a wait that starts then).
+            lease.unfetch_store_blocks()
             lease.local_tokens = num_computed_tokens
             lease.wait_since = time.monotonic()
             return 0, False
+        if lease.store_keys and not lease.store_blocks:  # fetched while the disk's pages are read
+            assert self._store is not None
+            lease.store_blocks = len(lease.store_keys)
+            lease.store_fetch = self._store.fetch(self._chain(rid, request), lease.store_keys)
         while True:  # the prefix's pages on disk are read into host memory in the background first
             if lease.waiting:
                 return None, False  # asked again next step; vLLM schedules the other requests meanwhile
@@ -295,6 +296,11 @@ class KVTierScheduler:
         lease.local_tokens = num_computed_tokens
         offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
+
+    def _reach(self, lease: Lease) -> int:
+        """Tokens an offer to the lease could reach: its match and the blocks after it that the
+        store holds."""
+        return lease.matched + len(lease.store_keys) * self._tpb
 
     def may_load_async(self, request: Request) -> bool:
         """Whether an ask will offer ``request`` a load that needs no wait (with

@@ -180,6 +180,26 @@ def host_pages_engine(
     return Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], device_blocks))
 
 
+def push_out_of_host_memory(manager, blocks: int) -> int:
+    """Pages of another ``blocks``-block prompt take host memory, pushing out pages that only the
+    tree holds there, to disk (where write-behind copied them) or out of the cache; then only the
+    tree holds the prompt's pages too. Returns how many pages went to disk."""
+    demotions = manager.stats().demotions
+    for _ in range(2):
+        manager.maintain()  # a write-behind batch of the released pages, then landed as disk copies
+    tokens = prompt(990, blocks * BLOCK)
+    holder = manager.create_cache(tokens)
+    assert holder.resume() and holder.resize(len(tokens))
+    holder.commit(tokens)
+    holder.close()
+    return manager.stats().demotions - demotions
+
+
+def run_until_computed(e: Engine, rid: str, tokens: int) -> None:
+    while e.requests[rid].num_computed_tokens < tokens:
+        e.step()
+
+
 def attention_spec(window: int | None = None) -> FullAttentionSpec | SlidingWindowSpec:
     if window is None:
         return FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)

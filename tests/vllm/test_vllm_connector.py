@@ -37,6 +37,8 @@ from tests.vllm.harness import (
     kv_cache_config,
     layer_names,
     prompt,
+    push_out_of_host_memory,
+    run_until_computed,
     vllm_config,
 )
 
@@ -97,26 +99,6 @@ def reads_that_keep_up(monkeypatch) -> None:
         return read
 
     monkeypatch.setattr(host_prefetch.HostPrefetcher, "start", keeping_up)
-
-
-def push_out_of_host_memory(manager, blocks: int) -> int:
-    """Pages of another ``blocks``-block prompt take host memory, pushing out pages that only the
-    tree holds there, to disk (where write-behind copied them) or out of the cache; then only the
-    tree holds the prompt's pages too. Returns how many pages went to disk."""
-    demotions = manager.stats().demotions
-    for _ in range(2):
-        manager.maintain()  # a write-behind batch of the released pages, then landed as disk copies
-    tokens = prompt(990, blocks * BLOCK)
-    holder = manager.create_cache(tokens)
-    assert holder.resume() and holder.resize(len(tokens))
-    holder.commit(tokens)
-    holder.close()
-    return manager.stats().demotions - demotions
-
-
-def run_until_computed(e: Engine, rid: str, tokens: int) -> None:
-    while e.requests[rid].num_computed_tokens < tokens:
-        e.step()
 
 
 def first_step_of(e: Engine, rid: str) -> tuple[int, int]:

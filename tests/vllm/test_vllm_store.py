@@ -23,15 +23,27 @@ from kvtier.connector.fs_store import FileSystemStore
 from kvtier.vllm import KVTierConnector, host_pool
 from kvtier.vllm.store_tier import BlockChain, StoreTier
 from tests.holding import hold
-from tests.vllm.harness import BLOCK, Engine, MiB, attention_spec, kv_cache_config, layer_names, prompt, vllm_config
+from tests.vllm.harness import (
+    BLOCK,
+    HOST_PAGE,
+    Engine,
+    MiB,
+    attention_spec,
+    kv_cache_config,
+    layer_names,
+    prompt,
+    push_out_of_host_memory,
+    run_until_computed,
+    vllm_config,
+)
 
 _created: list[Engine] = []
 
 
-def engine(tmp_path: Path, store_url: str, name: str, **extra) -> Engine:
+def engine(tmp_path: Path, store_url: str, name: str, device_blocks: int = 64, **extra) -> Engine:
     config = vllm_config(tmp_path, {"host_bytes": 4 * MiB, "store_url": store_url, **extra}, name="model")
     config.kv_transfer_config.engine_id = name
-    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 64))
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], device_blocks))
     _created.append(e)
     return e
 
@@ -91,6 +103,34 @@ def test_another_engine_loads_the_prefix_from_the_store(tmp_path, file_url):
     assert second.kv_scheduler.manager.stats().tiers["primary"].pages_used == 7  # what came is kept in kvtier too
     second.assert_no_leaks()
     second.shutdown()
+
+
+def test_a_request_whose_hit_in_vllms_own_cache_shrinks_while_it_waits_fetches_the_rest_from_the_store(
+    tmp_path, file_url
+):
+    """When r2 is first asked, vLLM's own cache holds all 7 blocks of its prompt that the store
+    holds (kvtier's host memory no longer does), so kvtier offers none; no device block is free for
+    it (r0 holds them). While it waits, r0 grows and vLLM evicts those cached blocks one by one.
+    kvtier then fetches them from the store: r2 starts at token 112. Before, the first ask gave up
+    the store's blocks for good, and r2 recomputed what vLLM had evicted."""
+    shared = prompt(22, 7 * BLOCK + 1)
+    save_through(tmp_path, file_url, shared)
+    e = engine(tmp_path, file_url, "second", device_blocks=11, host_bytes=8 * HOST_PAGE)
+    e.poison()
+    e.add("r1", shared, max_tokens=1)
+    e.run()  # loaded from the store; its 7 full blocks kept in vLLM's cache
+    assert first_computed(e, "r1") == 7 * BLOCK
+    push_out_of_host_memory(e.kv_scheduler.manager, 8)
+    e.add("r0", prompt(23, 3 * BLOCK - 1), max_tokens=40, images=[("image", 0, BLOCK)])  # keyed by nothing
+    run_until_computed(e, "r0", 3 * BLOCK - 1)  # 3 device blocks: the 7 cached ones are all that is free
+    e.add("r2", [*shared, 1], max_tokens=2)
+    e.step()
+    assert e.requests["r2"].num_computed_tokens == 0 and not e.log[-1].loaded
+    e.run(max_steps=2000)
+    assert first_computed(e, "r2") == 7 * BLOCK
+    assert any("r2" in step.loaded for step in e.log)
+    e.assert_no_leaks()
+    e.shutdown()
 
 
 def test_after_a_connector_reset_the_store_serves_this_engine_nothing_saved_before(tmp_path, file_url):
@@ -281,23 +321,50 @@ def test_a_failed_write_of_store_pages_is_recomputed(tmp_path, file_url, monkeyp
     second.shutdown()
 
 
-def test_a_damaged_store_value_is_recomputed_not_served(tmp_path, file_url):
-    shared = prompt(21, 120)
-    save_through(tmp_path, file_url, shared)
-    second = engine(tmp_path, file_url, "second")
-    keyspace = second.kv_scheduler._store.keyspace
+def damage_stored_block(tmp_path: Path, e: Engine, tokens: list[int], block: int) -> None:
+    """Flip a byte of the value the store at ``tmp_path / "store"`` holds for ``tokens``' block
+    ``block`` (the first layer group's page)."""
     chain = BlockChain(ReuseScope())
-    key = keyspace.key(chain.scope, chain.upto(shared, BLOCK, 7)[4], 0)
+    key = e.kv_scheduler._store.keyspace.key(chain.scope, chain.upto(tokens, BLOCK, block + 1)[block], 0)
     path = FileSystemStore(str(tmp_path / "store")).path_of(key)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def test_a_damaged_store_value_is_recomputed_not_served(tmp_path, file_url):
+    shared = prompt(21, 120)
+    save_through(tmp_path, file_url, shared)
+    second = engine(tmp_path, file_url, "second")
+    damage_stored_block(tmp_path, second, shared, 4)
     second.poison()
     second.add("r2", [*shared, 3], max_tokens=2)
     second.run()
     assert first_computed(second, "r2") == 4 * BLOCK  # blocks 0..3 from the store, the rest computed
     second.assert_no_leaks()
     second.shutdown()
+
+
+def test_a_fetch_that_brought_nothing_is_not_repeated_while_the_request_waits_for_a_slot(
+    tmp_path, file_url, monkeypatch
+):
+    """r2's first block in the store is damaged, so its fetch brings nothing; r2 then waits for a
+    slot (r0 holds the device blocks) and is asked again each step: the store is not fetched again."""
+    shared = prompt(24, 120)
+    save_through(tmp_path, file_url, shared)
+    e = engine(tmp_path, file_url, "second", device_blocks=11)
+    damage_stored_block(tmp_path, e, shared, 0)
+    fetches = []
+    fetch = StoreTier.fetch
+    monkeypatch.setattr(StoreTier, "fetch", lambda self, *args: fetches.append(args) or fetch(self, *args))
+    e.add("r0", prompt(25, 3 * BLOCK - 1), max_tokens=40, images=[("image", 0, BLOCK)])  # keyed by nothing
+    run_until_computed(e, "r0", 3 * BLOCK - 1)  # 3 device blocks: 7 free, r2 needs 8
+    e.add("r2", [*shared, 3], max_tokens=2)
+    e.run()
+    assert first_computed(e, "r2") == 0
+    assert len(fetches) == 1
+    e.assert_no_leaks()
+    e.shutdown()
 
 
 def test_redis_serves_like_a_shared_directory(tmp_path, redis_url):
