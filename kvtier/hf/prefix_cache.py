@@ -79,7 +79,10 @@ _UNSUPPORTED = {
     "negative_prompt_ids": "classifier-free guidance with a negative prompt",
 }
 # Decoding that writes only the tokens it keeps into the cache. Assisted decoding writes drafts and
-# cuts the rejected ones back out, which the recording of sliding-window layers does not follow.
+# cuts the rejected ones back out, which the recording of sliding-window layers does not follow;
+# and transformers' assisted loop (5.25) feeds its first forward the whole prompt whatever the
+# cache it is given already holds, so over a filled cache it answers other tokens than without one
+# (a plain ``DynamicCache`` of a prompt's first tokens does the same), even for full attention.
 _BEAM_MODES = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 # what has generate decode with the cache kvtier filled (``_own_cache``)
 _OWN_CACHE = {"cache_implementation": None, "use_cache": True}
