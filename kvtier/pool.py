@@ -419,7 +419,7 @@ class PagePool:
         if self.disk_tier is not None:
             disk_index = self.tiers[self.disk_tier].disk_index
             if disk_index is not None:
-                disk_index.flush()
+                disk_index.commit_soon()
         return dropped
 
     def _cost_inputs(self) -> str:

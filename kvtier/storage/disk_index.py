@@ -18,10 +18,15 @@ A scope is stored only as a keyed hash (a *tag*, keyed by the directory's secret
 depth 0; token ids are stored as they are (the files are private to their user).
 
 Consistency with the slots: changes are buffered and committed in one transaction per manager
-operation, and before a slot is rewritten (the writer calls ``flush`` first), so a row never
-names a slot rewritten with other data. A commit that fails keeps its changes for the next one.
-A commit never runs a checkpoint of SQLite's log, which waits for the disk: those run on a thread
-of their own (``kvtier.storage.wal_checkpoints``).
+operation, and before a slot is rewritten (the writer waits for ``flush``, or for the future of
+``commit_soon``, first), so a row never names a slot rewritten with other data. Commits run on a
+thread of their own (``kvtier-index-commit``), one at a time in the order they were started, so
+the pool's thread (vLLM's scheduler thread under ``kvtier.vllm``) never waits for SQLite's log
+write, which the kernel may throttle while the disk writes back; only a caller about to rewrite
+slots waits. A commit that fails keeps its changes, and those of the commits started after it
+(not tried: they would land out of order), for the next one. A commit never runs a checkpoint of
+SQLite's log, which waits for the disk: those run on a thread of their own
+(``kvtier.storage.wal_checkpoints``).
 
 Opening reads every row. An index that cannot be read (damaged, of another schema or secret, or
 lost while page files remain) is reported with an ERROR line saying what was lost, moved aside
@@ -42,7 +47,9 @@ import shutil
 import sqlite3
 import struct
 import tempfile
-from dataclasses import dataclass
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.storage.disk_dir import DiskDirectory, make_private, open_private
@@ -118,6 +125,51 @@ class _Unusable(Exception):
     """The index file is there but cannot be used (what is wrong with it is the message)."""
 
 
+class _NotTried(Exception):
+    """A commit not tried because one started before it failed: its changes go back with that one's."""
+
+
+@dataclass(slots=True)
+class _Changes:
+    """Changes not committed yet: for each key, the last change made to it."""
+
+    nodes: dict[bytes, NodeRow] = field(default_factory=dict)
+    node_deletes: set[bytes] = field(default_factory=set)
+    puts: dict[tuple[bytes, int, int], PageRow] = field(default_factory=dict)
+    deletes: set[tuple[bytes, int, int]] = field(default_factory=set)
+    measured: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> bool:
+        """Whether a row is changed (measures alone are not)."""
+        return bool(self.nodes or self.node_deletes or self.puts or self.deletes)
+
+    def then(self, newer: _Changes) -> None:
+        """Fold in ``newer``, changes made after these: for each key, the later change stays."""
+        for key, row in newer.nodes.items():
+            self.node_deletes.discard(key)
+            self.nodes[key] = row
+        for key in newer.node_deletes:
+            self.nodes.pop(key, None)
+            self.node_deletes.add(key)
+        for key, page in newer.puts.items():
+            self.deletes.discard(key)
+            self.puts[key] = page
+        for key in newer.deletes:
+            self.puts.pop(key, None)
+            self.deletes.add(key)
+        self.measured.update(newer.measured)
+
+
+def _done() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
+
+
+_COMMITTED: Future = _done()  # what ``commit_soon`` answers when nothing is left to commit
+
+
 class DiskIndex:
     """The SQLite index of one disk tier directory; ``close`` also releases the directory."""
 
@@ -135,11 +187,10 @@ class DiskIndex:
             b"schema": SCHEMA_VERSION.encode(),
             b"secret": hashlib.blake2b(b"kvtier-secret-check", key=self._secret, digest_size=16).hexdigest().encode(),
         }
-        self._pending_nodes: dict[bytes, NodeRow] = {}
-        self._pending_node_deletes: set[bytes] = set()
-        self._pending_put: dict[tuple[bytes, int, int], PageRow] = {}
-        self._pending_delete: set[tuple[bytes, int, int]] = set()
-        self._pending_measured: dict[str, float] = {}
+        self._pending = _Changes()
+        self._commits: deque[tuple[_Changes, Future]] = deque()  # started, not yet seen to end, oldest first
+        self._committer: ThreadPoolExecutor | None = None  # started at the first commit
+        self._broken = False  # a commit failed: the committer tries none of those queued after it
         self._failures = RateLimitedWarning(log, "disk tier index update failed")
         self._db: sqlite3.Connection | None = None
         self._checkpoints: WalCheckpoints | None = None
@@ -304,82 +355,123 @@ class DiskIndex:
         return hashlib.blake2b(scope, key=self._secret, digest_size=16, person=b"kvtier-scope").digest()
 
     def put_node(self, row: NodeRow) -> None:
-        self._pending_node_deletes.discard(row.block_key)
-        self._pending_nodes[row.block_key] = row
+        self._pending.node_deletes.discard(row.block_key)
+        self._pending.nodes[row.block_key] = row
 
     def delete_node(self, block_key: bytes) -> None:
-        self._pending_nodes.pop(block_key, None)
-        self._pending_node_deletes.add(block_key)
+        self._pending.nodes.pop(block_key, None)
+        self._pending.node_deletes.add(block_key)
 
     def put(self, row: PageRow) -> None:
         key = (row.block_key, row.group, row.snapshot_offset)
-        self._pending_delete.discard(key)
-        self._pending_put[key] = row
+        self._pending.deletes.discard(key)
+        self._pending.puts[key] = row
 
     def delete(self, block_key: bytes, group: int, snapshot_offset: int) -> None:
         key = (block_key, group, snapshot_offset)
-        self._pending_put.pop(key, None)
-        self._pending_delete.add(key)
+        self._pending.puts.pop(key, None)
+        self._pending.deletes.add(key)
 
     def remember(self, name: str, value: float) -> None:
         """Keep a measured rate for managers started later (committed with the next changes)."""
-        self._pending_measured[name] = value
+        self._pending.measured[name] = value
+
+    def commit_soon(self, measures_alone: bool = False) -> Future:
+        """Start committing the buffered changes in one transaction on the committing thread; never
+        waits. The future ends once they, and every commit started before, are in the file (its
+        exception set when that commit failed: the changes are then kept, logged at the next call,
+        and go with the next commit). Remembered measures go with the changes; alone, only if
+        ``measures_alone`` (at close)."""
+        self._take_ended()
+        pending = self._pending
+        if not pending.rows and not (measures_alone and pending.measured):
+            return self._commits[-1][1] if self._commits else _COMMITTED
+        self._pending = _Changes()
+        if self._db is None:  # read-only: nothing is written to the directory, so nothing can disagree
+            return _COMMITTED
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-index-commit")
+        try:
+            future = self._committer.submit(self._commit, pending)
+        except RuntimeError:  # the interpreter is exiting (a close at exit): committed here, after the others
+            wait([started for _, started in self._commits])
+            future = Future()
+            try:
+                self._commit(pending)
+                future.set_result(None)
+            except (sqlite3.Error, _NotTried) as exc:
+                future.set_exception(exc)
+        self._commits.append((pending, future))
+        return future
 
     def flush(self, measures_alone: bool = False) -> bool:
-        """Commit buffered changes in one transaction; False (logged, rate-limited) if it failed.
+        """``commit_soon`` and wait: True once every change buffered so far is in the file, False
+        (logged, rate-limited) when a commit failed; its changes are kept for the next one, so a
+        delete is never lost and a row never names a slot that a writer (which waits for this
+        first) rewrote."""
+        future = self.commit_soon(measures_alone)
+        future.exception()  # waits
+        return self._take_ended()
 
-        A failed commit keeps every change for the next call: a delete is never lost, so a row
-        never names a slot that the writer (which flushes before it rewrites slots) reused.
-        Remembered measures go with the changes; alone, only if ``measures_alone`` (at close).
-        """
-        changes = self._pending_put or self._pending_delete or self._pending_nodes or self._pending_node_deletes
-        if not changes and not (measures_alone and self._pending_measured):
-            return True
-        if self._db is None:  # read-only: nothing is written to the directory, so nothing can disagree
-            self._clear()
-            self._pending_measured.clear()
-            return True
-        measures, self._pending_measured = self._pending_measured, {}  # a measure taken meanwhile waits
+    def _commit(self, changes: _Changes) -> None:
+        """On the committing thread: one transaction of ``changes``."""
+        if self._broken:
+            raise _NotTried()
+        db = self._db
+        assert db is not None
         try:
-            with self._db:
-                self._db.execute("BEGIN")
-                self._db.executemany("INSERT OR REPLACE INTO measured VALUES (?, ?)", list(measures.items()))
-                self._db.executemany(
-                    "DELETE FROM pages WHERE block_key = ? AND grp = ? AND snapshot_offset = ?", self._pending_delete
+            with db:
+                db.execute("BEGIN")
+                db.executemany("INSERT OR REPLACE INTO measured VALUES (?, ?)", list(changes.measured.items()))
+                db.executemany(
+                    "DELETE FROM pages WHERE block_key = ? AND grp = ? AND snapshot_offset = ?", changes.deletes
                 )
-                self._db.executemany(
-                    "DELETE FROM nodes WHERE block_key = ?", [(k,) for k in self._pending_node_deletes]
-                )
-                self._db.executemany(
+                db.executemany("DELETE FROM nodes WHERE block_key = ?", [(k,) for k in changes.node_deletes])
+                db.executemany(
                     "INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?)",
-                    [(r.block_key, r.parent_key, r.scope_tag, r.tokens, r.depth) for r in self._pending_nodes.values()],
+                    [(r.block_key, r.parent_key, r.scope_tag, r.tokens, r.depth) for r in changes.nodes.values()],
                 )
-                self._db.executemany(
+                db.executemany(
                     "INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?)",
                     [
                         (r.block_key, r.group, r.snapshot_offset, r.slot, r.checksum, r.priority, r.seal())
-                        for r in self._pending_put.values()
+                        for r in changes.puts.values()
                     ],
                 )
-        except sqlite3.Error as exc:
-            self._pending_measured = measures | self._pending_measured
-            self._failures(f"{self.path}: {exc}; the changes are kept and retried, disk writes wait for them")
-            return False
-        self._clear()
+        except sqlite3.Error:
+            self._broken = True
+            raise
         if self._checkpoints is not None:
-            self._checkpoints.committed(self._db.total_changes)
-        return True
+            self._checkpoints.committed(db.total_changes)
 
-    def _clear(self) -> None:
-        self._pending_put.clear()
-        self._pending_delete.clear()
-        self._pending_nodes.clear()
-        self._pending_node_deletes.clear()
+    def _take_ended(self) -> bool:
+        """Let go of the commits that ended at the front of the line. When one failed, it and those
+        after it (waited for: the committer tries none of them) give their changes back, before
+        the ones buffered since, and the failure is logged; False then."""
+        commits = self._commits
+        while commits and commits[0][1].done():
+            changes, future = commits.popleft()
+            failure = future.exception()
+            if failure is None:
+                continue
+            wait([later for _, later in commits])
+            for later, _ in commits:
+                changes.then(later)
+            commits.clear()
+            changes.then(self._pending)
+            self._pending = changes
+            self._broken = False
+            self._failures(f"{self.path}: {failure}; the changes are kept and retried, disk writes wait for them")
+            return False
+        return True
 
     def close(self) -> None:
         """Commit what is pending, close the file and release the directory. Idempotent."""
         if self._db is not None:
             self.flush(measures_alone=True)
+            if self._committer is not None:
+                self._committer.shutdown(wait=True)
+                self._committer = None
             if self._checkpoints is not None:  # its connection closes first: the last to close removes the log
                 self._checkpoints.close(CHECKPOINT_CLOSE_WAIT_S)
             self._db.close()

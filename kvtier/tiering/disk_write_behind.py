@@ -6,19 +6,20 @@ resume that has to push pages out of a full host tier waits for the disk. With w
 are nearly all used (fewer free than a batch), the pages in the cold end of that group's
 eviction order (``CLEAN_SHARE`` of its host slots, at least ``SCAN_BATCHES`` batches, at most
 ``MAX_SCAN`` pages: about what a large resume pushes out) that are published, intact and not on
-disk yet, a batch of them (``BATCH_BYTES``, at most ``BATCH_PAGES``) after their ancestors in host
-memory not on disk yet (parents first: a chain lands whole), none that a restart could not reach
-once written (a block above only in the primary tier, or its block's full-attention page not on
-disk: a crash would leave it there unreachable), and a disk slot for each: a free one, a spare
-copy's, or one freed by dropping the disk's least recently used droppable pages (what demoting
-these pages would drop anyway). The removal of the dropped pages' rows is committed before any
-byte is written into their slots. A worker thread waits for the device copies issued so far (the bytes
-of a page just demoted may still be landing in its host slot), writes the pages and checksums
-them. ``poll`` lands a finished batch on the pool's thread: a page still the owner of its host
-slot, a slot never freed since the batch started (``SlotAllocator.times_freed``), still published
-and without another disk copy, gets a disk copy (``Tier.add_copy``, its row recorded, so a
-restart finds it); every other page's disk slot is freed. Demoting a page with a disk copy later
-takes the copy's slot and writes nothing (``DiskWritePlanner.demote``).
+disk yet, a batch of them (``BATCH_BYTES``, at most ``BATCH_PAGES``) after their ancestors in
+host memory not on disk yet (parents first: a chain lands whole), none that a restart could not
+reach once written (a block above only in the primary tier, or its block's full-attention page
+not on disk: a crash would leave it there unreachable), and a disk slot for each: a free one, a
+spare copy's, or one freed by dropping the disk's least recently used droppable pages (what
+demoting these pages would drop anyway). The removal of the dropped pages' rows is committed (on
+the index's committing thread) before any byte is written into their slots. A worker thread
+waits for that commit and for the device copies issued so far (the bytes of a page just demoted
+may still be landing in its host slot), writes the pages and checksums them. ``poll`` lands a
+finished batch on the pool's thread: a page still the owner of its host slot, a slot never freed
+since the batch started (``SlotAllocator.times_freed``), still published and without another
+disk copy, gets a disk copy (``Tier.add_copy``, its row recorded, so a restart finds it); every
+other page's disk slot is freed. Demoting a page with a disk copy later takes the copy's slot
+and writes nothing (``DiskWritePlanner.demote``).
 
 Nothing is pinned: a page may be promoted, demoted or dropped while its bytes are written. Its
 host slot keeps the same bytes for as long as it is allocated to it (published pages never
@@ -56,6 +57,7 @@ class WriteBatch:
     host_slots: list[int]
     times_freed: list[int]
     disk_slots: list[int]
+    committed: Future | None = None  # the commit that removes the rows naming the disk slots before
     checksums: list[int | None] = field(default_factory=list)
     future: Future | None = None
 
@@ -159,7 +161,7 @@ class DiskWriteBehind:
         disk.reserved[group].update(disk_slots)
         host_slots = [page.slot for page in pages]
         times_freed = [slots.times_freed(slot) for slot in host_slots]
-        return WriteBatch(group, pages, host_slots, times_freed, disk_slots)
+        return WriteBatch(group, pages, host_slots, times_freed, disk_slots, disk.disk_index.commit_soon())
 
     def _with_ancestors(self, pages: list[Page], chosen: list[Page]) -> list[Page]:
         """``pages`` after their ancestors in host memory that have nothing on disk yet and are not
@@ -186,10 +188,9 @@ class DiskWriteBehind:
 
     def _disk_slots(self, group: int, count: int) -> list[int]:
         """Up to ``count`` disk slots for copies: free ones, spare copies', then ones of dropped
-        droppable pages; their old rows' removal committed. Empty when the index cannot commit."""
+        droppable pages (their old rows' removal is committed before the worker writes: ``_plan``)."""
         disk = self.disk
-        allocator = disk.storage.slots[group]
-        if allocator.num_free < count:
+        if disk.storage.slots[group].num_free < count:
             self.residency.drop_for_room(disk.index, group, count)  # all or none: a spare copy goes first
         found = []
         while len(found) < count:
@@ -197,16 +198,14 @@ class DiskWriteBehind:
             if slot is None:
                 break
             found.append(slot)
-        committed = False
-        try:
-            committed = not found or disk.disk_index.flush()  # a slot is rewritten only once no row names it
-        finally:
-            if not committed:  # a failed commit or an interrupt: the slots go back
-                allocator.free_all(found)
-        return found if committed else []
+        return found
 
     def _write(self, batch: WriteBatch, wait_for_device: Callable[[], None]) -> None:
-        """On the worker thread: wait for the device, then write and checksum the batch's pages."""
+        """On the worker thread: wait for the removal of the disk slots' old rows to be committed
+        (a failed commit fails the batch: nothing is written) and for the device, then write and
+        checksum the batch's pages."""
+        if batch.committed is not None:
+            batch.committed.result()
         wait_for_device()
         page_bytes = self.host.storage.page_bytes[batch.group]
         host = self.host.storage.buffers[batch.group].numpy()
@@ -253,7 +252,7 @@ class DiskWriteBehind:
                 disk.storage.slots[group].free(disk_slot)
         if landed:
             self.counters.add_copy(host.name, disk.name, "file", landed * page_bytes)
-        disk.disk_index.flush()
+        disk.disk_index.commit_soon()
         return landed
 
     def close(self) -> None:

@@ -251,7 +251,7 @@ class HostPrefetcher:
                     residency.mark_damaged(page)
             self._let_go([page])
         if disk.disk_index is not None:
-            disk.disk_index.flush()
+            disk.disk_index.commit_soon()
         return moved
 
     def _let_go(self, pages: list[Page]) -> None:

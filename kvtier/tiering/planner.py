@@ -402,7 +402,7 @@ class MovePlanner:
         plan.damaged.clear()
         plan.lost.clear()
         if self.disk_writes is not None:
-            self.disk_writes.disk.disk_index.flush()
+            self.disk_writes.disk.disk_index.commit_soon()
 
     def abandon(self, plan: MovePlan) -> None:
         """``finish`` a plan whose copies were cut short by an exception (any number of them ran).
