@@ -1,7 +1,9 @@
 """The two records of the pool: a ``Page`` (where one page lives, who holds it) and a tree ``Node``.
 
 They point at each other: a node of the reuse tree (``kvtier.reuse.tree``) holds, per layer
-group, the page published for its block, and a published page points back at its node.
+group, the page published for its block, and a published page points back at its node. Neither
+is scanned by the cyclic garbage collector (``kvtier.gc_untrack``): the tree breaks their cycles
+itself, block by block as blocks leave and all at once when its pool dies.
 
 A page's state is computed from its holders, never stored:
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kvtier.config import ReuseScope
+from kvtier.gc_untrack import untrack
 from kvtier.spec import GroupId
 
 BAD_PAGE_INDEX: Final = -1
@@ -63,6 +66,9 @@ class Page:
     damaged: bool = False
     hits: int = 0
 
+    def __post_init__(self) -> None:
+        untrack(self)  # (its one reference, ``node``, is cleared by whoever unpublishes it)
+
     @property
     def state(self) -> PageState:
         """LOCKED, HELD, DROPPABLE or FREE, from ``locks``, ``refs`` and ``node``."""
@@ -93,9 +99,10 @@ class Node:
         self.scope = scope
         self.block = -1 if parent is None else parent.block + 1
         self.children: dict[bytes, Node] = {}
-        self.pages: list[Page | None] = [None] * num_groups
+        self.pages: list[Page | None] = untrack([None] * num_groups)
         self.snapshots: dict[int, Page] = {}
         self.users = 0
+        untrack(self)
 
     def is_empty(self) -> bool:
         pages = self.pages

@@ -82,6 +82,9 @@ class PagePool:
         self.tier_names = tuple(t.name for t in self.tiers)
         self.counters = Counters()
         self.tree = RadixTree(len(self.rules), tpb, spec.fingerprint().encode())
+        # the tree's records are not scanned by the cyclic collector: their cycles go with the pool
+        # (not at exit, where the managers still open persist their trees first)
+        weakref.finalize(self, self.tree.dismantle).atexit = False
         self.residency = Residency(self.tiers, self.tree, self.counters)
         disk = next((t for t in self.tiers if t.is_disk), None)
         remembered = None if disk is None or disk.disk_index is None else (disk.index, disk.disk_index)

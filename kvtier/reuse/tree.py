@@ -8,7 +8,10 @@ needs no cryptographic hash; every node also carries its chained block key
 A node (``kvtier.pages.Node``) holds, per layer group, the page published for its block (or
 None), and recurrent state snapshots keyed by the offset inside the block after which they were
 taken. A node with no page, no snapshot, no child and no cache using it is pruned; a scope's
-root with no child left is dropped (created again when the scope is used again).
+root with no child left is dropped (created again when the scope is used again). Nodes, their
+pages and their dicts of children are not scanned by the cyclic garbage collector
+(``kvtier.gc_untrack``): a pruned node leaves no cycle behind, and ``dismantle`` takes the whole
+tree apart when its pool dies.
 
 Walking a long prompt compares whole runs of ``JUMP_BLOCKS`` blocks at once where it can: an
 *anchor* (a root, or a node whose depth is a multiple of ``JUMP_BLOCKS``) remembers the run of
@@ -33,6 +36,7 @@ from collections.abc import Callable, Iterable
 
 from kvtier.config import ReuseScope
 from kvtier.errors import InvariantError
+from kvtier.gc_untrack import untrack
 from kvtier.pages import Node
 from kvtier.reuse.block_keys import block_key, scope_key
 from kvtier.reuse.tokens import TOKEN_BYTES
@@ -79,7 +83,7 @@ class RadixTree:
     def restored_child(self, parent: Node, block_tokens: bytes, key: bytes) -> Node:
         """A new child of a dormant root with the key its index row gives (checked when claimed)."""
         node = Node(parent, block_tokens, key, self.num_groups, None)
-        parent.children[block_tokens] = node
+        _link(parent, block_tokens, node)
         return node
 
     def _tag(self, scope: ReuseScope) -> bytes:
@@ -97,7 +101,7 @@ class RadixTree:
                 continue
             del waiting.children[tokens]
             node.parent = root
-            root.children[tokens] = node
+            _link(root, tokens, node)
             stack = [node]
             while stack:
                 n = stack.pop()
@@ -110,7 +114,7 @@ class RadixTree:
         if node is None:
             key = block_key(parent.key, block_tokens)
             node = Node(parent, block_tokens, key, self.num_groups, parent.scope)
-            parent.children[block_tokens] = node
+            _link(parent, block_tokens, node)
         return node
 
     def walk(self, root: Node, token_bytes: bytes, limit: int) -> list[Node]:
@@ -205,6 +209,26 @@ class RadixTree:
                 node = node.parent  # type: ignore[assignment]  # (attached below an anchor)
             jumps.pop(node, None)  # the anchor, or a node walked from before (its anchor is gone)
 
+    def dismantle(self) -> None:
+        """Take every node apart (its children, parent, pages and snapshots, each page's node), for
+        a tree whose pool died. Its records are not scanned by the cyclic garbage collector
+        (``kvtier.gc_untrack``), so the cycles among them are broken here; reference counting then
+        frees them."""
+        stack = [*self.roots.values(), *self.dormant.values()]
+        self.roots.clear()
+        self.dormant.clear()
+        self._jumps.clear()
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            node.children.clear()
+            node.parent = None
+            for page in (*node.pages, *node.snapshots.values()):
+                if page is not None:
+                    page.node = None
+            node.pages[:] = [None] * len(node.pages)
+            node.snapshots.clear()
+
     def forget_root(self, root: Node) -> None:
         """Drop an emptied scope root (not a dormant one), so that a scope used once costs nothing
         after its blocks are gone (no cache holds a root: each publishes under its scope's current one)."""
@@ -234,6 +258,14 @@ class RadixTree:
                 out.append(c)
                 stack.append(c)
         return out
+
+
+def _link(parent: Node, block_tokens: bytes, node: Node) -> None:
+    """Make ``node`` the child of ``parent`` for these block tokens. The dict of children stays out
+    of the cyclic collector's sight as its nodes do (CPython tracks a dict again whenever a
+    trackable value goes in)."""
+    parent.children[block_tokens] = node
+    untrack(parent.children)
 
 
 def _common_tokens(a: bytes, b: bytes) -> int:

@@ -253,7 +253,7 @@ def _drop_unreachable(
                 taken[page.group].discard(page.slot)
                 page.node = None
                 dropped += 1
-            node.pages = [None] * len(node.pages)
+            node.pages[:] = [None] * len(node.pages)  # (the same list: the collector does not scan it)
             node.snapshots = {}
         stack.extend((child, reachable) for child in node.children.values())
     return dropped
