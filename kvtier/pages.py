@@ -67,7 +67,7 @@ class Page:
     hits: int = 0
 
     def __post_init__(self) -> None:
-        untrack(self)  # (its one reference, ``node``, is cleared by whoever unpublishes it)
+        untrack(self)  # (its one reference, ``node``, closes a cycle only while that node holds it)
 
     @property
     def state(self) -> PageState:
