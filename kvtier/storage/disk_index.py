@@ -146,19 +146,20 @@ class _Changes:
 
     def then(self, newer: _Changes) -> None:
         """Fold in ``newer``, changes made after these: for each key, the later change stays."""
-        for key, row in newer.nodes.items():
-            self.node_deletes.discard(key)
-            self.nodes[key] = row
-        for key in newer.node_deletes:
-            self.nodes.pop(key, None)
-            self.node_deletes.add(key)
-        for key, page in newer.puts.items():
-            self.deletes.discard(key)
-            self.puts[key] = page
-        for key in newer.deletes:
-            self.puts.pop(key, None)
-            self.deletes.add(key)
+        _overlay(self.nodes, self.node_deletes, newer.nodes, newer.node_deletes)
+        _overlay(self.puts, self.deletes, newer.puts, newer.deletes)
         self.measured.update(newer.measured)
+
+
+def _overlay(puts: dict, deletes: set, newer_puts: dict, newer_deletes: set) -> None:
+    """Rows written (``puts``) and removed (``deletes``), each key in one of them, followed by
+    later ones: a key's later change replaces its earlier one."""
+    for key, row in newer_puts.items():
+        deletes.discard(key)
+        puts[key] = row
+    for key in newer_deletes:
+        puts.pop(key, None)
+        deletes.add(key)
 
 
 def _done() -> Future:
