@@ -104,6 +104,12 @@ class Node:
         self.users = 0
         untrack(self)
 
+    def put_snapshot(self, offset: int, page: Page) -> None:
+        """``snapshots[offset] = page``. The dict stays out of the cyclic collector's sight as the node
+        does (CPython tracks a dict again whenever a trackable value goes in)."""
+        self.snapshots[offset] = page
+        untrack(self.snapshots)
+
     def is_empty(self) -> bool:
         pages = self.pages
         return not self.children and not self.snapshots and self.users == 0 and pages.count(None) == len(pages)

@@ -106,7 +106,7 @@ class PublishedChain:
     def _attach_snapshot(self, page: Page, node: Node, offset: int) -> None:
         """Hand a snapshot page the cache holds over to the tree (or let it go if one is there)."""
         if offset not in node.snapshots:
-            node.snapshots[offset] = page
+            node.put_snapshot(offset, page)
             page.node = node
             page.snapshot_offset = offset
         self._pool.residency.release(page, locked=False)

@@ -83,3 +83,34 @@ def test_a_pool_that_dies_frees_its_tree(tmp_path, disk, closed):
     finally:
         tracemalloc.stop()
     assert max(left[1:]) < 200_000, left  # (the first round also fills caches of Python's own)
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["in memory", "restored from disk"])
+def test_a_recurrent_models_snapshots_are_not_scanned_by_the_collector(tmp_path, restart):
+    """The dict of a node's recurrent state snapshots goes out of the collector's sight with its
+    first snapshot (CPython tracks a dict again when a page goes in), also as a restart reads the
+    disk index back."""
+    spec = kvtier.ModelSpec(
+        [kvtier.AttentionLayer(1, 8), kvtier.RecurrentLayer(64)], torch.float16, model_id="gc-untrack-recurrent"
+    )
+    page = 2 * TPB * 8 * 2
+    tiers = [kvtier.PrimaryTier(256 * page), kvtier.HostTier(256 * page), kvtier.DiskTier(512 * page, tmp_path)]
+    config = kvtier.CacheConfig(TPB, tiers, snapshot_interval_blocks=1)
+    mgr = kvtier.KVCacheManager(spec, config)
+    rng = random.Random(3)
+    for _ in range(4):
+        tokens = [rng.getrandbits(30) for _ in range(16 * TPB)]
+        cache = mgr.create_cache(tokens)
+        assert cache.resume()
+        for end in range(TPB, len(tokens) + 1, TPB):  # a snapshot after each block
+            assert cache.resize(end)
+            cache.commit(tokens[end - TPB : end])
+        cache.close()
+    if restart:
+        mgr.close()
+        mgr = kvtier.KVCacheManager(spec, config)
+    nodes = [node for node in mgr._pool.tree.nodes(dormant=True) if node.snapshots]
+    assert len(nodes) >= 64
+    assert not any(gc.is_tracked(node.snapshots) for node in nodes)
+    assert not any(gc.is_tracked(page) for node in nodes for page in node.snapshots.values())
+    mgr.close()

@@ -223,7 +223,7 @@ def _restore_page(
         checksum=row.checksum,
     )
     if recurrent:
-        node.snapshots[row.snapshot_offset] = page
+        node.put_snapshot(row.snapshot_offset, page)
     else:
         node.pages[row.group] = page
     tier.owners[row.group][row.slot] = page
