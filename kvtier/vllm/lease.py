@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -76,9 +77,11 @@ class Lease:
         "saves",
         "saving",
         "state",
+        "store_asked",
         "store_blocks",
         "store_fetch",
         "store_keys",
+        "store_more",
         "store_pages",
         "store_tokens",
         "wait_since",
@@ -101,6 +104,10 @@ class Lease:
         # the blocks past the match that the store holds, by chain key (fetched only once vLLM's own
         # cache lacks some of them; ``store_blocks`` of them are offered: being fetched or fetched)
         self.store_keys: list[bytes] = []
+        # the blocks past those that the store lacked at its last check (``store_asked``, monotonic
+        # seconds), or at the first ask every block past the match: another engine may write them
+        self.store_more: list[bytes] = []
+        self.store_asked = -math.inf
         self.store_blocks = 0
         self.store_fetch: Future[list[list[bytes]]] | None = None  # their pages, on their way
         self.store_pages: list[list[bytes]] = []  # per block, per group, the pages fetched
@@ -175,6 +182,7 @@ class Lease:
         self.store_pages = [] if failure is not None else fetch.result()
         self.store_blocks = len(self.store_pages)
         del self.store_keys[self.store_blocks :]  # the rest did not arrive: not asked for again
+        self.store_more = []
 
     def unfetch_store_blocks(self) -> None:
         """Offer none of the store's blocks for now (vLLM's own cache holds them): let go of their
@@ -187,6 +195,7 @@ class Lease:
         """Forget the store's blocks: they no longer follow the prefix (it was shortened)."""
         self.unfetch_store_blocks()
         self.store_keys = []
+        self.store_more = []
 
     def host_slots(self, group_id: int, first_block: int, end_block: int) -> np.ndarray:
         """Host slots of blocks ``[first_block, end_block)`` of a group (``BAD_PAGE_INDEX`` where none)."""

@@ -108,6 +108,10 @@ class _Placement:
     load: TransferJob | None = None
 
 
+# A request that waits is asked about again each step; the store, about the blocks it lacked at
+# the request's last check, at most this often (a check is a round trip on vLLM's scheduler thread).
+STORE_ASK_AGAIN_S = 0.5
+
 # The place in vLLM's queue that no request has: after every other.
 _NO_PLACE: QueuePlace = (math.inf, math.inf, "")
 
@@ -238,20 +242,14 @@ class KVTierScheduler:
                 limit = (request.num_tokens - 1) // self._tpb  # a hit never covers the last token
                 if bound is not None:
                     limit = min(limit, bound // self._tpb)
-                keys = chain.upto(tokens, self._tpb, limit)[lease.matched // self._tpb :]
-                if keys and self._store.faster_to_recompute(len(keys), self._tpb, self._prefill_rate):
-                    log.debug(
-                        "kvtier.vllm: request %s: %d tokens past the local match recomputed without asking the "
-                        "store (its check and fetch are expected to take longer at %.0f tokens/s)",
-                        rid, len(keys) * self._tpb, self._prefill_rate,
-                    )  # fmt: skip
-                else:
-                    lease.store_keys = keys[: self._store.present(chain, keys)]
+                lease.store_more = chain.upto(tokens, self._tpb, limit)[lease.matched // self._tpb :]
         if lease.state is not LeaseState.OFFERED:
             return 0, False
         if _skips_cache(request):  # vLLM computes all of it (prompt logprobs): no read, no wait; saved as usual
             lease.cache.shorten_to_memory()
             return 0, False
+        if lease.store_more and not lease.store_blocks and time.monotonic() - lease.store_asked >= STORE_ASK_AGAIN_S:
+            self._ask_store(rid, request, lease)
         if not lease.reads and self._reach(lease) <= num_computed_tokens:
             # vLLM's own cache has all kvtier could offer: no read, no fetch, no wait. The match
             # stays whole (alloc gives up its part on disk), and the store's blocks stay known:
@@ -296,6 +294,26 @@ class KVTierScheduler:
         lease.local_tokens = num_computed_tokens
         offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
+
+    def _ask_store(self, rid: str, request: Request, lease: Lease) -> None:
+        """Which of the blocks past those the store held at the lease's last check (``store_more``;
+        at its first ask, every block past the match) it holds now: another engine may have written
+        them while the request waited. Found ones join ``store_keys``; none is asked about when the
+        store is expected to take longer than recomputing them."""
+        assert self._store is not None
+        more = lease.store_more
+        if self._store.faster_to_recompute(len(more), self._tpb, self._prefill_rate):
+            log.debug(
+                "kvtier.vllm: request %s: %d tokens past the local match recomputed without asking the "
+                "store (its check and fetch are expected to take longer at %.0f tokens/s)",
+                rid, len(more) * self._tpb, self._prefill_rate,
+            )  # fmt: skip
+            lease.store_more = []
+            return
+        found = self._store.present(self._chain(rid, request), more)
+        lease.store_keys += more[:found]
+        lease.store_more = more[found:]
+        lease.store_asked = time.monotonic()
 
     def _reach(self, lease: Lease) -> int:
         """Tokens an offer to the lease could reach: its match and the blocks after it that the

@@ -20,7 +20,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.config import ReuseScope
 from kvtier.connector.fs_store import FileSystemStore
-from kvtier.vllm import KVTierConnector, host_pool
+from kvtier.vllm import KVTierConnector, host_pool, scheduler
 from kvtier.vllm.store_tier import BlockChain, StoreTier
 from tests.holding import hold
 from tests.vllm.harness import (
@@ -133,6 +133,53 @@ def test_a_request_whose_hit_in_vllms_own_cache_shrinks_while_it_waits_fetches_t
     e.shutdown()
 
 
+def test_blocks_another_engine_stores_while_a_request_waits_are_fetched(tmp_path, file_url, monkeypatch):
+    """The store lacks r2's prompt when r2 is first asked; r2 then waits for a slot (r0 holds the
+    device blocks) while another engine computes the same prompt and stores it. A later ask, once
+    ``STORE_ASK_AGAIN_S`` passed (0 here), finds the blocks there: r2 starts at token 112. Before,
+    the store was asked only at the first ask, and r2 recomputed all of it."""
+    monkeypatch.setattr(scheduler, "STORE_ASK_AGAIN_S", 0.0)
+    shared = prompt(26, 7 * BLOCK + 1)
+    e = engine(tmp_path, file_url, "second", device_blocks=11)
+    e.poison()
+    e.add("r0", prompt(27, 3 * BLOCK - 1), max_tokens=40, images=[("image", 0, BLOCK)])  # keyed by nothing
+    run_until_computed(e, "r0", 3 * BLOCK - 1)  # 3 device blocks: 7 free, r2 needs 8
+    e.add("r2", [*shared, 1], max_tokens=2)
+    e.step()
+    lease = e.kv_scheduler._leases["r2"]
+    assert e.requests["r2"].num_computed_tokens == 0 and not lease.store_keys and len(lease.store_more) == 7
+    save_through(tmp_path, file_url, shared)
+    e.run()
+    assert first_computed(e, "r2") == 7 * BLOCK
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_a_waiting_request_asks_the_store_again_at_most_every_store_ask_again_s(tmp_path, file_url, monkeypatch):
+    """r2 waits for a slot through some 40 steps, asked each step; with ``STORE_ASK_AGAIN_S`` longer
+    than the run, the store is checked for it once (its first ask), and r2 is recomputed."""
+    monkeypatch.setattr(scheduler, "STORE_ASK_AGAIN_S", 3600.0)
+    checks: list[tuple[StoreTier, int]] = []
+    present = StoreTier.present
+    monkeypatch.setattr(
+        StoreTier,
+        "present",
+        lambda self, chain, blocks: checks.append((self, len(blocks))) or present(self, chain, blocks),
+    )
+    shared = prompt(28, 7 * BLOCK + 1)
+    e = engine(tmp_path, file_url, "second", device_blocks=11)
+    e.add("r0", prompt(29, 3 * BLOCK - 1), max_tokens=40, images=[("image", 0, BLOCK)])  # keyed by nothing
+    run_until_computed(e, "r0", 3 * BLOCK - 1)
+    e.add("r2", [*shared, 1], max_tokens=2)
+    e.step()
+    save_through(tmp_path, file_url, shared)
+    e.run()
+    assert first_computed(e, "r2") == 0
+    assert [blocks for store, blocks in checks if store is e.kv_scheduler._store] == [7]
+    e.assert_no_leaks()
+    e.shutdown()
+
+
 def test_after_a_connector_reset_the_store_serves_this_engine_nothing_saved_before(tmp_path, file_url):
     """``reset_prefix_cache(reset_connector=True)`` after a weight update: this engine fetches no block
     the store had before, while an engine of the old weights still does."""
@@ -171,7 +218,7 @@ def test_a_request_for_prompt_logprobs_asks_the_store_nothing(tmp_path, file_url
     assert first_computed(second, "r2") == 0 and asked == []
     second.add("r3", [*shared, 1, 3], max_tokens=2)
     second.run()
-    assert first_computed(second, "r3") == 112 and asked  # r2's own blocks went to host memory
+    assert first_computed(second, "r3") == 112 and asked == []  # from r2's blocks in host memory: nothing past them
     second.assert_no_leaks()
     second.shutdown()
 
