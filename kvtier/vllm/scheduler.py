@@ -43,7 +43,9 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   before are withdrawn and running requests save nothing more.
 
 With a store (``store_url``) the first ask also counts the blocks past the tree that the store
-holds, and an ask that offers them fetches them on a background thread (verified; the run stops
+holds; an ask of a request that still waits, ``STORE_ASK_AGAIN_S`` or more after its last check,
+asks the store again about the blocks it lacked then (another engine may have stored them since).
+An ask that offers them fetches them on a background thread (verified; the run stops
 at the first miss, the rest is recomputed), answering None until they arrived. While vLLM's own
 cache holds them all, they stay counted but unfetched, as the match does. Alloc gives them new host pages, which another
 background thread fills (``StoreTier.place``); the load job goes to the worker, and the pages
