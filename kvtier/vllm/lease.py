@@ -104,8 +104,9 @@ class Lease:
         # the blocks past the match that the store holds, by chain key (fetched only once vLLM's own
         # cache lacks some of them; ``store_blocks`` of them are offered: being fetched or fetched)
         self.store_keys: list[bytes] = []
-        # the blocks past those that the store lacked at its last check (``store_asked``, monotonic
-        # seconds), or at the first ask every block past the match: another engine may write them
+        # the blocks after those, from the first the store lacked at its last check (``store_asked``,
+        # monotonic seconds; before the first ask, every block past the match): another engine may
+        # store them while the request waits
         self.store_more: list[bytes] = []
         self.store_asked = -math.inf
         self.store_blocks = 0
