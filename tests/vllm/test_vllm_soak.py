@@ -3,7 +3,8 @@
 Each seed draws a configuration (host memory for 8 to 256 pages, a disk tier or none and the
 share of host memory that reads for queued requests may hold, a shared store, a sliding-window
 group, 24 to 128 vLLM blocks so that requests are preempted, synchronous or asynchronous
-scheduling, speculative decoding or none, a running batch of 2 to 8 requests, on
+scheduling, speculative decoding or none, the store asked again at every ask of a waiting
+request or at most every ``STORE_ASK_AGAIN_S``, a running batch of 2 to 8 requests, on
 vLLM 0.34 ``--max-num-inflight-kv-loads`` or not, and first-come or priority scheduling, where
 requests of higher priority preempt running ones) and a session:
 requests that share prefixes of random lengths, cache salts, aborts, vLLM's prefix cache reset,
@@ -20,6 +21,7 @@ import random
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33 or 0
 
 from vllm.config import SchedulerConfig
 
+from kvtier.vllm import scheduler
 from tests.vllm.harness import (
     BLOCK,
     HOST_PAGE,
@@ -94,38 +97,43 @@ def session(seed: int, tmp_path: Path, vary_batch: bool = True) -> None:
         groups = [(layer_names(2), attention_spec()), (layer_names(1, first=2), attention_spec(window=32))]
     else:
         groups = [(layer_names(3), attention_spec())]
-    blocks = rng.choice([24, 40, 64, 128])
-    e = UpdatedWeights(config, kv_cache_config(config, groups, blocks))
-    prefixes = [prompt(seed * 100 + i, rng.choice([16, 40, 64, 100, 150])) for i in range(4)]
-    added: list[str] = []
-    for _ in range(rng.randint(5, 15)):
-        for _ in range(rng.randint(1, 4)):
-            tokens = rng.choice(prefixes)[: rng.randint(1, 150)] + prompt(seed * 1000 + len(added), rng.randint(1, 40))
-            rid = f"r{len(added)}"
-            priority = order.randint(0, 2) if policy == "priority" else 0
-            e.add(
-                rid,
-                tokens[: blocks * BLOCK // 3],
-                max_tokens=rng.randint(1, 20),
-                salt=rng.choice([None, None, "s"]),
-                priority=priority,
-            )
-            added.append(rid)
-        for _ in range(rng.randint(0, 6)):
-            if e.scheduler.has_requests():
-                e.step()
-        draw = rng.random()
-        if draw < 0.15:
-            rid = rng.choice(added)
-            if rid in e.scheduler.requests:
-                e.abort(rid)
-        elif draw < 0.22:
-            e.scheduler.reset_prefix_cache()
-        elif draw < 0.27:
-            e.update_weights()
-    e.run(3000)
-    e.assert_no_leaks()
-    e.shutdown()
+    # a waiting request asks the store again at every ask, or at most every STORE_ASK_AGAIN_S
+    ask_again = random.Random(seed * 65_537 + 4).choice([0.0, scheduler.STORE_ASK_AGAIN_S])  # drawn apart
+    with mock.patch.object(scheduler, "STORE_ASK_AGAIN_S", ask_again):
+        blocks = rng.choice([24, 40, 64, 128])
+        e = UpdatedWeights(config, kv_cache_config(config, groups, blocks))
+        prefixes = [prompt(seed * 100 + i, rng.choice([16, 40, 64, 100, 150])) for i in range(4)]
+        added: list[str] = []
+        for _ in range(rng.randint(5, 15)):
+            for _ in range(rng.randint(1, 4)):
+                tokens = rng.choice(prefixes)[: rng.randint(1, 150)] + prompt(
+                    seed * 1000 + len(added), rng.randint(1, 40)
+                )
+                rid = f"r{len(added)}"
+                priority = order.randint(0, 2) if policy == "priority" else 0
+                e.add(
+                    rid,
+                    tokens[: blocks * BLOCK // 3],
+                    max_tokens=rng.randint(1, 20),
+                    salt=rng.choice([None, None, "s"]),
+                    priority=priority,
+                )
+                added.append(rid)
+            for _ in range(rng.randint(0, 6)):
+                if e.scheduler.has_requests():
+                    e.step()
+            draw = rng.random()
+            if draw < 0.15:
+                rid = rng.choice(added)
+                if rid in e.scheduler.requests:
+                    e.abort(rid)
+            elif draw < 0.22:
+                e.scheduler.reset_prefix_cache()
+            elif draw < 0.27:
+                e.update_weights()
+        e.run(3000)
+        e.assert_no_leaks()
+        e.shutdown()
 
 
 @pytest.mark.parametrize("first", range(0, 4 * SEEDS_PER_CASE, SEEDS_PER_CASE))
