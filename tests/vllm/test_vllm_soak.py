@@ -143,6 +143,70 @@ def test_random_sessions_serve_only_each_requests_own_kv_and_leave_nothing_behin
         session(seed, tmp_path / str(seed))
 
 
+def shared_store_session(seed: int, tmp_path: Path) -> None:
+    """Two engines of one model that share a store (and a disk directory, each taking a replica
+    directory under it, or none), requests that share prefixes sent to either, steps taken in turn:
+    a request of one engine loads blocks the other stored, also while it waits for a slot (the
+    store asked again at every ask or at most every ``STORE_ASK_AGAIN_S``). Aborts, prefix cache
+    resets of one engine, and weight updates of both (each drained, then updated)."""
+    rng = random.Random(seed)
+    ask_again = rng.choice([0.0, scheduler.STORE_ASK_AGAIN_S])
+    extra: dict = {"store_url": f"file://{tmp_path}/store"}
+    if rng.random() < 0.5:
+        extra |= {"disk_bytes": rng.choice([1, 8]) * MiB, "disk_path": str(tmp_path / "disk"), "disk_read_wait_s": 1.0}
+    engines: list[UpdatedWeights] = []
+    with mock.patch.object(scheduler, "STORE_ASK_AGAIN_S", ask_again):
+        for name in ("one", "two"):
+            config = vllm_config(
+                tmp_path,
+                {**extra, "host_bytes": rng.choice([8, 24, 64]) * HOST_PAGE},
+                async_scheduling=rng.random() < 0.5,
+                max_batched=rng.choice([32, 64, 128]),
+                max_seqs=rng.choice([2, 4, 8]),
+            )
+            config.kv_transfer_config.engine_id = name
+            blocks = rng.choice([24, 40, 64])
+            engines.append(
+                UpdatedWeights(config, kv_cache_config(config, [(layer_names(3), attention_spec())], blocks))
+            )
+        prefixes = [prompt(seed * 100 + i, rng.choice([16, 40, 64, 100])) for i in range(3)]
+        added: list[tuple[UpdatedWeights, str]] = []
+        for _ in range(rng.randint(5, 15)):
+            for _ in range(rng.randint(1, 4)):
+                e = rng.choice(engines)
+                tokens = rng.choice(prefixes)[: rng.randint(1, 100)] + prompt(
+                    seed * 1000 + len(added), rng.randint(1, 30)
+                )
+                rid = f"r{len(added)}"
+                e.add(rid, tokens[: 20 * BLOCK // 3], max_tokens=rng.randint(1, 20), salt=rng.choice([None, None, "s"]))
+                added.append((e, rid))
+            for _ in range(rng.randint(0, 6)):
+                for e in engines:
+                    if e.scheduler.has_requests():
+                        e.step()
+            draw = rng.random()
+            if draw < 0.15:
+                e, rid = rng.choice(added)
+                if rid in e.scheduler.requests:
+                    e.abort(rid)
+            elif draw < 0.22:
+                rng.choice(engines).scheduler.reset_prefix_cache()
+            elif draw < 0.27:
+                for e in engines:
+                    e.update_weights()
+        for e in engines:
+            e.run(3000)
+            e.assert_no_leaks()
+        for e in engines:
+            e.shutdown()
+
+
+def test_engines_sharing_a_store_serve_only_each_requests_own_kv(tmp_path):
+    for seed in range(SEEDS_PER_CASE):
+        (tmp_path / str(seed)).mkdir()
+        shared_store_session(seed, tmp_path / str(seed))
+
+
 def test_a_request_whose_prefill_ends_with_draft_placeholders_is_served(tmp_path):
     """Seed 128: a prompt loaded from the connector but for its last token is scheduled, under
     asynchronous scheduling with speculative decoding, with draft placeholders in its first step,
