@@ -100,10 +100,20 @@ def compute(mgr, oracle, tokens, priority, recompute=False) -> None:
     cache.close()
 
 
-def restart_as_killed(tmp_path, caplog, tokens, from_disk, **sizes) -> None:
-    """Start a manager on a copy of ``tmp_path / "live"`` (the files as a kill leaves them): no page
-    is dropped as unreachable, and ``tokens`` reuse ``from_disk`` tokens from the disk, exactly."""
+def copy_as_killed(mgr: kvtier.KVCacheManager, tmp_path) -> None:
+    """Copy ``tmp_path / "live"``, ``mgr``'s disk directory, to ``tmp_path / "killed"``: the files
+    as a kill leaves them once the disk index's commits started so far have landed (they run on
+    a thread of their own; one still running at a kill is lost, and so are the blocks it names)."""
+    for tier in mgr._pool.tiers:
+        if tier.disk_index is not None:
+            assert tier.disk_index.flush()
     shutil.copytree(tmp_path / "live", tmp_path / "killed")
+
+
+def restart_as_killed(mgr, tmp_path, caplog, tokens, from_disk, **sizes) -> None:
+    """Start a manager on a copy of ``mgr``'s directory ``tmp_path / "live"`` (``copy_as_killed``): no
+    page is dropped as unreachable, and ``tokens`` reuse ``from_disk`` tokens from the disk, exactly."""
+    copy_as_killed(mgr, tmp_path)
     after = manager(tmp_path / "killed", **sizes)
     assert not [r for r in caplog.records if "lay below blocks with no page left" in r.getMessage()]
     cache = after.create_cache(tokens)
@@ -128,7 +138,7 @@ def test_a_copy_a_promotion_left_above_a_chain_on_disk_outlives_the_chain(tmp_pa
     head = mgr.create_cache(first[:TPB] + [1])
     assert head.resume()  # its first block up: the disk keeps a copy, above the other two
     prefill(mgr, oracle, third[: 2 * TPB] + [5])  # the second prompt goes down; the disk drops 2 pages
-    restart_as_killed(tmp_path, caplog, first + [1], TPB, primary=4, host=0, disk=4)  # the chain's top block
+    restart_as_killed(mgr, tmp_path, caplog, first + [1], TPB, primary=4, host=0, disk=4)  # the chain's top block
     head.close()
     mgr.check_invariants()
     mgr.close()
@@ -154,7 +164,7 @@ def test_a_copy_kept_above_a_chain_on_disk_does_not_renew_the_chain(tmp_path, ca
     cache = mgr.create_cache(older)
     assert cache.num_reused_tokens == TPB  # the block in memory; the 2 below it were the oldest
     cache.close()
-    restart_as_killed(tmp_path, caplog, newer, 3 * TPB, primary=4, host=0, disk=6)
+    restart_as_killed(mgr, tmp_path, caplog, newer, 3 * TPB, primary=4, host=0, disk=6)
     head.close()
     mgr.check_invariants()
     mgr.close()
@@ -227,7 +237,7 @@ def test_room_for_a_chain_on_disk_never_drops_the_blocks_above_it(tmp_path, capl
     cache = mgr.create_cache(longer + [1])
     assert cache.reused_by_tier["disk"] == 4 * TPB
     cache.close()
-    shutil.copytree(tmp_path / "live", tmp_path / "killed")  # the files as a kill leaves them
+    copy_as_killed(mgr, tmp_path)
     after = manager(tmp_path / "killed", primary=6, host=0, disk=6)
     assert not [r for r in caplog.records if "lay below blocks with no page left" in r.getMessage()]
     cache = after.create_cache(longer + [1])
@@ -287,7 +297,7 @@ def test_a_block_dropped_from_the_disk_takes_its_sliding_window_page_along(tmp_p
         prefill(mgr, oracle, convo(i, 3 * TPB) + [7])
     assert mgr.stats().drops > 0
     mgr.check_invariants()
-    shutil.copytree(tmp_path / "live", tmp_path / "killed")  # the files as a kill leaves them
+    copy_as_killed(mgr, tmp_path)
     after = manager(tmp_path / "killed", kind="swa", primary=6, host=0, disk=8)
     assert not [r for r in caplog.records if "lay below blocks with no page left" in r.getMessage()]
     assert after.stats().tiers["disk"].pages_used == mgr.stats().tiers["disk"].pages_used
