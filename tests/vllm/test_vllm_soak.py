@@ -13,7 +13,8 @@ reinforcement-learning loop does). The stand-in model's KV is a function of the 
 request's cache salt and the weights, and the runner checks before every forward that each
 position a request counts as computed holds what this request's forward would have written
 (``WrongKV``): a block served across salts or weights, or a rejected draft's KV, fails.
-At the end nothing is left held, locked or in flight."""
+At the end nothing is left held, locked or in flight. ``shared_store_session`` runs two engines
+of one model that share a store, checked the same way."""
 
 from __future__ import annotations
 
