@@ -104,9 +104,16 @@ class Node:
         self.users = 0
         untrack(self)
 
+    # The dicts of children and snapshots stay out of the cyclic collector's sight as the node does:
+    # CPython tracks a dict again whenever a trackable value goes in, so each insert untracks it.
+
+    def add_child(self, block_tokens: bytes, child: Node) -> None:
+        """``children[block_tokens] = child``."""
+        self.children[block_tokens] = child
+        untrack(self.children)
+
     def put_snapshot(self, offset: int, page: Page) -> None:
-        """``snapshots[offset] = page``. The dict stays out of the cyclic collector's sight as the node
-        does (CPython tracks a dict again whenever a trackable value goes in)."""
+        """``snapshots[offset] = page``."""
         self.snapshots[offset] = page
         untrack(self.snapshots)
 

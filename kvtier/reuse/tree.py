@@ -9,7 +9,7 @@ A node (``kvtier.pages.Node``) holds, per layer group, the page published for it
 None), and recurrent state snapshots keyed by the offset inside the block after which they were
 taken. A node with no page, no snapshot, no child and no cache using it is pruned; a scope's
 root with no child left is dropped (created again when the scope is used again). Nodes, their
-pages and their dicts of children are not scanned by the cyclic garbage collector
+pages and their dicts of children and snapshots are not scanned by the cyclic garbage collector
 (``kvtier.gc_untrack``): a pruned node leaves no cycle behind, and ``dismantle`` takes the whole
 tree apart when its pool dies.
 
@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable
 
 from kvtier.config import ReuseScope
 from kvtier.errors import InvariantError
-from kvtier.gc_untrack import untrack
 from kvtier.pages import Node
 from kvtier.reuse.block_keys import block_key, scope_key
 from kvtier.reuse.tokens import TOKEN_BYTES
@@ -83,7 +82,7 @@ class RadixTree:
     def restored_child(self, parent: Node, block_tokens: bytes, key: bytes) -> Node:
         """A new child of a dormant root with the key its index row gives (checked when claimed)."""
         node = Node(parent, block_tokens, key, self.num_groups, None)
-        _link(parent, block_tokens, node)
+        parent.add_child(block_tokens, node)
         return node
 
     def _tag(self, scope: ReuseScope) -> bytes:
@@ -101,7 +100,7 @@ class RadixTree:
                 continue
             del waiting.children[tokens]
             node.parent = root
-            _link(root, tokens, node)
+            root.add_child(tokens, node)
             stack = [node]
             while stack:
                 n = stack.pop()
@@ -114,7 +113,7 @@ class RadixTree:
         if node is None:
             key = block_key(parent.key, block_tokens)
             node = Node(parent, block_tokens, key, self.num_groups, parent.scope)
-            _link(parent, block_tokens, node)
+            parent.add_child(block_tokens, node)
         return node
 
     def walk(self, root: Node, token_bytes: bytes, limit: int) -> list[Node]:
@@ -258,14 +257,6 @@ class RadixTree:
                 out.append(c)
                 stack.append(c)
         return out
-
-
-def _link(parent: Node, block_tokens: bytes, node: Node) -> None:
-    """Make ``node`` the child of ``parent`` for these block tokens. The dict of children stays out
-    of the cyclic collector's sight as its nodes do (CPython tracks a dict again whenever a
-    trackable value goes in)."""
-    parent.children[block_tokens] = node
-    untrack(parent.children)
 
 
 def _common_tokens(a: bytes, b: bytes) -> int:
