@@ -6,7 +6,9 @@ released: ``GroupRule.is_live``) or where a partly reused block waits for its pr
 recurrent group holds one live state page instead (``state_page``). ``slots[g]`` mirrors
 ``blocks[g]`` as primary-tier slots (``BAD_PAGE_INDEX`` for None) once the cache is ACTIVE; it
 grows by doubling and is only handed out as copies. Blocks ``[sink_blocks, stale_end[g])`` of a
-sliding-window group have been released as stale.
+sliding-window group have been released as stale, and blocks ``[0, released_end)`` of every
+attention group were released at the caller's word (``KVCache.release_prefix``): no block there
+holds a page.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kvtier.tiering.residency import PRIMARY, Residency
 class BlockTable:
     """One cache's pages per layer group and block."""
 
-    __slots__ = ("_attention", "_res", "_rules", "_windows", "blocks", "slots", "stale_end", "state_page")
+    __slots__ = ("_attention", "_res", "_rules", "_windows", "blocks", "released_end", "slots", "stale_end", "state_page")
 
     def __init__(self, rules: list[GroupRule], residency: Residency) -> None:
         self._rules = rules
@@ -34,6 +36,7 @@ class BlockTable:
         self.blocks: list[list[Page | None]] = [[] for _ in rules]
         self.slots = [np.full(16, BAD_PAGE_INDEX, dtype=np.int32) for _ in rules]
         self.stale_end = [rule.sink_blocks for rule in rules]
+        self.released_end = 0
         self.state_page: Page | None = None
 
     def live_pages(self) -> list[Page]:
@@ -116,6 +119,22 @@ class BlockTable:
                     res.release(page, locked)
             self.stale_end[g] = new_end
 
+    def release_before(self, end: int, locked: bool) -> None:
+        """Release every attention group's pages of blocks ``[released_end, end)``, newest first."""
+        res = self._res
+        old_end = self.released_end
+        for rule in self._attention:
+            g = rule.group_id
+            blocks = self.blocks[g]
+            slots = self.slots[g]
+            for b in range(end - 1, old_end - 1, -1):
+                page = blocks[b]
+                if page is not None:
+                    blocks[b] = None
+                    slots[b] = BAD_PAGE_INDEX
+                    res.release(page, locked)
+        self.released_end = end
+
     def release_all(self, locked: bool) -> None:
         """Empty the table, then release every page it held, newest first (an interrupt in between
         never leaves the table holding pages already released)."""
@@ -123,6 +142,7 @@ class BlockTable:
         self.blocks = [[] for _ in self._rules]
         self.state_page = None
         self.stale_end = [rule.sink_blocks for rule in self._rules]
+        self.released_end = 0
         self._res.release_all(pages, locked)
 
     def refresh_slots(self) -> None:
@@ -144,8 +164,8 @@ class BlockTable:
 
     def check(self, num_blocks: int, history: int, waiting: dict[int, int], active: bool) -> None:
         """``InvariantError`` unless every attention group has ``num_blocks`` positional entries, a page
-        exactly where a block is live (block ``waiting[g]`` may wait for its private copy), and, while
-        ``active``, every page in the primary tier with current slots."""
+        exactly where a block is live and not released (block ``waiting[g]`` may wait for its private
+        copy), and, while ``active``, every page in the primary tier with current slots."""
         for rule in self._rules:
             if rule.kind is GroupKind.RECURRENT:
                 if active and (self.state_page is None or self.state_page.tier != PRIMARY):
@@ -155,12 +175,13 @@ class BlockTable:
             blocks = self.blocks[g]
             if len(blocks) != num_blocks:
                 raise InvariantError(f"group {g} has {len(blocks)} entries for {num_blocks} blocks")
+            released = self.released_end
             for b, page in enumerate(blocks):
-                live = rule.is_live(b, history)
+                live = b >= released and rule.is_live(b, history)
                 if live and page is None and waiting.get(g) != b:
                     raise InvariantError(f"group {g} block {b} has no page")
                 if not live and page is not None:
-                    raise InvariantError(f"stale block {b} of group {g} still holds {page}")
+                    raise InvariantError(f"stale or released block {b} of group {g} still holds {page}")
                 if active and page is not None and page.tier != PRIMARY:
                     raise InvariantError(f"active but {page} is not in the primary tier")
             if active:

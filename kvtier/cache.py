@@ -561,6 +561,27 @@ class KVCache(ProcessBound):
             else:
                 self._history = c
 
+    @exclusive
+    def release_prefix(self, num_tokens: int) -> int:
+        """Release the pages of the committed full blocks before ``num_tokens``, for a caller that
+        keeps their KV elsewhere and never reads them from this cache again (vLLM holds a running
+        request's blocks on its GPU): locked no more, they may be demoted like any cached page.
+
+        Published blocks stay in the tree for reuse; ``page_indices`` reports ``BAD_PAGE_INDEX``
+        for the released ones (lists stay positional), and a later ``resume`` locks none of them.
+        The released prefix only grows: a call below it changes nothing. ``ValueError`` past
+        ``num_committed_tokens``. Returns the blocks released before ``num_tokens`` in all.
+        """
+        self._check_open()
+        n = _check_length("num_tokens", num_tokens)
+        if n > len(self._tokens):
+            raise ValueError(f"num_tokens ({n}) is more than the cache's {len(self._tokens)} committed tokens")
+        end = n // self._tpb
+        if end > self._table.released_end:
+            self._table.release_before(end, locked=self._state is _ACTIVE)
+            self._pool.debug_check()
+        return self._table.released_end
+
     def _raise_history(self, history: int) -> None:
         """Raise history and release sliding-window blocks that went stale."""
         self._table.release_stale(history, self._num_blocks, locked=self._state is _ACTIVE)
