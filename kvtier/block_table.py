@@ -26,7 +26,17 @@ from kvtier.tiering.residency import PRIMARY, Residency
 class BlockTable:
     """One cache's pages per layer group and block."""
 
-    __slots__ = ("_attention", "_res", "_rules", "_windows", "blocks", "released_end", "slots", "stale_end", "state_page")
+    __slots__ = (
+        "_attention",
+        "_res",
+        "_rules",
+        "_windows",
+        "blocks",
+        "released_end",
+        "slots",
+        "stale_end",
+        "state_page",
+    )
 
     def __init__(self, rules: list[GroupRule], residency: Residency) -> None:
         self._rules = rules

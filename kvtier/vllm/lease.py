@@ -8,6 +8,10 @@ States, in order:
     ACTIVE    resumed: every page locked in the host tier. Loads read its pages; saves give it
               new pages (``grow``) that a worker job fills (or, for blocks fetched from the
               store, a background write into host memory, planned and committed as a save).
+              Once no load runs, its committed blocks that no store write reads are released
+              (``release_used``): vLLM holds their KV on its GPU, and the tree keeps them for
+              reuse, demotable like any cached page, so a running request locks in host
+              memory only the blocks its jobs fill or read.
     CLOSING   vLLM let go of the request (finished, aborted, preempted); closed once no job of
               it (nor a store write of its pages) is in flight, so no page is unlocked
               (demotable, reusable) under a copy
@@ -96,11 +100,11 @@ class Lease:
         self.local_tokens = 0  # tokens vLLM had computed itself when the offer was made
         self.planned = 0
         self.ran = False  # vLLM scheduled the request since the lease became ACTIVE (before: its load
-        # may be under way, or over with the request waiting for a slot, its prefix locked here)
+        # may be under way, its prefix locked here, or over with the request waiting for a slot)
         self.saving = True
         self.loads: set[int] = set()
         self.saves: set[int] = set()
-        self.puts = 0  # writes to the store in flight, reading this lease's pages
+        self.puts: list[int] = []  # per write to the store in flight, the token it reads the lease's pages from
         # the blocks past the match that the store holds, by chain key (fetched only once vLLM's own
         # cache lacks some of them; ``store_blocks`` of them are offered: being fetched or fetched)
         self.store_keys: list[bytes] = []
@@ -243,17 +247,30 @@ class Lease:
             self._commits.clear()
         while self._commits and self._commits[0].done:
             self.cache.commit(self._commits.popleft().tokens)
+        self.release_used()
         self._close_if_idle()
 
-    def put_done(self) -> None:
-        """A write of this lease's pages to the store finished."""
-        self.puts -= 1
+    def put_started(self, start: int) -> None:
+        """A write to the store reads this lease's pages of the blocks from token ``start`` on."""
+        self.puts.append(start)
+
+    def put_done(self, start: int) -> None:
+        """The write to the store started at ``start`` finished."""
+        self.puts.remove(start)
+        self.release_used()
         self._close_if_idle()
 
     def load_done(self, job_id: int) -> None:
         """The load ``job_id`` completed (its pages were read)."""
         self.loads.discard(job_id)
+        self.release_used()
         self._close_if_idle()
+
+    def release_used(self) -> None:
+        """Release the pages of the committed blocks before the first one a store write in flight
+        reads, unless a load runs (it reads the prefix): vLLM holds their KV on its GPU."""
+        if self.state is LeaseState.ACTIVE and not self.loads:
+            self.cache.release_prefix(min([self.committed, *self.puts]))
 
     def release(self) -> None:
         """vLLM let go: close now, or once the jobs in flight are done."""

@@ -32,7 +32,9 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   pages turned out damaged are reported failed with the job, so vLLM recomputes them.
 - **every step** (``build_connector_meta``): for each scheduled request the blocks that become
   full and computed by the end of the step get host pages and a save job; a page is published
-  for reuse only when its job completed (``update_connector_output``). A save that finds no room
+  for reuse only when its job completed (``update_connector_output``), and then, vLLM holding its
+  KV, released by the lease once no load or store write reads it (``Lease.release_used``): a
+  running request locks in host memory only the blocks in flight. A save that finds no room
   takes the pages read for requests not scheduled yet, the last in vLLM's queue first (reads for
   them take at most ``queued_reads_share`` of host memory anyway); one that still finds none ends
   the request's saving (a DEBUG line says so).
@@ -204,8 +206,9 @@ class KVTierScheduler:
         self.vllm_cached: Any = None
         self._store: StoreTier | None = None
         self._chains: dict[str, BlockChain] = {}
-        self._put_plans: dict[int, tuple[BlockChain, list[bytes], list[np.ndarray]]] = {}
-        self._puts: list[tuple[Future, Lease]] = []
+        # per save job, the store write of its pages: the token they start at, the chain, keys, slots
+        self._put_plans: dict[int, tuple[int, BlockChain, list[bytes], list[np.ndarray]]] = {}
+        self._puts: list[tuple[Future, Lease, int]] = []  # a store write, its lease, the token it reads from
         self._reads: list[HostPrefetch] = []  # background reads from disk that may still run
         self._readers: dict[str, Lease] = {}  # requests waiting for their disk pages to be read
         self._short_of_room: dict[str, Lease] = {}  # of those, the ones whose reads wait for host memory
@@ -328,8 +331,8 @@ class KVTierScheduler:
         full, so the prefix is there when a slot frees): it reads caches, and the prefix kvtier holds
         for it is all in host memory and longer than what vLLM's own prefix cache holds
         (``vllm_cached``). A prefix partly on disk answers False: its read would start, and its
-        ``disk_read_wait_s`` run, while no slot could take the request anyway (host memory full of
-        the running requests' pages, the wait runs out and the disk part is recomputed); so does
+        ``disk_read_wait_s`` run, while no slot could take the request anyway (with host memory full
+        of pages held or in flight, the wait runs out and the disk part is recomputed); so does
         every request with a store (blocks fetched past kvtier's own would need host room then
         too): they load once a slot frees, as without the flag. A wrong True (pages that left host
         memory since) holds back the other such loads until a slot frees."""
@@ -425,12 +428,12 @@ class KVTierScheduler:
     def queued_read_pages(self) -> int:
         """Pages held in host memory for requests that have not run yet (what ``queued_reads_share``
         bounds): those of the reads held for requests not scheduled yet, and the prefixes locked
-        for requests whose loads vLLM started (a loading request takes no slot of the running
-        batch, so vLLM starts the loads of every ready request while one slot is free; each then
-        waits for a slot with its prefix locked until it finishes)."""
+        for requests whose loads vLLM started and still run (a loading request takes no slot of
+        the running batch, so vLLM starts the loads of every ready request while one slot is
+        free; each lets go of its prefix once its load is over, ``Lease.release_used``)."""
         held = sum(read.num_pages for lease in self._queued() for read in lease.held)
         groups = len(self.plan.groups)
-        return held + sum(lease.matched // self._tpb * groups for lease in self._loaded())
+        return held + sum(lease.matched // self._tpb * groups for lease in self._loaded() if lease.loads)
 
     def _loaded(self) -> list[Lease]:
         """The leases of requests allocated (ACTIVE) that vLLM has not scheduled since."""
@@ -634,7 +637,7 @@ class KVTierScheduler:
             chain = self._chain(rid, request)
             keys = chain.upto(token_ids(request), tpb, stop)[first:stop]
             slots = [lease.host_slots(plan.group_id, first, stop) for plan in self.plan.groups]
-            self._put_plans[job.job_id] = (chain, keys, slots)
+            self._put_plans[job.job_id] = (start, chain, keys, slots)
         self._jobs[job.job_id] = (lease, Direction.SAVE)
         self._step_jobs.append(job)
 
@@ -670,26 +673,28 @@ class KVTierScheduler:
                 continue
             put = self._put_plans.pop(job_id, None)
             if ok and put is not None and self._store is not None:  # the pages are whole: write them through
-                self._puts.append((self._store.put(*put), lease))
-                lease.puts += 1
+                start, chain, keys, slots = put
+                self._puts.append((self._store.put(chain, keys, slots), lease, start))
+                lease.put_started(start)
             lease.save_done(job_id, ok)
         self._reap_puts()
 
     def wait_for_store_writes(self) -> None:
         """Block until every store write in flight is done, and let its lease go of the pages."""
-        wait([future for future, _ in self._puts])  # a failed write is a later miss (``_reap_puts`` logs it)
+        wait([future for future, _, _ in self._puts])  # a failed write is a later miss (``_reap_puts`` logs it)
         self._reap_puts()
 
     def _reap_puts(self) -> None:
         """Let leases go of pages whose store writes finished."""
         running = []
-        for future, lease in self._puts:
+        for put in self._puts:
+            future, lease, start = put
             if future.done():
                 if future.exception() is not None:  # (a store's own failures are misses it has logged)
                     log.warning("kvtier.vllm: writing pages through to the store failed: %r", future.exception())
-                lease.put_done()
+                lease.put_done(start)
             else:
-                running.append((future, lease))
+                running.append(put)
         self._puts = running
 
     def _chain(self, rid: str, request: Request) -> BlockChain:

@@ -185,14 +185,22 @@ def push_out_of_host_memory(manager, blocks: int) -> int:
     tree holds there, to disk (where write-behind copied them) or out of the cache; then only the
     tree holds the prompt's pages too. Returns how many pages went to disk."""
     demotions = manager.stats().demotions
+    holder = lock_host_memory(manager, blocks)
+    holder.commit(prompt(990, blocks * BLOCK))
+    holder.close()
+    return manager.stats().demotions - demotions
+
+
+def lock_host_memory(manager, blocks: int):
+    """An ACTIVE cache of another ``blocks``-block prompt, its pages locked in host memory: they push
+    out pages that only the tree holds there, to disk (where write-behind copied them) or out of the
+    cache. Its pages are computed, not committed."""
     for _ in range(2):
         manager.maintain()  # a write-behind batch of the released pages, then landed as disk copies
     tokens = prompt(990, blocks * BLOCK)
     holder = manager.create_cache(tokens)
     assert holder.resume() and holder.resize(len(tokens))
-    holder.commit(tokens)
-    holder.close()
-    return manager.stats().demotions - demotions
+    return holder
 
 
 def run_until_computed(e: Engine, rid: str, tokens: int) -> None:

@@ -36,6 +36,7 @@ from tests.vllm.harness import (
     host_pages_engine,
     kv_cache_config,
     layer_names,
+    lock_host_memory,
     prompt,
     push_out_of_host_memory,
     run_until_computed,
@@ -668,29 +669,64 @@ def test_a_request_short_of_host_memory_gets_the_pages_that_requests_after_it_ho
     e.shutdown()
 
 
+def test_running_requests_lock_only_their_blocks_in_flight_in_host_memory(tmp_path, monkeypatch, caplog):
+    """Two requests of 7 full blocks each run together, with host memory for 8 pages. Each block a
+    running request saved is released once saved (vLLM holds it): r1's blocks go down to disk to
+    make room for r2's, and both prompts are reused whole by a later engine. Before, a running
+    request kept its whole context locked in host memory until it finished: r2 found no room for
+    its first block and saved nothing."""
+    caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
+    a_disk_that_keeps_up(monkeypatch)
+    e = host_pages_engine(tmp_path, 8)
+    e.poison()
+    first, second = prompt(33, 7 * BLOCK + 1), prompt(34, 7 * BLOCK + 1)
+    e.add("r1", first, max_tokens=8)
+    run_until_computed(e, "r1", 7 * BLOCK + 1)
+    e.add("r2", second, max_tokens=8)
+    e.run()
+    assert not not_saved(caplog)
+    manager = e.kv_scheduler.manager
+    assert manager.cached_tokens(first) == manager.cached_tokens(second) == 7 * BLOCK
+    assert manager.cached_tokens(first, in_memory=True) == 0
+    e.assert_no_leaks()
+    e.shutdown()
+    again = host_pages_engine(tmp_path, 8)
+    again.poison()
+    again.add("r3", [*first, 1], max_tokens=2)
+    again.add("r4", [*second, 1], max_tokens=2)
+    again.run()
+    assert first_step_of(again, "r3")[0] == first_step_of(again, "r4")[0] == 7 * BLOCK
+    again.assert_no_leaks()
+    again.shutdown()
+
+
 def test_a_preempted_request_reads_its_pages_back_before_requests_that_arrived_after_it(tmp_path, monkeypatch):
-    """Under the priority policy, r1 (priority 1) runs with its 7 blocks saved in host memory (8
-    pages); r2 (priority 1, arrived after it), a 7-block disk hit, is short of room. Then r0
-    (priority 0) arrives, grows and has vLLM preempt r1; r1's pages are pushed to disk before it is
-    asked again. vLLM keeps r1's arrival time, so r1 is before r2 in its queue: r1 reads its pages
-    back first and resumes by loading what vLLM's own cache lost of them before r2 runs. Before,
-    turns went by first ask: r1's new lease came after r2's, so r1 waited while r2 read."""
+    """Under the priority policy, r1 (priority 1) runs with its 7 blocks saved (host memory has 8
+    pages); another cache then locks host memory, pushing r1's pages, released once saved, to disk.
+    r2 (priority 1, arrived after r1), a 7-block disk hit, is short of room. Then r0 (priority 0)
+    arrives, grows and has vLLM preempt r1, and host memory frees. vLLM keeps r1's arrival time, so
+    r1 is before r2 in its queue: r1 reads its pages back first and resumes by loading what vLLM's
+    own cache lost of them before r2 runs. Before, turns went by first ask: r1's new lease came
+    after r2's, so r1 waited while r2 read."""
     waiting = prefix_on_disk(tmp_path, 14)
     a_disk_that_keeps_up(monkeypatch)
     e = host_pages_engine(tmp_path, 8, "priority", device_blocks=11, disk_read_wait_s=600.0)
     manager = e.kv_scheduler.manager
     e.poison()
     e.add("r1", prompt(31, 7 * BLOCK + 1), max_tokens=12, priority=1)
-    run_until_computed(e, "r1", 7 * BLOCK + 1)  # 8 of the 10 device blocks; its 7 full ones in host memory
+    run_until_computed(e, "r1", 7 * BLOCK + 1)  # 8 of the 10 device blocks; its 7 full ones saved
+    holder = lock_host_memory(manager, 8)
+    assert manager.cached_tokens(e.tokens("r1")) == 7 * BLOCK
+    assert manager.cached_tokens(e.tokens("r1"), in_memory=True) == 0
     e.add("r2", [*waiting, 1], max_tokens=2, priority=1)
     for _ in range(3):
         e.step()
-    assert e.requests["r2"].status is RequestStatus.WAITING  # short of room: r1's pages fill host memory
+    assert e.requests["r2"].status is RequestStatus.WAITING  # short of room: the holder locks host memory
     e.add("r0", prompt(32, 2 * BLOCK - 1), max_tokens=20, images=[("image", 0, BLOCK)])  # keyed by nothing
     while not e.requests["r1"].num_preemptions:
         e.step()
     assert len(e.tokens("r1")) < 8 * BLOCK  # its eighth block never filled: 7 blocks saved
-    assert push_out_of_host_memory(manager, 7) == 7  # r1's (r2's read page is held for it)
+    holder.close()
     before = len(e.log)
     e.run(max_steps=2000)
     runs = [rid for step in e.log[before:] for rid in step.computed if rid in ("r1", "r2")]
@@ -928,9 +964,10 @@ def test_reads_for_queued_requests_leave_host_memory_for_the_running_requests_sa
     its whole prefix.
 
     With reads that land at once, vLLM starts the loads of several queued requests in one step (a
-    loading request takes no slot of the batch), and they wait for a slot with their prefixes
-    locked in host memory. Those count in the share too: before, they did not, the reads went on,
-    five such requests locked 35 pages and the running request's save past 64 tokens found no room."""
+    loading request takes no slot of the batch), and they wait for a slot. Their prefixes count in
+    the share while their loads run, and are released once loaded (vLLM holds them): before, they
+    stayed locked in host memory until the requests finished, uncounted at first, and five such
+    requests locked 35 pages; the running request's save past 64 tokens found no room."""
     caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
     prefixes = prefixes_on_disk(tmp_path, range(60, 66))
     if reads == "landing at once":
@@ -972,19 +1009,27 @@ def test_queued_reads_share_sets_how_much_host_memory_reads_for_queued_requests_
     e.shutdown()
 
 
-def test_a_running_requests_save_takes_the_pages_held_for_queued_requests(tmp_path, caplog):
-    """Two requests decode 200 tokens each, saving a block every 16 (38 of host memory's 40 pages in
-    the end), while two requests whose 7-block prefixes were read from disk cannot be scheduled:
-    their prompts need more of vLLM's 42 blocks than the running ones leave. Their 14 pages are
-    held for them. When the running requests' saves find no room, the queued requests' reads are
-    let go of, the last asked first: the running requests save every block, and the queued ones
-    read their prefixes again once there is room, and load them whole."""
+def test_a_running_requests_save_takes_the_pages_held_for_queued_requests(tmp_path, monkeypatch, caplog):
+    """Two requests decode 200 tokens each, saving a block every 16, while two requests whose
+    7-block prefixes are on disk cannot be scheduled: their prompts need more of vLLM's 42 blocks
+    than the running ones leave. Another cache locks 33 of host memory's 40 pages meanwhile: a
+    queued request's 7 pages, read and held for it, leave none for the running requests' blocks
+    in flight. When a running request's save finds no room, the queued requests' reads are let go
+    of, the last in vLLM's queue first: the running requests save every block, and the queued
+    ones read their prefixes again once there is room, and load them whole."""
     caplog.set_level(logging.DEBUG, logger="kvtier.vllm.scheduler")
     prefixes = prefixes_on_disk(tmp_path, range(60, 63))
+    reads_that_keep_up(monkeypatch)
     e, _ = beside_a_long_decode(tmp_path, vllm_blocks=42)
+    run_until_computed(e, "long", 101)
+    holder = lock_host_memory(e.kv_scheduler.manager, 33)
     e.add("q0", prefixes[0] + [1, 2], max_tokens=200)
     for i in (1, 2):
         e.add(f"q{i}", prefixes[i] + prompt(70 + i, 400), max_tokens=3)
+    while not (e.requests["long"].is_finished() and e.requests["q0"].is_finished()):
+        assert len(e.log) < 5_000
+        e.step()
+    holder.close()
     e.run(max_steps=5_000)
     assert [first_step_of(e, f"q{i}")[0] for i in range(3)] == [112] * 3
     assert not not_saved(caplog)
