@@ -180,6 +180,35 @@ def test_a_waiting_request_asks_the_store_again_at_most_every_store_ask_again_s(
     e.shutdown()
 
 
+def test_pages_a_store_write_reads_stay_locked_until_it_is_done(tmp_path, file_url, monkeypatch):
+    """A running request's blocks are released once saved (vLLM holds them), but not while their
+    write to the store runs: with host memory for 8 pages and r1's writes held, r2 finds r1's 7
+    pages still locked, and the store serves r1's prefix byte for byte to another engine (the
+    runner checks every loaded value). Released before its write, r1's pages would go to r2's
+    blocks, and the store would hold r2's bytes under r1's keys."""
+    started, release = hold(monkeypatch, StoreTier, "_write_batch")
+    first = engine(tmp_path, file_url, "first", host_bytes=8 * HOST_PAGE)
+    first.poison()
+    one, two = prompt(35, 7 * BLOCK + 1), prompt(36, 7 * BLOCK + 1)
+    first.add("r1", one, max_tokens=4)
+    wait_until(started, first)
+    first.add("r2", two, max_tokens=4)
+    for _ in range(10):
+        first.step()
+    assert first.kv_scheduler.manager.cached_tokens(two) < 7 * BLOCK  # no room while r1's pages are read
+    release.set()
+    first.run()
+    first.assert_no_leaks()
+    first.shutdown()
+    second = engine(tmp_path, file_url, "second")
+    second.poison()
+    second.add("r3", [*one, 1], max_tokens=2)
+    second.run()
+    assert first_computed(second, "r3") == 7 * BLOCK
+    second.assert_no_leaks()
+    second.shutdown()
+
+
 def test_after_a_connector_reset_the_store_serves_this_engine_nothing_saved_before(tmp_path, file_url):
     """``reset_prefix_cache(reset_connector=True)`` after a weight update: this engine fetches no block
     the store had before, while an engine of the old weights still does."""
