@@ -5,7 +5,7 @@ States, in order:
     OFFERED   a SUSPENDED cache holding the longest cached prefix (on any tier, no memory yet);
               its pages on disk may be on their way to host memory in the background (``reads``),
               and those read stay there for it (``held``) until it is ACTIVE or let go
-    ACTIVE    resumed: every page locked in the host tier. Loads read its pages; saves give it
+    ACTIVE    resumed: the prefix's pages locked in the host tier. Loads read them; saves give it
               new pages (``grow``) that a worker job fills (or, for blocks fetched from the
               store, a background write into host memory, planned and committed as a save).
               Once no load runs, its committed blocks that no store write reads are released
@@ -19,8 +19,9 @@ States, in order:
 
 Invariants: ``committed <= planned``; a page is committed (published in the tree, so other
 requests may reuse it) only after the job that filled it completed, jobs commit in the order they
-were planned, and a failed save stops the lease's saving for good (later blocks cannot be
-committed past a hole). Imports nothing of vLLM.
+were planned, a failed save stops the lease's saving for good (later blocks cannot be committed
+past a hole), and a committed page stays locked while a load of the lease or a store write of it
+may read it. Imports nothing of vLLM.
 """
 
 from __future__ import annotations
