@@ -26,7 +26,8 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
   and its load goes before a slot frees; a prefix with pages on disk (or any, with a store) waits
   for a slot, so its read's wait starts only when the request could run.
 - **alloc** (``update_state_after_alloc``, right after the answer): the prefix is locked in host
-  memory; a load job copies the offered blocks into vLLM's new blocks. The scheduler thread never
+  memory while a load job copies the offered blocks into vLLM's new blocks (with nothing to load,
+  vLLM's own cache holds it all: released at once). The scheduler thread never
   reads the disk: a page still there when the ask answers (past that wait, or found damaged)
   ends the offer (``KVCache.shorten_to_memory``), and the rest is recomputed. Blocks whose
   pages turned out damaged are reported failed with the job, so vLLM recomputes them.
@@ -495,6 +496,8 @@ class KVTierScheduler:
                 placement.load = job  # it reads the pages being written: it goes once they are
             else:
                 self._step_jobs.append(job)
+        if lease is not None:
+            lease.release_used()  # with no load, vLLM's own cache holds the whole prefix
 
     def _place_store_pages(self, request: Request, lease: Lease) -> _Placement | None:
         """Give the blocks fetched from the store new host pages and start writing them there in

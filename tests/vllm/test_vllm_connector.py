@@ -21,6 +21,7 @@ from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.request import Request, RequestStatus
 
+from kvtier import BAD_PAGE_INDEX
 from kvtier.tiering import disk_write_behind, host_prefetch, mover
 from kvtier.vllm import settings
 from kvtier.vllm.scheduler import token_ids
@@ -698,6 +699,24 @@ def test_running_requests_lock_only_their_blocks_in_flight_in_host_memory(tmp_pa
     assert first_step_of(again, "r3")[0] == first_step_of(again, "r4")[0] == 7 * BLOCK
     again.assert_no_leaks()
     again.shutdown()
+
+
+def test_a_request_whose_prefix_vllms_own_cache_holds_locks_none_of_it(tmp_path):
+    """r2's prompt is r1's and one more token: vLLM's own cache holds the 7 blocks kvtier matched,
+    so nothing is loaded, and once allocated r2's lease holds none of their pages (before, they
+    stayed locked in host memory until r2 finished, since r2 saved no block to release them)."""
+    e = host_pages_engine(tmp_path, 16)
+    shared = prompt(37, 7 * BLOCK + 1)
+    e.add("r1", shared, max_tokens=2)
+    e.run()
+    e.add("r2", [*shared, 5], max_tokens=4)
+    run_until_computed(e, "r2", len(shared) + 1)
+    lease = e.kv_scheduler._leases["r2"]
+    assert lease.matched == 7 * BLOCK and not any("r2" in step.loaded for step in e.log)
+    assert (lease.cache.page_indices(0)[:7] == BAD_PAGE_INDEX).all()
+    e.run()
+    e.assert_no_leaks()
+    e.shutdown()
 
 
 def test_a_preempted_request_reads_its_pages_back_before_requests_that_arrived_after_it(tmp_path, monkeypatch):
