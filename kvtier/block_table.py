@@ -112,38 +112,31 @@ class BlockTable:
 
     def release_stale(self, history: int, num_blocks: int, locked: bool) -> None:
         """Release the sliding-window blocks that are stale at ``history``, newest first."""
-        res = self._res
         for rule in self._windows:
             g = rule.group_id
             new_end = min(rule.first_live_block(history), num_blocks)
             old_end = self.stale_end[g]
-            if new_end <= old_end:
-                continue
-            blocks = self.blocks[g]
-            slots = self.slots[g]
-            for b in range(new_end - 1, old_end - 1, -1):
-                page = blocks[b]
-                if page is not None:
-                    blocks[b] = None
-                    slots[b] = BAD_PAGE_INDEX
-                    res.release(page, locked)
-            self.stale_end[g] = new_end
+            if new_end > old_end:
+                self._release_blocks(g, old_end, new_end, locked)
+                self.stale_end[g] = new_end
 
     def release_before(self, end: int, locked: bool) -> None:
         """Release every attention group's pages of blocks ``[released_end, end)``, newest first."""
-        res = self._res
-        old_end = self.released_end
         for rule in self._attention:
-            g = rule.group_id
-            blocks = self.blocks[g]
-            slots = self.slots[g]
-            for b in range(end - 1, old_end - 1, -1):
-                page = blocks[b]
-                if page is not None:
-                    blocks[b] = None
-                    slots[b] = BAD_PAGE_INDEX
-                    res.release(page, locked)
+            self._release_blocks(rule.group_id, self.released_end, end, locked)
         self.released_end = end
+
+    def _release_blocks(self, group: int, start: int, end: int, locked: bool) -> None:
+        """Release the group's pages of blocks ``[start, end)``, newest first, ``BAD_PAGE_INDEX`` in place."""
+        res = self._res
+        blocks = self.blocks[group]
+        slots = self.slots[group]
+        for b in range(end - 1, start - 1, -1):
+            page = blocks[b]
+            if page is not None:
+                blocks[b] = None
+                slots[b] = BAD_PAGE_INDEX
+                res.release(page, locked)
 
     def release_all(self, locked: bool) -> None:
         """Empty the table, then release every page it held, newest first (an interrupt in between
