@@ -194,7 +194,7 @@ def push_out_of_host_memory(manager, blocks: int) -> int:
 def lock_host_memory(manager, blocks: int):
     """An ACTIVE cache of another ``blocks``-block prompt, its pages locked in host memory: they push
     out pages that only the tree holds there, to disk (where write-behind copied them) or out of the
-    cache. Its pages are computed, not committed."""
+    cache. Nothing is committed: closing it frees its pages."""
     for _ in range(2):
         manager.maintain()  # a write-behind batch of the released pages, then landed as disk copies
     tokens = prompt(990, blocks * BLOCK)
