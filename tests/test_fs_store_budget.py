@@ -389,8 +389,13 @@ def test_files_outside_the_store_layout_are_left_alone(tmp_path):
 
 
 def files_bytes(root: Path) -> int:
-    """The bytes of every file under ``root``: values and temporary files."""
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(root) for f in names)
+    """The bytes of every file under ``root``: values and temporary files. A file renamed or removed
+    while it is counted (another thread's write ends, an eviction pass runs) means counting again."""
+    while True:
+        try:
+            return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(root) for f in names)
+        except FileNotFoundError:
+            continue
 
 
 class SmallDisk:
