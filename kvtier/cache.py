@@ -344,6 +344,45 @@ class KVCache(ProcessBound):
         return given_up
 
     @exclusive
+    def match_again(self, input_tokens) -> int:
+        """Reuse more of the request's input if the tree holds more of it now (blocks published since
+        the cache was made: another request computing the same prompt), for a caller whose request
+        still waits to run. Returns the reused tokens gained; 0 changes nothing.
+
+        Only for a SUSPENDED cache holding nothing but its reused prefix (else ``CacheStateError``);
+        ``input_tokens`` are those it was made for (``ValueError`` for other ones: another length,
+        or a start other than its reused tokens). The cache then holds what a new cache for them
+        would (its load cost weighed as at creation). The manager counts no lookup for it; the
+        hits, still unsettled, grow with the reuse. A cache resumed before (its reuse taken), one
+        that gave up reuse (``shorten_to_memory``, ``shorten_reuse``, ``recompute_from``: counted
+        as recomputed) and one whose scope was forgotten keep what they have. Tokens a load-cost
+        cut left out at creation were counted as recomputed then, and stay counted there if reused
+        now."""
+        self._check_open()
+        tokens = as_token_array(input_tokens)
+        if self._state is not CacheState.SUSPENDED or len(self._tokens) != self.num_reused_tokens:
+            raise CacheStateError(
+                f"match_again needs a SUSPENDED cache holding only its reused prefix; this one is "
+                f"{self._state.value} with {len(self._tokens)} committed of {self.num_reused_tokens} reused tokens"
+            )
+        if len(tokens) != self._input_len or tokens[: len(self._tokens)] != self._tokens:
+            raise ValueError("match_again takes the input tokens the cache was made for")
+        if self._hits.given_up or self._hits.used or self._chain.scope is None:
+            return 0
+        match = self._pool.match(tokens, self.scope, count_recomputed=False)
+        if match is None or match.tokens <= self.num_reused_tokens:
+            return 0
+        before = self.num_reused_tokens
+        self._let_go(locked=False)
+        self._adopt(match, tokens)
+        self._hits = HitCount(
+            self._pool.counters, self._pool.tier_names, self._tpb, self.num_reused_tokens, self._block_tiers
+        )
+        self._fast_commits = False  # (reuse to settle now)
+        self._pool.debug_check()
+        return self.num_reused_tokens - before
+
+    @exclusive
     def recompute_from(self, tokens: int) -> int:
         """The caller recomputes this cache's reused tokens from ``tokens`` on, though the cache keeps
         their pages (a batch row cut to the batch's common width): they are counted in the manager's

@@ -24,7 +24,7 @@ class HitCount:
     """The first ``end`` reused tokens of one request, counted as hits for the tiers ``block_tiers``
     gives per block (tier indices; None: every block on the one tier ``names[0]``)."""
 
-    __slots__ = ("_block_tiers", "_counters", "_names", "_tpb", "end", "settled", "used")
+    __slots__ = ("_block_tiers", "_counters", "_names", "_tpb", "end", "given_up", "settled", "used")
 
     def __init__(
         self, counters: Counters, names: Sequence[str], tokens_per_block: int, end: int, block_tiers: list[int] | None
@@ -35,6 +35,7 @@ class HitCount:
         self.end = end
         self._block_tiers = block_tiers
         self.used = False  # the request took the reuse (its first resume is over): a loss now is no lost hit
+        self.given_up = 0  # tokens moved to ``recomputed_tokens`` so far (``keep``)
         self.settled = end == 0  # the hits are counted (``settle``; none to count: at once)
 
     def keep(self, kept: int, block_tiers: list[int] | None) -> int:
@@ -47,6 +48,7 @@ class HitCount:
         if self.settled:
             raise InvariantError("reuse given up after its hits were counted")
         self._counters.recomputed_tokens += end - kept
+        self.given_up += end - kept
         self.end, self._block_tiers = kept, block_tiers
         return end - kept
 

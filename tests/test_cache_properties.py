@@ -24,9 +24,10 @@ SCOPES = [kvtier.ReuseScope(), kvtier.ReuseScope(lora_id=3)]
 
 
 class Request:
-    def __init__(self, cache: kvtier.KVCache, tokens: list[int]) -> None:
+    def __init__(self, cache: kvtier.KVCache, tokens: list[int], prompt_len: int) -> None:
         self.cache = cache
         self.tokens = tokens  # the prompt followed by the tokens it will commit later
+        self.prompt = tokens[:prompt_len]  # the input the cache was made for
 
 
 def by_coldest_tier(cache: kvtier.KVCache) -> dict[str, int]:
@@ -100,7 +101,7 @@ class CacheMachine(RuleBasedStateMachine):
         cache = self.mgr.create_cache(prompt, scope=SCOPES[scope], priority=priority)
         assert 0 <= cache.num_reused_tokens < len(prompt)
         assert cache.reused_by_tier == by_coldest_tier(cache)
-        request = Request(cache, prompt + future)
+        request = Request(cache, prompt + future, len(prompt))
         self.live.append(request)
         return request
 
@@ -124,7 +125,7 @@ class CacheMachine(RuleBasedStateMachine):
             cache.commit(prompt[start:])
         if keep:
             cache.suspend()
-            self.live.append(Request(cache, prompt))
+            self.live.append(Request(cache, prompt, len(prompt)))
         else:
             cache.close()
 
@@ -170,6 +171,19 @@ class CacheMachine(RuleBasedStateMachine):
         before = (cache.capacity, cache.history_length)
         if not cache.resize(max(history, cache.capacity), history=history):
             assert (cache.capacity, cache.history_length) == before
+
+    @rule(request=requests)
+    def match_again(self, request):
+        """A request still waiting (made, never resumed, nothing committed) reuses what was served
+        since: never less than before, each block counted for its coldest tier now."""
+        cache = request.cache
+        if cache.state is not kvtier.CacheState.SUSPENDED or cache.num_committed_tokens != cache.num_reused_tokens:
+            return
+        before = cache.num_reused_tokens
+        gained = cache.match_again(request.prompt)
+        assert cache.num_reused_tokens == before + gained < len(request.prompt)
+        if gained:  # (else the counts stay as they were found, where the pages were then)
+            assert cache.reused_by_tier == by_coldest_tier(cache)
 
     @rule(request=requests)
     def suspend(self, request):

@@ -113,6 +113,7 @@ def test_every_cache_method_after_the_manager_closed_raises_cache_state_error():
             "recompute_from": lambda cache=cache: cache.recompute_from(0),
             "cache_for_prefix": lambda cache=cache: cache.cache_for_prefix(0),
             "release_prefix": lambda cache=cache: cache.release_prefix(0),
+            "match_again": lambda cache=cache: cache.match_again([1, 2]),
         }
         assert sorted({*(name.split()[0] for name in calls), "close"}) == public_methods(cache), (
             "a public method is not covered here"
