@@ -80,6 +80,7 @@ class Lease:
         "read_from",
         "reads",
         "saves",
+        "saves_seen",
         "saving",
         "state",
         "store_asked",
@@ -124,6 +125,7 @@ class Lease:
         # when the request's wait for its pages on disk began (``disk_read_wait_s`` counts from it): its
         # first ask, or the last one at which vLLM's own cache held all that kvtier could offer
         self.wait_since = time.monotonic()
+        self.saves_seen = 0  # the scheduler's count of saves landed when the match was last made or grown
         self._commits: deque[_Commit] = deque()
 
     @property

@@ -11,7 +11,9 @@ log and wait for no fsync: its checkpoints run on a thread of their own,
 ``kvtier.storage.wal_checkpoints``.) Each request gets a ``Lease`` (``kvtier.vllm.lease``):
 
 - **ask** (``get_num_new_matched_tokens``): the lease's cache matches the longest cached prefix
-  (no memory, no copy); tokens past vLLM's own hit are offered, loaded asynchronously. Pages of
+  (no memory, no copy); tokens past vLLM's own hit are offered, loaded asynchronously. While the
+  request waits for a slot, an ask after saves landed matches again (``KVCache.match_again``):
+  requests sharing a prompt that arrive together reuse what the first of them computed. Pages of
   the prefix on disk are first read into host memory (checksum-verified) on the manager's
   background thread: until then the ask answers None, and vLLM asks again next step while it
   schedules the other requests. The pages read stay in host memory for it until it is scheduled.
@@ -214,6 +216,7 @@ class KVTierScheduler:
         self._readers: dict[str, Lease] = {}  # requests waiting for their disk pages to be read
         self._short_of_room: dict[str, Lease] = {}  # of those, the ones whose reads wait for host memory
         self._turns: _ReadTurns | None = None  # whose turn it is to read, this step (None: not taken yet)
+        self._saves_landed = 0  # save jobs completed (blocks published): a waiting request may match more since
         self._placements: list[_Placement] = []  # store pages being written into host pages
         self._epoch: str | None = None  # the weights epoch since the last ``reset_cache`` (None: none yet)
         self._epoch_scopes: set[ReuseScope] = set()  # the scopes of that epoch's requests (none for epoch None)
@@ -234,13 +237,15 @@ class KVTierScheduler:
         if lease is not None and lease.preemptions != request.num_preemptions:
             self._let_go_preempted(rid)  # preempted between steps (``reset_prefix_cache``), asked again at once
             lease = None
-        if lease is None:
-            scope = self._scope(request)
+        if lease is not None:
+            self._match_again(request, lease)
+        else:
             bound = token_bound(request)
-            tokens = token_ids(request)  # up to the bound and one more
-            keyed = tokens if bound is None else tokens[: bound + 1]  # (a match never covers its last token)
             place = queue_place(request, self._by_priority)
-            lease = Lease(self.manager.create_cache(keyed, scope), place, bound, request.num_preemptions)
+            tokens = token_ids(request)
+            cache = self.manager.create_cache(keyed_tokens(tokens, bound), self._scope(request))
+            lease = Lease(cache, place, bound, request.num_preemptions)
+            lease.saves_seen = self._saves_landed
             self._leases[rid] = lease
             self._requests[rid] = request
             if self._store is not None and not _skips_cache(request):
@@ -300,6 +305,26 @@ class KVTierScheduler:
         lease.local_tokens = num_computed_tokens
         offer = lease.matched + lease.store_blocks * self._tpb - num_computed_tokens
         return (offer, True) if offer > 0 else (0, False)
+
+    def _match_again(self, request: Request, lease: Lease) -> None:
+        """A request still waiting reuses more of its prompt if saves that landed since its last ask
+        published blocks of it (``KVCache.match_again``): several requests sharing a prompt arrive
+        together, and those waiting for a slot were first asked while the first one still computed
+        it. Only for an offer that started nothing: no read, fetch or store block of its own, no
+        read it waits for; and only once saves landed since the last look."""
+        if (
+            lease.saves_seen == self._saves_landed
+            or lease.state is not LeaseState.OFFERED
+            or lease.held
+            or lease.store_keys
+            or lease.store_fetch is not None
+            or request.request_id in self._readers
+        ):
+            return
+        lease.saves_seen = self._saves_landed
+        before = lease.matched // self._tpb
+        if lease.cache.match_again(keyed_tokens(token_ids(request), lease.bound)):
+            del lease.store_more[: lease.matched // self._tpb - before]  # (they follow the match)
 
     def _ask_store(self, rid: str, request: Request, lease: Lease) -> None:
         """Which of the blocks past those the store held at the lease's last check (``store_more``;
@@ -531,6 +556,7 @@ class KVTierScheduler:
                 placement.load.failed = placement.load.failed or failure is not None
                 self._step_jobs.append(placement.load)
             placement.lease.save_done(placement.fill_id, failure is None)
+            self._saves_landed += 1
         self._placements = running
 
     def hit_sources(self, request: Request, num_external: int) -> tuple[int, int, int]:
@@ -680,6 +706,7 @@ class KVTierScheduler:
                 self._puts.append((self._store.put(chain, keys, slots), lease, start))
                 lease.put_started(start)
             lease.save_done(job_id, ok)
+            self._saves_landed += 1
         self._reap_puts()
 
     def wait_for_store_writes(self) -> None:
@@ -847,6 +874,12 @@ def token_ids(request: Request) -> Sequence[int]:
     if type(held) is list:
         return held
     return request.all_token_ids
+
+
+def keyed_tokens(tokens: Sequence[int], bound: int | None) -> Sequence[int]:
+    """The token ids a request's cache is made of: its ``tokens`` up to ``bound`` (``token_bound``)
+    and one more, since a match never covers its last token."""
+    return tokens if bound is None else tokens[: bound + 1]
 
 
 def token_bound(request: Request) -> int | None:

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.request import Request, RequestStatus
 
 from kvtier import BAD_PAGE_INDEX
+from kvtier.cache import KVCache
 from kvtier.tiering import disk_write_behind, host_prefetch, mover
 from kvtier.vllm import settings
 from kvtier.vllm.scheduler import token_ids
@@ -1294,6 +1295,37 @@ def test_with_vllms_prefix_caching_off_kvtier_still_serves_prefixes(tmp_path):
     e.add("r2", shared[:90] + [7, 8, 9], max_tokens=3)
     e.run()
     assert first_step_of(e, "r2")[0] == 80  # 5 full shared blocks from kvtier, each position checked
+    e.assert_no_leaks()
+    e.shutdown()
+
+
+def test_a_request_that_waits_for_a_slot_matches_what_others_saved_meanwhile(tmp_path, monkeypatch):
+    """r1 and r2 share a 7-block prompt and arrive together, with vLLM's prefix caching off and
+    device blocks for one of them at a time. r2 is first asked while r1 computes the prompt (4 of
+    its blocks saved), and waits for a slot; by the time it gets one, kvtier holds all 7 blocks and
+    r2 loads them. Before, its match stayed as at its first ask and r2 recomputed the last 3.
+    The tree is looked at again only after saves landed, not at every ask; the manager counts the
+    request's lookup and hits once."""
+    config = vllm_config(tmp_path, {"host_bytes": 4 * MiB})
+    config.cache_config.enable_prefix_caching = False
+    e = Engine(config, kv_cache_config(config, [(layer_names(3), attention_spec())], 12))
+    e.poison()
+    manager = e.kv_scheduler.manager
+    looks = []
+    match_again = KVCache.match_again
+    monkeypatch.setattr(KVCache, "match_again", lambda *a: looks.append(1) or match_again(*a))
+    shared = prompt(51, 7 * BLOCK + 1)
+    e.add("r1", shared, max_tokens=2)
+    e.add("r2", [*shared, 1], max_tokens=2)
+    while "r2" not in e.kv_scheduler._leases:
+        e.step()
+    assert e.kv_scheduler._leases["r2"].matched == 4 * BLOCK
+    assert e.requests["r2"].status is RequestStatus.WAITING
+    e.run()
+    assert first_step_of(e, "r2")[0] == 7 * BLOCK
+    stats = manager.stats()
+    assert stats.hit_tokens["primary"] == 7 * BLOCK and stats.lookup_tokens == 2 * len(shared) + 1
+    assert 1 <= len(looks) <= e.kv_scheduler._saves_landed
     e.assert_no_leaks()
     e.shutdown()
 
