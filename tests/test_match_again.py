@@ -82,3 +82,27 @@ def test_a_cache_that_gave_up_reuse_keeps_what_it_has(tmp_path):
     assert sum(mgr.stats().hit_tokens.values()) == TPB
     mgr.check_invariants()
     mgr.close()
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_nothing_published_past_the_reuse_costs_one_lookup_not_a_walk(tmp_path, monkeypatch, partial):
+    """vLLM's scheduler asks a waiting request again at every step after saves landed: with no node
+    for the block after its reuse, the prefix is not walked again."""
+    mgr = manager(tmp_path, primary=16, host=8, disk=0, enable_partial_reuse=partial)
+    oracle = PageOracle(mgr)
+    shared = convo(6, 4 * TPB) + [9]
+    computed(mgr, oracle, shared[: 2 * TPB]).close()
+    waiting = mgr.create_cache(shared)
+    walks = []
+    match = type(mgr._pool).match
+    monkeypatch.setattr(type(mgr._pool), "match", lambda *a, **k: walks.append(1) or match(*a, **k))
+    assert waiting.match_again(shared) == 0 and walks == []
+    computed(mgr, oracle, convo(7, 3 * TPB)).close()  # another prompt: no node after the reuse
+    walks.clear()
+    assert waiting.match_again(shared) == 0 and walks == []
+    computed(mgr, oracle, shared[: 3 * TPB]).close()
+    walks.clear()
+    assert waiting.match_again(shared) == TPB and walks == [1]
+    waiting.close()
+    mgr.check_invariants()
+    mgr.close()
