@@ -7,7 +7,8 @@ scheduling, speculative decoding or none, the store asked again at every ask of 
 request or at most every ``STORE_ASK_AGAIN_S``, a running batch of 2 to 8 requests, on
 vLLM 0.34 ``--max-num-inflight-kv-loads`` or not, and first-come or priority scheduling, where
 requests of higher priority preempt running ones) and a session:
-requests that share prefixes of random lengths, cache salts, aborts, vLLM's prefix cache reset,
+requests that share prefixes of random lengths (or, in bursts, one prefix), with vLLM's own
+prefix caching on or off, cache salts, aborts, vLLM's prefix cache reset,
 and weight updates (the engine drained, new weights, then vLLM's and the connector's reset, as a
 reinforcement-learning loop does). The stand-in model's KV is a function of the prefix, the
 request's cache salt and the weights, and the runner checks before every forward that each
@@ -94,6 +95,8 @@ def session(seed: int, tmp_path: Path, vary_batch: bool = True) -> None:
         inflight_kv_loads=batch.choice([None, 1, 2]) if INFLIGHT_KV_LOADS and vary_batch else None,
         policy=policy,
     )
+    # vLLM's own prefix caching off (kvtier alone finds prefixes, also for requests that wait)
+    config.cache_config.enable_prefix_caching = random.Random(seed * 257 + 5).random() >= 0.25  # drawn apart
     if window:
         groups = [(layer_names(2), attention_spec()), (layer_names(1, first=2), attention_spec(window=32))]
     else:
@@ -105,11 +108,14 @@ def session(seed: int, tmp_path: Path, vary_batch: bool = True) -> None:
         e = UpdatedWeights(config, kv_cache_config(config, groups, blocks))
         prefixes = [prompt(seed * 100 + i, rng.choice([16, 40, 64, 100, 150])) for i in range(4)]
         added: list[str] = []
+        bursts = random.Random(seed * 6_151 + 6)  # drawn apart
         for _ in range(rng.randint(5, 15)):
+            # a burst: the round's requests share one prefix (those waiting for a slot match again
+            # what the first computes meanwhile)
+            burst = bursts.choice(prefixes)[: bursts.randint(32, 150)] if bursts.random() < 0.3 else None
             for _ in range(rng.randint(1, 4)):
-                tokens = rng.choice(prefixes)[: rng.randint(1, 150)] + prompt(
-                    seed * 1000 + len(added), rng.randint(1, 40)
-                )
+                shared = rng.choice(prefixes)[: rng.randint(1, 150)]
+                tokens = (burst or shared) + prompt(seed * 1000 + len(added), rng.randint(1, 40))
                 rid = f"r{len(added)}"
                 priority = order.randint(0, 2) if policy == "priority" else 0
                 e.add(
