@@ -364,9 +364,7 @@ class KVTierScheduler:
         memory since) holds back the other such loads until a slot frees."""
         if self._store is not None or not _keyable(request) or _skips_cache(request):
             return False
-        bound = token_bound(request)
-        tokens = token_ids(request)
-        keyed = tokens if bound is None else tokens[: bound + 1]  # (a match never covers its last token)
+        keyed = keyed_tokens(token_ids(request), token_bound(request))
         scope = self._scope(request)
         in_memory = self.manager.cached_tokens(keyed, scope, in_memory=True)
         if in_memory == 0 or in_memory < self.manager.cached_tokens(keyed, scope):
