@@ -106,3 +106,26 @@ def test_nothing_published_past_the_reuse_costs_one_lookup_not_a_walk(tmp_path, 
     waiting.close()
     mgr.check_invariants()
     mgr.close()
+
+
+def test_a_cache_whose_scope_was_forgotten_adopts_nothing_published_after(tmp_path):
+    """The weights were replaced while the request waited: its reused prefix is the old weights'
+    (the engine restarts such requests), and blocks computed with the new ones are not mixed in."""
+    mgr = manager(tmp_path, primary=16, host=8, disk=0)
+    oracle = PageOracle(mgr)
+    shared = convo(8, 4 * TPB) + [9]
+    computed(mgr, oracle, shared[:TPB]).close()
+    waiting = mgr.create_cache(shared)
+    assert waiting.num_reused_tokens == TPB
+    mgr.forget_scope(waiting.scope)
+    computed(mgr, oracle, shared[: 3 * TPB]).close()  # published anew, under the same scope
+    fresh = mgr.create_cache(shared)
+    assert fresh.num_reused_tokens == 3 * TPB
+    fresh.close()
+    assert waiting.match_again(shared) == 0
+    assert waiting.num_reused_tokens == TPB
+    assert waiting.resume()
+    oracle.check(waiting, shared[:TPB])
+    waiting.close()
+    mgr.check_invariants()
+    mgr.close()
