@@ -15,8 +15,8 @@ tier keeps one that blocks below it need: ``Tier.holds_chain_below``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from itertools import islice, repeat
+from collections.abc import Iterable, Iterator
+from itertools import compress, islice, repeat
 
 import numpy as np
 
@@ -103,19 +103,29 @@ class EvictionIndex:
         """``discard`` for every page of a list, in one pass.
 
         The pages are popped from the level of the first one's priority in one C-level pass (a
-        call's pages nearly always share it); the few that were not there are looked up one by one."""
+        call's pages nearly always share it); those not there are popped from the redundant level
+        in another, and looked up one by one in their own levels only while a third level holds
+        entries. So a call whose pages have no entry (a cache letting go of pages it locked, which
+        were never indexed) costs two C-level passes, not a Python loop."""
         if not pages:
             return
         levels = self._levels
-        popped = list(map(levels[pages[0].priority + 1].pop, pages, repeat(0)))  # entries hold None
-        removed = popped.count(None)
+        first = levels[pages[0].priority + 1]
+        missed = list(map(first.pop, pages, repeat(1)))  # an entry holds None: 1 marks a page not there
+        removed = missed.count(None)
         if removed < len(pages):
+            rest: Iterable[Page] = compress(pages, missed)
             spare = levels[0]
-            for page, entry in zip(pages, popped, strict=True):
-                if entry is not None and (
-                    levels[page.priority + 1].pop(page, 0) is None or (spare and spare.pop(page, 0) is None)
-                ):
-                    removed += 1
+            others = sum(map(bool, levels)) > bool(first) + bool(spare)  # entries in a third level
+            if spare:
+                rest = list(rest)
+                missed = list(map(spare.pop, rest, repeat(1)))
+                removed += missed.count(None)
+                rest = compress(rest, missed)
+            if others:
+                for page in rest:
+                    if levels[page.priority + 1].pop(page, 1) is None:
+                        removed += 1
         self._size -= removed
 
     def take(self, count: int, held_stale: bool = False, unheld_only: bool = False) -> list[Page]:
