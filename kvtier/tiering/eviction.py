@@ -106,7 +106,7 @@ class EvictionIndex:
         call's pages nearly always share it); those not there are popped from the redundant level
         in another, and looked up one by one in their own levels only while a third level holds
         entries. So a call whose pages have no entry (a cache letting go of pages it locked, which
-        were never indexed) costs two C-level passes, not a Python loop."""
+        were never indexed) costs at most two C-level passes, not a Python loop."""
         if not pages:
             return
         levels = self._levels
