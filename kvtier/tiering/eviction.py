@@ -15,7 +15,7 @@ tier keeps one that blocks below it need: ``Tier.holds_chain_below``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from itertools import compress, islice, repeat
 
 import numpy as np
@@ -114,15 +114,13 @@ class EvictionIndex:
         missed = list(map(first.pop, pages, repeat(1)))  # an entry holds None: 1 marks a page not there
         removed = missed.count(None)
         if removed < len(pages):
-            rest: Iterable[Page] = compress(pages, missed)
+            rest = list(compress(pages, missed))
             spare = levels[0]
-            others = sum(map(bool, levels)) > bool(first) + bool(spare)  # entries in a third level
             if spare:
-                rest = list(rest)
                 missed = list(map(spare.pop, rest, repeat(1)))
                 removed += missed.count(None)
-                rest = compress(rest, missed)
-            if others:
+                rest = list(compress(rest, missed))
+            if rest and sum(map(bool, levels)) > bool(first) + bool(spare):  # a third level holds entries
                 for page in rest:
                     if levels[page.priority + 1].pop(page, 1) is None:
                         removed += 1
