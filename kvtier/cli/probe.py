@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.copy import CopyPolicy, LinkInfo, detect_link
-    from kvtier.copy.policy import COHERENT_COPY_KERNEL_ENV, COPY_ENGINE_MIN_BYTES_ENV
+    from kvtier.copy.policy import COHERENT_COPY_KERNEL_ENV, COPY_ENGINE_MIN_BYTES_ENV, SEPARATE_COPY_RUNS
     from kvtier.storage.pinned import HOST_REGISTER_CHUNK_BYTES_ENV, chunk_bytes_from_env
 
     if args.disk is None and args.disk_mib is not None:
@@ -64,8 +64,10 @@ def run(args: argparse.Namespace) -> int:
         ("link", f"{link.kind} ({link.detail}; from {link.source}), coherent={'yes' if link.coherent else 'no'}")
     )
     kernel_unavailable = None
+    batched = True
     if device.type == "cuda":
-        rows.append(("copy engines", _batch_abi(device.index or 0)))
+        engines_row, batched = _batch_abi(device.index or 0)
+        rows.append(("copy engines", engines_row))
         kernel_row, kernel_unavailable = _copy_kernel(device, policy, link)
         rows.append(("copy kernel", kernel_row))
     threshold = policy.copy_engine_min_bytes
@@ -84,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         path = "cpu" if device.type == "cpu" else policy.choose(page, coherent_link=link.coherent)
         if path == "kernel" and kernel_unavailable is not None:
             path = "copy_engine (the kernel cannot be built)"
+        elif path == "copy_engine" and not batched and kernel_unavailable is None:
+            path = f"copy_engine: torch copies for up to {SEPARATE_COPY_RUNS} runs, kernel for more"
         rows.append((f"path {page:,} B", path))
     if args.disk is not None:
         from kvtier.cli.disk_probe import probe_disk
@@ -123,16 +127,22 @@ def _copy_kernel(device: torch.device, policy: CopyPolicy, link: LinkInfo) -> tu
     return f"Triton {triton.__version__}, built (or loaded from Triton's cache) in {took_ms:,.0f} ms", None
 
 
-def _batch_abi(index: int) -> str:
+def _batch_abi(index: int) -> tuple[str, bool]:
+    """The copy engines' row, and False only where cuda-bindings is missing (the copier then sends
+    the copy engines' calls of many runs to the kernel)."""
     from kvtier.copy.copy_engine import BatchCopier
 
     try:
         abi = BatchCopier(index).abi
     except ImportError as exc:
-        return f"unavailable ({exc}); install kvtier[gpu]"
+        return (
+            f"no batched call ({exc}): a call of many runs goes to the copy kernel, "
+            "any other as one torch copy per run; install kvtier[gpu]",
+            False,
+        )
     except RuntimeError as exc:
-        return f"unavailable: {exc}"
+        return f"unavailable: {exc}", True
     if abi is None:
-        return "none (a driver older than CUDA 12.8): one cuMemcpyAsync per run"
+        return "none (a driver older than CUDA 12.8): one cuMemcpyAsync per run", True
     major, minor = divmod(abi.cuda_version, 1000)
-    return f"cuMemcpyBatchAsync, CUDA {major}.{minor // 10} ABI (driver {abi.driver_version})"
+    return f"cuMemcpyBatchAsync, CUDA {major}.{minor // 10} ABI (driver {abi.driver_version})", True

@@ -12,9 +12,12 @@ One copier per device. A call checks everything first (``kvtier.copy.copy_reques
   and a call whose first pairs are scattered goes to it without building them.
 
 Triton and cuda-bindings are imported on the first call that needs them. Where the kernel cannot
-be built (no Triton, no C compiler for its launcher, no cuda-bindings), its calls go to the copy
-engines; where cuda-bindings is missing, the copy engines' calls go as one torch copy per run
-(``kvtier.copy.torch_runs``). Each is logged once, as a WARNING naming the cause.
+be built (no Triton, no C compiler for its launcher), its calls go to the copy engines. Where
+cuda-bindings is missing, the kernel still runs (every launch Triton's own, its table ring on
+torch's events) and the copy engines' calls of a few runs go as one torch copy per run
+(``kvtier.copy.torch_runs``); a call of more runs goes to the kernel where it takes the call, since
+a torch copy per run costs more host time than one launch. Each is logged once, as a WARNING
+naming the cause.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from kvtier.copy.buffer_facts import BufferFacts, BufferFactsCache
 from kvtier.copy.copy_engine import LEGACY_STREAM_HANDLES
 from kvtier.copy.copy_request import CopyRequest, check_request
 from kvtier.copy.cpu import copy_pages_cpu
-from kvtier.copy.kernel_args import ALIGN, check_kernel_args
+from kvtier.copy.kernel_args import ALIGN, check_kernel_args, kernel_refusal
 from kvtier.copy.link import LinkInfo, detect_link
 from kvtier.copy.policy import SEPARATE_COPY_RUNS, CopyPath, CopyPolicy, DevicePath
 from kvtier.copy.runs import build_runs, many_runs
@@ -39,6 +42,7 @@ from kvtier.copy.torch_runs import copy_runs_with_torch
 
 if TYPE_CHECKING:
     from kvtier.copy.copy_engine import BatchCopier
+    from kvtier.copy.driver_api import DriverApi
     from kvtier.copy.kernel import FastLaunch
 
 StreamArg = torch.cuda.Stream | int | None
@@ -108,13 +112,11 @@ class PageCopier:
             copy_pages_cpu(request, build_runs(request.pairs, request.page_bytes))
             return "cpu"
         path, runs = self._route(request, src_facts, dst_facts)
-        if path == "kernel" and not self._copy_with_kernel(request, stream, src_facts, dst_facts):
-            path = "copy_engine"  # the kernel cannot be built here (logged once)
-        if path == "copy_engine":
-            if runs is None:
-                runs = build_runs(request.pairs, request.page_bytes, src_facts.grid, dst_facts.grid)
-            self._copy_with_engines(request, runs, self._stream_handle(stream), src_facts, dst_facts)
-        return path
+        if path == "kernel" and self._copy_with_kernel(request, stream, src_facts, dst_facts):
+            return path
+        if runs is None:  # the copy engines' call, or the kernel's that cannot be built here (logged once)
+            runs = build_runs(request.pairs, request.page_bytes, src_facts.grid, dst_facts.grid)
+        return self._copy_with_engines(request, runs, stream, src_facts, dst_facts)
 
     def warm_up(self, page_sizes: Iterable[int]) -> bool:
         """Set the kernel path up now if the policy sends a call of many pages of one of
@@ -125,8 +127,9 @@ class PageCopier:
         cache warm, 1.3-1.9 s cold, on an H100 host (docs/benchmarks.md, section 62); once a
         process has built the kernel, another copier's first launch takes well under a millisecond.
         Returns whether it launched: False on the CPU, where the policy gives those pages to the
-        copy engines, or once this copier's kernel path exists. Ordered on the current stream;
-        no buffer of a tier is touched.
+        copy engines (their batched copier is then made instead), or once this copier's kernel path
+        exists. Ordered on the current stream; no buffer of a tier is touched. Without cuda-bindings
+        the kernel is built whatever the sizes: it takes the copy engines' calls of scattered pages.
 
         Where the kernel cannot be built (Triton not installed, or its launcher not compiled: no C
         compiler on the machine), it logs one WARNING naming the cause and returns False, and from
@@ -135,7 +138,10 @@ class PageCopier:
         if self.device.type != "cuda" or self._kernel is not None or self._kernel_unavailable is not None:
             return False
         coherent = self.link.coherent
-        if all(self.policy.choose(size, coherent_link=coherent) != "kernel" for size in page_sizes):
+        if (
+            all(self.policy.choose(size, coherent_link=coherent) != "kernel" for size in page_sizes)
+            and self._build_batch() is not None
+        ):
             return False
         return self._build_kernel() is not None
 
@@ -146,7 +152,8 @@ class PageCopier:
             if self._kernel is not None or self._kernel_unavailable is not None:
                 return self._kernel
             try:
-                kernel = _KernelPath(self.device.index, self._sm_count)
+                api = _driver_api(self.device.index)
+                kernel = _KernelPath(self.device.index, self._sm_count, api, self.torch_stream)
                 scratch = torch.empty(2 * ALIGN, dtype=torch.uint8, device=self.device)
                 pairs = np.array([[0, 1]], dtype=np.int64)
                 request = CopyRequest(src=scratch, dst=scratch, pairs=pairs, page_bytes=ALIGN)
@@ -193,27 +200,39 @@ class PageCopier:
         return policy.choose(page, coherent_link=coherent, runs=runs.shape[0]), runs
 
     def _copy_with_engines(
-        self, request: CopyRequest, runs: np.ndarray, stream: int, src: BufferFacts, dst: BufferFacts
-    ) -> None:
+        self, request: CopyRequest, runs: np.ndarray, stream: StreamArg, src: BufferFacts, dst: BufferFacts
+    ) -> DevicePath:
+        """Enqueue ``runs`` on the copy engines (one batched driver call, or one copy per run); the
+        path taken. Without cuda-bindings a call of more than ``SEPARATE_COPY_RUNS`` runs goes to
+        the kernel where it takes the call (a torch copy per run costs more host time than one
+        launch), else as torch copies."""
+        pageable = (src.host and not src.pinned) or (dst.host and not dst.pinned)
         batch = self._batch or self._build_batch()
         if batch is None:
+            if (
+                runs.shape[0] > SEPARATE_COPY_RUNS
+                and not pageable
+                and kernel_refusal(request.src, request.dst, request.page_bytes) is None
+                and self._copy_with_kernel(request, stream, src, dst)
+            ):
+                return "kernel"
             copy_runs_with_torch(request, runs, self.torch_stream(stream))
-            return
-        pageable = (src.host and not src.pinned) or (dst.host and not dst.pinned)
+            return "copy_engine"
         batch.copy_runs(
             runs,
             request.page_bytes,
             src.address,
             dst.address,
-            stream,
+            self._stream_handle(stream),
             src_host=src.host,
             dst_host=dst.host,
             pageable=pageable,
         )
+        return "copy_engine"
 
     def _build_batch(self) -> BatchCopier | None:
         """The batched copier, made once; None without cuda-bindings (logged once): the copy
-        engines' calls then go as torch copies."""
+        engines' calls then go to the kernel or as torch copies (``_copy_with_engines``)."""
         if self._without_bindings:
             return None
         from kvtier.copy.copy_engine import BatchCopier
@@ -225,8 +244,9 @@ class PageCopier:
                 except ImportError as error:  # cuda-bindings is not installed
                     self._without_bindings = True
                     logger.warning(
-                        "kvtier: the batched copy-engine call needs cuda-bindings (%s); each run of pages "
-                        "goes as one torch copy instead, slower for scattered pages (install 'kvtier[gpu]')",
+                        "kvtier: the batched copy-engine call needs cuda-bindings (%s); a call of many runs "
+                        "of pages goes to the copy kernel instead where it can, any other as one torch copy "
+                        "per run (install 'kvtier[gpu]')",
                         error,
                     )
             return self._batch
@@ -285,17 +305,21 @@ class _KernelPath:
     Invariant: a call's pairs go into a ring slot (``kvtier.copy.table_ring``) that no
     unfinished launch reads; the launch and the slot's event go to the same stream, under one lock.
     The first launch goes through Triton's normal launch (it compiles the kernel) inside torch's
-    stream context; later ones through ``FastLaunch`` where this Triton allows it.
+    stream context; later ones through ``FastLaunch`` where this Triton allows it and cuda-bindings
+    is installed (``api``). Without cuda-bindings every launch is Triton's normal one, which finds
+    the buffers' device addresses itself, and the ring's events are torch's.
     """
 
-    def __init__(self, device_index: int, sm_count: int) -> None:
-        from kvtier.copy.driver_api import DriverApi
+    def __init__(
+        self, device_index: int, sm_count: int, api: DriverApi | None, torch_stream: Callable[[int], torch.cuda.Stream]
+    ) -> None:
         from kvtier.copy.kernel import PROGRAMS_PER_SM, plan_split
         from kvtier.copy.table_ring import TableRing
+        from kvtier.copy.torch_events import TorchEvents
 
         self._plan_split = plan_split
-        self._api = DriverApi(device_index)
-        self._ring = TableRing(self._api)
+        self._api = api
+        self._ring = TableRing(TorchEvents(torch_stream) if api is None else api)
         self._target = PROGRAMS_PER_SM * sm_count
         self._fast: FastLaunch | None = None
         self._addresses: dict[int, tuple[BufferFacts, int]] = {}  # id(facts) -> (facts, device address)
@@ -312,51 +336,72 @@ class _KernelPath:
         """Enqueue the copy of ``request`` (its buffers' facts ``src`` and ``dst``) on raw ``stream``
         (``torch_stream`` gives it as a torch stream)."""
         with self._lock:
-            if self._fast is not None:
-                pushed = self._api.enter_context()
-                try:
-                    if self._launch(request, src, dst, stream, self._fast):
-                        return
-                finally:
-                    if pushed:
-                        self._api.leave_context()
+            if self._fast is not None and self._launch_fast(request, src, dst, stream, self._fast):
+                return
             with torch.cuda.stream(torch_stream()):  # also makes this device current
-                self._launch(request, src, dst, stream, None)
+                self._launch(request, stream)
 
-    def _device_address(self, facts: BufferFacts) -> int:
+    def _launch_fast(
+        self, request: CopyRequest, src: BufferFacts, dst: BufferFacts, stream: int, fast: FastLaunch
+    ) -> bool:
+        """One launch through ``fast`` at the buffers' device addresses; False (nothing enqueued)
+        where it declined. Only made once ``_launch`` captured ``fast``, which needs ``_api``."""
+        api = self._api
+        assert api is not None, "a fast launch needs the driver's calls"
+        pushed = api.enter_context()
+        try:
+            pairs = request.pairs
+            pages = pairs.shape[0]
+            split = self._plan_split(request.page_bytes, pages, self._target)
+            index, array, _ = self._ring.take(pages)
+            array[:pages] = pairs
+            table = self._ring.address(index, api)
+            src_address, dst_address = self._device_address(src, api), self._device_address(dst, api)
+            if not fast(src_address, dst_address, table, request.page_bytes, split, pages, stream):
+                return False
+            self._ring.launched(index, stream)
+            return True
+        finally:
+            if pushed:
+                api.leave_context()
+
+    def _launch(self, request: CopyRequest, stream: int) -> None:
+        """One launch through Triton's normal one, on torch's current stream (raw ``stream``); the
+        first captures the fast launch where cuda-bindings lets it be used."""
+        from kvtier.copy.kernel import FastLaunch, launch_copy_kernel
+
+        pairs = request.pairs
+        pages = pairs.shape[0]
+        split = self._plan_split(request.page_bytes, pages, self._target)
+        index, array, table = self._ring.take(pages)
+        array[:pages] = pairs
+        compiled = launch_copy_kernel(request.src, request.dst, table, request.page_bytes, split, pages)
+        if self._api is not None and self._fast is None:
+            self._fast = FastLaunch.capture(compiled)
+        self._ring.launched(index, stream)
+
+    def _device_address(self, facts: BufferFacts, api: DriverApi) -> int:
         """Where the device reaches the buffer that ``facts`` describe, asked of the driver once per
         facts object (the copier's cache makes a new one whenever the buffer's registration or
         address may have changed)."""
         known = self._addresses.get(id(facts))
         if known is not None and known[0] is facts:
             return known[1]
-        address = self._api.device_pointer(facts.address) if facts.host else facts.address
+        address = api.device_pointer(facts.address) if facts.host else facts.address
         if len(self._addresses) >= _KNOWN_ADDRESSES:
             self._addresses.clear()
         self._addresses[id(facts)] = (facts, address)
         return address
 
-    def _launch(
-        self, request: CopyRequest, src: BufferFacts, dst: BufferFacts, stream: int, fast: FastLaunch | None
-    ) -> bool:
-        """One launch through ``fast``, at the buffers' device addresses (False if it declined,
-        nothing enqueued), or through Triton's normal one."""
-        pairs = request.pairs
-        pages = pairs.shape[0]
-        split = self._plan_split(request.page_bytes, pages, self._target)
-        index, array, table, table_address = self._ring.take(pages)
-        array[:pages] = pairs
-        if fast is not None:
-            src_address, dst_address = self._device_address(src), self._device_address(dst)
-            if not fast(src_address, dst_address, table_address, request.page_bytes, split, pages, stream):
-                return False
-        else:
-            from kvtier.copy.kernel import FastLaunch, launch_copy_kernel
 
-            compiled = launch_copy_kernel(request.src, request.dst, table, request.page_bytes, split, pages)
-            self._fast = FastLaunch.capture(compiled)
-        self._ring.launched(index, stream)
-        return True
+def _driver_api(device_index: int) -> DriverApi | None:
+    """The device's driver calls, or None where cuda-bindings is not installed."""
+    from kvtier.copy.driver_api import DriverApi
+
+    try:
+        return DriverApi(device_index)
+    except ImportError:
+        return None
 
 
 def _current_raw_stream(device_index: int) -> int:

@@ -13,7 +13,8 @@ the kernel reaches every chunk at its host address. A value that is not a positi
 fits 64 bits logs a WARNING and is ignored (one registration). One ``cudaMemcpy`` may not span two
 registrations: a torch copy of a whole chunked buffer fails, copy page by page or chunk by chunk.
 ``registration_grid`` tells a copier where a buffer's registrations begin and end, so that it
-merges consecutive pages only within one registration.
+merges consecutive pages only within one registration. Chunks need cuda-bindings, which checks that
+each maps at its host address; without it such a buffer is refused.
 
 For a CPU device the buffer is plain memory. Costs measured on the H200 machine are in
 docs/copy.md.
@@ -219,8 +220,17 @@ def _touched_anonymous_memory(num_bytes: int) -> torch.Tensor:
 
 
 def _check_mapped_at_host_address(buffer: HostBuffer) -> None:
-    """Chunks must map to the device at their host addresses, so one base address reaches all."""
-    from cuda.bindings import driver
+    """Chunks must map to the device at their host addresses, so one base address reaches all.
+
+    Only the driver can tell: without cuda-bindings the buffer is released and refused."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as error:
+        buffer.release()
+        raise RuntimeError(
+            f"a host buffer registered in chunks needs cuda-bindings to check where they map ({error}); "
+            f"install kvtier[gpu] or unset {HOST_REGISTER_CHUNK_BYTES_ENV}"
+        ) from None
 
     for offset, _ in buffer.chunks:
         host = buffer.tensor.data_ptr() + offset

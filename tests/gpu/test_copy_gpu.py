@@ -382,22 +382,31 @@ def test_a_first_kernel_call_without_triton_goes_to_the_copy_engines() -> None:
     assert done.stderr.count("the copy kernel cannot be built") == 1, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("page", [4096, 2 * MiB])
-def test_without_cuda_bindings_the_copy_engines_calls_go_as_torch_copies(pools, device, monkeypatch, caplog, page):
-    """cuda-bindings not installed: the batched driver call cannot be made, so each run of a call
-    goes as one torch copy on the caller's stream; scattered slots (at an aligned and an unaligned
-    offset) and a run of consecutive ones, both directions, land byte for byte, with one WARNING."""
+@pytest.fixture
+def without_bindings(monkeypatch):
+    """This process as if cuda-bindings were not installed: every driver call object fails to import."""
     import kvtier.copy.copy_engine as copy_engine
+    import kvtier.copy.driver_api as driver_api
 
-    def no_bindings(*args, **kwargs):
+    def missing(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'cuda'")
 
-    monkeypatch.setattr(copy_engine, "BatchCopier", no_bindings)
+    monkeypatch.setattr(copy_engine, "DriverApi", missing)
+    monkeypatch.setattr(driver_api, "DriverApi", missing)
+
+
+@pytest.mark.parametrize("page", [4096, 64 * 1024, 2 * MiB])
+def test_without_cuda_bindings_scattered_pages_take_the_kernel_and_runs_go_as_torch_copies(
+    pools, device, without_bindings, caplog, page
+):
+    """cuda-bindings not installed: a copy-engine call of scattered pages goes to the kernel
+    (Triton's own launches, the ring's events torch's), one at an unaligned offset and a call of
+    one run as torch copies; both directions land byte for byte, with one WARNING."""
     copier = PageCopier(device, policy=CopyPolicy(copy_engine_min_bytes=0))
     stream = torch.cuda.Stream(device)
     with caplog.at_level("WARNING", logger="kvtier.copy.copier"):
-        assert check_round_trip(copier, pools, 24, page, stream, seed=7) == ["copy_engine", "copy_engine"]
-        assert check_round_trip(copier, pools, 24, page, stream, seed=8, offset=3) == ["copy_engine", "copy_engine"]
+        assert check_round_trip(copier, pools, 24, page, stream, seed=7) == ["kernel", "kernel"]
+        assert check_round_trip(copier, pools, 24, page, stream, seed=8, offset=8) == ["copy_engine", "copy_engine"]
         (host_src, dev, host_dst), _ = views(pools, 24, page)
         fill_words(host_src, 9)
         torch.cuda.synchronize()
@@ -406,7 +415,59 @@ def test_without_cuda_bindings_the_copy_engines_calls_go_as_torch_copies(pools, 
         torch.cuda.synchronize()
         assert torch.equal(host_dst[2 * page : 10 * page], host_src[: 8 * page])
     assert len(caplog.records) == 1 and "needs cuda-bindings" in caplog.text
-    assert copier._batch is None
+    assert copier._batch is None and copier._kernel is not None and copier._kernel._fast is None
+
+
+def test_without_cuda_bindings_queued_kernel_launches_never_read_a_table_written_again(pools, device, without_bindings):
+    """Three times as many launches as the ring has tables, queued behind a sleeping stream: each
+    table is written again only after the launch that read it ran (torch's events), so every call
+    copies its own pairs."""
+    from kvtier.copy.table_ring import SLOTS
+
+    copier = PageCopier(device)
+    page, calls, per_call = 4096, 3 * SLOTS, 16
+    host_src, dev, host_dst = (pool[: calls * per_call * page] for pool in pools)
+    fill_words(host_src, 11)
+    dev.fill_(POISON)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream(device)
+    rng = np.random.default_rng(5)
+    order = rng.permutation(calls * per_call)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # holds the stream while every launch below is queued
+    for call in range(calls):
+        dst_slots = order[call * per_call : (call + 1) * per_call]
+        pairs = np.stack([dst_slots[::-1], dst_slots], axis=1)
+        assert copier.copy(host_src, dev, pairs, page, stream) == "kernel"
+    assert copier.copy(dev, host_dst, np.stack([order, order], axis=1), page, stream) == "kernel"
+    torch.cuda.synchronize()
+    src_pages = host_src.view(-1, page)
+    dst_pages = host_dst.view(-1, page)
+    for call in range(calls):
+        dst_slots = order[call * per_call : (call + 1) * per_call]
+        want = src_pages[torch.from_numpy(dst_slots[::-1].copy())]
+        assert torch.equal(dst_pages[torch.from_numpy(dst_slots)], want), f"call {call} copied other pairs"
+
+
+def test_a_buffer_registered_in_chunks_without_cuda_bindings_is_refused_and_released(device, monkeypatch):
+    """Registering in chunks needs the driver to confirm each chunk maps at its host address;
+    without cuda-bindings the allocation is refused with what to do, and no chunk stays registered."""
+    import sys
+
+    from kvtier.storage import pinned
+
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    released = []
+    real_release = pinned.HostBuffer.release
+
+    def release(buffer):
+        released.append(len(buffer.chunks))
+        real_release(buffer)
+
+    monkeypatch.setattr(pinned.HostBuffer, "release", release)
+    with pytest.raises(RuntimeError, match="kvtier\\[gpu\\]"):
+        allocate_host_buffer(8 * 4096, 4096, device, chunk_bytes=2 * 4096)
+    assert released and released[0] == 4
 
 
 def test_warm_up_builds_nothing_for_pages_that_go_to_the_copy_engines(device) -> None:
