@@ -20,7 +20,7 @@ import torch
 import triton
 
 from kvtier.copy.kernel import ROWS, Split, _triton_version, plan_split
-from kvtier.copy.kernel_args import ALIGN, MAX_PAGE_BYTES, check_kernel_args
+from kvtier.copy.kernel_args import ALIGN, MAX_PAGE_BYTES, check_kernel_args, kernel_refusal
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton's interpreter before 3.7 takes a tensor used as a loop bound to an int with ``int()`` of a
@@ -102,6 +102,16 @@ def test_alignment_is_checked_before_any_work(page: int, offset: int) -> None:
     buffer = torch.zeros(4 * page + 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="16"):
         check_kernel_args(buffer[offset:], buffer[offset:], page)
+    assert "16" in kernel_refusal(buffer[offset:], buffer[offset:], page)  # what a copier asks before routing
+
+
+def test_what_the_kernel_takes_is_not_refused() -> None:
+    """Aligned buffers and a page size that is a multiple of 16 below the limit: no refusal (a
+    copier without the batched copy-engine call then gives the kernel calls of many runs)."""
+    buffer = torch.zeros(8 * 4096, dtype=torch.uint8)
+    assert kernel_refusal(buffer, buffer[4096:], 4096) is None
+    assert kernel_refusal(buffer, buffer, ALIGN) is None
+    check_kernel_args(buffer, buffer[4096:], 4096)
 
 
 def test_kernel_under_the_interpreter() -> None:
