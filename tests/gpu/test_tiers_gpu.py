@@ -211,18 +211,18 @@ def test_a_manager_whose_copy_kernel_cannot_be_built_moves_pages_through_the_cop
     assert "needs cuda-bindings" not in child.stderr
 
 
-def test_a_manager_without_cuda_bindings_moves_small_pages_on_the_kernel(tmp_path):
-    """``pip install kvtier`` without the gpu extra on a CUDA machine: no cuda-bindings, but
-    Triton (torch brings it). The manager builds the copy kernel as it is made and moves its small
-    pages between tiers on it (a call of a few runs as torch copies), byte for byte, with at most
-    one WARNING about the batched copy-engine call."""
+def test_a_manager_without_cuda_bindings_builds_the_copy_kernel_and_moves_pages_byte_for_byte(tmp_path):
+    """``pip install kvtier`` without the gpu extra on a CUDA machine: no cuda-bindings, but Triton
+    (torch brings it). The manager is made, builds the copy kernel as it is made (for calls of many
+    runs: ``tests/gpu/test_copy_gpu.py`` drives those), and moves its pages between tiers byte for
+    byte (these calls are of a few runs: torch copies), with one WARNING, about the batched
+    copy-engine call."""
     code = NO_KERNEL_CHILD.format(missing=["cuda.bindings"], path=str(tmp_path / "disk"), copy_path=None)
     child = run_python(code, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
-    words = child.stdout.split()
-    assert words[:2] == ["exact", "built"] and "kernel" in words[2:], child.stdout
+    assert child.stdout.split()[:2] == ["exact", "built"], child.stdout
     assert "the copy kernel cannot be built" not in child.stderr, child.stderr[-3000:]
-    assert child.stderr.count("needs cuda-bindings") <= 1, child.stderr[-3000:]
+    assert child.stderr.count("needs cuda-bindings") == 1, child.stderr[-3000:]
 
 
 @pytest.mark.parametrize("layout", ["three-tiers", "primary-and-disk"])
