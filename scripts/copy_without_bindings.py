@@ -6,7 +6,8 @@ no batched copy-engine call. Three copiers move the same calls of scattered page
 - ``auto``: cuda-bindings installed, the default policy (the reference);
 - ``torch``: no cuda-bindings, the kernel kept out: one torch copy per page;
 - ``no-bindings``: no cuda-bindings, as the copier is: calls of more than ``SEPARATE_COPY_RUNS``
-  runs go to the kernel (Triton's own launch every call).
+  runs shorter than ``TORCH_COPY_MIN_RUN_BYTES`` on average go to the kernel (Triton's own launch
+  every call), the others as torch copies.
 
 For each: the host time of one call (median, the stream held busy so nothing waits), the GPU time
 of a call (CUDA events, each call gated so its submission is hidden) idle and under
@@ -65,18 +66,23 @@ def main() -> None:
     for direction in ("h2d", "d2h"):
         for page, pages in SHAPES:
             for name, copier in copiers.items():
-                call, path = _calls(bench, copier, direction, page, pages)
-                submit_ms = _submit_ms(bench, call, pages)
-                gate = bench_copy.GATE_CYCLES + GATE_CYCLES_PER_PAGE * pages
-                idle = statistics.median(bench.time_gated(lambda _: call(), gate))
-                loaded, _ = bench.under_load(lambda: bench.time_gated(lambda _: call(), gate), expected_ms=400.0)
-                load = statistics.median(loaded)
-                size = pages * page / 1e6  # MB: GB/s = MB / ms
-                print(
-                    f"{direction}  {page // KiB:8d}  {pages:5d}  {name:<11}  {path:<11}  {submit_ms * 1e3:9.0f}  "
-                    f"{size / idle:9.1f}  {size / load:9.1f}  {size / max(idle, submit_ms):8.1f}  "
-                    f"{size / max(load, submit_ms):8.1f}"
-                )
+                print(_row(bench, name, copier, direction, page, pages))
+
+
+def _row(bench: bench_copy._CopyBench, name: str, copier: PageCopier, direction: str, page: int, pages: int) -> str:
+    """One printed row: the call's path, host submit time, and rates idle and under load."""
+    call, path = _calls(bench, copier, direction, page, pages)
+    submit_ms = _submit_ms(bench, call, pages)
+    gate = bench_copy.GATE_CYCLES + GATE_CYCLES_PER_PAGE * pages
+    idle = statistics.median(bench.time_gated(lambda _: call(), gate))
+    loaded, _ = bench.under_load(lambda: bench.time_gated(lambda _: call(), gate), expected_ms=400.0)
+    load = statistics.median(loaded)
+    size = pages * page / 1e6  # MB: GB/s = MB / ms
+    return (
+        f"{direction}  {page // KiB:8d}  {pages:5d}  {name:<11}  {path:<11}  {submit_ms * 1e3:9.0f}  "
+        f"{size / idle:9.1f}  {size / load:9.1f}  {size / max(idle, submit_ms):8.1f}  "
+        f"{size / max(load, submit_ms):8.1f}"
+    )
 
 
 def _calls(bench: bench_copy._CopyBench, copier: PageCopier, direction: str, page: int, pages: int):

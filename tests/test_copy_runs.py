@@ -156,3 +156,23 @@ def test_cpu_copy_of_a_run_inside_one_buffer() -> None:
     PageCopier("cpu").copy(buffer, buffer, [(0, 8), (1, 9), (2, 10), (3, 11)], page)
     assert torch.equal(buffer[8 * page : 12 * page], before[: 4 * page])
     assert torch.equal(buffer[: 8 * page], before[: 8 * page]) and torch.equal(buffer[12 * page :], before[12 * page :])
+
+
+@pytest.mark.parametrize(
+    ("page", "run", "keep_up"),
+    [(4096, 1, False), (64 * 1024, 8, False), (64 * 1024, 16, True), (2 << 20, 1, True), (512 * 1024, 1, False)],
+)
+def test_torch_copies_keep_up_with_runs_of_a_mebibyte_on_average(page: int, run: int, keep_up: bool) -> None:
+    """Without cuda-bindings a call's runs go as torch copies when they average at least
+    ``TORCH_COPY_MIN_RUN_BYTES`` (else a copy-engine call of many runs goes to the kernel)."""
+    from kvtier.copy.copy_request import check_request
+    from kvtier.copy.torch_runs import TORCH_COPY_MIN_RUN_BYTES, torch_copies_keep_up
+
+    assert TORCH_COPY_MIN_RUN_BYTES == 1 << 20
+    starts = np.arange(8) * (run + 1)  # 8 runs of ``run`` pages with a gap between them
+    slots = (starts[:, None] + np.arange(run)).ravel()
+    buffer = torch.empty((slots[-1] + 1) * page, dtype=torch.uint8)
+    request = check_request(buffer, torch.empty_like(buffer), np.stack([slots, slots], axis=1), page)
+    runs = build_runs(request.pairs, page)
+    assert runs.shape[0] == 8
+    assert torch_copies_keep_up(request, runs) is keep_up

@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.copy import CopyPolicy, LinkInfo, detect_link
     from kvtier.copy.policy import COHERENT_COPY_KERNEL_ENV, COPY_ENGINE_MIN_BYTES_ENV, SEPARATE_COPY_RUNS
+    from kvtier.copy.torch_runs import TORCH_COPY_MIN_RUN_BYTES
     from kvtier.storage.pinned import HOST_REGISTER_CHUNK_BYTES_ENV, chunk_bytes_from_env
 
     if args.disk is None and args.disk_mib is not None:
@@ -86,8 +87,11 @@ def run(args: argparse.Namespace) -> int:
         path = "cpu" if device.type == "cpu" else policy.choose(page, coherent_link=link.coherent)
         if path == "kernel" and kernel_unavailable is not None:
             path = "copy_engine (the kernel cannot be built)"
-        elif path == "copy_engine" and not batched and kernel_unavailable is None:
-            path = f"copy_engine: torch copies for up to {SEPARATE_COPY_RUNS} runs, kernel for more"
+        elif path == "copy_engine" and not batched:
+            path = "copy_engine (torch copies: no cuda-bindings)"
+            if kernel_unavailable is None and page < TORCH_COPY_MIN_RUN_BYTES:
+                shorter = f"below {TORCH_COPY_MIN_RUN_BYTES >> 20} MiB on average"
+                path += f"; kernel for calls of more than {SEPARATE_COPY_RUNS} runs {shorter}"
         rows.append((f"path {page:,} B", path))
     if args.disk is not None:
         from kvtier.cli.disk_probe import probe_disk

@@ -14,10 +14,10 @@ One copier per device. A call checks everything first (``kvtier.copy.copy_reques
 Triton and cuda-bindings are imported on the first call that needs them. Where the kernel cannot
 be built (no Triton, no C compiler for its launcher), its calls go to the copy engines. Where
 cuda-bindings is missing, the kernel still runs (every launch Triton's own, its table ring on
-torch's events) and the copy engines' calls of a few runs go as one torch copy per run
-(``kvtier.copy.torch_runs``); a call of more runs goes to the kernel where it takes the call, since
-a torch copy per run costs more host time than one launch. Each is logged once, as a WARNING
-naming the cause.
+torch's events) and the copy engines' calls go as one torch copy per run
+(``kvtier.copy.torch_runs``), except a call of many short runs, which goes to the kernel where it
+takes the call: a torch copy per short run would leave the link waiting for the host. Each is
+logged once, as a WARNING naming the cause.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from kvtier.copy.kernel_args import ALIGN, check_kernel_args, kernel_refusal
 from kvtier.copy.link import LinkInfo, detect_link
 from kvtier.copy.policy import SEPARATE_COPY_RUNS, CopyPath, CopyPolicy, DevicePath
 from kvtier.copy.runs import build_runs, many_runs
-from kvtier.copy.torch_runs import copy_runs_with_torch
+from kvtier.copy.torch_runs import copy_runs_with_torch, torch_copies_keep_up
 
 if TYPE_CHECKING:
     from kvtier.copy.copy_engine import BatchCopier
@@ -129,7 +129,7 @@ class PageCopier:
         Returns whether it launched: False on the CPU, where the policy gives those pages to the
         copy engines (their batched copier is then made instead), or once this copier's kernel path
         exists. Ordered on the current stream; no buffer of a tier is touched. Without cuda-bindings
-        the kernel is built whatever the sizes: it takes the copy engines' calls of scattered pages.
+        the kernel is built whatever the sizes: it takes the copy engines' calls of many short runs.
 
         Where the kernel cannot be built (Triton not installed, or its launcher not compiled: no C
         compiler on the machine), it logs one WARNING naming the cause and returns False, and from
@@ -203,14 +203,15 @@ class PageCopier:
         self, request: CopyRequest, runs: np.ndarray, stream: StreamArg, src: BufferFacts, dst: BufferFacts
     ) -> DevicePath:
         """Enqueue ``runs`` on the copy engines (one batched driver call, or one copy per run); the
-        path taken. Without cuda-bindings a call of more than ``SEPARATE_COPY_RUNS`` runs goes to
-        the kernel where it takes the call (a torch copy per run costs more host time than one
-        launch), else as torch copies."""
+        path taken. Without cuda-bindings a call of more than ``SEPARATE_COPY_RUNS`` runs shorter
+        than ``TORCH_COPY_MIN_RUN_BYTES`` on average goes to the kernel where it takes the call (a
+        torch copy per run would leave the link waiting for the host), else as torch copies."""
         pageable = (src.host and not src.pinned) or (dst.host and not dst.pinned)
         batch = self._batch or self._build_batch()
         if batch is None:
             if (
                 runs.shape[0] > SEPARATE_COPY_RUNS
+                and not torch_copies_keep_up(request, runs)
                 and not pageable
                 and kernel_refusal(request.src, request.dst, request.page_bytes) is None
                 and self._copy_with_kernel(request, stream, src, dst)
@@ -244,9 +245,9 @@ class PageCopier:
                 except ImportError as error:  # cuda-bindings is not installed
                     self._without_bindings = True
                     logger.warning(
-                        "kvtier: the batched copy-engine call needs cuda-bindings (%s); a call of many runs "
-                        "of pages goes to the copy kernel instead where it can, any other as one torch copy "
-                        "per run (install 'kvtier[gpu]')",
+                        "kvtier: the batched copy-engine call needs cuda-bindings (%s); a call of many short "
+                        "runs of pages goes to the copy kernel instead where it can, any other as one torch "
+                        "copy per run (install 'kvtier[gpu]')",
                         error,
                     )
             return self._batch

@@ -395,17 +395,18 @@ def without_bindings(monkeypatch):
     monkeypatch.setattr(driver_api, "DriverApi", missing)
 
 
-@pytest.mark.parametrize("page", [4096, 64 * 1024, 2 * MiB])
-def test_without_cuda_bindings_scattered_pages_take_the_kernel_and_runs_go_as_torch_copies(
-    pools, device, without_bindings, caplog, page
+@pytest.mark.parametrize(("page", "scattered"), [(4096, "kernel"), (64 * 1024, "kernel"), (2 * MiB, "copy_engine")])
+def test_without_cuda_bindings_scattered_small_pages_take_the_kernel_and_runs_go_as_torch_copies(
+    pools, device, without_bindings, caplog, page, scattered
 ):
-    """cuda-bindings not installed: a copy-engine call of scattered pages goes to the kernel
-    (Triton's own launches, the ring's events torch's), one at an unaligned offset and a call of
-    one run as torch copies; both directions land byte for byte, with one WARNING."""
+    """cuda-bindings not installed: a copy-engine call of scattered pages below
+    ``TORCH_COPY_MIN_RUN_BYTES`` goes to the kernel (Triton's own launches, the ring's events
+    torch's); scattered larger pages, a call at an unaligned offset and a call of one run go as
+    torch copies. Both directions land byte for byte, with one WARNING."""
     copier = PageCopier(device, policy=CopyPolicy(copy_engine_min_bytes=0))
     stream = torch.cuda.Stream(device)
     with caplog.at_level("WARNING", logger="kvtier.copy.copier"):
-        assert check_round_trip(copier, pools, 24, page, stream, seed=7) == ["kernel", "kernel"]
+        assert check_round_trip(copier, pools, 24, page, stream, seed=7) == [scattered, scattered]
         assert check_round_trip(copier, pools, 24, page, stream, seed=8, offset=8) == ["copy_engine", "copy_engine"]
         (host_src, dev, host_dst), _ = views(pools, 24, page)
         fill_words(host_src, 9)
@@ -415,7 +416,8 @@ def test_without_cuda_bindings_scattered_pages_take_the_kernel_and_runs_go_as_to
         torch.cuda.synchronize()
         assert torch.equal(host_dst[2 * page : 10 * page], host_src[: 8 * page])
     assert len(caplog.records) == 1 and "needs cuda-bindings" in caplog.text
-    assert copier._batch is None and copier._kernel is not None and copier._kernel._fast is None
+    assert copier._batch is None
+    assert (copier._kernel is not None and copier._kernel._fast is None) == (scattered == "kernel")
 
 
 def test_without_cuda_bindings_queued_kernel_launches_never_read_a_table_written_again(pools, device, without_bindings):

@@ -47,11 +47,15 @@ sys.exit(main(["probe", "--device", "cuda"]))
 
 def test_the_probe_without_cuda_bindings_says_where_calls_go():
     """No cuda-bindings: the copy engines' row says what goes where instead of the batched call, the
-    kernel is built, and the large page sizes' rows name the torch copies and the kernel."""
+    kernel is built, and the rows of the copy engines' page sizes name the torch copies, and the
+    kernel for calls of many short runs."""
     done = run_python(PROBE_WITHOUT_BINDINGS, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in done.stdout.splitlines())
     assert rows["copy engines"].startswith("no batched call (") and "kvtier[gpu]" in rows["copy engines"]
     assert rows["copy kernel"].startswith("Triton ") and "built" in rows["copy kernel"]
     assert rows["path 4,096 B"] == "kernel"
-    assert rows["path 217,055,232 B"] == "copy_engine: torch copies for up to 4 runs, kernel for more"
+    assert rows["path 65,536 B"] == (
+        "copy_engine (torch copies: no cuda-bindings); kernel for calls of more than 4 runs below 1 MiB on average"
+    )
+    assert rows["path 217,055,232 B"] == "copy_engine (torch copies: no cuda-bindings)"
