@@ -147,7 +147,11 @@ class PageCopier:
 
     def _build_kernel(self) -> _KernelPath | None:
         """The kernel path, built once with one launch over a scratch of its own; None, with one
-        WARNING and every later call routed to the copy engines, where it cannot be built."""
+        WARNING and every later call routed to the copy engines, where it cannot be built.
+
+        Without cuda-bindings every launch has Triton find its buffers' device addresses, so the
+        scratch launch reads pinned host memory, as the calls will: a Triton that cannot reach it
+        leaves the copies to the copy engines rather than failing a request's copy."""
         with self._building:  # one kernel path per copier: its ring's tables outlive the launches reading them
             if self._kernel is not None or self._kernel_unavailable is not None:
                 return self._kernel
@@ -155,11 +159,15 @@ class PageCopier:
                 api = _driver_api(self.device.index)
                 kernel = _KernelPath(self.device.index, self._sm_count, api, self.torch_stream)
                 scratch = torch.empty(2 * ALIGN, dtype=torch.uint8, device=self.device)
+                source = scratch if api is not None else torch.ones(2 * ALIGN, dtype=torch.uint8, pin_memory=True)
                 pairs = np.array([[0, 1]], dtype=np.int64)
-                request = CopyRequest(src=scratch, dst=scratch, pairs=pairs, page_bytes=ALIGN)
+                request = CopyRequest(src=source, dst=scratch, pairs=pairs, page_bytes=ALIGN)
                 facts = self._facts.of("scratch", scratch)
+                source_facts = facts if source is scratch else self._facts.of("scratch source", source)
                 stream = _current_raw_stream(self.device.index)
-                kernel.copy(request, facts, facts, stream, lambda: self.torch_stream(None))
+                kernel.copy(request, source_facts, facts, stream, lambda: self.torch_stream(None))
+                if source is not scratch:
+                    self.torch_stream(None).synchronize()  # it ran; its pinned source may go
             except Exception as error:  # Triton's import, compiler and launcher raise many kinds
                 self._kernel_unavailable = f"{type(error).__name__}: {error}"
                 logger.warning(

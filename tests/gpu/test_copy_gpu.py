@@ -420,6 +420,31 @@ def test_without_cuda_bindings_scattered_small_pages_take_the_kernel_and_runs_go
     assert (copier._kernel is not None and copier._kernel._fast is None) == (scattered == "kernel")
 
 
+def test_without_cuda_bindings_a_triton_that_cannot_reach_host_memory_leaves_the_copies_to_torch(
+    pools, device, without_bindings, monkeypatch, caplog
+):
+    """Without cuda-bindings Triton finds every buffer's device address itself; the kernel is built
+    with a launch from pinned host memory, so a Triton that refuses it (its launcher's error) leaves
+    the kernel unbuilt, with a WARNING, and scattered small pages land through torch copies."""
+    import kvtier.copy.kernel as kernel
+
+    real = kernel.launch_copy_kernel
+
+    def refuse_host_memory(src, dst, *args, **kwargs):
+        if src.device.type == "cpu" or dst.device.type == "cpu":
+            raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(kernel, "launch_copy_kernel", refuse_host_memory)
+    copier = PageCopier(device)
+    with caplog.at_level("WARNING", logger="kvtier.copy.copier"):
+        assert copier.warm_up([4096]) is False
+        assert "cpu tensor" in copier.kernel_unavailable
+        stream = torch.cuda.Stream(device)
+        assert check_round_trip(copier, pools, 24, 4096, stream, seed=12) == ["copy_engine", "copy_engine"]
+    assert "the copy kernel cannot be built" in caplog.text and "needs cuda-bindings" in caplog.text
+
+
 def test_without_cuda_bindings_queued_kernel_launches_never_read_a_table_written_again(pools, device, without_bindings):
     """Three times as many launches as the ring has tables, queued behind a sleeping stream: each
     table is written again only after the launch that read it ran (torch's events), so every call
