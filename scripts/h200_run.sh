@@ -10,6 +10,7 @@
 #   demo      kvtier demo on CUDA
 #   probe     kvtier probe
 #   soak      scripts/gpu_soak.py for 240 s (property machines, churn with a restart, the engine against its oracle)
+#   nobindings  scripts/copy_without_bindings.py (scattered pages without cuda-bindings: kernel against torch copies)
 set -uo pipefail
 export PYTHONPATH=.
 export PYTHONUNBUFFERED=1
@@ -37,7 +38,8 @@ for step in "${steps[@]}"; do
         probe) timeout 120 python3 -m kvtier probe 2>&1 | tee "$OUT/probe.log" ;;
         soak) timeout 300 python3 scripts/gpu_soak.py --seconds 240 > "$OUT/soak.log" 2>&1; echo "soak rc=$?"
               grep -A3 "^FAIL" "$OUT/soak.log" | head -n 40; tail -n 4 "$OUT/soak.log" ;;
-        *) echo "unknown step: $step (tests, planning, copy, e2e, demo, probe, soak)" >&2; exit 2 ;;
+        nobindings) timeout 200 python3 scripts/copy_without_bindings.py 2>&1 | tee "$OUT/no_bindings.log" | tail -n 40 ;;
+        *) echo "unknown step: $step (tests, planning, copy, e2e, demo, probe, soak, nobindings)" >&2; exit 2 ;;
     esac
 done
 echo "=== done ($(date -u +%H:%M:%S))"
