@@ -133,14 +133,14 @@ def _copy_kernel(device: torch.device, policy: CopyPolicy, link: LinkInfo) -> tu
 
 def _batch_abi(index: int) -> tuple[str, bool]:
     """The copy engines' row, and False only where cuda-bindings is missing (the copier then sends
-    the copy engines' calls of many runs to the kernel)."""
+    the copy engines' calls of many short runs to the kernel)."""
     from kvtier.copy.copy_engine import BatchCopier
 
     try:
         abi = BatchCopier(index).abi
     except ImportError as exc:
         return (
-            f"no batched call ({exc}): a call of many runs goes to the copy kernel, "
+            f"no batched call ({exc}): a call of many short runs goes to the copy kernel, "
             "any other as one torch copy per run; install kvtier[gpu]",
             False,
         )
