@@ -34,7 +34,7 @@ from kvtier.copy.buffer_facts import BufferFacts, BufferFactsCache
 from kvtier.copy.copy_engine import LEGACY_STREAM_HANDLES
 from kvtier.copy.copy_request import CopyRequest, check_request
 from kvtier.copy.cpu import copy_pages_cpu
-from kvtier.copy.kernel_args import ALIGN, check_kernel_args, kernel_refusal
+from kvtier.copy.kernel_args import ALIGN, kernel_refusal
 from kvtier.copy.link import LinkInfo, detect_link
 from kvtier.copy.policy import SEPARATE_COPY_RUNS, CopyPath, CopyPolicy, DevicePath
 from kvtier.copy.runs import build_runs, many_runs
@@ -220,8 +220,7 @@ class PageCopier:
             if (
                 runs.shape[0] > SEPARATE_COPY_RUNS
                 and not torch_copies_keep_up(request, runs)
-                and not pageable
-                and kernel_refusal(request.src, request.dst, request.page_bytes) is None
+                and _kernel_refusal(request, src, dst) is None
                 and self._copy_with_kernel(request, stream, src, dst)
             ):
                 return "kernel"
@@ -263,13 +262,9 @@ class PageCopier:
     def _copy_with_kernel(self, request: CopyRequest, stream: StreamArg, src: BufferFacts, dst: BufferFacts) -> bool:
         """Enqueue the call on the kernel, building it first if need be; False, with nothing done,
         where it cannot be built. ``ValueError`` before any GPU work for what the kernel refuses."""
-        check_kernel_args(request.src, request.dst, request.page_bytes)
-        for name, facts in (("src", src), ("dst", dst)):
-            if facts.host and not facts.pinned:
-                raise ValueError(
-                    f"{name} is pageable host memory, which the copy kernel cannot reach; "
-                    "allocate it with kvtier.storage.pinned.allocate_host_buffer"
-                )
+        refusal = _kernel_refusal(request, src, dst)
+        if refusal is not None:
+            raise ValueError(refusal)
         kernel = self._kernel or self._build_kernel()
         if kernel is None:
             return False
@@ -401,6 +396,21 @@ class _KernelPath:
             self._addresses.clear()
         self._addresses[id(facts)] = (facts, address)
         return address
+
+
+def _kernel_refusal(request: CopyRequest, src: BufferFacts, dst: BufferFacts) -> str | None:
+    """Why the kernel cannot take this call (``kernel_refusal``, or a pageable host buffer, which
+    it cannot reach), or None when it can."""
+    refusal = kernel_refusal(request.src, request.dst, request.page_bytes)
+    if refusal is not None:
+        return refusal
+    for name, facts in (("src", src), ("dst", dst)):
+        if facts.host and not facts.pinned:
+            return (
+                f"{name} is pageable host memory, which the copy kernel cannot reach; "
+                "allocate it with kvtier.storage.pinned.allocate_host_buffer"
+            )
+    return None
 
 
 def _driver_api(device_index: int) -> DriverApi | None:
