@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
         ("link", f"{link.kind} ({link.detail}; from {link.source}), coherent={'yes' if link.coherent else 'no'}")
     )
     kernel_unavailable = None
-    batched = True
+    bindings = True  # cuda-bindings installed (False only where the batched copier cannot be imported)
     if device.type == "cuda":
-        engines_row, batched = _batch_abi(device.index or 0)
+        engines_row, bindings = _batch_abi(device.index or 0)
         rows.append(("copy engines", engines_row))
         kernel_row, kernel_unavailable = _copy_kernel(device, policy, link)
         rows.append(("copy kernel", kernel_row))
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         path = "cpu" if device.type == "cpu" else policy.choose(page, coherent_link=link.coherent)
         if path == "kernel" and kernel_unavailable is not None:
             path = "copy_engine (the kernel cannot be built)"
-        elif path == "copy_engine" and not batched:
+        elif path == "copy_engine" and not bindings:
             path = "copy_engine (torch copies: no cuda-bindings)"
             if kernel_unavailable is None and page < TORCH_COPY_MIN_RUN_BYTES:
                 shorter = f"below {TORCH_COPY_MIN_RUN_BYTES >> 20} MiB on average"
