@@ -67,13 +67,15 @@ def test_a_swap_through_the_scratch_leaves_every_page_where_it_belongs(n, m, fre
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 64), st.integers(1, 64), st.integers(0, 2**32 - 1))
-def test_victims_landing_in_slots_a_promotion_reads_are_found_in_any_order(n, m, seed):
-    """Slots in any order, below, among and above the promoted pages' (the lookup sorts them)."""
+@given(st.integers(1, 64), st.integers(1, 64), st.booleans(), st.integers(0, 2**32 - 1))
+def test_victims_landing_in_slots_a_promotion_reads_are_found_in_any_order(n, m, ascending, seed):
+    """Slots in any order, below, among and above the promoted pages' (the lookup sorts them, or
+    searches them as they are when ascending, as ``MovePlanner._swap`` pairs them)."""
     rng = np.random.default_rng(seed)
     lower = rng.permutation(3 * (n + m))
     down = np.column_stack((rng.permutation(n), lower[:n]))
-    up = np.column_stack((rng.permutation(lower[n // 2 : n // 2 + m]), np.arange(m)))
+    read = lower[n // 2 : n // 2 + m]
+    up = np.column_stack((np.sort(read) if ascending else rng.permutation(read), np.arange(m)))
     swap = through_scratch(down, up)
     chained = np.isin(down[:, 1], up[:, 0])
     if not chained.any():
@@ -81,6 +83,20 @@ def test_victims_landing_in_slots_a_promotion_reads_are_found_in_any_order(n, m,
         return
     assert swap.park[:, 0].tolist() == down[chained, 0].tolist()
     assert swap.direct.tolist() == down[~chained].tolist()
+
+
+@pytest.mark.parametrize("order", ["ascending", "shuffled"])
+def test_a_full_swap_parks_every_victim_in_order(order):
+    """No free slot and no head start: every victim lands in a promoted page's slot, the pairs in
+    the same order (found without a search); each is parked, in its order."""
+    rng = np.random.default_rng(5)
+    lower = np.sort(rng.choice(10_000, 300, replace=False)) if order == "ascending" else rng.permutation(300) + 7
+    victims = rng.permutation(300)
+    down, up = np.column_stack((victims, lower)), np.column_stack((lower, victims))
+    swap = through_scratch(down, up)
+    assert swap.parked == 300 and len(swap.direct) == 0
+    assert swap.park[:, 0].tolist() == victims.tolist() and swap.unpark[:, 1].tolist() == lower.tolist()
+    run_through_scratch(swap, down, up)
 
 
 def test_the_scratch_holds_whole_pages_and_is_allocated_when_first_needed():
