@@ -179,8 +179,8 @@ class MovePlanner:
         chained = n - seeds - donors  # and the rest in slots of leaving pages bound for victims' slots
         plan.landed += (victims, leaving)  # in their order: the order they become evictable in where they land
         # paired in slot order: runs of slots stay runs
-        victim_slots, victims = _by_slot([page.slot for page in victims], primary.owners[group])
-        leaving_slots, leaving = _by_slot([page.slot for page in leaving], lower.owners[group])
+        victim_slots, victims = _by_slot(victims, [page.slot for page in victims], primary.owners[group])
+        leaving_slots, leaving = _by_slot(leaving, [page.slot for page in leaving], lower.owners[group])
         seed_slots = sorted(down_slots.allocate_many(seeds))
         ready_slots = sorted(up_slots.allocate_many(ready))
         down_to = seed_slots + leaving_slots[:donors] + leaving_slots[ready : ready + chained]
@@ -250,7 +250,7 @@ class MovePlanner:
             for page in pages:
                 src.forget(page)
         old_slots = [page.slot for page in pages]
-        sources, moved = _by_slot(old_slots, src.owners[group])  # before their slots are emptied
+        sources, moved = _by_slot(pages, old_slots, src.owners[group])  # before their slots are emptied
         _empty(src, group, old_slots)
         plan.landed.append(pages)  # in their order: the order they become evictable in where they land
         _place(moved, dst, new_slots)
@@ -454,10 +454,17 @@ def _runs_by_tier(batches: list[list[Page]]) -> list[tuple[int, list[Page]]]:
     return [(tier, run[0] if len(run) == 1 else list(chain.from_iterable(run))) for tier, run in runs]
 
 
-def _by_slot(slots: list[int], owners: list[Page | None]) -> tuple[list[int], list[Page]]:
-    """``slots`` of one tier and group (``owners``: that group's owners there) in ascending order, and
-    the pages in them (a list already ascending or descending is sorted in one pass)."""
+def _by_slot(pages: list[Page], slots: list[int], owners: list[Page | None]) -> tuple[list[int], list[Page]]:
+    """The slots of ``pages`` (of one tier and group, their slots ``slots`` in step; ``owners``:
+    that group's owners there) in ascending order, and the pages in them. A list already
+    ascending or descending is sorted in one pass and its pages taken as they are, reversed for
+    descending slots (a prefix's pages and a run of victims usually are), not looked up slot by
+    slot."""
     ordered = sorted(slots)
+    if ordered == slots:
+        return ordered, pages
+    if ordered == slots[::-1]:
+        return ordered, pages[::-1]
     return ordered, list(map(owners.__getitem__, ordered))
 
 
