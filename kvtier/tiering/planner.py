@@ -186,8 +186,8 @@ class MovePlanner:
         down_to = seed_slots + leaving_slots[:donors] + leaving_slots[ready : ready + chained]
         up_to = ready_slots + victim_slots[: m - ready]
         # the same slots as arrays, read once each: the copies and the freed counts take them whole
-        victim_at, leaving_at = np.array(victim_slots, dtype=np.int64), np.array(leaving_slots, dtype=np.int64)
-        seed_at, ready_at = np.array(seed_slots, dtype=np.int64), np.array(ready_slots, dtype=np.int64)
+        victim_at, leaving_at = _slot_array(victim_slots), _slot_array(leaving_slots)
+        seed_at, ready_at = _slot_array(seed_slots), _slot_array(ready_slots)
         down_at = np.concatenate((seed_at, leaving_at[:donors], leaving_at[ready : ready + chained]))
         up_at = np.concatenate((ready_at, victim_at[: m - ready]))
         kept = leaving[donors:ready] + leaving[ready + chained :]  # leaving pages whose slots no victim takes
@@ -466,6 +466,14 @@ def _by_slot(pages: list[Page], slots: list[int], owners: list[Page | None]) -> 
     if ordered == slots[::-1]:
         return ordered, pages[::-1]
     return ordered, list(map(owners.__getitem__, ordered))
+
+
+def _slot_array(ordered: list[int]) -> np.ndarray:
+    """Distinct slots in ascending order as an int64 array; consecutive ones (a promoted prefix's
+    slots usually are) are made as a range, not read one by one."""
+    if ordered and ordered[-1] - ordered[0] == len(ordered) - 1:
+        return np.arange(ordered[0], ordered[-1] + 1, dtype=np.int64)
+    return np.array(ordered, dtype=np.int64)
 
 
 def _empty(tier: Tier, group: int, slots: list[int]) -> None:
