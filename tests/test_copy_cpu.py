@@ -79,13 +79,10 @@ import sys
 sys.modules["triton"] = None  # as if it were not installed: importing it raises ImportError
 import torch
 from kvtier.copy import PageCopier
-from kvtier.copy.kernel_args import check_kernel_args
+from kvtier.copy.kernel_args import kernel_refusal
 buffer = torch.zeros(64, dtype=torch.uint8)
-check_kernel_args(buffer, buffer, 16)
-try:
-    check_kernel_args(buffer, buffer, 24)
-except ValueError as error:
-    print("refused:", error)
+assert kernel_refusal(buffer, buffer, 16) is None
+print("refused:", kernel_refusal(buffer, buffer, 24))
 """
 
 

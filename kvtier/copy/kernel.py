@@ -11,7 +11,7 @@ a few KiB in flight, which caps one page at 10-24 GB/s on a 55 GB/s link (measur
 per SM, steps of 256-1024 rows, 4 or 8 warps) moved the reference shapes (docs/copy.md) at 48-52 GB/s idle; 2
 programs per SM of 1024 rows held up best under a compute load (docs/copy.md).
 
-Requirements, checked by ``kvtier.copy.kernel_args.check_kernel_args`` before any GPU work: the page size is a multiple
+Requirements, which ``kvtier.copy.kernel_args.kernel_refusal`` names before any GPU work: the page size is a multiple
 of 16 and below ``MAX_PAGE_BYTES``, and both buffers start on a 16-byte boundary (then every slot
 does too). Host memory is reached through its device-mapped (UVA) address, so it must be pinned or
 registered (the copier checks that); the copier resolves that address once per buffer and passes
@@ -96,7 +96,7 @@ def launch_copy_kernel(
 
     ``pairs`` is a contiguous (>= pages, 2) int64 tensor of checked ``(src_slot, dst_slot)`` that
     the kernel can read (on the GPU, in pinned host memory, or on the CPU under the interpreter);
-    ``check_kernel_args`` has passed. ``pages`` defaults to every row of ``pairs``. The launch goes
+    ``kernel_refusal`` has no objection. ``pages`` defaults to every row of ``pairs``. The launch goes
     to the current torch stream of the current device. Returns what Triton's launch returns (the
     compiled kernel; None under the interpreter), for ``FastLaunch``.
     """
@@ -117,7 +117,7 @@ class FastLaunch:
     argument, constexprs included, after the launch metadata and hooks); ``capture`` answers None
     for an older Triton, for the interpreter, or where the compiled kernel lacks the attributes,
     and the caller keeps the normal launch. Valid only for arguments specialised as at the
-    capturing launch: 16-byte aligned addresses (``check_kernel_args``, pinned or device tables),
+    capturing launch: 16-byte aligned addresses (``kernel_refusal``, pinned or device tables),
     32-bit integer arguments (the kernel does not specialise on their values; pages below
     ``MAX_PAGE_BYTES`` keep them 32-bit) and the same ``rows`` and ``num_warps``; the primary
     context of the kernel's device must be current.

@@ -28,10 +28,3 @@ def kernel_refusal(src: torch.Tensor, dst: torch.Tensor, page_bytes: int) -> str
         if buffer.data_ptr() % ALIGN:
             return f"the copy kernel needs {name} to start on a {ALIGN}-byte boundary"
     return None
-
-
-def check_kernel_args(src: torch.Tensor, dst: torch.Tensor, page_bytes: int) -> None:
-    """``ValueError`` unless the kernel can move pages of ``page_bytes`` between these buffers."""
-    refusal = kernel_refusal(src, dst, page_bytes)
-    if refusal is not None:
-        raise ValueError(refusal)
